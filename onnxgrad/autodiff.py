@@ -1,0 +1,317 @@
+"""The autodiff engine: tf.gradients for ONNX graphs.
+
+One forward pass marks what depends on xs, one reverse sweep over the nodes in topological order
+calls each node's rule with the summed gradients of its outputs. The engine knows nothing about
+particular ops: rules live in ``onnxgrad.rules`` and are found through the registry.
+"""
+from __future__ import annotations
+
+import difflib
+import enum
+import os
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from . import rules as _rules  # noqa: F401  (registers every rule)
+from .emitter import FLOAT_DTYPES, Emitter, V, dims
+from .errors import NotDifferentiableError
+from .registry import Node, lookup
+
+MIN_OPSET = 13  # the emitter writes axes as inputs (ReduceSum, Squeeze, Unsqueeze)
+
+
+class UnconnectedGradients(str, enum.Enum):
+    NONE = "none"
+    ZERO = "zero"
+
+
+class AggregationMethod(str, enum.Enum):
+    ADD_N = "add_n"
+    TREE = "tree"
+    ACCUMULATE_N = "accumulate_n"
+
+
+@dataclass
+class GradientsResult:
+    model: onnx.ModelProto
+    grads: list[str | None]
+
+    def __iter__(self):  # allows ``model, grads = gradients(...)``
+        return iter((self.model, self.grads))
+
+
+def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradients=None,
+              unconnected_gradients="none", aggregation_method=None) -> GradientsResult:
+    """Append the gradient of sum(ys) with respect to each of xs to ``model``.
+
+    Follows ``tf.gradients``: see DESIGN.md for the contract. Returns a :class:`GradientsResult`
+    whose ``model`` is a new ModelProto (the input is never mutated) and whose ``grads`` are the
+    names of the new graph outputs, aligned with xs (None for an unconnected x under "none").
+    """
+    unconnected = _enum(UnconnectedGradients, unconnected_gradients, "unconnected_gradients")
+    aggregation = _enum(AggregationMethod, aggregation_method or "add_n", "aggregation_method")
+    ys, xs = _names(ys, "ys"), _names(xs, "xs")
+    if not ys:
+        raise ValueError("ys is empty: give at least one tensor to differentiate")
+    grad_ys = [None] * len(ys) if grad_ys is None else _names(grad_ys, "grad_ys", allow_none=True)
+    if len(grad_ys) != len(ys):
+        raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
+
+    proto, opset = _prepare(model)
+    irm = ir.serde.deserialize_model(proto)
+    graph = irm.graph
+    values = _values_by_name(graph)
+    y_vals = [_resolve(values, n, "ys") for n in ys]
+    x_vals = [_resolve(values, n, "xs") for n in xs]
+    stop = {_resolve(values, n, "stop_gradients") for n in _names(stop_gradients or [], "stop")}
+    scope = _unique_scope(graph, name)
+    e = Emitter(graph, scope, opset)
+
+    on_path, live = _forward_reach(graph, x_vals, stop)
+    grads: dict[ir.Value, list[V]] = {}
+    for y, gy in zip(y_vals, grad_ys):
+        seed = _seed(e, graph, values, y, gy)
+        if seed is not None and y in live:
+            grads.setdefault(y, []).append(seed)
+
+    summed: dict[ir.Value, V | None] = {}
+
+    def total(v: ir.Value) -> V | None:
+        if v not in summed:
+            parts = grads.pop(v, None)
+            e.prefix = f"{scope}/{_label(v)}_grad"
+            summed[v] = None if not parts else _aggregate(e, parts, aggregation, v)
+        return summed[v]
+
+    for node in reversed(on_path):
+        gs = [total(v) if v in grads and v not in stop else None for v in node.outputs]
+        if all(g is None for g in gs):
+            continue
+        opset_of = opset if node.domain in ("", "ai.onnx") else irm.opset_imports.get(node.domain, 1)
+        rule = lookup("" if node.domain == "ai.onnx" else node.domain, node.op_type, opset_of)
+        if rule is None:
+            raise NotDifferentiableError(node.op_type, node.domain, opset_of, node.name,
+                                         _path(node, y_vals, x_vals, live, grads, summed))
+        e.prefix = f"{scope}/{node.name or node.op_type}_grad"
+        ctx = Node(node, e, gs, opset_of)
+        out = rule(ctx, gs[0])
+        in_grads = out if isinstance(out, (tuple, list)) else (out,)
+        for v, gv in zip(node.inputs, in_grads):
+            if gv is not None and v is not None and v in live:
+                grads.setdefault(v, []).append(gv)
+
+    results = [total(x) if x in live and x.dtype in FLOAT_DTYPES else None for x in x_vals]
+    names = _outputs(e, graph, xs, x_vals, results, unconnected)
+    _drop_dead(graph, e.nodes)
+    return GradientsResult(ir.serde.serialize_model(irm), names)
+
+
+# -- preparation -------------------------------------------------------------------------------
+def _prepare(model) -> tuple[onnx.ModelProto, int]:
+    if isinstance(model, (str, os.PathLike)):
+        model = onnx.load(os.fspath(model))
+    if not isinstance(model, onnx.ModelProto):
+        raise TypeError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset is None:
+        raise ValueError("the model imports no ai.onnx opset")
+    if opset < MIN_OPSET:  # gradient graphs need opset 13; upgrade rather than write two forms
+        model, opset = onnx.version_converter.convert_version(model, MIN_OPSET), MIN_OPSET
+    try:  # returns a copy, so the caller's model is never touched
+        model = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001  custom ops without inference: go on with what is declared
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+    return model, opset
+
+
+def _enum(kind, value, what):
+    try:
+        return kind(value.value if isinstance(value, enum.Enum) else value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in kind)
+        raise ValueError(f"{what}={value!r} is not one of {allowed}") from None
+
+
+def _names(x, what, allow_none=False) -> list:
+    items = [x] if isinstance(x, str) or x is None else list(x)
+    for n in items:
+        if not (isinstance(n, str) or (allow_none and n is None)):
+            raise TypeError(f"{what} must hold tensor names (str), got {n!r}")
+    return items
+
+
+def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    values = {v.name: v for v in graph.inputs}
+    values.update(graph.initializers)
+    for node in graph:
+        for v in node.outputs:
+            if v.name:
+                values[v.name] = v
+    return values
+
+
+def _resolve(values, name, what) -> ir.Value:
+    v = values.get(name)
+    if v is None:
+        close = difflib.get_close_matches(name, list(values), n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(f"{what}: no tensor named {name!r} in the graph{hint}")
+    if v.type is not None and not isinstance(v.type, ir.TensorType):
+        raise TypeError(f"{what}: {name!r} is a {v.type}, not a tensor")
+    return v
+
+
+def _unique_scope(graph: ir.Graph, name: str) -> str:
+    taken = set()
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for n in [node.name, *(v.name for v in node.outputs)]:
+            if n:
+                taken.add(n.split("/", 1)[0])
+    taken.update(v.name.split("/", 1)[0] for v in graph.inputs if v.name)
+    taken.update(n.split("/", 1)[0] for n in graph.initializers)
+    scope, k = name, 0
+    while scope in taken:
+        k += 1
+        scope = f"{name}_{k}"
+    return scope
+
+
+def _label(v: ir.Value) -> str:
+    return v.name or "value"
+
+
+# -- the sweep ---------------------------------------------------------------------------------
+def _captured(node: ir.Node) -> list[ir.Value]:
+    """Outer-scope values a node's subgraphs read (they are inputs of the node, implicitly)."""
+    inner, used = set(), []
+    for attr in node.attributes.values():
+        graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
+            list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
+        for g in graphs:
+            inner.update(g.inputs)
+            inner.update(g.initializers.values())
+            for n in ir.traversal.RecursiveGraphIterator(g):
+                inner.update(n.outputs)
+                used.extend(v for v in n.inputs if v is not None)
+    return [v for v in dict.fromkeys(used) if v not in inner]
+
+
+def _forward_reach(graph: ir.Graph, xs, stop):
+    """Nodes that read something depending on xs (in topological order) and the float values
+    that depend on xs; a stopped value is a constant unless it is itself an x."""
+    live = {x for x in xs if x.dtype in FLOAT_DTYPES}
+    on_path = []
+    produced = set(graph.inputs) | set(graph.initializers.values())
+    nodes = list(graph)
+    for node in nodes:
+        ins = [v for v in node.inputs if v is not None]
+        if not produced.issuperset(ins):
+            graph.sort()  # not topologically ordered: let onnx-ir fix the order once
+            return _forward_reach(graph, xs, stop)
+        if node.attributes and any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+                                   for a in node.attributes.values()):
+            ins = ins + _captured(node)
+        produced.update(node.outputs)
+        if any(v in live for v in ins):
+            on_path.append(node)
+            live.update(v for v in node.outputs
+                        if v.dtype in FLOAT_DTYPES and (v not in stop or v in xs))
+    return on_path, live
+
+
+def _seed(e: Emitter, graph, values, y: ir.Value, gy) -> V:
+    e.prefix = f"{e.scope}/{_label(y)}_seed"
+    yv = e.wrap(y)
+    if gy is None:
+        if y.dtype is not None and y.dtype not in FLOAT_DTYPES:
+            return None
+        return e.fill_like(yv, 1)
+    if gy in values:
+        g = values[gy]
+        if y.dtype is not None and g.dtype is not None and g.dtype != y.dtype:
+            raise TypeError(f"grad_ys: {gy!r} has dtype {g.dtype} but y {y.name!r} has {y.dtype}")
+        return e.wrap(g)
+    new = ir.Value(name=gy, type=y.type, shape=y.shape)
+    graph.inputs.append(new)
+    values[gy] = new
+    return e.wrap(new)
+
+
+def _aggregate(e: Emitter, parts: list[V], method, v: ir.Value) -> V:
+    if len(parts) == 1:
+        return parts[0]
+    if method is AggregationMethod.ADD_N:
+        return e.op("Sum", *parts, _shape=dims(v))
+    while len(parts) > 1:  # a balanced tree of pairwise Adds
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i]
+                 for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _outputs(e: Emitter, graph, xs, x_vals, results, unconnected) -> list[str | None]:
+    names, used = [], set()
+    for xname, x, g in zip(xs, x_vals, results):
+        e.prefix = f"{e.scope}/{_label(x)}_grad"
+        if g is None:
+            if unconnected is UnconnectedGradients.NONE or x.dtype not in FLOAT_DTYPES:
+                names.append(None)
+                continue
+            g = e.zeros_like(e.wrap(x))
+        out = g.value
+        if (out.producer() is None or out.producer() not in e.nodes or out.is_graph_output()
+                or out in used):
+            out = e.op("Identity", g).value
+        out.name = e.unique(f"{e.scope}/{xname}_grad")
+        out.type, out.shape = ir.TensorType(x.dtype), x.shape
+        used.add(out)
+        graph.outputs.append(out)
+        names.append(out.name)
+    return names
+
+
+def _drop_dead(graph: ir.Graph, added: list[ir.Node]):
+    """Remove added nodes whose results nothing uses (rules compute every input's gradient)."""
+    added_set = set(added)
+    for node in reversed(added):
+        if all(not v.uses() and not v.is_graph_output() for v in node.outputs):
+            graph.remove(node, safe=True)
+            added_set.discard(node)
+    e_nodes = [n for n in added if n in added_set]
+    added[:] = e_nodes
+
+
+def _path(node, ys, xs, live, grads, summed) -> list[str]:
+    """A path y -> ... -> node -> ... -> x through tensor names, for error messages."""
+    def bfs(starts, step, goal):
+        prev = {s: None for s in starts}
+        queue = deque(starts)
+        while queue:
+            v = queue.popleft()
+            if v in goal:
+                chain = []
+                while v is not None:
+                    chain.append(v)
+                    v = prev[v]
+                return chain
+            for w in step(v):
+                if w not in prev:
+                    prev[w] = v
+                    queue.append(w)
+        return list(starts[:1])
+
+    def down(v):  # toward ys, through consumers
+        return [o for c in v.consumers() for o in c.outputs if o in live]
+
+    def up(v):  # toward xs, through producers
+        p = v.producer()
+        return [] if p is None else [i for i in p.inputs if i is not None and i in live]
+
+    outs = [v for v in node.outputs if v in grads or v in summed]
+    ins = [v for v in node.inputs if v is not None and v in live]
+    to_y = bfs(outs, down, set(ys))  # out ... y
+    to_x = bfs(ins, up, set(xs))     # in ... x
+    return [v.name for v in to_y] + [f"[{node.op_type}]"] + [v.name for v in reversed(to_x)]

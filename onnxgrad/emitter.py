@@ -1,0 +1,250 @@
+"""A small builder that appends standard ONNX nodes to an onnx-ir graph.
+
+Rules use it through ``V``, a thin wrapper over ``onnx_ir.Value`` with arithmetic operators, so a
+rule reads like its math: ``g * y * (1 - y)``. Python numbers become constants of the dtype of the
+tensor they meet (never a hard-wired float32), lists of ints become int64 constants.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+FLOAT_DTYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE,
+                          ir.DataType.BFLOAT16})
+
+# ops whose output dtype is fixed, whatever their inputs
+_INT64_OUT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
+_BOOL_OUT = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And",
+                       "Or", "Xor", "IsNaN", "IsInf"})
+# elementwise ops: the output shape is the broadcast of the input shapes
+_ELEMENTWISE = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Reciprocal", "Sqrt", "Exp", "Log", "Erf",
+    "Sin", "Cos", "Tan", "Tanh", "Sigmoid", "Sign", "Relu", "Where", "Equal", "Less", "Greater",
+    "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Cast", "Identity", "Min", "Max", "Sum",
+    "Mean", "Floor", "Ceil", "IsNaN", "IsInf", "Cosh", "Sinh", "Softplus", "Atan", "Asin", "Acos"})
+
+
+def dims(value) -> tuple | None:
+    """A value's static shape as a tuple of int | str | None (None: unknown dim), or None."""
+    shape = value.shape
+    if shape is None:
+        return None
+    return tuple(d if isinstance(d, int) else d.value for d in shape.dims)
+
+
+def broadcast_dims(shapes):
+    """Static numpy-style broadcast of several shapes (None where a dim cannot be decided)."""
+    if any(s is None for s in shapes):
+        return None
+    rank = max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(rank):
+        ds = {s[i - rank + len(s)] for s in shapes if i - rank + len(s) >= 0} - {1}
+        if not ds:
+            out.append(1)
+        elif len(ds) == 1:
+            out.append(ds.pop())
+        else:
+            ints = {d for d in ds if isinstance(d, int)}
+            out.append(ints.pop() if len(ints) == 1 else None)
+    return tuple(out)
+
+
+def to_shape(dims_) -> ir.Shape | None:
+    if dims_ is None:
+        return None
+    return ir.Shape([d if isinstance(d, int) else ir.SymbolicDim(d) for d in dims_])
+
+
+class V:
+    """An ONNX value inside a rule: arithmetic emits nodes through its emitter."""
+
+    __slots__ = ("value", "e")
+
+    def __init__(self, value: ir.Value, e: Emitter):
+        self.value, self.e = value, e
+
+    dtype = property(lambda self: self.value.dtype)
+    shape = property(lambda self: dims(self.value))
+    name = property(lambda self: self.value.name)
+    rank = property(lambda self: None if self.value.shape is None else len(self.value.shape))
+
+    def __add__(self, o): return self.e.op("Add", self, o)
+    def __radd__(self, o): return self.e.op("Add", o, self)
+    def __sub__(self, o): return self.e.op("Sub", self, o)
+    def __rsub__(self, o): return self.e.op("Sub", o, self)
+    def __mul__(self, o): return self.e.op("Mul", self, o)
+    def __rmul__(self, o): return self.e.op("Mul", o, self)
+    def __truediv__(self, o): return self.e.op("Div", self, o)
+    def __rtruediv__(self, o): return self.e.op("Div", o, self)
+    def __pow__(self, o): return self.e.op("Pow", self, o)
+    def __matmul__(self, o): return self.e.op("MatMul", self, o)
+    def __neg__(self): return self.e.op("Neg", self)
+    def __repr__(self): return f"V({self.name!r}, {self.dtype}, {self.shape})"
+
+
+class Emitter:
+    """Appends nodes named ``<scope>/<prefix>/<OpType>[_k]`` to ``graph``; records what it added."""
+
+    def __init__(self, graph: ir.Graph, scope: str, opset: int):
+        self.graph, self.scope, self.opset = graph, scope, opset
+        self.prefix = scope
+        self.nodes: list[ir.Node] = []
+        self._counts: dict[str, int] = {}
+        self._consts: dict[tuple, V] = {}
+
+    def wrap(self, value: ir.Value | None) -> V | None:
+        return None if value is None else V(value, self)
+
+    def unique(self, base: str) -> str:
+        k = self._counts.get(base, 0)
+        self._counts[base] = k + 1
+        return base if k == 0 else f"{base}_{k}"
+
+    # -- constants -------------------------------------------------------------------------
+    def const(self, value, dtype: ir.DataType | None = None) -> V:
+        """A Constant node (one per distinct value and dtype in a gradients call)."""
+        arr = np.asarray(value, dtype=None if dtype is None else dtype.numpy())
+        if arr.dtype == np.float64 and dtype is None:
+            raise TypeError("a float constant needs an explicit dtype")
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        hit = self._consts.get(key)
+        if hit is None:
+            tensor = ir.tensor(arr)
+            saved, self.prefix = self.prefix, self.scope
+            hit = self.op("Constant", value=tensor, _shape=arr.shape)
+            self.prefix = saved
+            self._consts[key] = hit
+        return hit
+
+    def _as_input(self, x, dtype):
+        if x is None or isinstance(x, V):
+            return x
+        if isinstance(x, ir.Value):
+            return V(x, self)
+        if isinstance(x, (list, tuple)) and all(isinstance(i, (int, np.integer)) for i in x):
+            return self.const(np.array(x, dtype=np.int64))
+        if isinstance(x, np.ndarray):
+            return self.const(x)
+        if dtype is None:
+            raise TypeError(f"cannot tell the dtype of constant {x!r}: pass a tensor beside it")
+        return self.const(x, dtype)
+
+    # -- nodes -----------------------------------------------------------------------------
+    def op(self, op_type: str, *inputs, _outputs: int = 1, _domain: str = "", _dtype=None,
+           _shape=None, **attrs):
+        """Emit one node; returns a V, or a tuple of V when ``_outputs`` > 1."""
+        typed = [x.dtype for x in inputs if isinstance(x, (V, ir.Value)) and x.dtype is not None]
+        ctx = next((d for d in typed if d in FLOAT_DTYPES), typed[0] if typed else None)
+        ins = [self._as_input(x, ctx) for x in inputs]
+        # trailing absent optional inputs are dropped, inner ones stay as empty names
+        while ins and ins[-1] is None:
+            ins.pop()
+        name = self.unique(f"{self.prefix}/{op_type}")
+        attributes = [_attr(k, v) for k, v in attrs.items() if v is not None]
+        node = ir.Node(_domain, op_type, [None if x is None else x.value for x in ins],
+                       attributes, num_outputs=_outputs, name=name)
+        dtype = _dtype or _out_dtype(op_type, ins, attrs)
+        shape = _shape
+        if shape is None and op_type in _ELEMENTWISE:
+            shape = broadcast_dims([x.shape for x in ins if x is not None])
+        for i, out in enumerate(node.outputs):
+            out.name = name if _outputs == 1 else f"{name}:{i}"
+            if dtype is not None:
+                out.type = ir.TensorType(dtype)
+            if shape is not None and i == 0:
+                out.shape = to_shape(shape)
+        self.graph.append(node)
+        self.nodes.append(node)
+        outs = tuple(V(o, self) for o in node.outputs)
+        return outs[0] if _outputs == 1 else outs
+
+    def __getattr__(self, op_type: str):
+        if not op_type[:1].isupper():
+            raise AttributeError(op_type)
+        return lambda *inputs, **attrs: self.op(op_type, *inputs, **attrs)
+
+    # -- helpers shared by many rules ------------------------------------------------------
+    def fill_like(self, x: V, value, dtype=None) -> V:
+        """A tensor of x's run-time shape filled with ``value`` (x's dtype unless given)."""
+        dtype = dtype or x.dtype
+        return self.op("ConstantOfShape", self.op("Shape", x),
+                       value=ir.tensor(np.array([value], dtype=dtype.numpy())),
+                       _dtype=dtype, _shape=x.shape)
+
+    def zeros_like(self, x: V) -> V:
+        return self.fill_like(x, 0)
+
+    def reduce(self, op_type: str, x: V, axes, keepdims: int = 1) -> V:
+        """ReduceXxx over ``axes`` (ints or an int64 tensor), in the form this opset wants."""
+        axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
+        if axes_as_input:
+            return self.op(op_type, x, axes, keepdims=keepdims)
+        return self.op(op_type, x, axes=list(axes), keepdims=keepdims)
+
+    def sum_to(self, t: V, x: V, source_shape=None) -> V:
+        """Sum ``t`` (broadcast from x) down to x's shape: the adjoint of numpy broadcasting.
+
+        Static shapes decide the axes when they can; otherwise the axes are computed at run time
+        from Shape(t) and Shape(x), so symbolic batch dims work.
+        """
+        src, dst = source_shape or t.shape, x.shape
+        if src is not None and dst is not None:
+            lead = len(src) - len(dst)
+            if lead >= 0:
+                axes, ambiguous = [], False
+                for i, d in enumerate(dst):
+                    s = src[lead + i]
+                    if d == 1 and s != 1:
+                        axes.append(lead + i)
+                    elif not isinstance(d, int) and d != s:
+                        ambiguous = True  # a symbolic dim may be 1 at run time
+                if not ambiguous:
+                    return self._sum_static(t, lead, axes)
+        return self._sum_dynamic(t, x)
+
+    def _sum_static(self, t: V, lead: int, axes: list[int]) -> V:
+        if not axes and not lead:
+            return t
+        if not axes:
+            return self.reduce("ReduceSum", t, list(range(lead)), keepdims=0)
+        r = self.reduce("ReduceSum", t, list(range(lead)) + axes, keepdims=1)
+        return self.op("Squeeze", r, list(range(lead))) if lead else r
+
+    def _sum_dynamic(self, t: V, x: V) -> V:
+        st, sx = self.op("Shape", t), self.op("Shape", x)
+        # x's shape left-padded with ones to t's rank; reduce where it differs from t's
+        rank_t = self.op("Shape", st)
+        ones = self.op("ConstantOfShape", rank_t, value=ir.tensor(np.array([1], dtype=np.int64)))
+        padded = self.op("Slice", self.op("Concat", ones, sx, axis=0), self.op("Neg", rank_t),
+                         [np.iinfo(np.int64).max])
+        axes = self.op("Reshape", self.op("NonZero", self.op("Not", self.op("Equal", padded, st))),
+                       [-1])
+        r = self.op("ReduceSum", t, axes, keepdims=1, noop_with_empty_axes=1)
+        return self.op("Reshape", r, sx, _shape=x.shape)
+
+
+def _attr(name, value):
+    if isinstance(value, ir.Attr):
+        return value
+    if isinstance(value, ir.DataType):
+        return ir.AttrInt64(name, int(value))
+    return ir.convenience.convert_attribute(name, value)
+
+
+def _out_dtype(op_type, ins, attrs):
+    if op_type in _INT64_OUT:
+        return ir.DataType.INT64
+    if op_type in _BOOL_OUT:
+        return ir.DataType.BOOL
+    if op_type == "Cast":
+        return ir.DataType(int(attrs["to"]))
+    if op_type == "Constant":
+        return attrs["value"].dtype
+    if op_type == "ConstantOfShape":
+        return attrs["value"].dtype if "value" in attrs else ir.DataType.FLOAT
+    if op_type == "CastLike":
+        return ins[1].dtype
+    if op_type == "Where":
+        return ins[1].dtype
+    return next((x.dtype for x in ins if x is not None and x.dtype is not None), None)

@@ -1,0 +1,90 @@
+"""Gradient rules: activations, Softmax and LogSoftmax (these reuse the forward output)."""
+import math
+
+from ..registry import register, table
+
+
+def _where(n, cond, a, b):
+    return n.e.Where(cond, a, b)
+
+
+def _pos(n):
+    return n.e.Greater(n.x, n.e.const(0, n.x.dtype))
+
+
+def _gelu(n, g):
+    e, x = n.e, n.x
+    if n.attr("approximate", "none") == "tanh":
+        k = math.sqrt(2 / math.pi)
+        t = e.Tanh(k * (x + 0.044715 * x * x * x))
+        return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x))
+    cdf = 0.5 * (1 + e.Erf(x * (1 / math.sqrt(2))))
+    return g * (cdf + x * e.Exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi)))
+
+
+def _hard_swish(n, g):
+    e, x = n.e, n.x
+    slope = _where(n, e.Less(x, e.const(-3, x.dtype)), e.const(0, x.dtype),
+                   _where(n, e.Greater(x, e.const(3, x.dtype)), e.const(1, x.dtype),
+                          x * (1 / 3) + 0.5))
+    return g * slope
+
+
+def _mish(n, g):
+    t = n.e.Tanh(n.e.Softplus(n.x))
+    return g * (t + n.x * n.e.Sigmoid(n.x) * (1 - t * t))
+
+
+def _swish(n, g):
+    a = n.attr("alpha", 1.0)
+    s = n.e.Sigmoid(n.x * a)
+    return g * (s + a * n.x * s * (1 - s))
+
+
+def _hard_sigmoid(n, g):
+    e, y = n.e, n.y
+    inside = e.And(e.Greater(y, e.const(0, y.dtype)), e.Less(y, e.const(1, y.dtype)))
+    return _where(n, inside, g * n.attr("alpha", 0.2), e.const(0, g.dtype))
+
+
+def _shrink(n, g):
+    e, x, lambd = n.e, n.x, n.attr("lambd", 0.5)
+    out = e.Or(e.Less(x, e.const(-lambd, x.dtype)), e.Greater(x, e.const(lambd, x.dtype)))
+    return _where(n, out, g, e.const(0, g.dtype))
+
+
+table({
+    "Relu": lambda n, g: _where(n, _pos(n), g, n.e.const(0, g.dtype)),
+    "LeakyRelu": lambda n, g: _where(n, _pos(n), g, g * n.attr("alpha", 0.01)),
+    "PRelu": lambda n, g: (_where(n, _pos(n), g, g * n.ins[1]),
+                           n.sum_to(_where(n, _pos(n), n.e.const(0, g.dtype), g * n.x), n.ins[1])),
+    "Elu": lambda n, g: _where(n, _pos(n), g, g * (n.y + n.attr("alpha", 1.0))),
+    "Selu": lambda n, g: _where(n, _pos(n), g * n.attr("gamma", 1.0507009873554805),
+                                g * (n.y + n.attr("gamma", 1.0507009873554805)
+                                     * n.attr("alpha", 1.6732632423543772))),
+    "Celu": lambda n, g: _where(n, _pos(n), g, g * (n.y / n.attr("alpha", 1.0) + 1)),
+    "ThresholdedRelu": lambda n, g: _where(
+        n, n.e.Greater(n.x, n.e.const(n.attr("alpha", 1.0), n.x.dtype)), g, n.e.const(0, g.dtype)),
+    "Sigmoid": lambda n, g: g * n.y * (1 - n.y),
+    "Tanh": lambda n, g: g * (1 - n.y * n.y),
+    "Softplus": lambda n, g: g * n.e.Sigmoid(n.x),
+    "Softsign": lambda n, g: g / ((1 + n.e.Abs(n.x)) * (1 + n.e.Abs(n.x))),
+    "HardSigmoid": _hard_sigmoid,
+    "HardSwish": _hard_swish,
+    "Mish": _mish,
+    "Gelu": _gelu,
+    "Shrink": _shrink,
+    "Swish": _swish,
+})
+
+
+@register("Softmax", since=13)
+def _softmax(n, g):
+    axis = n.attr("axis", -1)
+    return n.y * (g - n.e.reduce("ReduceSum", g * n.y, [axis], keepdims=1))
+
+
+@register("LogSoftmax", since=13)
+def _log_softmax(n, g):
+    axis = n.attr("axis", -1)
+    return g - n.e.Exp(n.y) * n.e.reduce("ReduceSum", g, [axis], keepdims=1)

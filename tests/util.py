@@ -1,0 +1,68 @@
+"""Helpers the tests share: build small models, check gradients against finite differences."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+import onnxgrad
+from onnxgrad.check import check_gradients
+from onnxgrad.runtime import run
+
+
+def make_model(nodes, inputs, outputs, inits=None, opset=18, ir_version=10) -> onnx.ModelProto:
+    """nodes: NodeProtos; inputs: {name: (np dtype, shape)}; outputs: names (types inferred);
+    inits: {name: array} initializers."""
+    g = helper.make_graph(
+        nodes, "test",
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.dtype(t)), s)
+         for n, (t, s) in inputs.items()],
+        [helper.make_empty_tensor_value_info(n) for n in outputs],
+        [numpy_helper.from_array(np.asarray(v), n) for n, v in (inits or {}).items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version)
+    m = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def op_model(op, inputs, n_out=1, opset=18, inits=None, **attrs):
+    """A one-node model: inputs {name: (dtype, shape)}; outputs y0..yk."""
+    outs = ["y"] if n_out == 1 else [f"y{i}" for i in range(n_out)]
+    node = helper.make_node(op, list(inputs) + list(inits or {}), outs, **attrs)
+    return make_model([node], inputs, outs, inits=inits, opset=opset)
+
+
+def assert_gradients(model, ys, xs, feeds=None, *, f32=True, **kw):
+    """The gradient graph passes the checker, matches float64 finite differences, and runs in the
+    model's own dtype on onnxruntime CPU with the same numbers. Returns the check report."""
+    ys = [ys] if isinstance(ys, str) else list(ys)
+    xs = [xs] if isinstance(xs, str) else list(xs)
+    report = check_gradients(model, ys, xs, feeds, **kw)
+    assert report.ok, str(report)
+    res = onnxgrad.gradients(model, ys, xs, grad_ys=list(report.cotangents))
+    onnx.checker.check_model(res.model, full_check=True)
+    if f32:  # the same graph in the original dtype, on onnxruntime, gives the same gradient
+        import onnxruntime as ort  # noqa: F401  (must run on ORT, no reference fallback)
+        from onnxgrad.runtime import session
+        dtypes = {vi.name: helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+                  for vi in res.model.graph.input}
+        inits = {t.name for t in model.graph.initializer}
+        fd = {k: v.astype(dtypes[k]) for k, v in {**report.feeds, **report.cotangents}.items()
+              if k in dtypes and k not in inits}
+        names = [g for g in res.grads if g is not None]
+        outs = dict(zip(names, session(res.model).run(names, fd)))
+        for r, g in zip(report.results, res.grads):
+            if g is None:
+                continue
+            got = np.asarray(outs[g], np.float64)
+            tol = 1e-2 if outs[g].dtype in (np.float16,) else 2e-3
+            np.testing.assert_allclose(got, r.grad, rtol=tol, atol=tol, err_msg=f"grad of {r.name}")
+    return report
+
+
+def grads_of(model, ys, xs, feeds, **kw):
+    """Run gradients() and return (gradient arrays aligned with xs, result)."""
+    res = onnxgrad.gradients(model, ys, xs, **kw)
+    names = [g for g in res.grads if g is not None]
+    vals = dict(zip(names, run(res.model, feeds, outputs=names)))
+    return [None if g is None else vals[g] for g in res.grads], res
