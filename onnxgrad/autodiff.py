@@ -17,7 +17,7 @@ import onnx
 import onnx_ir as ir
 
 from . import rules as _rules  # noqa: F401  (registers every rule)
-from .emitter import FLOAT_DTYPES, Emitter, V, dims
+from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import NotDifferentiableError
 from .registry import Node, lookup
 
@@ -62,6 +62,16 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
         raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
 
     proto, opset = _prepare(model)
+    try:
+        return _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
+                          aggregation)
+    except NeedOpset as need:  # a rule needs a newer op: upgrade the whole model once, retry
+        proto = onnx.version_converter.convert_version(proto, need.version)
+        return _gradients(proto, need.version, ys, xs, grad_ys, name, stop_gradients,
+                          unconnected, aggregation)
+
+
+def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation):
     irm = ir.serde.deserialize_model(proto)
     graph = irm.graph
     values = _values_by_name(graph)

@@ -56,6 +56,15 @@ def to_shape(dims_) -> ir.Shape | None:
     return ir.Shape([d if isinstance(d, int) else ir.SymbolicDim(d) for d in dims_])
 
 
+class NeedOpset(Exception):
+    """Raised by a rule that needs a newer ai.onnx opset than the model has; the engine upgrades
+    the model (onnx.version_converter) and starts again."""
+
+    def __init__(self, version: int):
+        super().__init__(version)
+        self.version = version
+
+
 class V:
     """An ONNX value inside a rule: arithmetic emits nodes through its emitter."""
 
@@ -92,6 +101,11 @@ class Emitter:
         self.nodes: list[ir.Node] = []
         self._counts: dict[str, int] = {}
         self._consts: dict[tuple, V] = {}
+
+    def need(self, version: int) -> None:
+        """Declare that the rule being run emits an op of ai.onnx opset ``version``."""
+        if self.opset < version:
+            raise NeedOpset(version)
 
     def wrap(self, value: ir.Value | None) -> V | None:
         return None if value is None else V(value, self)
