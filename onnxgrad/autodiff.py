@@ -66,8 +66,8 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
         return _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
                           aggregation)
     except NeedOpset as need:  # a rule needs a newer op: upgrade the whole model once, retry
-        proto = onnx.version_converter.convert_version(proto, need.version)
-        return _gradients(proto, need.version, ys, xs, grad_ys, name, stop_gradients,
+        proto, opset = _prepare(onnx.version_converter.convert_version(proto, need.version))
+        return _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients,
                           unconnected, aggregation)
 
 
