@@ -1,2 +1,2 @@
 """Gradient rules, one module per op family; importing this package registers them all."""
-from . import activations, linalg, losses, math, reduce, shape  # noqa: F401
+from . import activations, conv, linalg, losses, math, norm, reduce, shape  # noqa: F401

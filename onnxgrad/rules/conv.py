@@ -1,0 +1,1 @@
+"""Gradient rules: conv."""
