@@ -94,7 +94,8 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
         if v not in summed:
             parts = grads.pop(v, None)
             e.prefix = f"{scope}/{_label(v)}_grad"
-            summed[v] = None if not parts else _aggregate(e, parts, aggregation, v)
+            summed[v] = None if not parts else _aggregate(e, parts, aggregation, v).with_shape(
+                dims(v))
         return summed[v]
 
     for node in reversed(on_path):
@@ -263,7 +264,7 @@ def _aggregate(e: Emitter, parts: list[V], method, v: ir.Value) -> V:
 
 
 def _outputs(e: Emitter, graph, xs, x_vals, results, unconnected) -> list[str | None]:
-    names, used = [], set()
+    names, used, added = [], set(), set(e.nodes)
     for xname, x, g in zip(xs, x_vals, results):
         e.prefix = f"{e.scope}/{_label(x)}_grad"
         if g is None:
@@ -272,7 +273,7 @@ def _outputs(e: Emitter, graph, xs, x_vals, results, unconnected) -> list[str | 
                 continue
             g = e.zeros_like(e.wrap(x))
         out = g.value
-        if (out.producer() is None or out.producer() not in e.nodes or out.is_graph_output()
+        if (out.producer() not in added or out.is_graph_output()
                 or out in used):
             out = e.op("Identity", g).value
         out.name = e.unique(f"{e.scope}/{xname}_grad")

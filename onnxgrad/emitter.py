@@ -6,6 +6,8 @@ tensor they meet (never a hard-wired float32), lists of ints become int64 consta
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx_ir as ir
 
@@ -50,12 +52,6 @@ def broadcast_dims(shapes):
     return tuple(out)
 
 
-def to_shape(dims_) -> ir.Shape | None:
-    if dims_ is None:
-        return None
-    return ir.Shape([d if isinstance(d, int) else ir.SymbolicDim(d) for d in dims_])
-
-
 class NeedOpset(Exception):
     """Raised by a rule that needs a newer ai.onnx opset than the model has; the engine upgrades
     the model (onnx.version_converter) and starts again."""
@@ -66,17 +62,35 @@ class NeedOpset(Exception):
 
 
 class V:
-    """An ONNX value inside a rule: arithmetic emits nodes through its emitter."""
+    """An ONNX value inside a rule: arithmetic emits nodes through its emitter.
 
-    __slots__ = ("value", "e")
+    dtype and static shape are cached: the emitter knows them for what it emits (kept only here,
+    not written into the model), and reads them once from the IR for forward values."""
 
-    def __init__(self, value: ir.Value, e: Emitter):
-        self.value, self.e = value, e
+    __slots__ = ("value", "e", "_dtype", "_shape")
+    _UNSET = object()
 
-    dtype = property(lambda self: self.value.dtype)
-    shape = property(lambda self: dims(self.value))
+    def __init__(self, value: ir.Value, e: Emitter, dtype=_UNSET, shape=_UNSET):
+        self.value, self.e, self._dtype, self._shape = value, e, dtype, shape
+
+    @property
+    def dtype(self):
+        if self._dtype is V._UNSET:
+            self._dtype = self.value.dtype
+        return self._dtype
+
+    @property
+    def shape(self):
+        if self._shape is V._UNSET:
+            self._shape = dims(self.value)
+        return self._shape
+
     name = property(lambda self: self.value.name)
-    rank = property(lambda self: None if self.value.shape is None else len(self.value.shape))
+    rank = property(lambda self: None if self.shape is None else len(self.shape))
+
+    def with_shape(self, shape) -> V:
+        """The same value, known to have ``shape`` (a gradient has its primal's shape)."""
+        return V(self.value, self.e, self.dtype, shape)
 
     def __add__(self, o): return self.e.op("Add", self, o)
     def __radd__(self, o): return self.e.op("Add", o, self)
@@ -147,10 +161,14 @@ class Emitter:
     # -- nodes -----------------------------------------------------------------------------
     def op(self, op_type: str, *inputs, _outputs: int = 1, _domain: str = "", _dtype=None,
            _shape=None, **attrs):
-        """Emit one node; returns a V, or a tuple of V when ``_outputs`` > 1."""
-        typed = [x.dtype for x in inputs if isinstance(x, (V, ir.Value)) and x.dtype is not None]
+        """Emit one node; returns a V, or a tuple of V when ``_outputs`` > 1.
+
+        ``_dtype`` (one dtype, or one per output) and ``_shape`` (output 0's static shape)
+        override what the emitter infers."""
+        ins = [V(x, self) if isinstance(x, ir.Value) else x for x in inputs]
+        typed = [x.dtype for x in ins if isinstance(x, V) and x.dtype is not None]
         ctx = next((d for d in typed if d in FLOAT_DTYPES), typed[0] if typed else None)
-        ins = [self._as_input(x, ctx) for x in inputs]
+        ins = [self._as_input(x, ctx) for x in ins]
         # trailing absent optional inputs are dropped, inner ones stay as empty names
         while ins and ins[-1] is None:
             ins.pop()
@@ -162,15 +180,15 @@ class Emitter:
         shape = _shape
         if shape is None and op_type in _ELEMENTWISE:
             shape = broadcast_dims([x.shape for x in ins if x is not None])
+        dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * _outputs
         for i, out in enumerate(node.outputs):
             out.name = name if _outputs == 1 else f"{name}:{i}"
-            if dtype is not None:
-                out.type = ir.TensorType(dtype)
-            if shape is not None and i == 0:
-                out.shape = to_shape(shape)
+            if dtypes[i] is not None:
+                out.type = _tensor_type(dtypes[i])
         self.graph.append(node)
         self.nodes.append(node)
-        outs = tuple(V(o, self) for o in node.outputs)
+        outs = tuple(V(o, self, dtypes[i], shape if i == 0 else None)
+                     for i, o in enumerate(node.outputs))
         return outs[0] if _outputs == 1 else outs
 
     def __getattr__(self, op_type: str):
@@ -236,6 +254,11 @@ class Emitter:
                        [-1])
         r = self.op("ReduceSum", t, axes, keepdims=1, noop_with_empty_axes=1)
         return self.op("Reshape", r, sx, _shape=x.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_type(dtype):
+    return ir.TensorType(dtype)
 
 
 def _attr(name, value):
