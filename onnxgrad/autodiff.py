@@ -130,13 +130,36 @@ def _prepare(model) -> tuple[onnx.ModelProto, int]:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None:
         raise ValueError("the model imports no ai.onnx opset")
-    if opset < MIN_OPSET:  # gradient graphs need opset 13; upgrade rather than write two forms
+    upgraded = opset < MIN_OPSET
+    if upgraded:  # gradient graphs need opset 13; upgrade rather than write two forms
         model, opset = onnx.version_converter.convert_version(model, MIN_OPSET), MIN_OPSET
     try:  # returns a copy, so the caller's model is never touched
         model = onnx.shape_inference.infer_shapes(model)
     except Exception:  # noqa: BLE001  custom ops without inference: go on with what is declared
         model = onnx.ModelProto.FromString(model.SerializeToString())
+    if upgraded:
+        _fix_clip_bounds(model.graph)
     return model, opset
+
+
+def _fix_clip_bounds(graph: onnx.GraphProto):
+    """onnx's Clip 6->11 adapter writes float32 bound Constants whatever x's dtype: retype them."""
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in [*graph.input, *graph.value_info, *graph.output]}
+    types.update((t.name, t.data_type) for t in graph.initializer)
+    consts = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
+    fixed = set()
+    for n in graph.node:
+        want = types.get(n.input[0]) if n.op_type == "Clip" else None
+        for bound in list(n.input[1:]) if want else []:
+            t = consts[bound].attribute[0].t if bound in consts else None
+            if t is not None and t.data_type != want:
+                arr = onnx.numpy_helper.to_array(t).astype(onnx.helper.tensor_dtype_to_np_dtype(want))
+                t.CopyFrom(onnx.numpy_helper.from_array(arr, t.name))
+                fixed.add(bound)
+    kept = [v for v in graph.value_info if v.name not in fixed]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
 
 
 def _enum(kind, value, what):

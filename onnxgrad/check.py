@@ -13,7 +13,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from .autodiff import gradients
-from .runtime import run
+from .runtime import runner
 
 _LOW = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 
@@ -159,14 +159,15 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
 
     cot_names = [f"__cotangent_{i}" for i in range(len(ys))]
     res = gradients(base, ys, xs, grad_ys=cot_names, **grad_kwargs)
-    y_vals = run(base, feeds, outputs=ys, prefer=runtime)
+    forward = runner(base, runtime)
+    y_vals = forward(feeds, ys)
     cots = {c: rng.standard_normal(np.shape(y)).astype(np.asarray(y).dtype)
             for c, y in zip(cot_names, y_vals)}
     want = [g for g in res.grads if g is not None]
-    got = dict(zip(want, run(res.model, {**feeds, **cots}, outputs=want, prefer=runtime)))
+    got = dict(zip(want, runner(res.model, runtime)({**feeds, **cots}, want)))
 
     def f(fd):
-        outs = run(base, fd, outputs=ys, prefer=runtime)
+        outs = forward(fd, ys)
         return sum(float(np.sum(np.asarray(o, np.float64) * cots[c])) for o, c in zip(outs, cot_names))
 
     report = CheckReport(dtype)

@@ -65,19 +65,35 @@ def session(model, device: str = "cpu", threads: int | None = None):
     return ort.InferenceSession(model, _options(threads), providers=providers(device))
 
 
-def run(model: onnx.ModelProto, feeds: dict, outputs=None, prefer: str = "ort") -> list:
-    """Run on onnxruntime CPU; fall back to onnx.reference where onnxruntime has no kernel
-    (float64 variants of some ops, for instance)."""
+def runner(model: onnx.ModelProto, prefer: str = "ort"):
+    """A function ``(feeds, outputs=None) -> list of arrays`` for ``model``, built once.
+
+    onnxruntime CPU at the basic optimisation level (its fusions store float64 scales in float32,
+    which is wrong for numerical checks); onnx.reference where onnxruntime has no kernel
+    (float64 variants of some ops, for instance) or when ``prefer`` is "reference"."""
     if prefer == "ort":
+        ort = _ort()
+        so = _options()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         try:
-            s = session(model)
+            s = ort.InferenceSession(model.SerializeToString(), so,
+                                     providers=["CPUExecutionProvider"])
         except Exception:  # noqa: BLE001  (NOT_IMPLEMENTED kernels: use the reference runtime)
-            prefer = "reference"
+            pass
         else:
-            return s.run(outputs, feeds)
+            return lambda feeds, outputs=None: s.run(outputs, _arrays(feeds))
     from onnx.reference import ReferenceEvaluator
     ref = ReferenceEvaluator(model, new_ops=_exact_ops())
-    return [np.asarray(r) for r in ref.run(outputs, feeds)]
+    return lambda feeds, outputs=None: [np.asarray(r) for r in ref.run(outputs, _arrays(feeds))]
+
+
+def _arrays(feeds):
+    return {k: np.asarray(v) for k, v in feeds.items()}
+
+
+def run(model: onnx.ModelProto, feeds: dict, outputs=None, prefer: str = "ort") -> list:
+    """Run ``model`` once (see :func:`runner`)."""
+    return runner(model, prefer)(feeds, outputs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +116,11 @@ def _exact_ops():
             erf = np.vectorize(math.erf, otypes=[x.dtype])
             return ((0.5 * x * (1 + erf(x / np.sqrt(2)))).astype(x.dtype),)
 
-    return [Erf, Gelu]
+    class Mean(OpRun):  # onnx.reference's Mean does not broadcast a smaller first input
+        def _run(self, *xs):
+            return ((sum(np.broadcast_arrays(*xs)) / len(xs)).astype(xs[0].dtype),)
+
+    return [Erf, Gelu, Mean]
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:

@@ -62,6 +62,8 @@ def _pow(n, g):
     da = g * bf * n.e.Pow(a, bf - 1)
     # d/db a^b = a^b log a; defined as 0 where a <= 0 (as TF does) instead of NaN
     db = _mask(n, n.e.Greater(a, n.e.const(0, a.dtype)), g * n.y * n.e.Log(a))
+    if b.dtype != a.dtype:  # a float exponent of another float type gets a gradient of its type
+        db = n.e.Cast(db, to=b.dtype)
     return S(n, da, 0), S(n, db, 1)
 
 

@@ -1,0 +1,263 @@
+"""Gradient rules of onnxgrad/rules/activations.py against float64 central finite differences.
+
+Each activation is checked with ``util.assert_gradients`` (random-cotangent central differences in
+float64, the full ONNX checker, the float32 graph on onnxruntime) on inputs kept away from its
+kinks, at the opsets it exists in; then the same gradient graph is built in float16 and float64
+and must agree with float32 and emit constants of the model's dtype only.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+from util import assert_gradients, grads_of, make_model
+
+import onnxgrad
+from onnxgrad.runtime import run, session
+
+F32 = np.float32
+
+
+def rand(shape, lo=-2.0, hi=2.0, away=(), gap=0.1, seed=0, dtype=F32):
+    """Uniform values in [lo, hi] at least ``gap`` from every point in ``away``."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(lo, hi, shape)
+    for _ in range(1000):
+        bad = np.zeros(x.shape, bool)
+        for k in away:
+            bad |= np.abs(x - k) < gap
+        if not bad.any():
+            break
+        x[bad] = rng.uniform(lo, hi, int(bad.sum()))
+    assert not bad.any()
+    return np.asarray(x, dtype)
+
+
+def act_model(op, attrs, opset, shape=(2, 3), dtype=F32, extra=None):
+    """y = op(x, *extra inputs) with attributes; IR 11 for the opsets that need it."""
+    ins = {"x": (dtype, list(shape)), **(extra or {})}
+    node = helper.make_node(op, list(ins), ["y"], **attrs)
+    return make_model([node], ins, ["y"], opset=opset, ir_version=11 if opset >= 23 else 10)
+
+
+# id: (op, attrs, opsets, lo, hi, kinks, check kwargs)
+ACTS = {
+    "Relu": ("Relu", {}, [13, 18], -2, 2, (0,), {}),
+    "LeakyRelu": ("LeakyRelu", {}, [13, 18], -2, 2, (0,), {}),
+    "LeakyRelu_alpha": ("LeakyRelu", {"alpha": 0.3}, [13, 18], -2, 2, (0,), {}),
+    "Elu": ("Elu", {}, [13, 18], -2, 2, (0,), {}),
+    "Elu_alpha": ("Elu", {"alpha": 0.6}, [13, 18], -2, 2, (0,), {}),
+    "Selu": ("Selu", {}, [13, 18], -2, 2, (0,), {}),
+    "Selu_params": ("Selu", {"alpha": 1.3, "gamma": 0.8}, [13, 18], -2, 2, (0,), {}),
+    "Celu": ("Celu", {}, [13, 18], -2, 2, (0,), {}),
+    "Celu_alpha": ("Celu", {"alpha": 0.7}, [13, 18], -2, 2, (0,), {}),
+    "Sigmoid": ("Sigmoid", {}, [13, 18], -4, 4, (), {}),
+    "HardSigmoid": ("HardSigmoid", {}, [13, 18], -4, 4, (-2.5, 2.5), {}),
+    "HardSigmoid_params": ("HardSigmoid", {"alpha": 0.3, "beta": 0.4}, [13, 18], -3, 3,
+                           (-4 / 3, 2), {}),
+    "Tanh": ("Tanh", {}, [13, 18], -3, 3, (), {}),
+    "Softplus": ("Softplus", {}, [13, 18], -4, 4, (), {}),
+    "Softsign": ("Softsign", {}, [13, 18], -3, 3, (), {}),
+    "HardSwish": ("HardSwish", {}, [14, 22], -5, 5, (-3, 3), {}),
+    "Mish": ("Mish", {}, [18, 22], -3, 3, (), {}),
+    "Gelu": ("Gelu", {}, [20], -3, 3, (), {}),
+    "Gelu_tanh": ("Gelu", {"approximate": "tanh"}, [20], -3, 3, (), {}),
+    "ThresholdedRelu": ("ThresholdedRelu", {}, [13, 18], -2, 3, (1,), {}),
+    "ThresholdedRelu_alpha": ("ThresholdedRelu", {"alpha": 0.4}, [13, 18], -2, 2, (0.4,), {}),
+    # onnxruntime's float64 Shrink goes through float32: finite differences on onnx.reference
+    "Shrink": ("Shrink", {}, [13, 18], -2, 2, (-0.5, 0.5), {"runtime": "reference"}),
+    "Shrink_params": ("Shrink", {"lambd": 0.3, "bias": 0.2}, [13, 18], -2, 2, (-0.3, 0.3),
+                      {"runtime": "reference"}),
+    "Swish": ("Swish", {}, [24], -4, 4, (), {}),
+    "Swish_alpha": ("Swish", {"alpha": 0.7}, [24], -4, 4, (), {}),
+}
+ACT_CASES = [(k, o) for k, v in ACTS.items() for o in v[2]]
+
+
+@pytest.mark.parametrize("case,opset", ACT_CASES, ids=[f"{k}-{o}" for k, o in ACT_CASES])
+def test_activation(case, opset):
+    op, attrs, _, lo, hi, away, kw = ACTS[case]
+    x = rand([3, 4], lo, hi, away, seed=len(case))
+    if away:  # both sides of every kink are exercised
+        assert all((x < k).any() and (x > k).any() for k in away if lo < k < hi)
+    m = act_model(op, attrs, opset, shape=(3, 4))
+    assert_gradients(m, "y", "x", {"x": x}, **kw)
+
+
+@pytest.mark.parametrize("case", ["Relu", "Sigmoid", "Gelu", "HardSwish", "Swish"])
+def test_activation_symbolic_batch(case):
+    op, attrs, opsets, lo, hi, away, kw = ACTS[case]
+    m = act_model(op, attrs, opsets[-1], shape=("N", 3))
+    assert_gradients(m, "y", "x", {"x": rand([5, 3], lo, hi, away, seed=2)}, **kw)
+
+
+SECOND_ORDER = ["Sigmoid", "Tanh", "Softplus", "Elu", "Selu", "Celu", "Gelu", "Gelu_tanh", "Mish",
+                "Swish_alpha", "LeakyRelu", "HardSwish", "Softsign"]
+
+
+@pytest.mark.parametrize("case", SECOND_ORDER)
+def test_activation_second_order(case):
+    """The gradient graph is differentiable again (d/dx of g * f'(x), and d/dg)."""
+    op, attrs, opsets, lo, hi, away, kw = ACTS[case]
+    m = act_model(op, attrs, opsets[-1])
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["gy"])
+    away = tuple(away) + ((0,) if op == "Softsign" else ())  # f'' has a kink there
+    feeds = {"x": rand([2, 3], lo, hi, away, seed=5), "gy": rand([2, 3], seed=6)}
+    assert_gradients(res.model, res.grads, ["x", "gy"], feeds, **kw)
+
+
+def test_relu_gradient_is_zero_below():
+    """Relu's gradient is exactly the cotangent above 0 and exactly 0 below (no leaks)."""
+    m = act_model("Relu", {}, 18, shape=(6,))
+    x = np.array([-2, -0.5, -1e-3, 1e-3, 0.5, 2], F32)
+    (gx,), _ = grads_of(m, "y", ["x"], {"x": x})
+    np.testing.assert_array_equal(gx, [0, 0, 0, 1, 1, 1])
+
+
+# -- PRelu: slope broadcasting --------------------------------------------------------------------
+PRELU = {  # id: (x shape, slope shape, opsets)
+    "per_channel_last": ([2, 3, 4], [4], [13, 18]),
+    "per_channel_col": ([2, 3, 4], [3, 1], [13, 18]),
+    "single": ([2, 3, 4], [1], [13, 18]),
+    "scalar": ([2, 3, 4], [], [18]),
+    "full": ([2, 3, 4], [2, 3, 4], [13, 18]),
+    "rank3_slope": ([2, 3, 4], [1, 3, 1], [18]),
+    "symbolic_batch": (["N", 3, 4], [3, 1], [18]),
+}
+PRELU_CASES = [(k, o) for k, v in PRELU.items() for o in v[2]]
+
+
+@pytest.mark.parametrize("case,opset", PRELU_CASES, ids=[f"{k}-{o}" for k, o in PRELU_CASES])
+def test_prelu(case, opset):
+    sx, ss, _ = PRELU[case]
+    m = act_model("PRelu", {}, opset, shape=sx, extra={"slope": (F32, ss)})
+    x = rand([2 if d == "N" else d for d in sx], -2, 2, (0,), seed=4)
+    slope = np.asarray(rand(ss, 0.05, 0.6, seed=5))
+    # check_gradients turns a 0-d x into a numpy scalar, which onnxruntime refuses
+    kw = {"runtime": "reference"} if not ss else {}
+    assert_gradients(m, "y", ["x", "slope"], {"x": x, "slope": slope}, **kw)
+
+
+def test_prelu_constant_slope():
+    m = make_model([helper.make_node("PRelu", ["x", "slope"], ["y"])], {"x": (F32, ["N", 3])},
+                   ["y"], inits={"slope": np.array([0.1, 0.2, 0.3], F32)})
+    assert_gradients(m, "y", ["x", "slope"], {"x": rand([4, 3], away=(0,), seed=1)})
+
+
+# -- Softmax / LogSoftmax -------------------------------------------------------------------------
+SOFTMAX_AXES = [None, 0, 1, 2, -1, -2, -3]
+SM_CASES = [(op, a, o) for op in ["Softmax", "LogSoftmax"] for a in SOFTMAX_AXES for o in (13, 18)]
+
+
+@pytest.mark.parametrize("op,axis,opset", SM_CASES,
+                         ids=[f"{op}-axis{a}-{o}" for op, a, o in SM_CASES])
+def test_softmax(op, axis, opset):
+    attrs = {} if axis is None else {"axis": axis}
+    m = act_model(op, attrs, opset, shape=(2, 3, 4))
+    assert_gradients(m, "y", "x", {"x": rand([2, 3, 4], -3, 3, seed=7)})
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+@pytest.mark.parametrize("axis", [0, -1])
+def test_softmax_symbolic(op, axis):
+    m = act_model(op, {"axis": axis}, 18, shape=("N", 5))
+    assert_gradients(m, "y", "x", {"x": rand([3, 5], -3, 3, seed=8)})
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+def test_softmax_second_order(op):
+    m = act_model(op, {"axis": 1}, 18, shape=(2, 4))
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["gy"])
+    assert_gradients(res.model, res.grads, ["x", "gy"],
+                     {"x": rand([2, 4], -2, 2, seed=9), "gy": rand([2, 4], seed=10)})
+
+
+def test_softmax_rows_sum_invariance():
+    """Softmax is invariant to adding a constant along its axis: the gradient sums to 0 there
+    (a property the finite-difference check with sum(y) alone would not see)."""
+    m = act_model("Softmax", {"axis": 1}, 18, shape=(3, 5))
+    x = rand([3, 5], seed=11)
+    gy = rand([3, 5], seed=12)
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["gy"])
+    (gx,) = run(res.model, {"x": x, "gy": gy}, outputs=res.grads)
+    np.testing.assert_allclose(gx.sum(axis=1), 0, atol=1e-6)
+
+
+def test_activation_chain():
+    """A small network of activations: Softmax(Gelu(PRelu(x)) + Tanh(x)) then LogSoftmax."""
+    nodes = [helper.make_node("PRelu", ["x", "slope"], ["p"]),
+             helper.make_node("Gelu", ["p"], ["g"]),
+             helper.make_node("Tanh", ["x"], ["t"]),
+             helper.make_node("Add", ["g", "t"], ["s"]),
+             helper.make_node("Softmax", ["s"], ["sm"], axis=-1),
+             helper.make_node("Sigmoid", ["sm"], ["sg"]),
+             helper.make_node("LogSoftmax", ["sg"], ["y"], axis=0)]
+    m = make_model(nodes, {"x": (F32, ["N", 4]), "slope": (F32, [4])}, ["y"], opset=20)
+    feeds = {"x": rand([3, 4], away=(0,), seed=13), "slope": rand([4], 0.1, 0.5, seed=14)}
+    assert_gradients(m, "y", ["x", "slope"], feeds)
+
+
+# -- dtypes: float16 / float64 graphs agree with float32 ------------------------------------------
+DTYPE_CASES = {k: v for k, v in ACTS.items() if v[0] != "Celu"}  # Celu-12 is float32 only
+DTYPE_CASES.update({
+    "PRelu": ("PRelu", {}, [18], -2, 2, (0,), {}),
+    "Softmax": ("Softmax", {"axis": 0}, [18], -2, 2, (), {}),
+    "LogSoftmax": ("LogSoftmax", {"axis": -1}, [13], -2, 2, (), {}),
+})
+
+
+def run_in_dtype(case, dtype):
+    """Gradient graph of the case built in ``dtype``, run on onnxruntime CPU (onnx.reference only
+    where onnxruntime has no kernel for the forward op itself in that dtype)."""
+    op, attrs, opsets, lo, hi, away, _ = DTYPE_CASES[case]
+    extra = {"slope": (dtype, [3])} if op == "PRelu" else None
+    m = act_model(op, attrs, opsets[-1], dtype=dtype, extra=extra)
+    xs = ["x"] + list(extra or {})
+    res = onnxgrad.gradients(m, "y", xs, grad_ys=["gy"])
+    onnx.checker.check_model(res.model, full_check=True)
+
+    def exact(a):  # values that float16, float32 and float64 all hold exactly
+        return np.asarray(a).astype(np.float16).astype(dtype)
+
+    fd = {"x": exact(rand([2, 3], lo, hi, away, gap=0.15, seed=1)),
+          "gy": exact(rand([2, 3], -1, 1, seed=2))}
+    if extra:
+        fd["slope"] = exact(rand([3], 0.1, 0.5, seed=3))
+    try:
+        sess = session(res.model)
+    except Exception:  # noqa: BLE001
+        try:
+            session(m)
+        except Exception:  # noqa: BLE001  onnxruntime lacks the forward kernel: use onnx.reference
+            return m, res, run(res.model, fd, outputs=res.grads, prefer="reference")
+        raise  # the forward runs on onnxruntime, so its gradient graph must run there too
+    return m, res, sess.run(res.grads, fd)
+
+
+def float_constants(model):
+    """(node name, dtype) of every float constant the gradient call added."""
+    out = []
+    for n in model.graph.node:
+        if n.name.startswith("gradients/") and n.op_type in ("Constant", "ConstantOfShape"):
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.TENSOR:
+                    dt = helper.tensor_dtype_to_np_dtype(a.t.data_type)
+                    if np.issubdtype(dt, np.floating):
+                        out.append((n.name, dt))
+    return out
+
+
+@pytest.mark.parametrize("case", list(DTYPE_CASES))
+def test_dtypes_agree_with_float32(case):
+    _, _, g32 = run_in_dtype(case, np.float32)
+    for dtype, rtol in [(np.float64, 1e-5), (np.float16, 2e-2)]:
+        m, res, got = run_in_dtype(case, dtype)
+        for name, a, b in zip(res.grads, got, g32):
+            assert a.dtype == dtype, (name, a.dtype)
+            scale = max(1.0, float(np.max(np.abs(b))))
+            np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=rtol, atol=rtol * scale,
+                                       err_msg=f"{case} {np.dtype(dtype).name} {name}")
+        consts = float_constants(res.model)
+        wrong = [(n, d) for n, d in consts if d != dtype]
+        assert not wrong, f"constants not in {np.dtype(dtype).name}: {wrong}"
