@@ -109,7 +109,13 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
                                          _path(node, y_vals, x_vals, live, grads, summed))
         e.prefix = f"{scope}/{node.name or node.op_type}_grad"
         ctx = Node(node, e, gs, opset_of)
-        out = rule(ctx, gs[0])
+        try:
+            out = rule(ctx, gs[0])
+        except NotDifferentiableError as err:  # a rule refusing one attribute value
+            if err.path:
+                raise
+            raise NotDifferentiableError(err.op_type, err.domain, err.opset, err.node_name,
+                                         _path(node, y_vals, x_vals, live, grads, summed)) from None
         in_grads = out if isinstance(out, (tuple, list)) else (out,)
         for v, gv in zip(node.inputs, in_grads):
             if gv is not None and v is not None and v in live:

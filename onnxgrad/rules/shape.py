@@ -1,1 +1,287 @@
-"""Gradient rules: shape."""
+"""Gradient rules: shape and indexing ops (reshapes, concat/split, slicing, gathers and scatters,
+padding, tiling, block rearrangements).
+
+All of these are linear in their float input, so each gradient is the op's adjoint:
+- ops that only reshape: g reshaped back to x's run-time shape;
+- gathers: g scatter-added (ScatterND / ScatterElements, reduction "add") into zeros of x's shape
+  at the forward's own indices; scatters: the matching gathers;
+- ops that only move elements (strided Slice, Pad's reflect/edge/wrap modes, batched GatherND):
+  the forward is replayed on x's flat element numbers ("iota"), which tells every element of y
+  which element of x it came from; g is scatter-added there (see ``_replay``);
+- crops and zero pads are each other's adjoints (Slice <-> Pad, CenterCropPad <-> itself).
+Shapes come from Shape at run time; only ranks and axes are read statically.
+"""
+import numpy as np
+import onnx_ir as ir
+
+from ..errors import NotDifferentiableError
+from ..registry import register
+
+INT64 = ir.DataType.INT64
+HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+END = np.iinfo(np.int64).max  # "to the end" for Slice
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _i64(n, v):
+    return v if v is None or v.dtype == INT64 else n.e.Cast(v, to=INT64)
+
+
+def _rank(x):
+    if x.rank is None:
+        raise NotImplementedError(f"this gradient needs the rank of {x.name!r}, which is unknown; "
+                                  "run onnx shape inference on the model first")
+    return x.rank
+
+
+def _axis(x, axis):
+    """axis made non-negative (with x's static rank)."""
+    return axis if axis >= 0 else axis + _rank(x)
+
+
+def _inverse(perm):
+    return None if perm is None else [int(i) for i in np.argsort(perm)]
+
+
+def _dims(n, x, axes=None):
+    """x's run-time dims as a 1-D int64 tensor, only at ``axes`` when given."""
+    s = n.e.Shape(x)
+    return s if axes is None else n.e.Gather(s, axes)
+
+
+def _back(n, g):
+    """g reshaped to x's shape: the gradient of every op that only changes the shape."""
+    return n.e.Reshape(g, n.e.Shape(n.x), allowzero=1 if n.opset >= 14 else None)
+
+
+def _scatter_add(n, op, x, indices, t, add=True, **attrs):
+    """t scattered into zeros of x's shape at ``indices`` and added up there (unless ``add`` is
+    False: no index repeats): the adjoint of the matching gather. Half-precision sums run in
+    float32 (more exact, and onnxruntime's CPU kernels have no half-precision scatter-add)."""
+    e = n.e
+    if not add:
+        return e.op(op, e.zeros_like(x), indices, t, **attrs)
+    e.need(16)  # reduction="add"
+    half = t.dtype in HALF
+    zeros = e.fill_like(x, 0, ir.DataType.FLOAT if half else t.dtype)
+    out = e.op(op, zeros, indices, e.Cast(t, to=ir.DataType.FLOAT) if half else t,
+               reduction="add", **attrs)
+    return e.Cast(out, to=t.dtype) if half else out
+
+
+def _replay(n, g, forward, add=True):
+    """The adjoint of an op that only moves (or copies) elements of x: ``forward`` applied to the
+    flat element numbers of x says where each element of y came from; g is added there."""
+    e, x = n.e, n.x
+    source = forward(e.Reshape(e.Range(0, e.Size(x), 1), e.Shape(x)))
+    flat = _scatter_add(n, "ScatterElements", e.Reshape(x, [-1]), e.Reshape(source, [-1]),
+                        e.Reshape(g, [-1]), add, axis=0)
+    return e.Reshape(flat, e.Shape(x))
+
+
+def _halves(n, pads):
+    """pads split into its begin and end halves."""
+    return n.e.Split(pads, axis=0, num_outputs=2 if n.opset >= 18 else None, _outputs=2)
+
+
+def _zero_pad(n, t, begin, end, axes):
+    """t padded with zeros: begin/end (1-D, >= 0) elements before/after it on each of ``axes``."""
+    e = n.e
+    if n.opset >= 18:
+        return e.Pad(t, e.Concat(begin, end, axis=0), None, axes)
+    # Pad takes no axes before opset 18: scatter the pads into zeros for every axis
+    rank = e.Size(e.Shape(t))
+    axes = e.Where(e.Less(axes, 0), axes + rank, axes)
+    zeros = e.ConstantOfShape(e.Reshape(rank * 2, [1]), value=ir.tensor(np.zeros(1, np.int64)))
+    pads = e.ScatterElements(zeros, e.Concat(axes, axes + rank, axis=0),
+                             e.Concat(begin, end, axis=0), axis=0)
+    return e.Pad(t, pads)
+
+
+def _unpad(n, t, pads, axes, crop_only=False):
+    """Pad(t, -pads, axes): the adjoint of zero padding. Pads > 0 become crops (Slice) and pads < 0
+    zero padding, so no runtime meets negative pads (onnx.reference rejects them)."""
+    e, axes = n.e, _i64(n, axes)
+    begin, end = _halves(n, e.Max(pads, 0))
+    t = e.Slice(t, begin, _dims(n, t, axes) - end, axes)
+    return t if crop_only else e.Pad(t, e.Max(-pads, 0), None, axes)
+
+
+# -- ops that only reshape or permute -------------------------------------------------------------
+@register(["Reshape", "Flatten", "Squeeze", "Unsqueeze"])
+def _reshape(n, g):
+    return _back(n, g)
+
+
+@register("Transpose")
+def _transpose(n, g):
+    return n.e.Transpose(g, perm=_inverse(n.attr("perm")))  # no perm: reversing twice
+
+
+@register("DepthToSpace")
+def _depth_to_space(n, g):
+    b = n.attr("blocksize")
+    if n.attr("mode", "DCR") == "DCR":
+        return n.e.SpaceToDepth(g, blocksize=b)
+    # CRD: y = [N, C, H*b, W*b] from x viewed as [N, C, b, b, H, W]; undo it
+    e, s = n.e, n.e.Shape(n.x)
+    t = e.Reshape(g, e.Concat(e.Slice(s, [0], [1]), [-1], e.Slice(s, [2], [3]),
+                              [b], e.Slice(s, [3], [4]), [b], axis=0))
+    return e.Reshape(e.Transpose(t, perm=[0, 1, 3, 5, 2, 4]), s)
+
+
+@register("SpaceToDepth")
+def _space_to_depth(n, g):
+    return n.e.DepthToSpace(g, blocksize=n.attr("blocksize"), mode="DCR")
+
+
+@register("ReverseSequence")
+def _reverse_sequence(n, g):
+    return n.e.ReverseSequence(g, n.ins[1], batch_axis=n.attr("batch_axis", 1),
+                               time_axis=n.attr("time_axis", 0)), None
+
+
+@register("CumSum")
+def _cumsum(n, g):
+    return n.e.CumSum(g, n.ins[1], exclusive=n.attr("exclusive", 0),
+                      reverse=1 - n.attr("reverse", 0)), None
+
+
+@register("Trilu")
+def _trilu(n, g):
+    return n.e.Trilu(g, n.input(1), upper=n.attr("upper", 1)), None
+
+
+# -- concat / split, slice / pad ---------------------------------------------------------------
+@register("Concat")
+def _concat(n, g):
+    if len(n.ins) == 1:
+        return g
+    axis = n.attr("axis")
+    sizes = [[x.shape[axis]] if x.shape and isinstance(x.shape[axis], int)
+             else _dims(n, x, [axis]) for x in n.ins]
+    return n.e.Split(g, n.e.Concat(*sizes, axis=0), axis=axis, _outputs=len(n.ins))
+
+
+@register("Split")
+def _split(n, g):
+    parts = [gi if gi is not None else n.e.zeros_like(y) for gi, y in zip(n.gs, n.outs)]
+    return n.e.Concat(*parts, axis=n.attr("axis", 0)), None
+
+
+@register("Slice")
+def _slice(n, g):
+    e = n.e
+    steps = n.const(4)
+    if n.input(4) is not None and (steps is None or (steps != 1).any()):
+        return _replay(n, g, lambda i: e.Slice(i, *n.ins[1:]), add=False)
+    # unit steps: g zero-padded by what was cut off before and after, on each sliced axis
+    starts, ends, axes = (_i64(n, v) for v in (n.ins[1], n.ins[2], n.input(3)))
+    if axes is None:
+        axes = e.Range(0, e.Size(starts), 1)
+    dim = _dims(n, n.x, axes)
+
+    def clamp(i):
+        return e.Min(e.Max(e.Where(e.Less(i, 0), i + dim, i), 0), dim)
+
+    begin = clamp(starts)
+    return _zero_pad(n, g, begin, dim - e.Max(clamp(ends), begin), axes)
+
+
+@register("Pad")
+def _pad(n, g):
+    pads, value, axes = n.ins[1], n.input(2), n.input(3)
+    mode = n.attr("mode", "constant")
+    if mode != "constant":  # reflect, edge, wrap: copies of x's elements
+        return _replay(n, g, lambda i: n.e.Pad(i, pads, None, axes, mode=mode)), None, None, None
+    known = n.const(1)
+    dx = _unpad(n, g, pads, axes, crop_only=known is not None and bool((known >= 0).all()))
+    # constant_value fills every element of y that does not come from x
+    dv = None if value is None else n.e.Reshape(
+        n.e.ReduceSum(g, keepdims=0) - n.e.ReduceSum(dx, keepdims=0), n.e.Shape(value))
+    return dx, None, dv, None
+
+
+@register("CenterCropPad")
+def _center_crop_pad(n, g):  # a centred crop and a centred zero pad are each other's adjoints
+    axes = n.attr("axes")
+    return n.e.CenterCropPad(g, _dims(n, n.x, axes), axes=axes), None
+
+
+# -- broadcasting copies -----------------------------------------------------------------------
+@register("Expand")
+def _expand(n, g):
+    return n.sum_to(g, n.x), None
+
+
+@register("Tile")
+def _tile(n, g):
+    e, x, reps = n.e, n.x, n.ins[1]
+    if x.rank == 0:
+        return g, None
+    # y viewed as [r0, d0, r1, d1, ...]: summing over the repeat axes leaves x
+    view = e.Reshape(e.Concat(e.Unsqueeze(reps, [1]), e.Unsqueeze(e.Shape(x), [1]), axis=1), [-1])
+    axes = (list(range(0, 2 * x.rank, 2)) if x.rank is not None
+            else e.Range(0, e.Size(reps) * 2, 2))
+    return e.reduce("ReduceSum", e.Reshape(g, view), axes, keepdims=0), None
+
+
+# -- gathers -> scatter-adds -------------------------------------------------------------------
+@register("Gather")
+def _gather(n, g):
+    e, x, idx = n.e, n.x, n.ins[1]
+    a = _axis(x, n.attr("axis", 0))
+    if a == 0:  # the embedding case: whole rows, no per-element indices
+        return _scatter_add(n, "ScatterND", x, e.Unsqueeze(_i64(n, idx), [-1]), g), None
+    # idx's dims (in the middle of g) made one, then each element of g scattered along axis a
+    s = e.Shape(x)
+    t = e.Reshape(g, e.Concat(e.Slice(s, [0], [a]), [-1], e.Slice(s, [a + 1], [END]), axis=0))
+    trailing = list(range(1, _rank(x) - a))  # idx as [K, 1, ...]: it broadcasts over t
+    i = e.Reshape(idx, [-1])
+    i = e.Expand(e.Unsqueeze(i, trailing) if trailing else i, e.Shape(t))
+    return _scatter_add(n, "ScatterElements", x, i, t, axis=a), None
+
+
+@register("GatherElements")
+def _gather_elements(n, g):
+    return _scatter_add(n, "ScatterElements", n.x, n.ins[1], g, axis=n.attr("axis", 0)), None
+
+
+@register("GatherND")
+def _gather_nd(n, g):
+    b = n.attr("batch_dims", 0)
+    if b:  # ScatterND has no batch_dims: replay the gather on element numbers instead
+        return _replay(n, g, lambda i: n.e.GatherND(i, n.ins[1], batch_dims=b)), None
+    return _scatter_add(n, "ScatterND", n.x, n.ins[1], g), None
+
+
+@register("TopK")
+def _topk(n, g):  # the values go back where the indices output says they came from
+    return n.e.ScatterElements(n.e.zeros_like(n.x), n.outs[1], g, axis=n.attr("axis", -1)), None
+
+
+# -- scatters -> gathers -----------------------------------------------------------------------
+def _scatter_rule(gather):
+    def scatter(n, g):
+        e, (data, idx, upd) = n.e, n.ins
+        kw = {"axis": n.attr("axis", 0)} if gather == "GatherElements" else {}
+        take = lambda t: e.op(gather, t, idx, **kw)  # noqa: E731  (t at the scattered positions)
+        reduction = n.attr("reduction", "none")
+        if reduction == "none":  # the scattered positions of data were overwritten
+            return e.op(n.node.op_type, g, idx, e.zeros_like(upd), **kw), None, take(g)
+        if reduction == "add":
+            return g, None, take(g)
+        if reduction in ("max", "min"):  # to whatever equals the result, split among ties
+            hit_d = e.Cast(e.Equal(data, n.y), to=g.dtype)
+            hit_u = e.Cast(e.Equal(upd, take(n.y)), to=g.dtype)
+            share = g / (hit_d + _scatter_add(n, n.node.op_type, data, idx, hit_u, **kw))
+            return share * hit_d, None, take(share) * hit_u
+        # mul: an update's gradient is the product of the others at its position (y / update
+        # fails at zeros), which no short graph computes; say so rather than be wrong
+        raise NotDifferentiableError(f"{n.node.op_type}(reduction={reduction!r})", "", n.opset,
+                                     n.node.name, [])
+    return scatter
+
+
+register("ScatterElements", _scatter_rule("GatherElements"))
+register("ScatterND", _scatter_rule("GatherND"))

@@ -1,0 +1,486 @@
+"""Gradient rules of onnxgrad/rules/shape.py against float64 central finite differences.
+
+Each test builds a one-op model (int inputs such as shapes, axes, pads and indices are
+initializers), asks onnxgrad for its gradient graph and checks it with ``util.assert_gradients``:
+random-cotangent central differences in float64, the full ONNX checker on the gradient model, and
+the same graph run in float32 on onnxruntime. Symbolic dims ("N") check that the rules read shapes
+at run time rather than from the example.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+from util import assert_gradients, grads_of, make_model, op_model
+
+import onnxgrad
+from onnxgrad.check import check_gradients
+
+F32 = np.float32
+I64 = np.int64
+END = np.iinfo(np.int64).max
+
+
+def rnd(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(F32)
+
+
+def model(op, ins, floats, inits=None, n_out=1, opset=18, **attrs):
+    """One ``op`` node whose inputs are ``ins`` in order ("" for an absent optional input);
+    ``floats``: {name: shape} float32 graph inputs; ``inits``: {name: array} initializers."""
+    outs = ["y"] if n_out == 1 else [f"y{i}" for i in range(n_out)]
+    node = helper.make_node(op, ins, outs, **attrs)
+    return make_model([node], {k: (F32, s) for k, s in floats.items()}, outs, inits=inits,
+                      opset=opset)
+
+
+def check(m, xs=("x",), ys=("y",), **feeds):
+    return assert_gradients(m, list(ys), list(xs), feeds=feeds or None)
+
+
+# -- reshapes and permutations -----------------------------------------------------------------
+@pytest.mark.parametrize("shape_in, target, allowzero", [
+    ([2, 3, 4], [6, -1], 0),
+    (["N", 3, 4], [0, -1], 0),
+    (["N", 3, 4], [-1, 2, 2], 0),
+    ([2, 3, 4], [4, 3, 2], 1),
+])
+def test_reshape(shape_in, target, allowzero):
+    m = op_model("Reshape", {"x": (F32, shape_in)}, inits={"s": np.array(target, I64)},
+                 allowzero=allowzero)
+    check(m)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2, 3, -1, -3])
+def test_flatten(axis):
+    check(op_model("Flatten", {"x": (F32, ["N", 3, 2, 2])}, axis=axis))
+
+
+@pytest.mark.parametrize("perm", [None, [1, 0, 2], [2, 0, 1], [0, 2, 1]])
+def test_transpose(perm):
+    kw = {} if perm is None else {"perm": perm}
+    check(op_model("Transpose", {"x": (F32, ["N", 3, 4])}, **kw))
+
+
+@pytest.mark.parametrize("op, shape, axes", [
+    ("Squeeze", [2, 1, 3, 1], [1]),
+    ("Squeeze", ["N", 1, 3, 1], [-1, 1]),
+    ("Squeeze", [1, 3, 1, 2], None),
+    ("Unsqueeze", ["N", 3], [0]),
+    ("Unsqueeze", [2, 3], [-1, 1]),
+])
+def test_squeeze_unsqueeze(op, shape, axes):
+    inits = None if axes is None else {"a": np.array(axes, I64)}
+    check(op_model(op, {"x": (F32, shape)}, inits=inits))
+
+
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_depth_to_space(mode):
+    check(op_model("DepthToSpace", {"x": (F32, ["N", 8, 2, 3])}, blocksize=2, mode=mode))
+
+
+def test_space_to_depth():
+    check(op_model("SpaceToDepth", {"x": (F32, ["N", 2, 4, 2])}, blocksize=2))
+
+
+@pytest.mark.parametrize("batch_axis, time_axis", [(1, 0), (0, 1)])
+def test_reverse_sequence(batch_axis, time_axis):
+    shape = [4, 3, 2] if batch_axis == 1 else [3, 4, 2]
+    check(op_model("ReverseSequence", {"x": (F32, shape)}, inits={"L": np.array([4, 1, 2], I64)},
+                   batch_axis=batch_axis, time_axis=time_axis))
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+@pytest.mark.parametrize("axis", [1, -3])
+def test_cumsum(exclusive, reverse, axis):
+    check(op_model("CumSum", {"x": (F32, ["N", 4, 2])}, inits={"a": np.array(axis, I64)},
+                   exclusive=exclusive, reverse=reverse), x=rnd(3, 4, 2))
+
+
+@pytest.mark.parametrize("upper", [0, 1])
+@pytest.mark.parametrize("k", [None, 1, -1])
+def test_trilu(upper, k):
+    inits = None if k is None else {"k": np.array(k, I64)}
+    check(op_model("Trilu", {"x": (F32, ["N", 3, 4])}, inits=inits, upper=upper))
+
+
+# -- concat / split ----------------------------------------------------------------------------
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_concat(axis):
+    shapes = {0: ([2, 3], [1, 3], [3, 3]), 1: (["N", 1], ["N", 3], ["N", 2]),
+              -1: ([2, 2, 1], [2, 2, 3], [2, 2, 2])}[axis]
+    m = op_model("Concat", {f"x{i}": (F32, s) for i, s in enumerate(shapes)}, axis=axis)
+    check(m, xs=["x0", "x1", "x2"])
+
+
+def test_concat_one_input():
+    check(op_model("Concat", {"x": (F32, ["N", 3])}, axis=1))
+
+
+@pytest.mark.parametrize("opset, split, attrs, n_out", [
+    (18, [1, 3], {"axis": 1}, 2),            # split input
+    (18, None, {"axis": -1, "num_outputs": 3}, 3),  # uneven num_outputs: 2, 2, 1
+    (13, None, {"axis": 0}, 2),              # equal split, no num_outputs before 18
+    (13, [2, 0, 2], {"axis": 1}, 3),         # an empty piece
+])
+def test_split(opset, split, attrs, n_out):
+    shape = {0: [4, 3], 1: ["N", 4], -1: [2, 5]}[attrs["axis"]]
+    inits = None if split is None else {"s": np.array(split, I64)}
+    m = op_model("Split", {"x": (F32, shape)}, n_out=n_out, opset=opset, inits=inits, **attrs)
+    feeds = {"x": rnd(3, 4)} if shape[0] == "N" else {}
+    check(m, ys=[f"y{i}" for i in range(n_out)], **feeds)
+
+
+@pytest.mark.parametrize("used", [["y1"], ["y0", "y2"]])
+def test_split_only_some_outputs(used):
+    m = op_model("Split", {"x": (F32, ["N", 6])}, n_out=3, axis=1, num_outputs=3)
+    check(m, ys=used)
+
+
+# -- slice / pad -------------------------------------------------------------------------------
+SLICES = [  # starts, ends, axes, steps  (x is [3, 5, 4]; None = input absent)
+    ([1], [3], None, None),
+    ([-4, 1], [END, -1], [1, 0], None),          # negative start, clamped end, axes reordered
+    ([0, -100], [2, 100], [-1, 1], [1, 1]),      # clamped both ways, constant unit steps
+    ([3], [1], [1], None),                       # empty result
+    ([4], [-100], [1], [-2]),                    # negative step to a clamped end
+    ([0, 1], [END, 4], [0, 2], [2, 2]),
+    ([-1, -1], [-END, 0], [0, 1], [-1, -3]),
+]
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("starts, ends, axes, steps", SLICES)
+def test_slice(starts, ends, axes, steps, opset):
+    inits = {"s": np.array(starts, I64), "e": np.array(ends, I64)}
+    names = ["x", "s", "e"]
+    for name, v in (("a", axes), ("st", steps)):
+        if v is not None:
+            inits[name] = np.array(v, I64)
+        names.append(name if v is not None else "")
+    while names[-1] == "":
+        names.pop()
+    m = model("Slice", names, {"x": ["N", 5, 4]}, inits, opset=opset)
+    check(m, x=rnd(3, 5, 4))
+
+
+def test_slice_int32_params_and_runtime_starts():
+    """Slice's index inputs may be int32, and starts may only be known at run time."""
+    node = helper.make_node("Slice", ["x", "s", "e", "a"], ["y"])
+    m = make_model([node], {"x": (F32, ["N", 5]), "s": (np.int32, [1])}, ["y"],
+                   inits={"e": np.array([4], np.int32), "a": np.array([1], np.int32)})
+    check(m, x=rnd(2, 5), s=np.array([-3], np.int32))
+
+
+PADS = [  # pads, axes (None: all axes), on x of shape [N, 4]
+    ([1, 0, 2, 3], None),
+    ([0, 2, 1, 1], None),
+    ([2, 1], [-1]),
+    ([-1, 1, 1, -2], None),          # negative pads crop
+    ([1, -1], [0]),
+]
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge", "wrap"])
+@pytest.mark.parametrize("pads, axes", PADS)
+def test_pad(mode, pads, axes):
+    inits = {"p": np.array(pads, I64)}
+    names = ["x", "p"]
+    if axes is not None:
+        inits["ax"] = np.array(axes, I64)
+        names += ["", "ax"]
+    m = model("Pad", names, {"x": ["N", 4]}, inits, opset=19, mode=mode)
+    check(m, x=rnd(3, 4))
+
+
+def scalar_c():
+    """c0 [1] squeezed to the scalar constant_value c (check_gradients cannot perturb a 0-d x)."""
+    return helper.make_node("Squeeze", ["c0"], ["c"])
+
+
+@pytest.mark.parametrize("pads, axes", PADS[:4])
+def test_pad_constant_value(pads, axes):
+    names = ["x", "p", "c"] + ([] if axes is None else ["ax"])
+    inits = {"p": np.array(pads, I64)}
+    if axes is not None:
+        inits["ax"] = np.array(axes, I64)
+    m = make_model([scalar_c(), helper.make_node("Pad", names, ["y"])],
+                   {"x": (F32, ["N", 4]), "c0": (F32, [1])}, ["y"], inits=inits)
+    check(m, xs=["x", "c0"], x=rnd(3, 4))
+
+
+def test_pad_opset13_runtime_pads():
+    node = helper.make_node("Pad", ["x", "p", "c"], ["y"])
+    m = make_model([scalar_c(), node], {"x": (F32, [3, 4]), "p": (I64, [4]), "c0": (F32, [1])},
+                   ["y"], opset=13)
+    check(m, xs=["x", "c0"], p=np.array([-1, 2, 1, -1], I64))
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
+def test_pad_opset13(mode):
+    """Before opset 18 Pad has no axes input; the pads cover every axis."""
+    m = model("Pad", ["x", "p"], {"x": ["N", 4]}, {"p": np.array([1, -1, 0, 2], I64)}, opset=13,
+              mode=mode)
+    check(m, x=rnd(3, 4))
+
+
+@pytest.mark.parametrize("target, axes", [([2, 5], None), ([1, 2], None), ([7], [-1]),
+                                          ([4, 3], [1, 0])])
+def test_center_crop_pad(target, axes):
+    kw = {} if axes is None else {"axes": axes}
+    m = op_model("CenterCropPad", {"x": (F32, [5, 3])}, inits={"s": np.array(target, I64)}, **kw)
+    check(m)
+
+
+def test_center_crop_pad_symbolic():
+    m = op_model("CenterCropPad", {"x": (F32, ["N", 4])}, inits={"s": np.array([1, 7], I64)})
+    check(m, x=rnd(3, 4))
+
+
+# -- broadcasting copies -----------------------------------------------------------------------
+@pytest.mark.parametrize("shape, target", [([3, 1], [2, 3, 4]), (["N", 1, 2], [3, 2]),
+                                           ([1], [1]), ([2, 3], [1, 3])])
+def test_expand(shape, target):
+    check(op_model("Expand", {"x": (F32, shape)}, inits={"s": np.array(target, I64)}))
+
+
+@pytest.mark.parametrize("shape, reps", [([2, 3], [2, 1]), (["N", 2, 1], [1, 3, 2]), ([4], [3])])
+def test_tile(shape, reps):
+    check(op_model("Tile", {"x": (F32, shape)}, inits={"r": np.array(reps, I64)}))
+
+
+# -- gathers -----------------------------------------------------------------------------------
+GATHERS = [  # x shape, indices, axis
+    ([5, 3], [[0, 4], [4, 4]], 0),                 # repeated rows accumulate
+    (["N", 4, 2], [3, -1, 0, -4], 1),              # negative indices, repeats
+    ([2, 3, 4], [[1, 1], [2, -1], [0, 3]], -1),
+    ([4, 3], 2, 0),                                # scalar index
+    ([2, 4, 3], -2, -2),
+    ([3, 4], [], 1),                               # nothing gathered
+]
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("shape, indices, axis", GATHERS)
+def test_gather(shape, indices, axis, opset):
+    m = op_model("Gather", {"x": (F32, shape)}, inits={"i": np.array(indices, I64)}, axis=axis,
+                 opset=opset)
+    check(m)
+
+
+def test_gather_int32_indices_symbolic_rows():
+    m = op_model("Gather", {"x": (F32, ["N", 3])}, inits={"i": np.array([[1, 0, 1]], np.int32)})
+    check(m, x=rnd(2, 3))
+
+
+def test_gather_repeated_indices_add_up():
+    """An embedding lookup that reads row 1 three times: its gradient is the sum of the three."""
+    m = op_model("Gather", {"x": (F32, [3, 2])}, inits={"i": np.array([1, 0, 1, 1], I64)})
+    gy = rnd(4, 2, seed=1)
+    (g,), _ = grads_of(m, "y", "x", {"x": rnd(3, 2), "gy": gy}, grad_ys=["gy"])
+    np.testing.assert_allclose(g, np.stack([gy[1], gy[0] + gy[2] + gy[3], np.zeros(2)]),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape, indices, axis", [
+    ([3, 4], [[0, 0, 2, 1], [2, 2, 1, 0]], 0),
+    (["N", 4], [[3, -1], [0, 0]], 1),
+    ([2, 3, 2], [[[0, 1], [-1, 0]], [[1, 1], [2, 2]]], -2),
+])
+def test_gather_elements(shape, indices, axis):
+    m = op_model("GatherElements", {"x": (F32, shape)}, inits={"i": np.array(indices, I64)},
+                 axis=axis)
+    check(m, x=rnd(2, *shape[1:]) if shape[0] == "N" else rnd(*shape))
+
+
+@pytest.mark.parametrize("shape, indices, batch_dims", [
+    ([4, 3], [[1], [3], [1]], 0),                       # repeated slices
+    ([3, 4], [[0, 1], [2, -1], [0, 1]], 0),             # repeated elements, negative index
+    ([2, 3, 4], [[[1, 2]], [[-1, 0]]], 0),
+    ([2, 3, 4], [[[1], [1]], [[2], [0]]], 1),           # batch_dims, repeated
+    (["N", 3, 4], [[[1, 1], [2, 3]], [[0, 0], [0, 0]]], 1),
+    ([2, 2, 3, 2], [[[1], [0]], [[2], [2]]], 2),
+])
+def test_gather_nd(shape, indices, batch_dims):
+    m = op_model("GatherND", {"x": (F32, shape)}, inits={"i": np.array(indices, I64)},
+                 batch_dims=batch_dims)
+    check(m, x=rnd(*[2 if d == "N" else d for d in shape]))
+
+
+@pytest.mark.parametrize("axis, largest, sorted_", [(-1, 1, 1), (0, 0, 1), (1, 1, 0)])
+def test_topk_values(axis, largest, sorted_):
+    m = op_model("TopK", {"x": (F32, [4, 5])}, n_out=2, inits={"k": np.array([3], I64)},
+                 axis=axis, largest=largest, sorted=sorted_)
+    check(m, ys=["y0"])
+
+
+def test_topk_symbolic():
+    m = op_model("TopK", {"x": (F32, ["N", 5])}, n_out=2, inits={"k": np.array([2], I64)})
+    check(m, ys=["y0"], x=rnd(3, 5))
+
+
+# -- scatters ----------------------------------------------------------------------------------
+SCATTER_ELEMENTS = [  # data shape, indices, axis (distinct per column / row for "none")
+    ([3, 3], [[1, 0, 2], [0, 2, 1]], 0),
+    ([3, 4], [[3, -4], [1, 2], [0, -1]], 1),
+]
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "max", "min"])
+@pytest.mark.parametrize("shape, indices, axis", SCATTER_ELEMENTS)
+def test_scatter_elements(shape, indices, axis, reduction):
+    idx = np.array(indices, I64)
+    m = model("ScatterElements", ["x", "i", "u"], {"x": shape, "u": list(idx.shape)},
+              {"i": idx}, axis=axis, reduction=reduction)
+    check(m, xs=["x", "u"], x=rnd(*shape, seed=1), u=rnd(*idx.shape, seed=2))
+
+
+@pytest.mark.parametrize("op", ["ScatterElements", "ScatterND"])
+@pytest.mark.parametrize("reduction", ["max", "min"])
+def test_scatter_max_min_two_way_tie(op, reduction):
+    """A tie between data and an update splits the gradient evenly, which is what central
+    differences see at a two-way tie; a repeated index ties two updates."""
+    x, u = rnd(2, 3), rnd(2, 3, seed=1)
+    u[0, 1] = x[0, 1]   # data/update tie at (0, 1)
+    u[1, 2] = u[0, 2] = max(x[0, 2], x[1, 2]) + 1 if reduction == "max" else min(
+        x[0, 2], x[1, 2]) - 1  # update/update tie at column 2
+    if op == "ScatterElements":
+        idx = np.array([[0, 0, 1], [1, 1, 1]], I64)  # row of each element of u, per column
+        m = model(op, ["x", "i", "u"], {"x": [2, 3], "u": [2, 3]}, {"i": idx},
+                  axis=0, reduction=reduction)
+    else:  # the same scatter written with index pairs
+        idx = np.array([[[0, 0], [0, 1], [1, 2]], [[1, 0], [1, 1], [1, 2]]], I64)
+        m = model(op, ["x", "i", "u"], {"x": [2, 3], "u": [2, 3]}, {"i": idx},
+                  reduction=reduction)
+    check(m, xs=["x", "u"], x=x, u=u)
+
+
+def test_scatter_elements_add_repeated():
+    idx = np.array([[1, 1, 0], [1, 1, 0]], I64)
+    m = model("ScatterElements", ["x", "i", "u"], {"x": ["N", 3], "u": [2, 3]}, {"i": idx},
+              reduction="add")
+    check(m, xs=["x", "u"], x=rnd(3, 3))
+
+
+def test_scatter_elements_opset13():
+    idx = np.array([[2, 0, 1]], I64)
+    m = model("ScatterElements", ["x", "i", "u"], {"x": [3, 3], "u": [1, 3]}, {"i": idx},
+              opset=13)
+    check(m, xs=["x", "u"])
+
+
+SCATTER_ND = [  # data shape, indices (distinct), updates shape
+    ([4, 3], [[1], [3]], [2, 3]),
+    ([3, 4], [[0, 1], [2, -1], [1, 1]], [3]),
+]
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "max", "min"])
+@pytest.mark.parametrize("shape, indices, ushape", SCATTER_ND)
+def test_scatter_nd(shape, indices, ushape, reduction):
+    m = model("ScatterND", ["x", "i", "u"], {"x": shape, "u": ushape},
+              {"i": np.array(indices, I64)}, reduction=reduction)
+    check(m, xs=["x", "u"], x=rnd(*shape, seed=1), u=rnd(*ushape, seed=2))
+
+
+def test_scatter_nd_add_repeated_symbolic():
+    m = model("ScatterND", ["x", "i", "u"], {"x": [4, "N"], "u": [3, "N"]},
+              {"i": np.array([[1], [1], [-1]], I64)}, reduction="add")
+    check(m, xs=["x", "u"], x=rnd(4, 2), u=rnd(3, 2))
+
+
+@pytest.mark.parametrize("op, indices", [("ScatterElements", [[0, 1]]), ("ScatterND", [[0]])])
+def test_scatter_mul_has_no_rule(op, indices):
+    m = model(op, ["x", "i", "u"], {"x": [2, 2], "u": [1, 2]},
+              {"i": np.array(indices, I64)}, reduction="mul")
+    with pytest.raises(onnxgrad.NotDifferentiableError, match=rf"mul.*path y -> \[{op}\]"):
+        onnxgrad.gradients(m, "y", ["x", "u"])
+
+
+# -- higher order ------------------------------------------------------------------------------
+def second_order(nodes, x_shape, inits, feeds_x):
+    """d/dx and d/dgy of the gradient d(sum(gy * y))/dx, checked by finite differences."""
+    m = make_model(nodes, {"x": (F32, x_shape)}, ["y"], inits=inits)
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["gy"])
+    onnx.checker.check_model(res.model, full_check=True)
+    report = check_gradients(res.model, res.grads, ["x", "gy"], {"x": feeds_x})
+    assert report.ok, str(report)
+
+
+def test_second_order_through_gather():
+    nodes = [helper.make_node("Gather", ["x", "i"], ["t"], axis=0),
+             helper.make_node("Mul", ["t", "t"], ["y"])]
+    second_order(nodes, ["N", 3], {"i": np.array([[2, 0], [2, 2]], I64)}, rnd(3, 3))
+
+
+def test_second_order_through_gather_axis1():
+    nodes = [helper.make_node("Gather", ["x", "i"], ["t"], axis=1),
+             helper.make_node("Mul", ["t", "t"], ["y"])]
+    second_order(nodes, [2, 3], {"i": np.array([1, -1, 1], I64)}, rnd(2, 3))
+
+
+@pytest.mark.parametrize("steps", [None, [-2]])
+def test_second_order_through_slice(steps):
+    inits = {"s": np.array([-1 if steps else 1], I64), "e": np.array([-END if steps else 4], I64),
+             "a": np.array([1], I64)}
+    ins = ["x", "s", "e", "a"]
+    if steps:
+        inits["st"] = np.array(steps, I64)
+        ins.append("st")
+    nodes = [helper.make_node("Slice", ins, ["t"]), helper.make_node("Mul", ["t", "t"], ["y"])]
+    second_order(nodes, ["N", 5], inits, rnd(2, 5))
+
+
+def test_second_order_through_pad_and_gather_nd():
+    nodes = [helper.make_node("Pad", ["x", "p"], ["t"], mode="reflect"),
+             helper.make_node("GatherND", ["t", "i"], ["u"], batch_dims=1),
+             helper.make_node("Mul", ["u", "u"], ["y"])]
+    second_order(nodes, [2, 3], {"p": np.array([0, 2, 0, 1], I64),
+                                 "i": np.array([[[0], [4]], [[1], [1]]], I64)}, rnd(2, 3))
+
+
+# -- dtype -------------------------------------------------------------------------------------
+def test_float64_model():
+    """Rules build their constants in the tensor's dtype: a float64 model works as is."""
+    node = helper.make_node("Pad", ["x", "p", "c"], ["y"])
+    m = make_model([node], {"x": (np.float64, ["N", 3]), "c": (np.float64, [])}, ["y"],
+                   inits={"p": np.array([1, 0, 0, 2], I64)})
+    (gx, gc), _ = grads_of(m, "y", ["x", "c"], {"x": np.ones((2, 3)), "c": np.array(5.0)})
+    np.testing.assert_array_equal(gx, np.ones((2, 3)))
+    assert gc.dtype == np.float64 and gc == 3 * 5 - 6
+
+
+@pytest.mark.parametrize("op, attrs, inits", [
+    ("Gather", {"axis": 0}, {"i": np.array([[1, 1], [0, 1]], I64)}),
+    ("Gather", {"axis": 1}, {"i": np.array([2, 2, 0], I64)}),
+    ("GatherElements", {"axis": 1}, {"i": np.array([[1, 1, 0], [2, 2, 2]], I64)}),
+    ("GatherND", {"batch_dims": 1}, {"i": np.array([[1], [1]], I64)}),
+    ("Pad", {"mode": "edge"}, {"p": np.array([1, 2, 0, 1], I64)}),
+    ("Slice", {}, {"s": np.array([2], I64), "e": np.array([-END], I64),
+                   "a": np.array([1], I64), "st": np.array([-2], I64)}),
+])
+def test_float16(op, attrs, inits):
+    """Half-precision gradients run on onnxruntime CPU (its scatter-add has no float16 kernel,
+    so the rules accumulate in float32) and agree with float64 finite differences."""
+    m = op_model(op, {"x": (np.float16, [2, 3])}, inits=inits, **attrs)
+    check(m)
+
+
+@pytest.mark.parametrize("op, ins, inits, attrs", [
+    ("ScatterElements", ["x", "i", "x"], {"i": np.array([[1, 0, 1, 1], [0, 1, 0, 1]], I64)},
+     {"reduction": "max"}),
+    ("TopK", ["x", "k"], {"k": np.array([2], I64)}, {}),
+    ("Pad", ["x", "p"], {"p": np.array([1, 0, 0, 2], I64)}, {"mode": "wrap"}),
+    ("DepthToSpace", ["xs"], {"s": np.array([1, 8, 1, 1], I64)}, {"blocksize": 2, "mode": "CRD"}),
+])
+def test_second_order_more(op, ins, inits, attrs):
+    outs = ["t", "ti"] if op == "TopK" else ["t"]
+    nodes = [helper.make_node(op, ins, outs, **attrs), helper.make_node("Mul", ["t", "t"], ["y"])]
+    if op == "DepthToSpace":
+        nodes.insert(0, helper.make_node("Reshape", ["x", "s"], ["xs"]))
+    m = make_model(nodes, {"x": (F32, [2, 4])}, ["y"], inits=inits, opset=19)
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["gy"])
+    report = check_gradients(res.model, res.grads, ["x", "gy"], {"x": rnd(2, 4)})
+    assert report.ok, str(report)
