@@ -78,7 +78,7 @@ def _node64(n: onnx.NodeProto):
     for a in n.attribute:
         if a.type == onnx.AttributeProto.TENSOR:
             a.t.CopyFrom(_tensor64(a.t))
-        elif a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype") and a.i in _LOW:
+        elif a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype", "stash_type") and a.i in _LOW:
             a.i = TensorProto.DOUBLE
         elif a.type == onnx.AttributeProto.GRAPH:
             _graph64(a.g)

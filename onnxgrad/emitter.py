@@ -284,4 +284,6 @@ def _out_dtype(op_type, ins, attrs):
         return ins[1].dtype
     if op_type == "Where":
         return ins[1].dtype
+    if op_type == "OneHot":
+        return ins[2].dtype
     return next((x.dtype for x in ins if x is not None and x.dtype is not None), None)

@@ -1,1 +1,318 @@
-"""Gradient rules: norm."""
+"""Gradient rules: normalization layers, Dropout, LRN, and a few index-like ops.
+
+The standardizing layers share one backward: with x̂ = (x - mean_A x) * r, r = (var_A x + eps)^-1/2
+over the axes A, and ĝ = dL/dx̂,
+
+    dL/dx = r * (ĝ - mean_A ĝ - x̂ * mean_A(ĝ x̂))
+
+Means are ReduceMean (so symbolic dims need no static count, and float16 counts cannot overflow).
+Forward outputs are reused where the node has them (LayerNormalization's Mean and InvStdDev,
+Dropout's mask, the normalized output of LpNormalization, MeanVarianceNormalization and LRN);
+the batch statistics that BatchNormalization, InstanceNormalization and GroupNormalization never
+output are recomputed. Ops with a ``stash_type`` (LayerNormalization, GroupNormalization-21,
+RMSNormalization) compute the gradient in the wider of the input type and the stash type, so
+float16 inputs are differentiated in float32 as their forward is, and float64 inputs stay float64.
+"""
+import numpy as np
+import onnx_ir as ir
+
+from ..registry import register, table
+
+_BITS = {ir.DataType.FLOAT16: 16, ir.DataType.BFLOAT16: 16, ir.DataType.FLOAT: 32,
+         ir.DataType.DOUBLE: 64}
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _cast(e, v, dtype):
+    """v as ``dtype`` (no node when it already is)."""
+    if v is None or v.dtype == dtype:
+        return v
+    return e.Cast(v, to=dtype)
+
+
+def _out(n, i):
+    """Output i of the forward node, or None when it is absent (past the end or unnamed)."""
+    if i >= len(n.outs) or n.outs[i] is None or not n.outs[i].name:
+        return None
+    return n.outs[i]
+
+
+def _grad(n, i):
+    return n.gs[i] if i < len(n.gs) else None
+
+
+def _rank(n, v) -> int:
+    r = v.rank
+    if r is None:
+        raise NotImplementedError(
+            f"the gradient of {n.node.op_type} node {n.node.name!r} needs the rank of its input "
+            f"{v.name!r}, which is unknown: declare the input's shape or run shape inference")
+    return r
+
+
+def _compute_dtype(n, x):
+    """The wider of x's dtype and the node's stash_type (default float32)."""
+    stash = ir.DataType(n.attr("stash_type", 1))
+    return stash if _BITS.get(stash, 0) > _BITS.get(x.dtype, 0) else x.dtype
+
+
+def _mean(e, t, axes):
+    return e.reduce("ReduceMean", t, axes, keepdims=1)
+
+
+def _standardize(e, x, axes, eps):
+    """(mean, r, x̂) over ``axes``, with r = 1 / sqrt(var + eps) (keepdims shapes)."""
+    mu = _mean(e, x, axes)
+    c = x - mu
+    r = e.Reciprocal(e.Sqrt(_mean(e, c * c, axes) + eps))
+    return mu, r, c * r
+
+
+def _std_backward(e, gxh, xh, r, axes):
+    """dL/dx from dL/dx̂ for x̂ = (x - mean x) * r, r = (var x + eps)^-1/2 over ``axes``."""
+    return r * (gxh - _mean(e, gxh, axes) - xh * _mean(e, gxh * xh, axes))
+
+
+def _chan(e, p, rank):
+    """A per-channel vector (C,) shaped (C, 1, ..., 1) to broadcast against (N, C, D1, ...)."""
+    return p if rank <= 2 else e.Unsqueeze(p, list(range(1, rank - 1)))
+
+
+def _sum(e, t, axes):
+    return e.reduce("ReduceSum", t, axes, keepdims=0)
+
+
+# -- BatchNormalization ----------------------------------------------------------------------
+@register("BatchNormalization")
+def _batch_norm(n, g):
+    """Inference: y = (x - mean) / sqrt(var + eps) * scale + B with the mean/var inputs, all five
+    inputs differentiable. Training (training_mode=1 from opset 14; before it, a node with its
+    optional statistics outputs, as onnxruntime runs it): the batch mean and biased variance over
+    all axes but 1 (as PyTorch's batch_norm); the running_mean / running_var (and saved
+    statistics) outputs carry no gradient (as TF's FusedBatchNormGrad ignores them). The batch
+    statistics are recomputed: BatchNormalization-9's saved_var is the inverse std on
+    onnxruntime but the variance in onnx.reference, so it cannot be reused safely."""
+    if g is None:
+        return (None,) * 5
+    e, x = n.e, n.x
+    scale, bias, mean, var = n.ins[1:5]
+    eps = n.attr("epsilon", 1e-5)
+    rank = _rank(n, x)
+    axes = [0] + list(range(2, rank))
+    dt = x.dtype
+    s = _cast(e, scale, dt)
+    if n.opset >= 14:
+        training = bool(n.attr("training_mode", 0))
+    else:  # BatchNormalization-9: the optional statistics outputs mean training mode
+        training = any(_out(n, i) is not None for i in range(1, len(n.outs)))
+    if training:
+        _, r, xh = _standardize(e, x, axes, eps)
+        gx = _std_backward(e, g * _chan(e, s, rank), xh, r, axes)
+        gs = _cast(e, _sum(e, g * xh, axes), scale.dtype)
+        gb = _cast(e, _sum(e, g, axes), bias.dtype)
+        return gx, gs, gb, None, None
+    r = e.Reciprocal(e.Sqrt(_cast(e, var, dt) + eps))     # (C,)
+    k = s * r
+    gx = g * _chan(e, k, rank)
+    sg = _sum(e, g, axes)                                  # dL/dB
+    sgc = _sum(e, g * (x - _chan(e, _cast(e, mean, dt), rank)), axes)
+    return (gx, _cast(e, sgc * r, scale.dtype), _cast(e, sg, bias.dtype),
+            _cast(e, -(sg * k), mean.dtype), _cast(e, sgc * k * r * r * -0.5, var.dtype))
+
+
+# -- InstanceNormalization -------------------------------------------------------------------
+@register("InstanceNormalization")
+def _instance_norm(n, g):
+    e, x = n.e, n.x
+    scale, bias = n.ins[1], n.ins[2]
+    rank = _rank(n, x)
+    if rank < 3:
+        raise NotImplementedError(
+            f"InstanceNormalization node {n.node.name!r}: input of rank {rank} has no spatial "
+            f"axes to normalize over")
+    axes = list(range(2, rank))
+    _, r, xh = _standardize(e, x, axes, n.attr("epsilon", 1e-5))
+    gx = _std_backward(e, g * _chan(e, scale, rank), xh, r, axes)
+    return gx, _sum(e, g * xh, [0] + axes), _sum(e, g, [0] + axes)
+
+
+# -- LayerNormalization ----------------------------------------------------------------------
+@register("LayerNormalization", since=17)
+def _layer_norm(n, g):
+    """Reuses the node's Mean / InvStdDev outputs when it has them; differentiates those outputs
+    too (they are live in a second-order gradient that reuses them)."""
+    e, x = n.e, n.x
+    scale, bias = n.ins[1], n.input(2)
+    rank = _rank(n, x)
+    axis = n.attr("axis", -1)
+    axes = list(range(axis + rank if axis < 0 else axis, rank))
+    eps = n.attr("epsilon", 1e-5)
+    dt = _compute_dtype(n, x)
+    xc = _cast(e, x, dt)
+    mean_out, inv_out = _out(n, 1), _out(n, 2)
+    mu = _cast(e, mean_out, dt) if mean_out is not None else _mean(e, xc, axes)
+    c = xc - mu
+    r = (_cast(e, inv_out, dt) if inv_out is not None
+         else e.Reciprocal(e.Sqrt(_mean(e, c * c, axes) + eps)))
+    xh = c * r
+    gx = gscale = gb = None
+    if g is not None:
+        gc = _cast(e, g, dt)
+        gx = _std_backward(e, gc * _cast(e, scale, dt), xh, r, axes)
+        gscale = _cast(e, n.sum_to(gc * xh, scale), scale.dtype)
+        gb = None if bias is None else _cast(e, n.sum_to(gc, bias), bias.dtype)
+    g_mean, g_inv = _grad(n, 1), _grad(n, 2)
+    if g_mean is not None or g_inv is not None:
+        # Mean = mean_A(x): d/dx = 1/M; InvStdDev = r: dr/dx = -r^2 x̂ / M
+        count = e.Cast(e.Div(e.Size(xc), e.Size(r)), to=dt)
+        extra = None if g_inv is None else -(_cast(e, g_inv, dt) * r * r) * xh
+        if g_mean is not None:
+            gm = _cast(e, g_mean, dt)
+            extra = gm if extra is None else extra + gm
+        extra = extra / count
+        if g_inv is None and gx is None:
+            extra = e.Expand(extra, e.Shape(xc))
+        gx = extra if gx is None else gx + extra
+    return _cast(e, gx, x.dtype), gscale, gb
+
+
+# -- GroupNormalization ----------------------------------------------------------------------
+def _group_norm(n, g, per_channel):
+    e, x = n.e, n.x
+    scale, bias = n.ins[1], n.ins[2]
+    groups = n.attr("num_groups")
+    dt = _compute_dtype(n, x) if per_channel else x.dtype
+    gc, s = _cast(e, g, dt), _cast(e, scale, dt)
+    x3 = e.Reshape(_cast(e, x, dt), [0, groups, -1])   # (N, G, C/G * D1 * ...)
+    _, r, xh3 = _standardize(e, x3, [2], n.attr("epsilon", 1e-5))
+    if per_channel:  # opset 21: scale and bias per channel, on the (N, C, D1 * ...) view
+        nc = e.Concat(e.Shape(x, end=2), [-1], axis=0)
+        g_nc, xh_nc = e.Reshape(gc, nc), e.Reshape(xh3, nc)
+        gscale, gb = _sum(e, g_nc * xh_nc, [0, 2]), _sum(e, g_nc, [0, 2])
+        gxh3 = e.Reshape(g_nc * e.Unsqueeze(s, [1]), [0, groups, -1])
+    else:  # opset 18: scale and bias per group, on the (N, G, -1) view
+        g3 = e.Reshape(gc, [0, groups, -1])
+        gscale, gb = _sum(e, g3 * xh3, [0, 2]), _sum(e, g3, [0, 2])
+        gxh3 = g3 * e.Unsqueeze(s, [1])
+    gx = e.Reshape(_std_backward(e, gxh3, xh3, r, [2]), e.Shape(x))
+    return _cast(e, gx, x.dtype), _cast(e, gscale, scale.dtype), _cast(e, gb, bias.dtype)
+
+
+register("GroupNormalization", lambda n, g: _group_norm(n, g, False), since=18, until=20)
+register("GroupNormalization", lambda n, g: _group_norm(n, g, True), since=21)
+
+
+# -- RMSNormalization ------------------------------------------------------------------------
+@register("RMSNormalization", since=23)
+def _rms_norm(n, g):
+    e, x, scale = n.e, n.x, n.ins[1]
+    rank = _rank(n, x)
+    axis = n.attr("axis", -1)
+    axes = list(range(axis + rank if axis < 0 else axis, rank))
+    dt = _compute_dtype(n, x)
+    xc, gc = _cast(e, x, dt), _cast(e, g, dt)
+    r = e.Reciprocal(e.Sqrt(_mean(e, xc * xc, axes) + n.attr("epsilon", 1e-5)))
+    xh = xc * r
+    gxh = gc * _cast(e, scale, dt)
+    gx = r * (gxh - xh * _mean(e, gxh * xh, axes))
+    return _cast(e, gx, x.dtype), _cast(e, n.sum_to(gc * xh, scale), scale.dtype)
+
+
+# -- LpNormalization, MeanVarianceNormalization, LRN -----------------------------------------
+@register("LpNormalization")
+def _lp_norm(n, g):
+    """y = x / ||x||_p along ``axis``: dx = (g - d||x||/dx * sum(g y)) / ||x||."""
+    e, x, y = n.e, n.x, n.y
+    axis, p = n.attr("axis", -1), n.attr("p", 2)
+    sgy = e.reduce("ReduceSum", g * y, [axis])
+    if p == 2:   # ||x|| = sum(x * y); d||x||/dx = y
+        return (g - y * sgy) / e.reduce("ReduceSum", x * y, [axis])
+    if p == 1:   # d||x||_1/dx = sign(x)
+        return (g - e.Sign(x) * sgy) / e.reduce("ReduceSum", e.Abs(x), [axis])
+    raise NotImplementedError(f"LpNormalization node {n.node.name!r}: p={p} (ONNX allows 1, 2)")
+
+
+@register("MeanVarianceNormalization")
+def _mvn(n, g):
+    """y = (x - m) / (s + 1e-9), s = sqrt(var) (ONNX's epsilon sits outside the root):
+    dx = (g - mean(g) - mean(g y) (x - m) / s) / (s + 1e-9)."""
+    e, x, y = n.e, n.x, n.y
+    axes = n.attr("axes", [0, 2, 3])
+    c = x - _mean(e, x, axes)
+    s = e.Sqrt(_mean(e, c * c, axes))
+    return (g - _mean(e, g, axes) - _mean(e, g * y, axes) * c / s) / (s + 1e-9)
+
+
+@register("LRN")
+def _lrn(n, g):
+    """y = x s^-beta, s = bias + alpha/size * W(x^2), W the channel window [c - lo, c + hi]:
+    dx = g s^-beta - 2 alpha beta / size * x * W'(g y / s), W' the mirrored window."""
+    e, x, y = n.e, n.x, n.y
+    size = n.attr("size")
+    alpha, beta, bias = n.attr("alpha", 1e-4), n.attr("beta", 0.75), n.attr("bias", 1.0)
+    rank = _rank(n, x)
+    lo = (size - 1) // 2
+    hi = size - 1 - lo
+
+    def window(t, before, after):  # out[c] = sum of t[c - before .. c + after] (zero outside)
+        if size == 1:
+            return t
+        pads = [0] * (2 * rank)
+        pads[1], pads[rank + 1] = before, after
+        tp = e.Pad(t, pads)
+        return e.Sum(*[e.Slice(tp, [k], [k - (size - 1) if k < size - 1 else _INT64_MAX], [1])
+                       for k in range(size)])
+
+    s = bias + (alpha / size) * window(x * x, lo, hi)
+    return g * s ** (-beta) - (2 * alpha * beta / size) * x * window(g * y / s, hi, lo)
+
+
+# -- Dropout ---------------------------------------------------------------------------------
+@register("Dropout")
+def _dropout(n, g):
+    """Inference (training_mode absent or false): identity. Training: g * mask / (1 - ratio),
+    with the node's own mask output; a training-mode node without that output cannot be
+    differentiated (its random mask is gone) and raises. training_mode given at run time: a Where
+    between the two. ratio gets no gradient (the mask is a random function of it)."""
+    if g is None:
+        return None
+    e = n.e
+    training = n.input(2)
+    flag = n.const(2)
+    if training is None or (flag is not None and not bool(flag)):
+        return g, None, None
+    mask = _out(n, 1)
+    if mask is None:
+        raise NotImplementedError(
+            f"Dropout node {n.node.name!r} may run in training mode but has no mask output, so "
+            f"its random mask cannot be recovered for the gradient: give the node its second "
+            f"output (outputs=[output, mask]), or run it with training_mode false")
+    ratio = n.input(1)
+    if ratio is None:
+        keep = e.const(2.0, g.dtype)
+    elif n.const(1) is not None:
+        keep = e.const(1.0 / (1.0 - float(n.const(1))), g.dtype)
+    else:
+        keep = e.Reciprocal(1 - _cast(e, ratio, g.dtype))
+    gx = g * e.Cast(mask, to=g.dtype) * keep
+    if flag is None:   # decided at run time
+        gx = e.Where(training, gx, g)
+    return gx, None, None
+
+
+# -- Hardmax, OneHot (CenterCropPad's rule lives with the shape ops in shape.py) ----------
+@register("OneHot")
+def _one_hot(n, g):
+    """y = where(one_hot(indices), values[1], values[0]): only ``values`` gets a gradient."""
+    e = n.e
+    hot = e.OneHot(n.ins[0], n.ins[1], e.const(np.array([0, 1]), g.dtype),
+                   axis=n.attr("axis", -1), _dtype=g.dtype)
+    on = e.ReduceSum(g * hot, keepdims=0)
+    off = e.ReduceSum(g, keepdims=0) - on
+    values = e.Concat(e.Reshape(off, [1]), e.Reshape(on, [1]), axis=0)
+    return None, None, _cast(e, values, n.ins[2].dtype)
+
+
+# piecewise constant: a zero gradient (not an unconnected one)
+table({"Hardmax": lambda n, g: n.e.zeros_like(n.x)})
