@@ -19,7 +19,7 @@ import onnx_ir as ir
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import NotDifferentiableError
-from .registry import Node, lookup
+from .registry import Node, attach_functions, lookup
 
 MIN_OPSET = 13  # the emitter writes axes as inputs (ReduceSum, Squeeze, Unsqueeze)
 
@@ -124,7 +124,7 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     results = [total(x) if x in live and x.dtype in FLOAT_DTYPES else None for x in x_vals]
     names = _outputs(e, graph, xs, x_vals, results, unconnected)
     _drop_dead(graph, e.nodes)
-    return GradientsResult(ir.serde.serialize_model(irm), names)
+    return GradientsResult(attach_functions(ir.serde.serialize_model(irm)), names)
 
 
 # -- preparation -------------------------------------------------------------------------------

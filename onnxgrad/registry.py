@@ -41,6 +41,29 @@ def table(rules: dict[str, Rule], *, domain: str = "", since: int = 1, until: in
         register(op, fn, domain=domain, since=since, until=until)
 
 
+# custom domain -> fn(ModelProto) -> ModelProto that adds the FunctionProtos of its ops
+_FUNCTIONS: dict[str, Callable] = {}
+
+
+def functions_for(domain: str, attach: Callable) -> None:
+    """Register how to attach the function bodies of ``domain``'s ops to a model using them."""
+    _FUNCTIONS[domain] = attach
+
+
+def attach_functions(model):
+    """Give a model the function bodies of every custom-domain op it uses, so any runtime runs it."""
+    used = set()
+    stack = [model.graph]
+    while stack:
+        for node in stack.pop().node:
+            used.add(node.domain)
+            stack.extend(a.g for a in node.attribute if a.HasField("g"))
+            stack.extend(g for a in node.attribute for g in a.graphs)
+    for domain in sorted(used & _FUNCTIONS.keys()):
+        model = _FUNCTIONS[domain](model)
+    return model
+
+
 def lookup(domain: str, op_type: str, opset: int) -> Rule | None:
     for since, until, fn in reversed(_RULES.get((domain, op_type), ())):
         if since <= opset <= until:
