@@ -19,7 +19,7 @@ import onnx_ir as ir
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import NotDifferentiableError
-from .registry import Node, attach_functions, lookup
+from .registry import Grads, Node, add_for, attach_functions, captured as _captured, lookup
 
 MIN_OPSET = 13  # the emitter writes axes as inputs (ReduceSum, Squeeze, Unsqueeze)
 
@@ -81,50 +81,102 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     scope = _unique_scope(graph, name)
     e = Emitter(graph, scope, opset)
 
-    on_path, live = _forward_reach(graph, x_vals, stop)
-    grads: dict[ir.Value, list[V]] = {}
+    seeds: dict[ir.Value, list[V]] = {}
     for y, gy in zip(y_vals, grad_ys):
         seed = _seed(e, graph, values, y, gy)
-        if seed is not None and y in live:
-            grads.setdefault(y, []).append(seed)
+        if seed is not None:
+            seeds.setdefault(y, []).append(seed)
 
-    summed: dict[ir.Value, V | None] = {}
-
-    def total(v: ir.Value) -> V | None:
-        if v not in summed:
-            parts = grads.pop(v, None)
-            e.prefix = f"{scope}/{_label(v)}_grad"
-            summed[v] = None if not parts else _aggregate(e, parts, aggregation, v).with_shape(
-                dims(v))
-        return summed[v]
-
-    for node in reversed(on_path):
-        gs = [total(v) if v in grads and v not in stop else None for v in node.outputs]
-        if all(g is None for g in gs):
-            continue
-        opset_of = opset if node.domain in ("", "ai.onnx") else irm.opset_imports.get(node.domain, 1)
-        rule = lookup("" if node.domain == "ai.onnx" else node.domain, node.op_type, opset_of)
-        if rule is None:
-            raise NotDifferentiableError(node.op_type, node.domain, opset_of, node.name,
-                                         _path(node, y_vals, x_vals, live, grads, summed))
-        e.prefix = f"{scope}/{node.name or node.op_type}_grad"
-        ctx = Node(node, e, gs, opset_of)
-        try:
-            out = rule(ctx, gs[0])
-        except NotDifferentiableError as err:  # a rule refusing one attribute value
-            if err.path:
-                raise
-            raise NotDifferentiableError(err.op_type, err.domain, err.opset, err.node_name,
-                                         _path(node, y_vals, x_vals, live, grads, summed)) from None
-        in_grads = out if isinstance(out, (tuple, list)) else (out,)
-        for v, gv in zip(node.inputs, in_grads):
-            if gv is not None and v is not None and v in live:
-                grads.setdefault(v, []).append(gv)
-
-    results = [total(x) if x in live and x.dtype in FLOAT_DTYPES else None for x in x_vals]
+    engine = Engine(irm, opset, aggregation)
+    results = engine.sweep(graph, e, seeds, x_vals, stop)
     names = _outputs(e, graph, xs, x_vals, results, unconnected)
     _drop_dead(graph, e.nodes)
     return GradientsResult(attach_functions(ir.serde.serialize_model(irm)), names)
+
+
+class Engine:
+    """The reverse sweep, for the top-level graph or any subgraph (control-flow rules call it
+    recursively through ``Node.differentiate``). Holds what is fixed for one gradients call."""
+
+    def __init__(self, irm: ir.Model, opset: int, aggregation):
+        self.irm, self.opset, self.aggregation = irm, opset, aggregation
+
+    def opset_of(self, domain: str) -> int:
+        if domain in ("", "ai.onnx"):
+            return self.opset
+        return self.irm.opset_imports.get(domain, 1)
+
+    def sweep(self, graph: ir.Graph, e: Emitter, seeds: dict, xs: list, stop=frozenset()
+              ) -> list[V | None]:
+        """Gradients of the seeded values with respect to each of ``xs``, appended to ``e``'s graph.
+
+        ``graph`` is the graph whose nodes are swept (the top-level graph, or a subgraph that the
+        caller built, whose nodes may read outer-scope values); ``seeds`` maps values to lists of
+        incoming gradients (V); ``xs`` may be values of ``graph``, its inputs, or outer-scope
+        values it reads. Returns one summed gradient (or None) per x. Cost: linear in the nodes.
+        """
+        scope = e.scope
+        on_path, live = _forward_reach(graph, xs, stop)
+        grads: dict[ir.Value, list[V]] = {}
+        for y, parts in seeds.items():
+            if y in live:
+                grads.setdefault(y, []).extend(parts)
+        y_vals = list(seeds)
+        summed: dict[ir.Value, V | None] = {}
+        aggregation = self.aggregation
+
+        def total(v: ir.Value) -> V | None:
+            if v not in summed:
+                parts = grads.pop(v, None)
+                e.prefix = f"{scope}/{_label(v)}_grad"
+                summed[v] = None if not parts else _name_grad(
+                    e, v, _aggregate(e, parts, aggregation, v).with_shape(dims(v)))
+            return summed[v]
+
+        for node in reversed(on_path):
+            gs = [total(v) if v in grads and v not in stop else None for v in node.outputs]
+            if all(g is None for g in gs):
+                continue
+            opset_of = self.opset_of(node.domain)
+            rule = lookup("" if node.domain == "ai.onnx" else node.domain, node.op_type, opset_of)
+            if rule is None:
+                raise NotDifferentiableError(node.op_type, node.domain, opset_of, node.name,
+                                             _path(node, y_vals, xs, live, grads, summed))
+            e.prefix = f"{scope}/{node.name or node.op_type}_grad"
+            ctx = Node(node, e, gs, opset_of, engine=self, live=live)
+            try:
+                out = rule(ctx, gs[0])
+            except NotDifferentiableError as err:  # a rule refusing one attribute value
+                if err.path:
+                    raise
+                raise NotDifferentiableError(err.op_type, err.domain, err.opset, err.node_name,
+                                             _path(node, y_vals, xs, live, grads, summed)) from None
+            for v, gv in _pairs(node, out):
+                if gv is not None and v is not None and v in live:
+                    grads.setdefault(v, []).append(gv)
+
+        return [total(x) if x in live and x.dtype in FLOAT_DTYPES else None for x in xs]
+
+
+def _pairs(node: ir.Node, out):
+    """(value, gradient) pairs from what a rule returned (see registry's docstring)."""
+    if isinstance(out, Grads):
+        return [*zip(node.inputs, out.inputs), *out.captured.items()]
+    return zip(node.inputs, out if isinstance(out, (tuple, list)) else (out,))
+
+
+def _name_grad(e: Emitter, v: ir.Value, g: V) -> V:
+    """A non-tensor gradient (a sequence) is named ``<name>@<scope>``, as TF names a TensorArray's
+    gradient ``<name>@<source>``; tensors keep the emitter's names."""
+    if v.type is None or isinstance(v.type, ir.TensorType) or not v.name:
+        return g
+    mine = (g.value.producer() is not None and g.value.producer().graph is e.graph
+            and not g.value.is_graph_output() and (g.value.name or "").startswith(e.scope + "/"))
+    if not mine:
+        g = e.op("Identity", g, _dtype=g.dtype)
+    g.value.type = v.type
+    g.value.name = e.unique(f"{v.name}@{e.scope}")
+    return g
 
 
 # -- preparation -------------------------------------------------------------------------------
@@ -225,21 +277,6 @@ def _label(v: ir.Value) -> str:
 
 
 # -- the sweep ---------------------------------------------------------------------------------
-def _captured(node: ir.Node) -> list[ir.Value]:
-    """Outer-scope values a node's subgraphs read (they are inputs of the node, implicitly)."""
-    inner, used = set(), []
-    for attr in node.attributes.values():
-        graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
-            list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
-        for g in graphs:
-            inner.update(g.inputs)
-            inner.update(g.initializers.values())
-            for n in ir.traversal.RecursiveGraphIterator(g):
-                inner.update(n.outputs)
-                used.extend(v for v in n.inputs if v is not None)
-    return [v for v in dict.fromkeys(used) if v not in inner]
-
-
 def _forward_reach(graph: ir.Graph, xs, stop):
     """Nodes that read something depending on xs (in topological order) and the float values
     that depend on xs; a stopped value is a constant unless it is itself an x."""
@@ -249,7 +286,9 @@ def _forward_reach(graph: ir.Graph, xs, stop):
     nodes = list(graph)
     for node in nodes:
         ins = [v for v in node.inputs if v is not None]
-        if not produced.issuperset(ins):
+        if not produced.issuperset(ins) and any(
+                v not in produced and v.producer() is not None and v.producer().graph is graph
+                for v in ins):  # values of outer scopes are always there
             graph.sort()  # not topologically ordered: let onnx-ir fix the order once
             return _forward_reach(graph, xs, stop)
         if node.attributes and any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
@@ -275,6 +314,9 @@ def _seed(e: Emitter, graph, values, y: ir.Value, gy) -> V:
         if y.dtype is not None and g.dtype is not None and g.dtype != y.dtype:
             raise TypeError(f"grad_ys: {gy!r} has dtype {g.dtype} but y {y.name!r} has {y.dtype}")
         return e.wrap(g)
+    if y.type is None or y.shape is None:
+        raise ValueError(f"grad_ys: {gy!r} would become a graph input like y {y.name!r}, whose "
+                         "type or rank is unknown; pass the name of an existing tensor instead")
     new = ir.Value(name=gy, type=y.type, shape=y.shape)
     graph.inputs.append(new)
     values[gy] = new
@@ -283,6 +325,12 @@ def _seed(e: Emitter, graph, values, y: ir.Value, gy) -> V:
 
 def _aggregate(e: Emitter, parts: list[V], method, v: ir.Value) -> V:
     if len(parts) == 1:
+        return parts[0]
+    add = add_for(v.type)  # values that are not tensors (sequences) add as their type says
+    if add is not None:
+        while len(parts) > 1:
+            parts = [add(e, parts[i], parts[i + 1]) if i + 1 < len(parts) else parts[i]
+                     for i in range(0, len(parts), 2)]
         return parts[0]
     if method is AggregationMethod.ADD_N:
         return e.op("Sum", *parts, _shape=dims(v))
