@@ -1,0 +1,7 @@
+"""``python -m onnxgrad``: the same as the ``onnxgrad`` command."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""The ``onnxgrad`` command.
+
+    onnxgrad grad MODEL -o OUT --ys NAME.. --xs NAME.. [--grad-ys ..] [--stop ..]
+                  [--unconnected none|zero] [--aggregation add_n|tree|accumulate_n] [--name SCOPE]
+    onnxgrad check MODEL --ys NAME.. --xs NAME.. [--feeds FILE.npz] [--dtype float64|float32]
+                   [--rtol R] [--atol A] [--eps E]
+    onnxgrad ops [--markdown]
+    onnxgrad train / export-train-step ...   (see onnxgrad/training/cli.py)
+    onnxgrad --version
+
+Exit status: 0 on success, 1 when ``check`` finds a gradient that does not match, 2 on an error
+(bad arguments, a missing file, an unknown tensor name, an op without a gradient rule). Errors are
+one line on stderr starting with ``onnxgrad: error:``; set ONNXGRAD_DEBUG=1 to see the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+PROG = "onnxgrad"
+_ONES = "-"  # in --grad-ys: "ones of y's shape" (what None means in the Python API)
+
+
+class UsageError(Exception):
+    """A bad command line or input file: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors, in the same one-line form as ours
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="tf.gradients for ONNX models: append gradient "
+                "subgraphs that run on a stock ONNX runtime, and check them numerically.")
+    p.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def names(q, flag, help_, required=True):
+        q.add_argument(flag, nargs="+", action="extend", metavar="NAME", required=required,
+                       help=help_)
+
+    g = sub.add_parser("grad", help="append the gradient of sum(ys) w.r.t. xs to a model",
+                       description="Append d(sum ys)/d(x) for each x to MODEL and write the "
+                       "result to OUT. Prints 'x -> gradient output name' per x ('None' when "
+                       "x is unconnected and --unconnected is none).")
+    g.add_argument("model", metavar="MODEL", help="the ONNX model to differentiate")
+    g.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write the result")
+    names(g, "--ys", "tensors to differentiate (their sum)")
+    names(g, "--xs", "tensors to differentiate with respect to (inputs, initializers or "
+                     "intermediate tensors)")
+    names(g, "--grad-ys", "one per y: an existing tensor, a new name (it becomes a graph input "
+                          f"fed at run time), or '{_ONES}' for ones (the default)", required=False)
+    names(g, "--stop", "tensors held constant (stop_gradients)", required=False)
+    g.add_argument("--unconnected", choices=["none", "zero"], default="none",
+                   help="gradient of an x that ys do not depend on: no output (none, the "
+                        "default) or a zeros output (zero)")
+    g.add_argument("--aggregation", choices=["add_n", "tree", "accumulate_n"], default=None,
+                   help="how gradients from several consumers are summed (default add_n)")
+    g.add_argument("--name", default="gradients", metavar="SCOPE",
+                   help="name scope of the added nodes (default 'gradients'; made unique)")
+    g.set_defaults(func=_cmd_grad)
+
+    c = sub.add_parser("check", help="check gradients against central finite differences",
+                       description="Compare onnxgrad's gradients of MODEL with central finite "
+                       "differences. Exits 0 when every x matches, 1 when one does not.")
+    c.add_argument("model", metavar="MODEL", help="the ONNX model to check")
+    names(c, "--ys", "tensors to differentiate (projected on random cotangents)")
+    names(c, "--xs", "graph inputs or initializers to check the gradients of")
+    names(c, "--stop", "tensors held constant (stop_gradients)", required=False)
+    c.add_argument("--feeds", metavar="FILE.npz",
+                   help="input values (np.savez); float inputs not given get random normals")
+    c.add_argument("--dtype", choices=["float64", "float32"], default="float64",
+                   help="float64 (default) runs a float64 copy of the model; float32 runs it "
+                        "as it is, with looser default tolerances")
+    c.add_argument("--rtol", type=_positive, help="relative tolerance")
+    c.add_argument("--atol", type=_positive, help="absolute tolerance")
+    c.add_argument("--eps", type=_positive, help="finite-difference step")
+    c.add_argument("--seed", type=int, default=0, help="seed of the random feeds and directions")
+    c.add_argument("--dim", type=int, default=2,
+                   help="size given to symbolic dims of random feeds (default 2)")
+    c.set_defaults(func=_cmd_check)
+
+    o = sub.add_parser("ops", help="list the ops that have gradient rules",
+                       description="List the ops with gradient rules and their opset ranges.")
+    o.add_argument("--markdown", action="store_true", help="as a markdown table")
+    o.set_defaults(func=_cmd_ops)
+
+    training = _training_cli()
+    if training is not None:  # train, export-train-step (onnxgrad/training/cli.py)
+        training.add_train_parser(sub)
+        training.add_export_train_step_parser(sub)
+    return p
+
+
+def _training_cli():
+    try:
+        from .training import cli as training
+    except ModuleNotFoundError as exc:  # a build without the training package
+        if exc.name and exc.name.startswith(f"{__package__}.training"):
+            return None
+        raise
+    return training
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return v
+
+
+# -- commands ----------------------------------------------------------------------------------
+def _load(path: str):
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise UsageError(f"{path}: is a directory, not an ONNX model")
+    try:
+        return onnx.load(path)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise UsageError(f"{path}: not a readable ONNX model ({exc})") from None
+
+
+def _cmd_grad(args, out) -> int:
+    from .autodiff import gradients
+    from .runtime import save_model
+
+    model = _load(args.model)
+    grad_ys = None
+    if args.grad_ys:
+        if len(args.grad_ys) != len(args.ys):
+            raise UsageError(f"--grad-ys has {len(args.grad_ys)} names but --ys has "
+                             f"{len(args.ys)}; give one per y ('{_ONES}' for ones)")
+        grad_ys = [None if n == _ONES else n for n in args.grad_ys]
+    res = gradients(model, args.ys, args.xs, grad_ys=grad_ys, name=args.name,
+                    stop_gradients=args.stop, unconnected_gradients=args.unconnected,
+                    aggregation_method=args.aggregation)
+    try:
+        save_model(res.model, args.output)
+    except OSError as exc:
+        raise UsageError(f"{args.output}: cannot write ({exc.strerror or exc})") from None
+    for x, g in zip(args.xs, res.grads):
+        print(f"{x} -> {g}", file=out)
+    return 0
+
+
+def _load_feeds(path: str, model) -> dict:
+    import numpy as np
+    from onnx import helper
+
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such file")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except Exception as exc:  # noqa: BLE001  (np.load raises several kinds for a bad file)
+        raise UsageError(f"{path}: not a readable .npz file ({exc})") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise UsageError(f"{path}: expected an .npz archive (np.savez), not a single array")
+    with data:
+        feeds = {k: data[k] for k in data.files}
+    declared = {vi.name: vi.type.tensor_type.elem_type for vi in model.graph.input
+                if vi.type.HasField("tensor_type")}
+    declared.update({t.name: t.data_type for t in model.graph.initializer})
+    unknown = sorted(set(feeds) - set(declared))
+    if unknown:
+        raise UsageError(f"{path}: {', '.join(map(repr, unknown))} "
+                         f"{'is not an input' if len(unknown) == 1 else 'are not inputs'} "
+                         f"of the model (inputs: {', '.join(map(repr, declared))})")
+    out = {}
+    for k, v in feeds.items():  # npz files often hold float64 / int32: match the declared type
+        want = helper.tensor_dtype_to_np_dtype(declared[k])
+        out[k] = v.astype(want) if v.dtype != want and v.dtype.kind in "fiub" else v
+    return out
+
+
+def _expose(model, ys):
+    """A copy of ``model`` in which every y that is an intermediate tensor is also a graph output
+    (check_gradients runs the model for ys, and a runtime returns only graph outputs)."""
+    import onnx
+
+    outputs = {o.name for o in model.graph.output}
+    produced = {o for n in model.graph.node for o in n.output}
+    missing = [y for y in dict.fromkeys(ys) if y not in outputs and y in produced]
+    if not missing:
+        return model
+    try:
+        typed = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001  (custom ops without inference: outputs stay untyped)
+        typed = model
+    infos = {vi.name: vi for vi in typed.graph.value_info}
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    for y in missing:
+        m.graph.output.append(infos.get(y) or onnx.helper.make_empty_tensor_value_info(y))
+    return m
+
+
+def _cmd_check(args, out) -> int:
+    from .check import check_gradients
+
+    model = _expose(_load(args.model), args.ys)
+    feeds = _load_feeds(args.feeds, model) if args.feeds else None
+    kw = {"stop_gradients": args.stop} if args.stop else {}
+    report = check_gradients(model, args.ys, args.xs, feeds, dtype=args.dtype, eps=args.eps,
+                             rtol=args.rtol, atol=args.atol, seed=args.seed, dim=args.dim, **kw)
+    print(report, file=out)
+    if report.ok:
+        print("all gradients match", file=out)
+        return 0
+    bad = [r.name for r in report.results if not r.ok]
+    print(f"MISMATCH: {', '.join(bad)}", file=out)
+    return 1
+
+
+def ops_table(markdown: bool = False) -> str:
+    """The supported-ops table, as ``onnxgrad ops`` prints it."""
+    from .registry import supported_ops
+
+    rows = [(d or "ai.onnx", op, str(s), "-" if u is None else str(u))
+            for d, op, s, u in supported_ops()]
+    head = ("domain", "op", "since", "until")
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
+                     for r in [head, *rows])
+
+
+def _cmd_ops(args, out) -> int:
+    print(ops_table(args.markdown), file=out)
+    return 0
+
+
+# -- entry point -------------------------------------------------------------------------------
+def _describe(exc: BaseException) -> str | None:
+    """The one-line message for an error a user can cause, or None for an unexpected one."""
+    from .errors import NotDifferentiableError
+
+    if isinstance(exc, UsageError):
+        return str(exc)
+    if isinstance(exc, NotDifferentiableError):
+        return str(exc)
+    if isinstance(exc, FileNotFoundError):
+        return f"{exc.filename or exc}: no such file"
+    if isinstance(exc, (ValueError, TypeError, KeyError)):
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        return str(msg)
+    try:
+        import onnx
+        if isinstance(exc, onnx.checker.ValidationError):
+            return f"the model is not valid ONNX: {str(exc).strip().splitlines()[0]}"
+    except ImportError:  # pragma: no cover
+        pass
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (sys.argv[1:] when None); returns the exit status."""
+    out = sys.stdout
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command is None:
+            raise UsageError(f"give a command (see '{PROG} --help')")
+        return args.func(args, out)
+    except SystemExit as exc:  # --help / --version
+        return exc.code if isinstance(exc.code, int) else 0
+    except BrokenPipeError:  # `onnxgrad ops | head`: the reader left; end quietly, as C tools do
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001  (one line, never a traceback)
+        if os.environ.get("ONNXGRAD_DEBUG"):
+            raise
+        msg = _describe(exc)
+        if msg is None:
+            msg = (f"unexpected {type(exc).__name__}: {exc} "
+                   "(set ONNXGRAD_DEBUG=1 for the traceback, and please report it)")
+        msg = " ".join(str(msg).split())  # one line
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
