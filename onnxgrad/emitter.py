@@ -255,6 +255,16 @@ class Emitter:
         r = self.op("ReduceSum", t, axes, keepdims=1, noop_with_empty_axes=1)
         return self.op("Reshape", r, sx, _shape=x.shape)
 
+    # -- appended for control flow (issue 4) ---------------------------------------------------
+    def child(self, graph: ir.Graph, prefix: str) -> Emitter:
+        """An emitter for a subgraph: its own graph and node list, names unique across the call
+        (shared counters), and the constants made so far reused (outer-scope values)."""
+        c = Emitter(graph, self.scope, self.opset)
+        c.prefix = prefix
+        c._counts = self._counts
+        c._consts = dict(self._consts)
+        return c
+
 
 @functools.lru_cache(maxsize=None)
 def _tensor_type(dtype):
@@ -262,10 +272,20 @@ def _tensor_type(dtype):
 
 
 def _attr(name, value):
+    # direct constructors for the common kinds: convert_attribute's protocol checks cost ~50x more
+    kind = type(value)
+    if kind is int or kind is bool or isinstance(value, ir.DataType):
+        return ir.AttrInt64(name, int(value))
+    if kind is float:
+        return ir.AttrFloat32(name, value)
+    if kind is str:
+        return ir.AttrString(name, value)
+    if (kind is list or kind is tuple) and all(type(v) is int for v in value):
+        return ir.AttrInt64s(name, value)
+    if isinstance(value, ir.Tensor):
+        return ir.AttrTensor(name, value)
     if isinstance(value, ir.Attr):
         return value
-    if isinstance(value, ir.DataType):
-        return ir.AttrInt64(name, int(value))
     return ir.convenience.convert_attribute(name, value)
 
 
@@ -287,3 +307,4 @@ def _out_dtype(op_type, ins, attrs):
     if op_type == "OneHot":
         return ins[2].dtype
     return next((x.dtype for x in ins if x is not None and x.dtype is not None), None)
+

@@ -1,1 +1,610 @@
-"""Gradient rules: conv."""
+"""Gradient rules: convolutions and pooling.
+
+Conv, ConvTranspose, AveragePool, LpPool, MaxPool, GlobalAveragePool, GlobalMaxPool, GlobalLpPool,
+MaxUnpool and Col2Im, with standard ops of the same family, so that a gradient runs at the speed of
+onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
+
+- Conv: dx is a ConvTranspose of g with W (same strides, dilations, group); with unit strides a
+  Conv of g with W flipped in space and its channel axes swapped, which onnxruntime runs faster.
+  dW is a Conv of x with g as the kernel in which the images are the channels summed over
+  (strides and dilations trade places); for 1-D and 2-D convolutions the channels become one more
+  spatial axis in front (one large GEMM instead of one thin GEMM per channel: about 2x faster in
+  onnxruntime, measured), for 3-D ones and depthwise kernels they become the batch. db is a
+  ReduceSum of g.
+- ConvTranspose: dx is the forward Conv of g with W; dW the same image/channel-swapped Conv with
+  g as the image and x as the kernel; db a ReduceSum.
+- AveragePool and LpPool: the adjoint of summing each window (a ConvTranspose with a ones kernel,
+  or a Conv for unit strides) hands each window's share back to its elements, the channels folded
+  into the batch so that C may be symbolic. AveragePool's divisors (count_include_pad, ceil_mode,
+  dilations) are counted per axis: numpy constants for static shapes, else from run-time shapes.
+- MaxPool: g is scattered to the argmax of each window. The forward's Indices output is reused when
+  the node has one (made row-major for storage_order=1); otherwise a second MaxPool with Indices
+  recomputes it on x. That is exact wherever a window sits (pads, dilations, ceil_mode) and breaks
+  ties as the runtime's forward does, which comparing an upsampled y with x cannot do once windows
+  overlap. Windows that cannot overlap (kernel extent <= stride) need a plain ScatterElements (opset
+  13); overlapping ones reduction="add" (opset 16; float16 adds in float32, which onnxruntime's CPU
+  ScatterElements requires).
+- GlobalMaxPool: g goes to the elements equal to the maximum, split evenly among ties.
+- MaxUnpool: a Gather of g at the indices; Col2Im: a Conv of g with one-hot kernels (the im2col
+  that Col2Im is the adjoint of).
+
+Geometry. Along each spatial axis a strided window op ties a long side (Conv's and the pools' x,
+ConvTranspose's y) to a short side (their y, ConvTranspose's x). The long side with ``b`` zeros in
+front and ``e`` zeros behind it (e < 0: its last -e elements cut off) is exactly
+``s*(O-1) + d*(k-1) + 1`` long, O the short side's length. :class:`_Geo` holds b and e:
+- "static": b and e are numbers, every pad an attribute (static spatial dims, unit strides, and
+  ConvTranspose without output_shape);
+- "loose": symbolic spatial dims with explicit pads: b is known and e within s-1 of the end pad,
+  so a pad that is sure to be enough, then a Slice to the run-time size;
+- "runtime": auto_pad SAME with symbolic dims, ConvTranspose's output_shape with a symbolic input,
+  or a kernel whose shape only the run time knows (as in second-order graphs): b and the windows'
+  reach from Shape, an explicit Pad and Slice.
+Batch dims are never read. The pads that auto_pad and output_shape imply follow the ONNX spec, as
+onnxruntime does for Conv and ConvTranspose. onnxruntime's pools deviate from the spec for auto_pad
+SAME with dilations > 1 (output size) or a stride larger than the kernel (negative pads); there the
+rule follows the spec.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from ..registry import register
+
+INT64 = ir.DataType.INT64
+_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+END = np.iinfo(np.int64).max
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _auto_pad(n) -> str:
+    a = n.attr("auto_pad", "NOTSET")
+    return a.decode() if isinstance(a, bytes) else a
+
+
+def _ints(v, count, default):
+    return [int(i) for i in v] if v is not None else [default] * count
+
+
+def _static_dims(v, nsp):
+    """v's spatial dims as ints, or None when any is unknown."""
+    s = v.shape
+    if s is None or len(s) != nsp + 2 or not all(isinstance(i, int) for i in s[2:]):
+        return None
+    return list(s[2:])
+
+
+def _kernel(n, w=None):
+    """The kernel's spatial shape as ints, or None when only the run time knows it (a computed
+    weight, as in the gradient graph of a Conv's weight gradient)."""
+    k = n.attr("kernel_shape")
+    if k is None and w is not None and w.shape is not None and len(w.shape) > 2 and all(
+            isinstance(i, int) for i in w.shape[2:]):
+        k = w.shape[2:]
+    return None if k is None else [int(i) for i in k]
+
+
+def _spatial_rank(n, k, w):
+    if k is not None:
+        return len(k)
+    for v in (w, n.x):
+        if v is not None and v.rank is not None:
+            return v.rank - 2
+    for name, per in (("strides", 1), ("dilations", 1), ("pads", 2), ("output_padding", 1)):
+        if n.attr(name) is not None:
+            return len(n.attr(name)) // per
+    raise NotImplementedError(f"the gradient of {n.node.op_type} node {n.node.name!r} needs the "
+                              "rank of its input: run onnx shape inference on the model first")
+
+
+def _spatial_shape(e, v):
+    """v's run-time spatial dims (1-D int64)."""
+    return e.Slice(e.Shape(v), [2], [END])
+
+
+def _dim(e, v, axis):
+    """v's run-time dim at ``axis`` (a scalar int64)."""
+    return e.Gather(e.Shape(v), e.const(np.array(axis, np.int64)))
+
+
+def _bias_grad(n, g, nsp):
+    if n.input(2) is None:
+        return None
+    return n.e.reduce("ReduceSum", g, [0, *range(2, 2 + nsp)], keepdims=0)
+
+
+def _group_channels(w):
+    """Channels per group of the long side: W's dim 1 for Conv and ConvTranspose alike."""
+    if w.shape is not None and len(w.shape) > 1 and isinstance(w.shape[1], int):
+        return w.shape[1]
+    return None
+
+
+def _out_len(dim, pb, pe, ek, s, ceil):
+    """Pooling/conv output length (onnxruntime's rule: with ceil_mode, a last window that would
+    start inside the end padding is dropped)."""
+    num = dim + pb + pe - ek
+    if not ceil:
+        return num // s + 1
+    o = -(-num // s) + 1
+    if (o - 1) * s >= dim + pb:
+        o -= 1
+    return o
+
+
+class _Geo:
+    """Where a window op's windows fall along its spatial axes; see the module docstring."""
+
+    def __init__(self, e, k, s, d, long, short, w=None):
+        self.e, self.k, self.s, self.d = e, k, s, d
+        self.nsp = len(s)
+        if k is not None:  # the kernel's extent d*(k-1)+1: ints, or a run-time vector
+            self.ek = [di * (ki - 1) + 1 for ki, di in zip(k, d)]
+        else:
+            self.ek = (_spatial_shape(e, w) - 1) * d + 1
+        self.long, self.short = long, short
+        self.axes = list(range(2, 2 + self.nsp))
+        self.mode = None
+        self.b = self.end = self.lo = self.hi = None  # static / loose
+        self.bv = self.f0 = None  # runtime
+        self.short_dims = None  # static short-side dims, when known
+        self.pe = None  # the end pads of a pool (int list or run-time vector), for its counts
+
+    def static(self, b, end, short_dims=None):
+        self.mode, self.b, self.end, self.short_dims = "static", b, end, short_dims
+        return self
+
+    def loose(self, b, lo, hi):
+        """b known; lo <= e <= hi."""
+        self.mode, self.b, self.lo, self.hi = "loose", b, lo, hi
+        return self
+
+    def runtime(self, bv):
+        e = self.e
+        self.mode, self.bv = "runtime", bv
+        self.f0 = (_spatial_shape(e, self.short) - 1) * self.s + self.ek
+        return self
+
+    def _attrs(self, pb, pe):
+        return {"strides": self.s, "dilations": self.d, "pads": list(pb) + list(pe)}
+
+    def _crop(self, t):
+        """Static mode: t (long side) without its last -e elements where e < 0."""
+        ends = [x if x < 0 else END for x in self.end]
+        if all(x == END for x in ends):
+            return t
+        return self.e.Slice(t, [0] * self.nsp, ends, self.axes)
+
+    def _fit(self, t):
+        """Runtime mode: t (long side) padded by b in front and padded or cut to s*(O-1)+ek."""
+        e = self.e
+        tail = e.Max(self.f0 - self.bv - _spatial_shape(e, t), 0)
+        padded = e.Pad(t, e.Concat([0, 0], self.bv, [0, 0], tail, axis=0))
+        return e.Slice(padded, [0] * self.nsp, self.f0, self.axes)
+
+    # -- the three linear maps ---------------------------------------------------------------
+    def short_from_long(self, t, w, group):
+        """Conv(t, w): t has the long side's length, the result the short side's."""
+        e, zero = self.e, [0] * self.nsp
+        if self.mode == "static":
+            return e.Conv(self._crop(t), w, group=group,
+                          **self._attrs(self.b, [max(x, 0) for x in self.end]))
+        if self.mode == "runtime":
+            return e.Conv(self._fit(t), w, group=group, **self._attrs(zero, zero))
+        r = e.Conv(t, w, group=group, **self._attrs(self.b, [max(h, 0) for h in self.hi]))
+        if any(h - lo >= s for h, lo, s in zip(self.hi, self.lo, self.s)):
+            r = e.Slice(r, zero, _spatial_shape(e, self.short), self.axes)
+        return r
+
+    def long_from_short(self, t, w, group, flipped=None):
+        """ConvTranspose(t, w): the adjoint of short_from_long. With unit strides, a Conv with
+        the flipped kernel (``flipped()``: w's adjoint kernel, or None) where the pads allow:
+        onnxruntime's Conv is faster than its ConvTranspose."""
+        e, zero = self.e, [0] * self.nsp
+        if self.mode == "static" and flipped is not None and all(s == 1 for s in self.s):
+            pb = [k - 1 - b for k, b in zip(self.ek, self.b)]
+            pe = [k - 1 - x for k, x in zip(self.ek, self.end)]
+            wf = flipped() if min(pb + pe) >= 0 else None
+            if wf is not None:
+                return e.Conv(t, wf, group=group, **self._attrs(pb, pe))
+        if self.mode == "static":
+            pe = [max(x, 0) for x in self.end]
+            op = [max(-x, 0) for x in self.end]
+            extra = [o if o >= s else 0 for o, s in zip(op, self.s)]  # keep output_padding < s
+            op = [o - x for o, x in zip(op, extra)]
+            r = e.ConvTranspose(t, w, group=group, output_padding=op if any(op) else None,
+                                **self._attrs(self.b, pe))
+            if any(extra):
+                r = e.Pad(r, [0] * (self.nsp + 2) + [0, 0] + extra)
+            return r
+        if self.mode == "loose":
+            pe = [max(lo, 0) for lo in self.lo]
+            op = [p - lo for p, lo in zip(pe, self.lo)]  # < s: lo >= p_e - (s-1)
+            r = e.ConvTranspose(t, w, group=group, output_padding=op if any(op) else None,
+                                **self._attrs(self.b, pe))
+            if any(h > lo for h, lo in zip(self.hi, self.lo)):
+                r = e.Slice(r, zero, _spatial_shape(e, self.long), self.axes)
+            return r
+        full = e.ConvTranspose(t, w, group=group, **self._attrs(zero, zero))  # s*(O-1)+ek long
+        dims = _spatial_shape(e, self.long)
+        tail = e.Max(self.bv + dims - self.f0, 0)
+        r = e.Pad(full, e.Concat([0] * (self.nsp + 2), [0, 0], tail, axis=0))
+        return e.Slice(r, self.bv, self.bv + dims, self.axes)
+
+    def weight(self, inp, gy, group, cg):
+        """dW [Co, cg, *k] of a window op with long side ``inp`` [N, group*cg, ...] and short side
+        gradient ``gy`` [N, Co, ...]: a Conv that sums over the images as its input channels, gy
+        its kernel (strides and dilations trade places)."""
+        e, zero = self.e, [0] * self.nsp
+        if self.mode == "static":
+            inp, pb, pe = self._crop(inp), self.b, [max(x, 0) for x in self.end]
+        elif self.mode == "loose":
+            pb, pe = self.b, [max(h, 0) for h in self.hi]
+        else:
+            inp, pb, pe = self._fit(inp), zero, zero
+        perm = [1, 0, *self.axes]
+        if self.nsp <= 2 and cg != 1:
+            # channels as one more spatial axis in front: one large GEMM for all channel pairs,
+            # where channels as the batch (below) makes MLAS run one thin GEMM per channel
+            # (about 2x slower, measured); depthwise kernels (cg = 1) gain nothing from it
+            ker = e.Unsqueeze(e.Transpose(gy, perm=perm), [2])  # [Co, N, 1, *O]
+            r = e.Conv(self._stack(inp, group, cg), ker, group=group, strides=[1, *self.d],
+                       dilations=[1, *self.s], pads=[0, *pb, 0, *pe])
+            r = e.Squeeze(r, [0])
+        else:
+            r = e.Conv(self._swap(inp, group, cg), e.Transpose(gy, perm=perm), group=group,
+                       strides=self.d, dilations=self.s, pads=pb + pe)
+            r = e.Transpose(r, perm=perm)
+        if self.mode == "loose" and any(h - lo >= d for h, lo, d in zip(self.hi, self.lo, self.d)):
+            r = e.Slice(r, zero, self.k, self.axes)
+        return r
+
+    def _stack(self, t, group, cg):
+        """[N, group*cg, *L] -> [1, group*N, cg, *L] with channel j*N + n = t[n, j*cg + c]."""
+        e = self.e
+        if group == 1:
+            return e.Unsqueeze(t, [0])
+        cgv = [cg] if cg is not None else e.Reshape(e.Div(_dim(e, t, 1), group), [1])
+        u = e.Transpose(e.Reshape(t, [0, group, -1]), perm=[1, 0, 2])  # [group, N, cg*L]
+        return e.Reshape(u, e.Concat([1, -1], cgv, _spatial_shape(e, t), axis=0))
+
+    def _swap(self, t, group, cg):
+        """[N, group*cg, *L] -> [cg, group*N, *L] with channel j*N + n = t[n, j*cg + c]."""
+        e = self.e
+        if group == 1:
+            return e.Transpose(t, perm=[1, 0, *self.axes])
+        if cg is None:
+            cg = e.Div(_dim(e, t, 1), group)
+            head = e.Concat([0, group], e.Reshape(cg, [1]), [-1], axis=0)
+            back = e.Concat(e.Reshape(cg, [1]), [-1], _spatial_shape(e, t), axis=0)
+        else:
+            head = [0, group, cg, -1]
+            back = e.Concat([cg, -1], _spatial_shape(e, t), axis=0)
+        u = e.Transpose(e.Reshape(t, head), perm=[2, 1, 0, 3])
+        return e.Reshape(u, back)
+
+
+def _flipped(e, w, group, nsp):
+    """Conv's kernel W [M, C/G, *k] as the kernel of its adjoint: [C, M/G, *k] reversed in
+    space (None unless W's shape is static)."""
+    if w.shape is None or not all(isinstance(i, int) for i in w.shape):
+        return None
+    m, cg, *k = w.shape
+    if group == 1:
+        t = e.Transpose(w, perm=[1, 0, *range(2, 2 + nsp)])
+    else:
+        t = e.Reshape(w, [group, m // group, cg, *k])
+        t = e.Transpose(t, perm=[0, 2, 1, *range(3, 3 + nsp)])
+        t = e.Reshape(t, [group * cg, m // group, *k])
+    return e.Slice(t, [-1] * nsp, [np.iinfo(np.int64).min] * nsp, list(range(2, 2 + nsp)),
+                   [-1] * nsp)
+
+
+def _window_geo(n, k, s, d, x, g, ceil=False, w=None):
+    """Geometry of Conv and the pools: the long side is x, the short side g."""
+    e, nsp = n.e, len(s)
+    geo = _Geo(e, k, s, d, long=x, short=g, w=w)
+    ek, auto, dims = geo.ek, _auto_pad(n), _static_dims(x, nsp)
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        if dims is None or k is None:
+            total = e.Max((_spatial_shape(e, g) - 1) * s + ek - _spatial_shape(e, x), 0)
+            half = e.Div(total, 2)
+            bv = half if auto == "SAME_UPPER" else total - half
+            geo.pe = total - bv
+            return geo.runtime(bv)
+        out = [-(-di // si) for di, si in zip(dims, s)]
+        total = [max(0, (o - 1) * si + eki - di) for o, si, eki, di in zip(out, s, ek, dims)]
+        b = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in total]
+        geo.pe = [t - bi for t, bi in zip(total, b)]
+    else:
+        pads = _ints(n.attr("pads") if auto == "NOTSET" else None, 2 * nsp, 0)
+        b, geo.pe = pads[:nsp], pads[nsp:]
+        if k is None:  # Conv only: pads known, the windows' reach from run-time shapes
+            return geo.runtime(e.const(np.array(b, np.int64)))
+        if dims is None and all(si == 1 for si in s):  # unit strides: e is the end pad
+            return geo.static(b, list(geo.pe))
+        if dims is None:
+            return geo.loose(b, [p - (si - 1) for p, si in zip(geo.pe, s)],
+                             [p + (si - 1 if ceil else 0) for p, si in zip(geo.pe, s)])
+        out = [_out_len(di, bi, pi, eki, si, ceil)
+               for di, bi, pi, eki, si in zip(dims, b, geo.pe, ek, s)]
+    end = [si * (o - 1) + eki - di - bi for si, o, eki, di, bi in zip(s, out, ek, dims, b)]
+    return geo.static(b, end, out)
+
+
+def _conv_attrs(n, nsp):
+    return (_ints(n.attr("strides"), nsp, 1), _ints(n.attr("dilations"), nsp, 1),
+            int(n.attr("group", 1)))
+
+
+# -- Conv and ConvTranspose ------------------------------------------------------------------------
+@register("Conv")
+def _conv(n, g):
+    x, w = n.x, n.ins[1]
+    k = _kernel(n, w)
+    nsp = _spatial_rank(n, k, w)
+    s, d, group = _conv_attrs(n, nsp)
+    geo = _window_geo(n, k, s, d, x, g, w=w)
+    dx = geo.long_from_short(g, w, group, lambda: _flipped(n.e, w, group, nsp))
+    dw = geo.weight(x, g, group, _group_channels(w))
+    return dx, dw, _bias_grad(n, g, nsp)
+
+
+def _transpose_geo(n, k, s, d, x, g):
+    """Geometry of ConvTranspose: the long side is y (g), the short side x."""
+    e, nsp = n.e, len(s)
+    geo = _Geo(e, k, s, d, long=g, short=x, w=n.ins[1])
+    ek, auto = geo.ek, _auto_pad(n)
+    op = _ints(n.attr("output_padding"), nsp, 0)
+    out_shape = n.attr("output_shape")
+    upper = auto == "SAME_UPPER"
+    if out_shape is not None:  # pads from the spec's total_padding; the extra goes to the end
+        out = [int(i) for i in out_shape[-nsp:]]  # for SAME_UPPER only, else to the beginning
+        dims = _static_dims(x, nsp)
+        if dims is None or k is None:
+            full = (_spatial_shape(e, x) - 1) * s + op + ek
+            total = e.Max(full - out, 0)
+            half = e.Div(total, 2)
+            return geo.runtime(half if upper else total - half)
+        total = [max(0, si * (di - 1) + o + eki - oi)
+                 for si, di, o, eki, oi in zip(s, dims, op, ek, out)]
+        b = [t // 2 if upper else t - t // 2 for t in total]
+        end = [si * (di - 1) + eki - bi - oi for si, di, eki, bi, oi in zip(s, dims, ek, b, out)]
+    elif auto in ("SAME_UPPER", "SAME_LOWER"):  # y is x*s long
+        if k is None:
+            total = e.Max(ek + [o - si for o, si in zip(op, s)], 0)
+            half = e.Div(total, 2)
+            return geo.runtime(half if upper else total - half)
+        total = [max(0, o + eki - si) for o, eki, si in zip(op, ek, s)]
+        b = [t // 2 if upper else t - t // 2 for t in total]
+        end = [eki - si - bi for eki, si, bi in zip(ek, s, b)]
+    else:
+        pads = _ints(n.attr("pads") if auto == "NOTSET" else None, 2 * nsp, 0)
+        b = pads[:nsp]
+        end = [p - o for p, o in zip(pads[nsp:], op)]
+    return geo.static(b, end)
+
+
+@register("ConvTranspose")
+def _conv_transpose(n, g):
+    x, w = n.x, n.ins[1]
+    k = _kernel(n, w)
+    nsp = _spatial_rank(n, k, w)
+    s, d, group = _conv_attrs(n, nsp)
+    geo = _transpose_geo(n, k, s, d, x, g)
+    dx = geo.short_from_long(g, w, group)
+    dw = geo.weight(g, x, group, _group_channels(w))
+    return dx, dw, _bias_grad(n, g, nsp)
+
+
+# -- average and Lp pooling ------------------------------------------------------------------------
+def _pool_geo(n):
+    k = n.attr("kernel_shape")
+    nsp = len(k)
+    s, d = _ints(n.attr("strides"), nsp, 1), _ints(n.attr("dilations"), nsp, 1)
+    return _window_geo(n, k, s, d, n.x, n.gs[0], ceil=bool(n.attr("ceil_mode", 0)))
+
+
+def _spread(n, geo, t):
+    """Every window's value of t handed to each element of x the window covers (the adjoint of
+    summing over windows), channel by channel."""
+    e = n.e
+    ones = e.const(np.ones([1, 1, *geo.k]), t.dtype)
+    if geo.short_dims is not None:
+        flat = [-1, 1, *geo.short_dims]
+    else:
+        flat = e.Concat([-1, 1], _spatial_shape(e, t), axis=0)
+    r = geo.long_from_short(e.Reshape(t, flat), ones, 1, lambda: ones)
+    return e.Reshape(r, e.Shape(n.x))
+
+
+def _counts_static(geo, dims, incl):
+    """Per axis, how many taps of each window the divisor counts (numpy)."""
+    out = []
+    for i in range(geo.nsp):
+        s, d, k, b = geo.s[i], geo.d[i], geo.k[i], geo.b[i]
+        start = np.arange(geo.short_dims[i]) * s - b
+        hi = dims[i] + geo.pe[i] if incl else dims[i]
+        top = np.minimum(k, (np.maximum(hi - start, 0) + d - 1) // d)
+        bottom = 0 if incl else (np.maximum(-start, 0) + d - 1) // d
+        out.append(np.maximum(top - bottom, 0))
+    return out
+
+
+def _counts_runtime(n, geo, incl):
+    """The same counts from run-time shapes (int64 vectors)."""
+    e, x, g = n.e, n.x, n.gs[0]
+    out = []
+    for i in range(geo.nsp):
+        s, d, k = geo.s[i], geo.d[i], geo.k[i]
+        b = geo.b[i] if geo.bv is None else e.Gather(geo.bv, e.const(np.array(i)))
+        start = e.Range(0, _dim(e, g, 2 + i), 1) * s - b
+        hi = _dim(e, x, 2 + i)
+        if incl:
+            hi = hi + (geo.pe[i] if geo.bv is None else e.Gather(geo.pe, e.const(np.array(i))))
+        top = e.Min(e.Div(e.Max(hi - start, 0) + (d - 1), d), k)
+        if not incl:
+            top = e.Max(top - e.Div(e.Max(-start, 0) + (d - 1), d), 0)
+        out.append(top)
+    return out
+
+
+def _inverse_counts(n, geo, incl, dtype):
+    """1 / the divisor of each window of AveragePool: a python number when every window counts
+    prod(k) taps, else a tensor broadcasting against g."""
+    nsp, full = geo.nsp, math.prod(geo.k)
+    ceil = bool(n.attr("ceil_mode", 0))
+    padded = geo.bv is not None or any(geo.b) or any(geo.pe)
+    if not ceil and (incl or not padded):  # every window lies inside the (padded) input
+        return 1.0 / full
+    e, w = n.e, None
+    if geo.mode == "static" and geo.short_dims is not None:
+        counts = _counts_static(geo, _static_dims(n.x, nsp), incl)
+        if all((c == geo.k[i]).all() for i, c in enumerate(counts)):
+            return 1.0 / full
+        grid = np.ones([1, 1] + [1] * nsp)
+        for i, c in enumerate(counts):
+            grid = grid * c.reshape([1, 1] + [-1 if j == i else 1 for j in range(nsp)])
+        return e.const(1.0 / grid, dtype)
+    for i, c in enumerate(_counts_runtime(n, geo, incl)):
+        c = e.Reshape(e.Cast(c, to=dtype), [1, 1] + [-1 if j == i else 1 for j in range(nsp)])
+        w = c if w is None else w * c
+    return e.Reciprocal(w)
+
+
+@register("AveragePool")
+def _average_pool(n, g):
+    geo = _pool_geo(n)
+    w = _inverse_counts(n, geo, bool(n.attr("count_include_pad", 0)), g.dtype)
+    return _spread(n, geo, g * w)
+
+
+def _lp_parts(n, g, y):
+    """g / y^(p-1) and x|x|^(p-2) (sign(x) for p=1): their product is the Lp norm's gradient."""
+    e, x = n.e, n.x
+    p = n.attr("p", 2)
+    p = int(p) if float(p).is_integer() else float(p)
+    if p == 1:
+        return g, e.Sign(x)
+    # y = 0 only where every element of the window is 0, whose gradient factor is 0 as well
+    safe = e.Where(e.Equal(y, e.const(0, y.dtype)), e.const(1, y.dtype), y)
+    q = g / (safe if p == 2 else e.Pow(safe, e.const(p - 1, y.dtype)))
+    return q, (x if p == 2 else e.Sign(x) * e.Pow(e.Abs(x), e.const(p - 1, x.dtype)))
+
+
+@register("LpPool")
+def _lp_pool(n, g):
+    q, factor = _lp_parts(n, g, n.y)
+    return _spread(n, _pool_geo(n), q) * factor
+
+
+# -- global pools ----------------------------------------------------------------------------------
+def _spatial_axes(n, x):
+    if x.rank is not None:
+        return list(range(2, x.rank))
+    return n.e.Range(2, n.e.Size(n.e.Shape(x)), 1)
+
+
+@register("GlobalAveragePool")
+def _global_average_pool(n, g):
+    e, x = n.e, n.x
+    dims = x.shape[2:] if x.shape is not None else None
+    if dims is not None and all(isinstance(i, int) for i in dims):
+        scaled = g * (1.0 / math.prod(dims))
+    else:
+        scaled = g / e.Cast(e.Div(e.Size(x), e.Size(g)), to=g.dtype)
+    return e.Expand(scaled, e.Shape(x))
+
+
+@register("GlobalMaxPool")
+def _global_max_pool(n, g):
+    e, x = n.e, n.x
+    hit = e.Cast(e.Equal(x, n.y), to=g.dtype)
+    return hit * (g / e.reduce("ReduceSum", hit, _spatial_axes(n, x), keepdims=1))
+
+
+@register("GlobalLpPool")
+def _global_lp_pool(n, g):
+    q, factor = _lp_parts(n, g, n.y)
+    return q * factor
+
+
+# -- max pooling -----------------------------------------------------------------------------------
+def _row_major(n, idx, x, nsp):
+    """MaxPool indices of storage_order=1 (each image plane column-major) made row-major."""
+    e = n.e
+    dims = _static_dims(x, nsp)
+    if dims is None:
+        dims = [_dim(e, x, 2 + i) for i in range(nsp)]
+    plane = dims[0]
+    for dm in dims[1:]:
+        plane = plane * dm
+    rem = e.Mod(idx, plane)
+    base = idx - rem
+    coords = []
+    for dm in dims[:-1]:  # the first spatial axis varies fastest
+        coords.append(e.Mod(rem, dm))
+        rem = e.Div(rem, dm)
+    coords.append(rem)
+    flat = coords[0]
+    for c, dm in zip(coords[1:], dims[1:]):
+        flat = flat * dm + c
+    return base + flat
+
+
+@register("MaxPool")
+def _max_pool(n, g):
+    e, x = n.e, n.x
+    k = n.attr("kernel_shape")
+    nsp = len(k)
+    s, d = _ints(n.attr("strides"), nsp, 1), _ints(n.attr("dilations"), nsp, 1)
+    overlap = any(di * (ki - 1) + 1 > si for ki, si, di in zip(k, s, d))
+    if overlap:
+        e.need(16)  # ScatterElements reduction="add": one element may be the max of two windows
+    idx = n.outs[1] if len(n.outs) > 1 and n.outs[1] is not None and n.outs[1].name else None
+    if idx is None:  # recompute the argmax (row-major) with the forward's own attributes
+        attrs = {a: v for a, v in n.node.attributes.items() if a != "storage_order"}
+        _, idx = e.op("MaxPool", x, _outputs=2, _dtype=[x.dtype, INT64], **attrs)
+    elif n.attr("storage_order", 0) == 1:
+        idx = _row_major(n, idx, x, nsp)
+    # onnxruntime's CPU ScatterElements adds no float16/bfloat16: those add in float32
+    dtype = ir.DataType.FLOAT if overlap and g.dtype in _HALF else g.dtype
+    src = e.Reshape(g if dtype == g.dtype else e.Cast(g, to=dtype), [-1])
+    zeros = e.ConstantOfShape(e.Reshape(e.Size(x), [1]),
+                              value=ir.tensor(np.zeros(1, dtype.numpy())), _dtype=dtype)
+    flat = e.ScatterElements(zeros, e.Reshape(idx, [-1]), src, axis=0,
+                             reduction="add" if overlap else None)
+    if dtype != g.dtype:
+        flat = e.Cast(flat, to=g.dtype)
+    return e.Reshape(flat, e.Shape(x))
+
+
+@register("MaxUnpool")
+def _max_unpool(n, g):
+    """y's flat element I[j] is x's element j (indices into y as a whole, as MaxPool makes them)."""
+    e = n.e
+    taken = e.Gather(e.Reshape(g, [-1]), e.Reshape(n.ins[1], [-1]), axis=0)
+    return e.Reshape(taken, e.Shape(n.x)), None, None
+
+
+# -- Col2Im ----------------------------------------------------------------------------------------
+@register("Col2Im")
+def _col2im(n, g):
+    """Col2Im sums blocks into an image; its adjoint cuts the blocks out again (im2col), which is
+    a Conv of each channel with one one-hot kernel per block position."""
+    e = n.e
+    block = n.const(2)
+    if block is None:
+        raise NotImplementedError(f"the gradient of Col2Im node {n.node.name!r} needs a constant "
+                                  "block_shape")
+    k = [int(i) for i in block]
+    nsp = len(k)
+    kk = math.prod(k)
+    eye = e.const(np.eye(kk).reshape(kk, 1, *k), g.dtype)
+    t = e.Reshape(g, e.Concat([-1, 1], _spatial_shape(e, g), axis=0))
+    cols = e.Conv(t, eye, strides=_ints(n.attr("strides"), nsp, 1),
+                  dilations=_ints(n.attr("dilations"), nsp, 1),
+                  pads=_ints(n.attr("pads"), 2 * nsp, 0))
+    return e.Reshape(cols, e.Shape(n.x)), None, None

@@ -1,0 +1,699 @@
+"""Gradient rules of onnxgrad/rules/conv.py: convolutions and pooling.
+
+Three oracles:
+- float64 central finite differences (``util.assert_gradients``; onnxruntime has no float64 Conv,
+  ConvTranspose, AveragePool or LpPool kernels, so those run on onnx.reference), which also runs
+  the same gradient graph in float32 on onnxruntime;
+- PyTorch autograd in float32 on onnxruntime, to 1e-4 relative, with random cotangents;
+- PyTorch double backward for second-order gradients (gradient of gradient).
+
+onnx.reference's ConvTranspose mishandles group > 1 and output_shape without auto_pad SAME (onnx
+1.23); a fixture swaps in a spec-following version (checked against onnxruntime below).
+onnx.reference's LpPool with ceil_mode disagrees with onnxruntime (and with the spec), and neither
+runtime has a float64 GlobalLpPool, so those cases use float32 differences on onnxruntime.
+(onnx.reference's MaxPool with SAME_LOWER is off too, but MaxPool runs on onnxruntime in float64.)
+onnx's shape inference overestimates a ceil_mode pool's output when the last window would start in
+the end padding (onnxruntime drops that window and folds Shape() of the wrongly typed value), so
+such configurations are left out here.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvTranspose
+from util import assert_gradients, make_model, op_model
+
+import onnxgrad
+import onnxgrad.runtime as runtime
+from onnxgrad.runtime import run, session
+
+F32 = np.float32
+
+
+# -- a reference ConvTranspose that follows the spec -----------------------------------------------
+class ConvTranspose(_RefConvTranspose):
+    """onnx.reference's ConvTranspose, group by group, on its full output (no pads), cropped or
+    zero-extended to the window the spec's pads / output_shape / auto_pad name."""
+
+    def _run(self, X, W, B=None, auto_pad=None, dilations=None, group=None, kernel_shape=None,
+             output_padding=None, output_shape=None, pads=None, strides=None):
+        nsp = X.ndim - 2
+        auto = auto_pad.decode() if isinstance(auto_pad, bytes) else (auto_pad or "NOTSET")
+        s, d = list(strides or [1] * nsp), list(dilations or [1] * nsp)
+        op = list(output_padding or [0] * nsp)
+        ek = [(k - 1) * di + 1 for k, di in zip(W.shape[2:], d)]
+        full = [si * (xi - 1) + o + e for si, xi, o, e in zip(s, X.shape[2:], op, ek)]
+        if output_shape is not None or auto in ("SAME_UPPER", "SAME_LOWER"):
+            out = (list(output_shape)[-nsp:] if output_shape is not None
+                   else [xi * si for xi, si in zip(X.shape[2:], s)])
+            total = [max(0, f - o) for f, o in zip(full, out)]
+            begin = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in total]
+        else:
+            p = list(pads or [0] * 2 * nsp) if auto == "NOTSET" else [0] * 2 * nsp
+            begin = p[:nsp]
+            out = [f - a - b for f, a, b in zip(full, p[:nsp], p[nsp:])]
+        g = group or 1
+        parts = [super(ConvTranspose, self)._run(
+            xg, wg, None, auto_pad="NOTSET", dilations=d, group=1, kernel_shape=None,
+            output_padding=[0] * nsp, output_shape=None, pads=[0] * (2 * nsp), strides=s)[0]
+            for xg, wg in zip(np.split(X, g, axis=1), np.split(W, g, axis=0))]
+        y = np.concatenate(parts, axis=1)
+        big = np.zeros(y.shape[:2] + tuple(b + o + f for b, o, f in zip(begin, out, full)), y.dtype)
+        big[(slice(None), slice(None)) + tuple(slice(0, n) for n in y.shape[2:])] = y
+        y = big[(slice(None), slice(None)) + tuple(slice(b, b + o) for b, o in zip(begin, out))]
+        if B is not None:
+            y = y + B.reshape((1, -1) + (1,) * nsp)
+        return (np.ascontiguousarray(y).astype(X.dtype),)
+
+
+@pytest.fixture(autouse=True)
+def _spec_conv_transpose(monkeypatch):
+    base = runtime._exact_ops()
+    monkeypatch.setattr(runtime, "_exact_ops", lambda: [*base, ConvTranspose])
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def rnd(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(F32)
+
+
+def sym(shape, names="NCDHW"):
+    """A symbolic version of a shape: batch, channels and spatial dims all named."""
+    return [names[i] if i < 2 else f"S{i}" for i in range(len(shape))]
+
+
+def model_of(op, feeds, symbolic=(), opset=18, n_out=1, **attrs):
+    """A one-node model whose inputs are ``feeds`` (names in order), dims named where asked:
+    symbolic = 'batch' (dim 0) and/or 'spatial' (dims 2..)."""
+    ins = {}
+    for name, v in feeds.items():
+        shape = list(v.shape)
+        if name == "x":
+            if "batch" in symbolic:
+                shape[0] = "N"
+            if "spatial" in symbolic:
+                shape[2:] = [f"S{i}" for i in range(len(shape) - 2)]
+        ins[name] = (v.dtype.type, shape)
+    return op_model(op, ins, n_out=n_out, opset=opset, **attrs)
+
+
+def fd(model, feeds, xs=None, ys="y", **kw):
+    return assert_gradients(model, ys, xs or list(feeds), feeds, **kw)
+
+
+def versus_torch(model, feeds, xs, fn, seed=1, ys="y"):
+    """onnxgrad's gradients in float32 on onnxruntime against torch autograd, same cotangent."""
+    torch = pytest.importorskip("torch")
+    y = run(model, feeds, outputs=[ys])[0]
+    cot = rnd(y.shape, seed)
+    res = onnxgrad.gradients(model, ys, xs, grad_ys=["cot"])
+    got = session(res.model).run(res.grads, {**feeds, "cot": cot})
+    t = {k: torch.tensor(v, requires_grad=k in xs) for k, v in feeds.items()}
+    ty = fn(**t)
+    np.testing.assert_allclose(ty.detach().numpy(), y, rtol=1e-4, atol=1e-4, err_msg="forward")
+    want = torch.autograd.grad(ty, [t[k] for k in xs], torch.tensor(cot))
+    for k, a, b in zip(xs, got, want):
+        b = b.numpy()
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(b).max()),
+                                   err_msg=f"grad of {k}")
+
+
+def second_order_versus_torch(model, feeds, xs, fn, seed=2):
+    """The gradient of <first gradients, v> with respect to xs and the cotangent, against torch's
+    double backward: every op a first-order rule emits must have a rule of its own."""
+    torch = pytest.importorskip("torch")
+    y = run(model, feeds, outputs=["y"])[0]
+    gy = rnd(y.shape, seed)
+    first = onnxgrad.gradients(model, "y", xs, grad_ys=["gy"])
+    vs = {f"v{i}": rnd(feeds[x].shape, seed + 1 + i) for i, x in enumerate(xs)}
+    second = onnxgrad.gradients(first.model, first.grads, [*xs, "gy"], grad_ys=list(vs),
+                                unconnected_gradients="zero")
+    onnx.checker.check_model(second.model, full_check=True)
+    got = session(second.model).run(second.grads, {**feeds, "gy": gy, **vs})
+    t = {k: torch.tensor(v, requires_grad=k in xs) for k, v in feeds.items()}
+    tg = torch.tensor(gy, requires_grad=True)
+    g1 = torch.autograd.grad(fn(**t), [t[k] for k in xs], tg, create_graph=True)
+    srcs = [t[k] for k in xs] + [tg]
+    g2 = torch.autograd.grad(g1, srcs, [torch.tensor(v) for v in vs.values()], allow_unused=True)
+    for name, a, b, src in zip([*xs, "gy"], got, g2, srcs):
+        b = np.zeros(src.shape, F32) if b is None else b.detach().numpy()
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(b).max()),
+                                   err_msg=f"second-order grad of {name}")
+
+
+def tconv(nsp):
+    import torch.nn.functional as F
+    return [F.conv1d, F.conv2d, F.conv3d][nsp - 1]
+
+
+def opset_of(m):
+    return next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
+
+
+# -- the spec-following reference ConvTranspose itself ---------------------------------------------
+@pytest.mark.parametrize("attrs", [
+    dict(group=2, strides=[2, 1], pads=[1, 0, 0, 1], output_padding=[1, 0]),
+    dict(strides=[2, 2], output_shape=[9, 8]),
+    dict(strides=[2, 2], output_shape=[10, 9]),
+    dict(strides=[2, 3], auto_pad="SAME_UPPER", output_shape=[9, 10]),
+    dict(strides=[2, 2], auto_pad="SAME_LOWER", dilations=[1, 2]),
+    dict(strides=[3, 2], auto_pad="VALID", group=2),
+])
+def test_reference_conv_transpose_fix_matches_onnxruntime(attrs):
+    x, w, b = rnd((2, 4, 4, 4)), rnd((4, 3, 3, 2), 1), rnd((3 * attrs.get("group", 1),), 2)
+    m = model_of("ConvTranspose", {"x": x, "w": w, "b": b}, **attrs)
+    want = session(m).run(None, {"x": x, "w": w, "b": b})[0]
+    got = ReferenceEvaluator(m, new_ops=[ConvTranspose]).run(None, {"x": x, "w": w, "b": b})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# -- Conv ------------------------------------------------------------------------------------------
+CONV = {  # name: (x shape, w shape, bias, attrs)
+    "1d": ((1, 2, 7), (3, 2, 3), True, {}),
+    "1d-stride-dil-asym": ((2, 2, 9), (2, 2, 3), False, dict(strides=[2], pads=[1, 2],
+                                                             dilations=[2])),
+    "2d-group": ((1, 4, 5, 6), (4, 2, 3, 2), True, dict(group=2, strides=[2, 1],
+                                                       pads=[1, 0, 0, 1])),
+    "2d-depthwise": ((2, 3, 6, 5), (6, 1, 3, 3), True, dict(group=3, strides=[2, 2],
+                                                           pads=[1, 1, 1, 1], dilations=[1, 2])),
+    "2d-same-upper": ((1, 2, 6, 7), (3, 2, 3, 3), False, dict(auto_pad="SAME_UPPER",
+                                                              strides=[2, 2])),
+    "2d-same-lower": ((1, 2, 6, 7), (3, 2, 2, 3), True, dict(auto_pad="SAME_LOWER",
+                                                             strides=[2, 3])),
+    "2d-valid": ((1, 2, 7, 6), (2, 2, 3, 3), False, dict(auto_pad="VALID", strides=[2, 2])),
+    "2d-stride-over-kernel": ((1, 2, 8, 7), (2, 2, 2, 2), True, dict(strides=[3, 3],
+                                                                     pads=[0, 1, 0, 0])),
+    "2d-pads-over-kernel": ((1, 2, 4, 4), (2, 2, 2, 2), False, dict(pads=[3, 0, 1, 2])),
+    "3d": ((1, 2, 4, 5, 4), (2, 2, 2, 3, 2), True, dict(strides=[2, 1, 2],
+                                                       pads=[1, 0, 0, 0, 1, 1])),
+    "3d-group-dil": ((1, 4, 3, 5, 3), (4, 2, 2, 2, 2), False, dict(group=2,
+                                                                  dilations=[1, 2, 1])),
+}
+
+
+def conv_feeds(case, seed=0):
+    xs, ws, bias, attrs = CONV[case]
+    feeds = {"x": rnd(xs, seed), "w": rnd(ws, seed + 1)}
+    if bias:
+        feeds["b"] = rnd((ws[0],), seed + 2)
+    return feeds, attrs
+
+
+@pytest.mark.parametrize("case", list(CONV))
+def test_conv_finite_differences(case):
+    feeds, attrs = conv_feeds(case)
+    fd(model_of("Conv", feeds, **attrs), feeds)
+
+
+@pytest.mark.parametrize("case", ["1d-stride-dil-asym", "2d-depthwise", "2d-same-upper",
+                                  "2d-same-lower", "2d-stride-over-kernel", "3d"])
+def test_conv_symbolic_batch_and_spatial(case):
+    feeds, attrs = conv_feeds(case, seed=3)
+    fd(model_of("Conv", feeds, symbolic=("batch", "spatial"), **attrs), feeds)
+
+
+def test_conv_same_with_dilation():
+    """onnxruntime's Conv refuses auto_pad SAME with dilations; onnx.reference computes it."""
+    feeds, _ = conv_feeds("2d-same-upper")
+    fd(model_of("Conv", feeds, auto_pad="SAME_UPPER", strides=[2, 1], dilations=[2, 1]), feeds,
+       f32=False)
+
+
+TORCH_CONV = [  # (nsp, groups, stride, padding, dilation)
+    (1, 1, 2, 1, 1), (1, 2, 1, 2, 2), (2, 1, 1, 1, 1), (2, 2, 2, 1, 1), (2, 4, 2, 0, 2),
+    (2, 1, 3, 2, 1), (3, 1, 2, 1, 1), (3, 2, 1, 1, 2)]
+
+
+@pytest.mark.parametrize("nsp,groups,stride,padding,dilation", TORCH_CONV)
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+def test_conv_versus_torch(nsp, groups, stride, padding, dilation, symbolic):
+    d = {1: 11, 2: 9, 3: 6}[nsp]
+    feeds = {"x": rnd((2, 4) + (d,) * nsp), "w": rnd((8, 4 // groups) + (3,) * nsp, 1),
+             "b": rnd((8,), 2)}
+    m = model_of("Conv", feeds, symbolic=symbolic, group=groups, strides=[stride] * nsp,
+                 pads=[padding] * 2 * nsp, dilations=[dilation] * nsp)
+    versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: tconv(nsp)(
+        x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups))
+
+
+def test_conv_float16_matches_float32():
+    feeds, attrs = conv_feeds("2d-group")
+    grads = []
+    for dt in (np.float16, np.float32):
+        f = {k: v.astype(dt) for k, v in feeds.items()}
+        m = model_of("Conv", f, **attrs)
+        res = onnxgrad.gradients(m, "y", list(f))
+        grads.append(session(res.model).run(res.grads, f))
+    for a, b in zip(*grads):
+        assert a.dtype == np.float16
+        np.testing.assert_allclose(a.astype(F32), b, rtol=2e-2, atol=2e-2)
+
+
+def test_conv_opset13_model_stays_opset13():
+    feeds, attrs = conv_feeds("2d-depthwise")
+    m = model_of("Conv", feeds, symbolic=("batch", "spatial"), opset=13, **attrs)
+    res = onnxgrad.gradients(m, "y", list(feeds))
+    assert opset_of(res.model) == 13
+    fd(m, feeds)
+
+
+def test_conv_second_order_versus_torch():
+    feeds = {"x": rnd((2, 4, 7, 6)), "w": rnd((6, 2, 3, 3), 1), "b": rnd((6,), 2)}
+    m = model_of("Conv", feeds, symbolic=("batch",), group=2, strides=[2, 1], pads=[1, 1, 0, 1])
+    import torch.nn.functional as F
+    second_order_versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: F.conv2d(
+        F.pad(x, (1, 1, 1, 0)), w, b, stride=(2, 1), groups=2))
+
+
+def test_conv_second_order_symbolic_same():
+    """Symbolic spatial dims with SAME: the first-order graph pads and slices at run time."""
+    feeds = {"x": rnd((1, 2, 7, 6)), "w": rnd((3, 2, 3, 3), 1)}
+    m = model_of("Conv", feeds, symbolic=("batch", "spatial"), auto_pad="SAME_UPPER",
+                 strides=[2, 2])
+    import torch.nn.functional as F
+
+    def same(x, w):  # SAME_UPPER for 7x6, k3, s2: total pads 2 and 1 -> (1, 1) and (0, 1)
+        return F.conv2d(F.pad(x, (0, 1, 1, 1)), w, stride=2)
+    second_order_versus_torch(m, feeds, ["x", "w"], same)
+
+
+# -- ConvTranspose ---------------------------------------------------------------------------------
+CONVT = {  # name: (x shape, w shape, bias, attrs)
+    "1d": ((1, 2, 5), (2, 3, 3), True, dict(strides=[2], pads=[1, 0])),
+    "2d-group-outpad": ((1, 4, 3, 4), (4, 1, 3, 2), True, dict(group=2, strides=[2, 3],
+                                                              output_padding=[1, 2],
+                                                              pads=[1, 0, 0, 1])),
+    "2d-dil": ((2, 2, 3, 3), (2, 2, 2, 3), False, dict(dilations=[2, 1], strides=[1, 2],
+                                                      pads=[0, 1, 1, 1])),
+    "2d-same-upper": ((1, 2, 3, 4), (2, 2, 3, 3), False, dict(auto_pad="SAME_UPPER",
+                                                              strides=[2, 2])),
+    "2d-same-lower": ((1, 2, 4, 3), (2, 3, 2, 3), True, dict(auto_pad="SAME_LOWER",
+                                                             strides=[2, 1])),
+    "2d-output-shape": ((1, 2, 3, 3), (2, 2, 3, 3), False, dict(strides=[2, 2],
+                                                                output_shape=[6, 7])),
+    "2d-output-shape-beyond": ((1, 2, 3, 3), (2, 2, 3, 3), True, dict(strides=[2, 2],
+                                                                      output_shape=[8, 8])),
+    "2d-output-shape-same": ((1, 2, 3, 3), (2, 2, 3, 3), False, dict(
+        strides=[2, 2], output_shape=[5, 6], auto_pad="SAME_UPPER")),
+    "2d-valid": ((1, 2, 3, 3), (2, 2, 2, 2), False, dict(auto_pad="VALID", strides=[3, 2])),
+    "3d": ((1, 2, 2, 3, 2), (2, 2, 2, 2, 3), True, dict(strides=[2, 1, 2],
+                                                       pads=[0, 1, 1, 1, 0, 0])),
+}
+
+
+def convt_feeds(case, seed=0):
+    xs, ws, bias, attrs = CONVT[case]
+    feeds = {"x": rnd(xs, seed), "w": rnd(ws, seed + 1)}
+    if bias:
+        feeds["b"] = rnd((ws[1] * attrs.get("group", 1),), seed + 2)
+    return feeds, attrs
+
+
+@pytest.mark.parametrize("case", list(CONVT))
+def test_conv_transpose_finite_differences(case):
+    feeds, attrs = convt_feeds(case)
+    fd(model_of("ConvTranspose", feeds, **attrs), feeds)
+
+
+@pytest.mark.parametrize("case", ["2d-group-outpad", "2d-same-lower", "2d-output-shape",
+                                  "2d-output-shape-beyond"])
+def test_conv_transpose_symbolic(case):
+    feeds, attrs = convt_feeds(case, seed=4)
+    symbolic = ("batch",) if "output_shape" in attrs else ("batch", "spatial")
+    fd(model_of("ConvTranspose", feeds, symbolic=symbolic, **attrs), feeds)
+
+
+def test_conv_transpose_output_shape_symbolic_spatial():
+    """output_shape with a symbolic input size: the pads come from run-time shapes."""
+    feeds, attrs = convt_feeds("2d-output-shape")
+    m = model_of("ConvTranspose", feeds, symbolic=("spatial",), **attrs)
+    fd(m, feeds)
+
+
+@pytest.mark.parametrize("groups,stride,padding,out_pad,dilation", [
+    (1, 2, 1, 1, 1), (2, 2, 0, 0, 2), (4, 3, 1, 2, 1), (1, 1, 2, 0, 1)])
+def test_conv_transpose_versus_torch(groups, stride, padding, out_pad, dilation):
+    import torch.nn.functional as F
+    feeds = {"x": rnd((2, 4, 5, 4)), "w": rnd((4, 8 // groups, 3, 3), 1), "b": rnd((8,), 2)}
+    m = model_of("ConvTranspose", feeds, symbolic=("batch", "spatial"), group=groups,
+                 strides=[stride] * 2, pads=[padding] * 4, output_padding=[out_pad] * 2,
+                 dilations=[dilation] * 2)
+    versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: F.conv_transpose2d(
+        x, w, b, stride=stride, padding=padding, output_padding=out_pad, groups=groups,
+        dilation=dilation))
+
+
+def test_conv_transpose_second_order_versus_torch():
+    import torch.nn.functional as F
+    feeds = {"x": rnd((2, 4, 4, 3)), "w": rnd((4, 3, 3, 2), 1), "b": rnd((6,), 2)}
+    m = model_of("ConvTranspose", feeds, symbolic=("batch",), group=2, strides=[2, 2],
+                 pads=[1, 0, 1, 0], output_padding=[1, 1])
+    second_order_versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: F.conv_transpose2d(
+        x, w, b, stride=2, padding=(1, 0), output_padding=1, groups=2))
+
+
+# -- AveragePool -----------------------------------------------------------------------------------
+AVG = {  # name: (x shape, attrs)
+    "2x2": ((1, 2, 6, 6), dict(kernel_shape=[2, 2], strides=[2, 2])),
+    "pads-excl": ((1, 2, 5, 6), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 0])),
+    "pads-incl": ((1, 2, 5, 6), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 0, 1, 1],
+                                     count_include_pad=1)),
+    "ceil-excl": ((1, 2, 6, 5), dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 1, 0],
+                                     ceil_mode=1)),
+    "ceil-incl": ((1, 2, 6, 7), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1],
+                                     ceil_mode=1, count_include_pad=1)),
+    "dilations": ((1, 2, 7, 6), dict(kernel_shape=[2, 3], dilations=[2, 1], strides=[1, 2],
+                                     pads=[1, 1, 0, 1])),
+    "same-upper": ((1, 2, 5, 6), dict(kernel_shape=[3, 2], strides=[2, 2],
+                                      auto_pad="SAME_UPPER")),
+    "same-upper-incl": ((1, 2, 5, 6), dict(kernel_shape=[3, 3], strides=[2, 2],
+                                           auto_pad="SAME_UPPER", count_include_pad=1)),
+    "same-lower": ((1, 2, 7, 6), dict(kernel_shape=[3, 3], strides=[2, 2],
+                                      auto_pad="SAME_LOWER")),
+    "1d": ((2, 2, 9), dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
+    "3d": ((1, 1, 5, 5, 3), dict(kernel_shape=[2, 3, 2], strides=[2, 1, 1], pads=[0, 1, 0, 1, 1, 0],
+                                 ceil_mode=1)),
+}
+
+
+@pytest.mark.parametrize("case", list(AVG))
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+def test_average_pool_finite_differences(case, symbolic):
+    shape, attrs = AVG[case]
+    feeds = {"x": rnd(shape)}
+    fd(model_of("AveragePool", feeds, symbolic=symbolic, opset=19, **attrs), feeds)
+
+
+@pytest.mark.parametrize("kernel,stride,padding,ceil,incl", [
+    (2, 2, 0, False, True), (3, 2, 1, False, True), (3, 2, 1, False, False),
+    (3, 2, 1, True, True), (3, 2, 1, True, False), (2, 3, 1, True, False)])
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+def test_average_pool_versus_torch(kernel, stride, padding, ceil, incl, symbolic):
+    import torch.nn.functional as F
+    feeds = {"x": rnd((2, 3, 9, 12))}  # no ceil_mode window starts in the end padding
+    m = model_of("AveragePool", feeds, symbolic=symbolic, kernel_shape=[kernel] * 2,
+                 strides=[stride] * 2, pads=[padding] * 4, ceil_mode=int(ceil),
+                 count_include_pad=int(incl))
+    versus_torch(m, feeds, ["x"], lambda x: F.avg_pool2d(x, kernel, stride, padding, ceil, incl))
+
+
+# -- LpPool and the global pools -------------------------------------------------------------------
+LP = {
+    "p2": ((1, 2, 5, 6), dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 1, 1], p=2)),
+    "p1": ((1, 2, 5, 5), dict(kernel_shape=[2, 2], strides=[1, 2], p=1)),
+    "p3-dil": ((1, 2, 6, 5), dict(kernel_shape=[2, 2], dilations=[2, 1], p=3)),
+    "1d": ((2, 2, 7), dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
+}
+
+
+@pytest.mark.parametrize("case", list(LP))
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+def test_lp_pool_finite_differences(case, symbolic):
+    shape, attrs = LP[case]
+    feeds = {"x": rnd(shape)}
+    fd(model_of("LpPool", feeds, symbolic=symbolic, **attrs), feeds)
+
+
+def test_lp_pool_ceil_mode():
+    """onnx.reference's LpPool ignores the clipped last window with ceil_mode: float32 on ORT."""
+    feeds = {"x": rnd((1, 2, 7, 6))}
+    m = model_of("LpPool", feeds, kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1, p=2)
+    fd(m, feeds, dtype="float32")
+
+
+def test_lp_pool_versus_torch():
+    import torch.nn.functional as F
+    feeds = {"x": rnd((2, 3, 8, 7))}
+    m = model_of("LpPool", feeds, symbolic=("batch", "spatial"), kernel_shape=[3, 2],
+                 strides=[2, 2], p=2)
+    versus_torch(m, feeds, ["x"], lambda x: F.lp_pool2d(x, 2, (3, 2), (2, 2)))
+
+
+def test_lp_pool_zero_window_has_finite_gradient():
+    x = rnd((1, 1, 4, 4))
+    x[..., :2, :2] = 0
+    m = model_of("LpPool", {"x": x}, kernel_shape=[2, 2], strides=[2, 2], p=2)
+    res = onnxgrad.gradients(m, "y", "x")
+    (g,) = session(res.model).run(res.grads, {"x": x})
+    assert np.isfinite(g).all() and (g[..., :2, :2] == 0).all()
+
+
+@pytest.mark.parametrize("op,attrs", [("GlobalAveragePool", {}), ("GlobalMaxPool", {}),
+                                      ("GlobalLpPool", {"p": 3}), ("GlobalLpPool", {})])
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+def test_global_pools_finite_differences(op, attrs, symbolic):
+    feeds = {"x": rnd((2, 3, 4, 3))}
+    # GlobalLpPool has neither a float64 kernel in onnxruntime nor one in onnx.reference
+    kw = {"dtype": "float32"} if op == "GlobalLpPool" else {}
+    fd(model_of(op, feeds, symbolic=symbolic, **attrs), feeds, **kw)
+
+
+def test_global_pools_versus_torch():
+    feeds = {"x": rnd((2, 3, 5, 4))}
+    versus_torch(model_of("GlobalAveragePool", feeds, symbolic=("batch", "spatial")), feeds,
+                 ["x"], lambda x: x.mean((2, 3), keepdim=True))
+    versus_torch(model_of("GlobalMaxPool", feeds, symbolic=("batch", "spatial")), feeds,
+                 ["x"], lambda x: x.amax((2, 3), keepdim=True))
+    versus_torch(model_of("GlobalLpPool", feeds, symbolic=("batch", "spatial")), feeds,
+                 ["x"], lambda x: x.norm(dim=(2, 3), keepdim=True))
+
+
+def test_global_max_pool_splits_ties():
+    x = np.array([[[[1.0, 3.0], [3.0, 2.0]], [[5.0, 0.0], [1.0, 1.0]]]], F32)
+    m = model_of("GlobalMaxPool", {"x": x})
+    res = onnxgrad.gradients(m, "y", "x")
+    (g,) = session(res.model).run(res.grads, {"x": x})
+    np.testing.assert_array_equal(g, [[[[0, 0.5], [0.5, 0]], [[1, 0], [0, 0]]]])
+
+
+# -- MaxPool ---------------------------------------------------------------------------------------
+MAX = {  # name: (x shape, attrs)
+    "2x2": ((2, 2, 6, 6), dict(kernel_shape=[2, 2], strides=[2, 2])),
+    "overlap-pads": ((1, 2, 7, 6), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 0])),
+    "dilations": ((1, 2, 7, 7), dict(kernel_shape=[2, 2], dilations=[2, 2], strides=[1, 2],
+                                     pads=[1, 0, 0, 1])),
+    "ceil": ((1, 2, 7, 6), dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 1, 0],
+                                ceil_mode=1)),
+    "same-upper": ((1, 2, 7, 6), dict(kernel_shape=[3, 3], strides=[2, 2],
+                                      auto_pad="SAME_UPPER")),
+    "same-lower": ((1, 2, 7, 6), dict(kernel_shape=[3, 3], strides=[2, 2],
+                                      auto_pad="SAME_LOWER")),
+    "1d": ((2, 3, 9), dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
+    "3d": ((1, 2, 4, 5, 4), dict(kernel_shape=[2, 3, 2], strides=[2, 2, 1])),
+}
+
+
+@pytest.mark.parametrize("case", list(MAX))
+@pytest.mark.parametrize("indices", [False, True])
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+def test_max_pool_finite_differences(case, indices, symbolic):
+    shape, attrs = MAX[case]
+    feeds = {"x": rnd(shape)}
+    m = model_of("MaxPool", feeds, symbolic=symbolic, n_out=2 if indices else 1, **attrs)
+    fd(m, feeds, ys="y0" if indices else "y")
+
+
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+@pytest.mark.parametrize("shape,kernel", [((2, 2, 5, 4), [2, 3]), ((1, 2, 3, 4, 5), [2, 2, 3])])
+@pytest.mark.parametrize("n_out", [1, 2])
+def test_max_pool_storage_order_column_major(symbolic, shape, kernel, n_out):
+    feeds = {"x": rnd(shape)}
+    nsp = len(shape) - 2
+    m = model_of("MaxPool", feeds, symbolic=symbolic, n_out=n_out, kernel_shape=kernel,
+                 strides=[1] * nsp, storage_order=1)
+    y = "y0" if n_out == 2 else "y"
+    fd(m, feeds, ys=y)
+    res = onnxgrad.gradients(m, y, "x")  # the forward's indices are reused when it has them
+    assert sum(nd.op_type == "MaxPool" for nd in res.model.graph.node) == 3 - n_out
+
+
+def test_max_pool_reuses_indices_and_keeps_opset():
+    feeds = {"x": rnd((1, 2, 6, 6))}
+    m = model_of("MaxPool", feeds, opset=13, n_out=2, kernel_shape=[2, 2], strides=[2, 2])
+    res = onnxgrad.gradients(m, "y0", "x")
+    assert sum(nd.op_type == "MaxPool" for nd in res.model.graph.node) == 1
+    assert opset_of(res.model) == 13  # windows do not overlap: no reduction="add" needed
+    m = model_of("MaxPool", feeds, opset=13, kernel_shape=[3, 3], strides=[2, 2])
+    res = onnxgrad.gradients(m, "y", "x")
+    assert opset_of(res.model) == 16  # overlapping windows: ScatterElements(reduction="add")
+    fd(m, feeds)
+
+
+@pytest.mark.parametrize("kernel,stride,padding,dilation,ceil", [
+    (2, 2, 0, 1, False), (3, 2, 1, 1, False), (3, 1, 1, 2, False), (3, 2, 1, 1, True),
+    (2, 1, 0, 1, False)])
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+def test_max_pool_versus_torch(kernel, stride, padding, dilation, ceil, symbolic):
+    import torch.nn.functional as F
+    feeds = {"x": rnd((2, 3, 9, 12))}
+    m = model_of("MaxPool", feeds, symbolic=symbolic, kernel_shape=[kernel] * 2,
+                 strides=[stride] * 2, pads=[padding] * 4, dilations=[dilation] * 2,
+                 ceil_mode=int(ceil))
+    versus_torch(m, feeds, ["x"], lambda x: F.max_pool2d(x, kernel, stride, padding, dilation,
+                                                         ceil))
+
+
+@pytest.mark.parametrize("outputs", [["y"], ["y", "i"]])
+def test_max_pool_second_order_versus_torch(outputs):
+    import torch.nn.functional as F
+    feeds = {"x": rnd((2, 2, 7, 6))}
+    m = make_model([helper.make_node("MaxPool", ["x"], outputs, kernel_shape=[3, 3],
+                                     strides=[2, 2], pads=[1, 1, 1, 1])],
+                   {"x": (F32, ["N", "C", "H", "W"])}, outputs)
+    second_order_versus_torch(m, feeds, ["x"], lambda x: F.max_pool2d(x, 3, 2, 1))
+
+
+def test_average_and_lp_pool_second_order_versus_torch():
+    import torch.nn.functional as F
+    feeds = {"x": rnd((2, 2, 7, 6))}
+    m = model_of("AveragePool", feeds, symbolic=("batch", "spatial"), kernel_shape=[3, 3],
+                 strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1)
+    second_order_versus_torch(m, feeds, ["x"], lambda x: F.avg_pool2d(
+        x, 3, 2, 1, ceil_mode=True, count_include_pad=False))
+    m = model_of("LpPool", feeds, symbolic=("batch",), kernel_shape=[2, 2], strides=[2, 2])
+    second_order_versus_torch(m, feeds, ["x"], lambda x: F.lp_pool2d(x, 2, 2, 2))
+
+
+# -- MaxUnpool and Col2Im --------------------------------------------------------------------------
+def test_max_unpool_finite_differences():
+    x = rnd((2, 2, 6, 6))
+    pooled, idx = session(model_of("MaxPool", {"x": x}, n_out=2, kernel_shape=[2, 2],
+                                   strides=[2, 2])).run(None, {"x": x})
+    feeds = {"x": pooled, "i": idx}
+    m = model_of("MaxUnpool", feeds, symbolic=("batch",), kernel_shape=[2, 2], strides=[2, 2])
+    fd(m, feeds, xs=["x"])
+
+
+def test_max_unpool_output_shape_gathers_at_indices():
+    """With output_shape the indices address y (onnxruntime and the spec; onnx.reference
+    differs), so the oracle is numpy: dx[j] = g.flat[I[j]]."""
+    x = rnd((2, 2, 7, 5))
+    pooled, idx = session(model_of("MaxPool", {"x": x}, n_out=2, kernel_shape=[2, 2],
+                                   strides=[2, 2])).run(None, {"x": x})
+    g = helper.make_graph(
+        [helper.make_node("MaxUnpool", ["x", "i", "s"], ["y"], kernel_shape=[2, 2],
+                          strides=[2, 2])], "unpool",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 2, 3, 2]),
+         helper.make_tensor_value_info("i", onnx.TensorProto.INT64, ["N", 2, 3, 2])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 2, 7, 5])],
+        [onnx.numpy_helper.from_array(np.array(x.shape, np.int64), "s")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    onnx.checker.check_model(m, full_check=True)
+    cot = rnd(x.shape, 5)
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["cot"])
+    (g,) = session(res.model).run(res.grads, {"x": pooled, "i": idx, "cot": cot})
+    np.testing.assert_array_equal(g, cot.reshape(-1)[idx])
+
+
+@pytest.mark.parametrize("attrs,image,block", [
+    ({}, [4, 5], [2, 2]),
+    (dict(strides=[2, 1], pads=[1, 0, 1, 1]), [5, 4], [2, 3]),
+    (dict(dilations=[2, 1], strides=[1, 2]), [6, 5], [2, 2]),
+])
+def test_col2im_finite_differences_and_torch(attrs, image, block):
+    s, d = attrs.get("strides", [1, 1]), attrs.get("dilations", [1, 1])
+    p = attrs.get("pads", [0, 0, 0, 0])
+    blocks = [(image[i] + p[i] + p[i + 2] - d[i] * (block[i] - 1) - 1) // s[i] + 1
+              for i in range(2)]
+    x = rnd((2, 3 * math.prod(block), math.prod(blocks)))
+    m = make_model([helper.make_node("Col2Im", ["x", "image", "block"], ["y"], **attrs)],
+                   {"x": (F32, ["N", x.shape[1], x.shape[2]])}, ["y"],
+                   inits={"image": np.array(image, np.int64), "block": np.array(block, np.int64)})
+    fd(m, {"x": x})
+    import torch.nn.functional as F
+    padded = [image[0] + p[0] + p[2], image[1] + p[1] + p[3]]  # torch pads symmetrically only
+    versus_torch(m, {"x": x}, ["x"], lambda x: F.fold(x, padded, block, dilation=d, stride=s)[
+        ..., p[0]:p[0] + image[0], p[1]:p[1] + image[1]])
+
+
+# -- models with several window ops ----------------------------------------------------------------
+def test_small_cnn_versus_torch():
+    """Conv -> Relu -> MaxPool -> Conv(depthwise) -> AveragePool -> ConvTranspose, all weights."""
+    import torch.nn.functional as F
+    feeds = {"x": rnd((2, 3, 12, 11)), "w1": rnd((8, 3, 3, 3), 1) * 0.3, "b1": rnd((8,), 2),
+             "w2": rnd((8, 1, 3, 3), 3) * 0.3, "w3": rnd((8, 4, 2, 2), 4) * 0.3}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[3, 3], strides=[2, 2],
+                         pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["p1", "w2"], ["c2"], group=8, auto_pad="SAME_UPPER"),
+        helper.make_node("AveragePool", ["c2"], ["p2"], kernel_shape=[2, 2], strides=[2, 2],
+                         ceil_mode=1),
+        helper.make_node("ConvTranspose", ["p2", "w3"], ["y"], strides=[2, 2]),
+    ]
+    m = make_model(nodes, {"x": (F32, ["N", 3, "H", "W"]), **{
+        k: (F32, v.shape) for k, v in feeds.items() if k != "x"}}, ["y"])
+
+    def net(x, w1, b1, w2, w3):
+        h = F.max_pool2d(F.relu(F.conv2d(x, w1, b1, padding=1)), 3, 2, 1)
+        h = F.avg_pool2d(F.conv2d(h, w2, padding=1, groups=8), 2, 2, ceil_mode=True)
+        return F.conv_transpose2d(h, w3, stride=2)
+    versus_torch(m, feeds, list(feeds), net)
+
+
+# -- kernels whose shape only the run time knows ---------------------------------------------------
+@pytest.mark.parametrize("op,case", [("Conv", "2d-group"), ("Conv", "2d-same-lower"),
+                                     ("Conv", "1d-stride-dil-asym"),
+                                     ("ConvTranspose", "2d-group-outpad"),
+                                     ("ConvTranspose", "2d-same-upper"),
+                                     ("ConvTranspose", "2d-output-shape-beyond")])
+def test_run_time_kernel_shape(op, case):
+    """A weight of unknown shape (a computed kernel, as in a gradient graph): the windows' reach
+    comes from run-time shapes."""
+    feeds, attrs = (conv_feeds if op == "Conv" else convt_feeds)(case, seed=6)
+    shapes = {k: [f"{k}{i}" for i in range(v.ndim)] if k == "w" else
+              (["N", *v.shape[1:]] if k == "x" else list(v.shape)) for k, v in feeds.items()}
+    g = helper.make_graph(
+        [helper.make_node(op, list(feeds), ["y"], **attrs)], "kernel",
+        [helper.make_tensor_value_info(k, onnx.TensorProto.FLOAT, v) for k, v in shapes.items()],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", "M", "Y0", "Y1"][
+            :feeds["x"].ndim])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    onnx.checker.check_model(m, full_check=True)
+    fd(m, feeds)
+
+
+def test_conv_transpose_second_order_symbolic_spatial():
+    import torch.nn.functional as F
+    feeds = {"x": rnd((1, 2, 4, 3)), "w": rnd((2, 3, 3, 3), 1)}
+    m = model_of("ConvTranspose", feeds, symbolic=("batch", "spatial"), strides=[2, 1],
+                 pads=[1, 1, 0, 1], output_padding=[1, 0])
+    second_order_versus_torch(m, feeds, ["x", "w"], lambda x, w: F.conv_transpose2d(
+        x, w, stride=(2, 1), output_padding=(1, 0))[..., 1:, 1:-1])
+
+
+def test_conv_second_order_symbolic_strided():
+    import torch.nn.functional as F
+    feeds = {"x": rnd((2, 2, 8, 7)), "w": rnd((4, 2, 3, 2), 1)}
+    m = model_of("Conv", feeds, symbolic=("batch", "spatial"), strides=[2, 3], pads=[1, 0, 2, 1],
+                 dilations=[1, 2])
+    second_order_versus_torch(m, feeds, ["x", "w"], lambda x, w: F.conv2d(
+        F.pad(x, (0, 1, 1, 2)), w, stride=(2, 3), dilation=(1, 2)))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+@pytest.mark.parametrize("op,attrs", [
+    ("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("MaxPool", dict(kernel_shape=[2, 2], strides=[2, 2])),
+    ("AveragePool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("ConvTranspose", dict(strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1]))])
+def test_other_float_types(dtype, op, attrs):
+    """The gradient keeps the model's dtype (no float32 constants) and agrees with float32."""
+    feeds = {"x": rnd((2, 4, 7, 6))}
+    if op == "ConvTranspose":
+        feeds["w"] = rnd((4, 2, 3, 3), 1)
+    out = []
+    for dt in (dtype, F32):
+        f = {k: v.astype(dt) for k, v in feeds.items()}
+        m = model_of(op, f, **attrs)
+        res = onnxgrad.gradients(m, "y", list(f))
+        out.append(run(res.model, f, outputs=res.grads))
+    for a, b in zip(*out):
+        assert a.dtype == dtype
+        np.testing.assert_allclose(a.astype(F32), b, rtol=2e-2, atol=2e-2)
