@@ -1,8 +1,10 @@
 """onnxgrad: tf.gradients for ONNX models, runnable on a stock ONNX runtime."""
 from .autodiff import AggregationMethod, GradientsResult, UnconnectedGradients, gradients
 from .errors import NotDifferentiableError
+from .lower import lower_gradient_ops
+from .sequences import TensorArray
 from . import rnn  # noqa: E402  (onnxgrad.rnn.params_size, ...)
 
 __all__ = ["gradients", "GradientsResult", "AggregationMethod", "UnconnectedGradients",
-           "NotDifferentiableError"]
+           "NotDifferentiableError", "lower_gradient_ops", "TensorArray"]
 __version__ = "0.1.0"

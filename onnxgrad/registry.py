@@ -3,6 +3,26 @@
 A rule is ``rule(n, g)``: ``n`` is the :class:`Node` context below, ``g`` the gradient of the
 node's first output (None when it has none; ``n.gs`` holds all of them). It returns the gradient
 of each input: one value for a single-input op, or a tuple (None for an input with no gradient).
+
+Nodes with subgraphs (If, Loop, Scan, SequenceMap) also read outer-scope values implicitly
+(:func:`captured` lists them). Their rules return ``Grads(inputs, captured={value: grad})``: the
+per-input tuple as above plus the gradients of captured outer values, keyed by the ir.Value.
+
+What a rule may use beyond its node's values (the whole API between rules and the engine):
+
+- ``n.e``: the :class:`~onnxgrad.emitter.Emitter` appending to the graph being differentiated;
+  ``n.e.child(graph, prefix)`` is an emitter for a new subgraph (names stay unique per call).
+- ``n.wants(value)``: whether the engine needs that input's (or captured value's) gradient; a
+  rule may skip work for the others.
+- ``n.differentiate(graph, seeds, xs, e)``: the engine's reverse sweep on another graph (a loop or
+  branch body that the rule has cloned into ``e.graph``): ``seeds`` maps values to gradients,
+  ``xs`` are values of that graph or outer-scope values it reads; returns one gradient or None
+  per x. The sweep may meet further control flow and recurse again.
+- A rule may mutate its own forward node in place (``node.resize_outputs`` plus new body outputs,
+  as the Loop rule does to save per-iteration state); the node's existing outputs must stay.
+
+Gradients of values that are not tensors (sequences) are added with the function registered by
+:func:`register_add` for their type, and the engine names them ``<name>@<scope>``.
 """
 from __future__ import annotations
 
@@ -78,13 +98,75 @@ def supported_ops() -> list[tuple[str, str, int, int | None]]:
     return sorted(rows)
 
 
+class Grads:
+    """A rule's result with gradients for captured outer-scope values (see the module docstring)."""
+
+    __slots__ = ("inputs", "captured")
+
+    def __init__(self, inputs=(), captured=None):
+        self.inputs = tuple(inputs)
+        self.captured = dict(captured or {})
+
+
+# ir type class (ir.SequenceType, ...) -> add(e, a, b) -> V: how gradients of that type add up
+_ADDERS: dict[type, Callable] = {}
+
+
+def register_add(type_class: type, add: Callable) -> None:
+    """Register how two gradients of a non-tensor type add (elementwise) up."""
+    _ADDERS[type_class] = add
+
+
+def add_for(t) -> Callable | None:
+    """The add registered for a value's type (None for tensors and unknown types)."""
+    return None if t is None or isinstance(t, ir.TensorType) else _ADDERS.get(type(t))
+
+
+def subgraphs(node: ir.Node) -> list[ir.Graph]:
+    out = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            out.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            out.extend(attr.value)
+    return out
+
+
+def captured(node: ir.Node) -> list[ir.Value]:
+    """Outer-scope values a node's subgraphs read (they are inputs of the node, implicitly)."""
+    inner, used = set(), []
+    for g in subgraphs(node):
+        inner.update(g.inputs)
+        inner.update(g.initializers.values())
+        for n in ir.traversal.RecursiveGraphIterator(g):
+            inner.update(n.outputs)
+            for sub in subgraphs(n):
+                inner.update(sub.inputs)
+                inner.update(sub.initializers.values())
+            used.extend(v for v in n.inputs if v is not None)
+    return [v for v in dict.fromkeys(used) if v not in inner]
+
+
 class Node:
     """What a rule sees of the forward node: its inputs, outputs, attributes and gradients."""
 
-    def __init__(self, node: ir.Node, e: Emitter, gs: list[V | None], opset: int):
+    def __init__(self, node: ir.Node, e: Emitter, gs: list[V | None], opset: int, engine=None,
+                 live=None):
         self.node, self.e, self.gs, self.opset = node, e, gs, opset
         self.ins = [e.wrap(v) for v in node.inputs]
         self.outs = [e.wrap(v) for v in node.outputs]
+        self._engine, self._live = engine, live
+
+    def wants(self, value) -> bool:
+        """Whether the gradient of ``value`` (an input or captured ir.Value, or a V) is needed."""
+        v = value.value if isinstance(value, V) else value
+        return v is not None and (self._live is None or v in self._live)
+
+    def differentiate(self, graph: ir.Graph, seeds: dict, xs: list, e: Emitter, stop=()):
+        """The engine's sweep on ``graph`` (see the module docstring)."""
+        seeds = {k: (list(v) if isinstance(v, (list, tuple)) else [v])
+                 for k, v in seeds.items() if v is not None}
+        return self._engine.sweep(graph, e, seeds, list(xs), set(stop))
 
     x = property(lambda self: self.ins[0])
     y = property(lambda self: self.outs[0])

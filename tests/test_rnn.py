@@ -379,3 +379,56 @@ def test_function_bodies_follow_the_model_opset(opset, mode):
     want = rnn_backward(x, h0, c0, p, np.ones_like(y), None, None, rs, mode, BI)
     np.testing.assert_allclose(dx, want[0], rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(dp, want[3], rtol=1e-10, atol=1e-12)
+
+
+# -- validation: host_reserved and forward/backward mismatches -----------------------------------
+def _backward_model(mode, fwd_attrs, bwd_attrs, host_input=False):
+    """Forward CudnnRNNV2 feeding a CudnnRNNBackpropV2 (host_reserved from a graph input when
+    ``host_input``)."""
+    L, nd = 1, 1
+    P = params_size(mode, L, H, I)
+    dt = TP.DOUBLE
+    ins = [helper.make_tensor_value_info("x", dt, [T, B, I]),
+           helper.make_tensor_value_info("h0", dt, [L * nd, B, H]),
+           helper.make_tensor_value_info("c0", dt, [L * nd, B, H]),
+           helper.make_tensor_value_info("p", dt, [P]),
+           helper.make_tensor_value_info("gy", dt, [T, B, H])]
+    if host_input:
+        ins.append(helper.make_tensor_value_info("hr_in", TP.INT8, ["n"]))
+    fwd = make_node("CudnnRNNV2", ["x", "h0", "c0", "p"], ["y", "hn", "cn", "rs", "hr"],
+                    name="fwd", **fwd_attrs)
+    bwd = make_node("CudnnRNNBackpropV2", ["x", "h0", "c0", "p", "y", "hn", "cn", "gy", "h0", "c0",
+                                           "rs", "hr_in" if host_input else "hr"],
+                    ["dx", "dh", "dc", "dp"], name="bwd", **bwd_attrs)
+    g = helper.make_graph([fwd, bwd], "g", ins, [helper.make_tensor_value_info("dx", dt, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18),
+                                               helper.make_opsetid("onnxgrad", 1)], ir_version=10)
+
+
+def test_forward_backward_mismatch_is_a_build_time_error():
+    m = _backward_model("lstm", dict(rnn_mode="lstm"), dict(rnn_mode="gru"))
+    with pytest.raises(ValueError, match=r"bwd.*reads 'rs' of CudnnRNNV2 'fwd'.*rnn_mode: "
+                                         r"'lstm' vs 'gru'"):
+        attach_functions(m)
+    m = _backward_model("lstm", dict(rnn_mode="lstm", seed=1), dict(rnn_mode="lstm"))
+    with pytest.raises(ValueError, match="seed: 1 vs 0"):
+        attach_functions(m)
+    attach_functions(_backward_model("gru", dict(rnn_mode="gru"), dict(rnn_mode="gru")))
+
+
+@pytest.mark.parametrize("bad", [[111, 3, 0, 0, 1], [111, 2, 0, 0, 2], [0, 2, 0, 0, 1]])
+def test_host_reserved_is_checked_at_run_time(bad):
+    rng = np.random.default_rng(10)
+    m = attach_functions(_backward_model("lstm", dict(rnn_mode="lstm"), dict(rnn_mode="lstm"),
+                                         host_input=True))
+    s = session(m)
+    x, h0, c0 = inputs("lstm", 1, UNI, np.float64, rng)
+    feeds = {"x": x, "h0": h0, "c0": c0, "p": rng.standard_normal(params_size("lstm", 1, H, I)),
+             "gy": rng.standard_normal((T, B, H))}
+    good = s.run(None, {**feeds, "hr_in": np.array([111, 2, 0, 0, 1], np.int8)})[0]
+    assert good.shape == x.shape
+    with pytest.raises(Exception, match="reserve_space_does_not_match_this_configuration_or_the_"
+                                        "forward_op_host_reserved"):
+        s.run(None, {**feeds, "hr_in": np.array(bad, np.int8)})
+    with pytest.raises(Exception, match="host_reserved_must_have_5_entries"):
+        s.run(None, {**feeds, "hr_in": np.array([111, 2], np.int8)})

@@ -24,7 +24,8 @@ def _cudnn_rnn(n, g):
         raise ValueError(f"To use {op} in gradients, is_training must be set to True.")
     e = n.e
     outs = n.outs
-    gs = [n.gs[i] if n.gs[i] is not None else e.zeros_like(outs[i]) for i in range(3)]
+    dt = n.ins[0].dtype  # outputs that are not graph outputs may carry no type
+    gs = [n.gs[i] if n.gs[i] is not None else e.fill_like(outs[i], 0, dt) for i in range(3)]
     ins = list(n.ins[:4]) + [outs[0], outs[1], outs[2]] + gs + [outs[3]]
     if op == "CudnnRNNV2":
         ins.append(outs[4])
@@ -35,3 +36,5 @@ def _cudnn_rnn(n, g):
     res = e.op(_BACKWARD[op], *ins, _outputs=4, _domain=DOMAIN, _dtype=dtypes, **attrs)
     res[0].value.producer().overload = n.node.overload
     return tuple(r.with_shape(x.shape) for r, x in zip(res, n.ins[:4]))
+
+from . import onnx_rnn as _onnx_rnn  # noqa: E402,F401  (ai.onnx LSTM, GRU, RNN)

@@ -64,13 +64,17 @@ DOMAIN = "onnxgrad"
 VERSION = 1
 FORWARD_OPS = ("CudnnRNN", "CudnnRNNV2")
 BACKWARD_OPS = ("CudnnRNNBackprop", "CudnnRNNBackpropV2")
-OPS = FORWARD_OPS + BACKWARD_OPS
+#: the same cell and params layout with the ONNX cell options cuDNN lacks (see module doc)
+EX_OPS = ("OnnxRNN", "OnnxRNNBackprop")
+OPS = FORWARD_OPS + BACKWARD_OPS + EX_OPS
 MIN_OPSET = 13
 _INT_MAX = np.iinfo(np.int64).max
 
 ATTR_DEFAULTS = {"rnn_mode": "lstm", "input_mode": "linear_input", "direction": "unidirectional",
                  "dropout": 0.0, "seed": 0, "seed2": 0, "num_proj": 0}
 FORWARD_ATTR_DEFAULTS = {**ATTR_DEFAULTS, "is_training": 1}
+EX_ATTR_DEFAULTS = {"rnn_mode": "lstm", "input_mode": "linear_input",
+                    "direction": "unidirectional", "linear_before_reset": 1, "clip": 0.0}
 
 FORWARD_INPUTS = ["input", "input_h", "input_c", "params"]
 FORWARD_OUTPUTS = ["output", "output_h", "output_c", "reserve_space"]
@@ -79,30 +83,74 @@ BACKWARD_INPUTS = FORWARD_INPUTS + ["output", "output_h", "output_c", "output_ba
 BACKWARD_OUTPUTS = ["input_backprop", "input_h_backprop", "input_c_backprop", "params_backprop"]
 
 
-def op_inputs(op_type: str) -> list[str]:
+class Variant(tuple):
+    """The ONNX cell options cuDNN lacks: GRU linear_before_reset=0, clip on the gate
+    pre-activations, LSTM peepholes. ``Variant()`` is cuDNN's cell."""
+
+    def __new__(cls, lbr: int = 1, clip: bool = False, peep: bool = False):
+        return super().__new__(cls, (int(lbr), bool(clip), bool(peep)))
+
+    lbr = property(lambda self: self[0])
+    clip = property(lambda self: self[1])
+    peep = property(lambda self: self[2])
+
+    def suffix(self) -> str:
+        return ("" if self.lbr else ".lbr0") + (".clip" if self.clip else "") + \
+            (".peep" if self.peep else "")
+
+    @classmethod
+    def parse(cls, parts) -> "Variant":
+        bad = set(parts) - {"lbr0", "clip", "peep"}
+        if bad:
+            raise ValueError(f"unknown variant flags {sorted(bad)}")
+        return cls(0 if "lbr0" in parts else 1, "clip" in parts, "peep" in parts)
+
+
+CUDNN_CELL = Variant()
+
+
+def reserve_width(rnn_mode: str, variant: Variant = CUDNN_CELL) -> int:
+    """Width of one reserve_space row, in units of num_units (see the layout above)."""
+    return RESERVE_WIDTH[rnn_mode] + (num_gates(rnn_mode) if variant.clip else 0)
+
+
+def op_inputs(op_type: str, variant: Variant = CUDNN_CELL) -> list[str]:
     if op_type in FORWARD_OPS:
         return list(FORWARD_INPUTS)
+    if op_type == "OnnxRNN":
+        return FORWARD_INPUTS + (["peepholes"] if variant.peep else [])
+    if op_type == "OnnxRNNBackprop":
+        return BACKWARD_INPUTS + (["peepholes"] if variant.peep else [])
     return BACKWARD_INPUTS + (["host_reserved"] if op_type.endswith("V2") else [])
 
 
-def op_outputs(op_type: str) -> list[str]:
+def op_outputs(op_type: str, variant: Variant = CUDNN_CELL) -> list[str]:
+    if op_type == "OnnxRNN":
+        return list(FORWARD_OUTPUTS)
+    if op_type == "OnnxRNNBackprop":
+        return BACKWARD_OUTPUTS + (["peepholes_backprop"] if variant.peep else [])
     if op_type in FORWARD_OPS:
         return FORWARD_OUTPUTS + (["host_reserved"] if op_type.endswith("V2") else [])
     return list(BACKWARD_OUTPUTS)
 
 
-def overload_key(rnn_mode: str, direction: str, input_mode: str, num_layers: int) -> str:
-    return f"{rnn_mode}.{direction}.{input_mode}.L{num_layers}"
+def overload_key(rnn_mode: str, direction: str, input_mode: str, num_layers: int,
+                 variant: Variant = CUDNN_CELL) -> str:
+    return f"{rnn_mode}.{direction}.{input_mode}.L{num_layers}{variant.suffix()}"
 
 
-def parse_overload(key: str) -> tuple[str, str, str, int]:
+def parse_overload(key: str, with_variant: bool = False):
+    """(rnn_mode, direction, input_mode, num_layers[, Variant]) from an overload key."""
     try:
-        mode, direction, input_mode, layers = key.split(".")
+        mode, direction, input_mode, layers, *extra = key.split(".")
         assert layers[0] == "L"
-        return mode, direction, input_mode, int(layers[1:])
+        variant = Variant.parse(extra)
+        out = (mode, direction, input_mode, int(layers[1:]))
     except (ValueError, AssertionError, IndexError):
         raise ValueError(f"{key!r} is not an onnxgrad CudnnRNN overload "
-                         "('<rnn_mode>.<direction>.<input_mode>.L<num_layers>')") from None
+                         "('<rnn_mode>.<direction>.<input_mode>.L<num_layers>"
+                         "[.lbr0][.clip][.peep]')") from None
+    return out + (variant,) if with_variant else out
 
 
 # -- a small NodeProto builder -----------------------------------------------------------------
@@ -117,11 +165,21 @@ class _B:
     def fresh(self, base: str) -> str:
         return f"{self.tag}{base}_{next(self.counter)}"
 
-    def op(self, op_type, *inputs, n_out=1, out=None, **attrs):
+    def op(self, op_type, *inputs, n_out=1, out=None, name=None, **attrs):
         outs = out if out is not None else [self.fresh(op_type) for _ in range(n_out)]
         outs = [outs] if isinstance(outs, str) else list(outs)
-        self.nodes.append(helper.make_node(op_type, [i or "" for i in inputs], outs, **attrs))
+        self.nodes.append(helper.make_node(op_type, [i or "" for i in inputs], outs, name=name,
+                                           **attrs))
         return outs[0] if len(outs) == 1 else outs
+
+    def attr_const(self, attr: str, like: str) -> str:
+        """The float attribute ``attr`` of the function (a reference), cast to like's dtype."""
+        node = helper.make_node("Constant", [], [self.fresh("attr_" + attr)])
+        ref = onnx.AttributeProto(name="value_float", ref_attr_name=attr,
+                                  type=onnx.AttributeProto.FLOAT)
+        node.attribute.append(ref)
+        self.nodes.append(node)
+        return self.op("CastLike", node.output[0], like)
 
     def sub(self, tag):
         return _B(self.counter, self.opset, tag)
@@ -236,43 +294,101 @@ def _host_reserved(rnn_mode, direction, input_mode, L):
 
 
 # -- forward ---------------------------------------------------------------------------------
-def _fwd_cell(b: _B, rnn_mode, RhT, bh, splits, one):
-    """Scan body: (h[, c], xp_t) -> (h'[, c'], row, h')."""
+class _Cell:
+    """What the cell bodies share: the variant, 1 and 0 in T, the clip bound, the splits."""
+
+    def __init__(self, b: _B, x: str, H: str, rnn_mode: str, variant: Variant):
+        self.mode, self.v = rnn_mode, variant
+        self.one = b.like(1, x)
+        self.zero = b.Sub(self.one, self.one)
+        self.c = b.attr_const("clip", x) if variant.clip else None
+        self.negc = b.Neg(self.c) if variant.clip else None
+        G = num_gates(rnn_mode)
+        self.splits = b.Concat(*[H] * G, axis=0)
+        self.splits_row = b.Concat(*[H] * reserve_width(rnn_mode, variant), axis=0)
+
+    def clip(self, b, pre, masks):
+        """clip(pre) (ONNX: bounds the input of every gate activation); records the 0/1 mask
+        of where the derivative passes."""
+        if not self.v.clip:
+            return pre
+        masks.append(b.Where(b.LessOrEqual(b.Abs(pre), self.c), self.one, self.zero))
+        return b.Clip(pre, self.negc, self.c)
+
+
+def _fwd_cell(b: _B, cl: _Cell, RhT, bh, peep):
+    """Scan body: (h[, c], xp_t) -> (h'[, c'], row, h'). ``RhT`` is (RhT_rz, RhT_n, bh_rz, bh_n)
+    for GRU with linear_before_reset=0; ``peep`` (Pi, Po, Pf) or None."""
+    rnn_mode, v = cl.mode, cl.v
     lstm = rnn_mode == "lstm"
     h, xp = b.fresh("h"), b.fresh("xp")
     c = b.fresh("c") if lstm else None
-    hh = b.Add(b.MatMul(h, RhT), bh)
+    masks = []
     if lstm:
-        g = b.Add(xp, hh)
-        i, f, cc, o = _split(b, g, splits, 4)
-        i, f, cc, o = b.Sigmoid(i), b.Sigmoid(f), b.Tanh(cc), b.Sigmoid(o)
+        g = b.Add(xp, b.Add(b.MatMul(h, RhT), bh))
+        gi, gf, gc, go = _split(b, g, cl.splits, 4)
+        if peep:
+            gi, gf = b.Add(gi, b.Mul(peep[0], c)), b.Add(gf, b.Mul(peep[2], c))
+        i = b.Sigmoid(cl.clip(b, gi, masks))
+        f = b.Sigmoid(cl.clip(b, gf, masks))
+        cc = b.Tanh(cl.clip(b, gc, masks))
         c2 = b.Add(b.Mul(f, c), b.Mul(i, cc))
+        if peep:
+            go = b.Add(go, b.Mul(peep[1], c2))
+        o = b.Sigmoid(cl.clip(b, go, masks))
         h2 = b.Mul(o, b.Tanh(c2))
-        row = b.Concat(i, f, cc, o, c2, h2, axis=1)
+        row = b.Concat(i, f, cc, o, c2, *masks, h2, axis=1)
     elif rnn_mode == "gru":
-        xr, xz, xn = _split(b, xp, splits, 3)
-        hr, hz, hn = _split(b, hh, splits, 3)
-        r, z = b.Sigmoid(b.Add(xr, hr)), b.Sigmoid(b.Add(xz, hz))
-        n = b.Tanh(b.Add(xn, b.Mul(r, hn)))
+        xr, xz, xn = _split(b, xp, cl.splits, 3)
+        if v.lbr:
+            hr, hz, hn = _split(b, b.Add(b.MatMul(h, RhT), bh), cl.splits, 3)
+        else:
+            RhT_rz, RhT_n, bh_rz, bh_n = RhT
+            hr, hz = _split(b, b.Add(b.MatMul(h, RhT_rz), bh_rz), b.Slice(cl.splits, b.ints(0),
+                                                                            b.ints(2)), 2)
+        r = b.Sigmoid(cl.clip(b, b.Add(xr, hr), masks))
+        z = b.Sigmoid(cl.clip(b, b.Add(xz, hz), masks))
+        if v.lbr:
+            saved = hn
+            pn = b.Add(xn, b.Mul(r, hn))
+        else:
+            saved = b.Mul(r, h)  # r * h_{t-1}: what R_h multiplies
+            pn = b.Add(xn, b.Add(b.MatMul(saved, RhT_n), bh_n))
+        n = b.Tanh(cl.clip(b, pn, masks))
         h2 = b.Add(n, b.Mul(z, b.Sub(h, n)))
-        row = b.Concat(r, z, n, hn, h2, axis=1)
+        row = b.Concat(r, z, n, saved, *masks, h2, axis=1)
     else:
-        p = b.Add(xp, hh)
+        p = cl.clip(b, b.Add(xp, b.Add(b.MatMul(h, RhT), bh)), masks)
         h2 = b.Relu(p) if rnn_mode == "rnn_relu" else b.Tanh(p)
-        row = b.Identity(h2)
+        row = b.Concat(*masks, h2, axis=1) if masks else b.Identity(h2)
     ins = [h] + ([c] if lstm else []) + [xp]
     outs = [h2] + ([c2] if lstm else []) + [row, b.Identity(h2)]
     return _graph(b, "cell", ins, outs)
 
 
-def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L):
+def _gru_split_rh(b, dm, Rh, bh, transpose):
+    """(Rh_rz, Rh_n, bh_rz, bh_n): GRU's recurrent weights split into the r, z gates and h."""
+    H2 = dm.mul(2, dm.H)
+    GH = dm.mul(3, dm.H)
+    Rrz, Rn = b.Slice(Rh, b.ints(0), H2, b.ints(0)), b.Slice(Rh, H2, GH, b.ints(0))
+    if transpose:
+        Rrz, Rn = b.Transpose(Rrz), b.Transpose(Rn)
+    return Rrz, Rn, b.Slice(bh, b.ints(0), H2, b.ints(0)), b.Slice(bh, H2, GH, b.ints(0))
+
+
+def _peepholes(b, dm, idx):
+    """(Pi, Po, Pf) of one (layer, dir): rows of peepholes [L * nd, 3 * H] (ONNX's i, o, f)."""
+    P = b.Gather("peepholes", idx, axis=0)
+    return tuple(b.Slice(P, dm.mul(k, dm.H), dm.mul(k + 1, dm.H), b.ints(0)) for k in range(3))
+
+
+def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_CELL):
     x, h0, c0, params = FORWARD_INPUTS
     lstm = rnn_mode == "lstm"
     nd, G = num_dirs(direction), num_gates(rnn_mode)
     dm = _Dims(b, x, h0, nd)
     w = _Weights(b, dm, params, rnn_mode, L, direction, input_mode)
-    one = b.like(1, x)
-    splits = b.Concat(*[dm.H] * G, axis=0)
+    cl = _Cell(b, x, dm.H, rnn_mode, variant)
     layer_in = x
     hn, cn, rows = [], [], []
     for layer in range(L):
@@ -284,7 +400,12 @@ def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L):
                 xp = b.Add(b.Concat(*[layer_in] * G, axis=2), bx)
             else:
                 xp = b.Add(b.MatMul(layer_in, b.Transpose(Wx)), bx)
-            body = _fwd_cell(b.sub(f"l{layer}d{d}/"), rnn_mode, b.Transpose(Rh), bh, splits, one)
+            if rnn_mode == "gru" and not variant.lbr:
+                RhT = _gru_split_rh(b, dm, Rh, bh, transpose=True)
+            else:
+                RhT = b.Transpose(Rh)
+            peep = _peepholes(b, dm, idx) if variant.peep else None
+            body = _fwd_cell(b.sub(f"l{layer}d{d}/"), cl, RhT, bh, peep)
             states = [b.Gather(h0, idx, axis=0)] + ([b.Gather(c0, idx, axis=0)] if lstm else [])
             res = b.op("Scan", *states, xp, n_out=len(states) + 2, body=body, num_scan_inputs=1,
                        scan_input_directions=[d], scan_output_directions=[d, d])
@@ -300,7 +421,7 @@ def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L):
     if lstm:
         b.Identity(stack(cn), out="output_c")
     else:
-        b.Mul(b.like(0, x), one, out="output_c")
+        b.Mul(cl.zero, cl.one, out="output_c")
     b.Reshape(stack(rows), b.ints(-1), out="reserve_space")
     if v2:
         b.op("Constant", out="host_reserved", value=numpy_helper.from_array(
@@ -308,9 +429,11 @@ def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L):
 
 
 # -- backward --------------------------------------------------------------------------------
-def _bwd_cell(b: _B, rnn_mode, Rh, splits_row, one):
+def _bwd_cell(b: _B, cl: _Cell, Rh, peep):
     """Scan body (backwards in time): (dh[, dc], dy_t, row_t, hprev_t[, cprev_t]) ->
-    (dh_prev[, dc_prev], dgx_t[, dgh_t])."""
+    (dh_prev[, dc_prev], dgx_t[, dgh_t]). ``Rh`` is (Rh_rz, Rh_n) for GRU with
+    linear_before_reset=0."""
+    rnn_mode, v, one = cl.mode, cl.v, cl.one
     lstm, gru = rnn_mode == "lstm", rnn_mode == "gru"
     dh_c, dy, row, hp = b.fresh("dh"), b.fresh("dy"), b.fresh("row"), b.fresh("hp")
     dc_c = b.fresh("dc") if lstm else None
@@ -318,50 +441,91 @@ def _bwd_cell(b: _B, rnn_mode, Rh, splits_row, one):
     dh = b.Add(dy, dh_c)
     sig_d = lambda s: b.Mul(s, b.Sub(one, s))  # noqa: E731  sigmoid' from its output
     tanh_d = lambda t: b.Sub(one, b.Mul(t, t))  # noqa: E731
+    k = reserve_width(rnn_mode, v)
+    parts = _split(b, row, cl.splits_row, k) if k > 1 else [row]
+    G = num_gates(rnn_mode)
+    base = RESERVE_WIDTH[rnn_mode] - 1
+    masks = parts[base:base + G] if v.clip else [None] * G
+    m = lambda t, k: t if masks[k] is None else b.Mul(t, masks[k])  # noqa: E731
     if lstm:
-        i, f, cc, o, c, _ = _split(b, row, splits_row, 6)
+        i, f, cc, o, c = parts[:5]
         tc = b.Tanh(c)
-        do = b.Mul(dh, tc)
+        dgo = m(b.Mul(b.Mul(dh, tc), sig_d(o)), 3)
         dc = b.Add(dc_c, b.Mul(b.Mul(dh, o), tanh_d(tc)))
-        dg = b.Concat(b.Mul(b.Mul(dc, cc), sig_d(i)), b.Mul(b.Mul(dc, cp), sig_d(f)),
-                      b.Mul(b.Mul(dc, i), tanh_d(cc)), b.Mul(do, sig_d(o)), axis=1)
-        dhp, states, outs = b.MatMul(dg, Rh), [b.Mul(dc, f)], [dg]
+        if peep:
+            dc = b.Add(dc, b.Mul(dgo, peep[1]))
+        dgi = m(b.Mul(b.Mul(dc, cc), sig_d(i)), 0)
+        dgf = m(b.Mul(b.Mul(dc, cp), sig_d(f)), 1)
+        dg = b.Concat(dgi, dgf, m(b.Mul(b.Mul(dc, i), tanh_d(cc)), 2), dgo, axis=1)
+        dcp = b.Mul(dc, f)
+        if peep:
+            dcp = b.Add(dcp, b.Add(b.Mul(dgi, peep[0]), b.Mul(dgf, peep[2])))
+        dhp, states, outs = b.MatMul(dg, Rh), [dcp], [dg]
     elif gru:
-        r, z, n, hr, _ = _split(b, row, splits_row, 5)
-        dnp = b.Mul(b.Mul(dh, b.Sub(one, z)), tanh_d(n))
-        drp = b.Mul(b.Mul(dnp, hr), sig_d(r))
-        dzp = b.Mul(b.Mul(dh, b.Sub(hp, n)), sig_d(z))
-        dgx = b.Concat(drp, dzp, dnp, axis=1)
-        dgh = b.Concat(drp, dzp, b.Mul(dnp, r), axis=1)
-        dhp, states, outs = b.Add(b.Mul(dh, z), b.MatMul(dgh, Rh)), [], [dgx, dgh]
-    else:
-        if rnn_mode == "rnn_relu":
-            zero = b.Sub(one, one)
-            dp = b.Where(b.Greater(row, zero), dh, zero)
+        r, z, n, saved = parts[:4]
+        dnp = m(b.Mul(b.Mul(dh, b.Sub(one, z)), tanh_d(n)), 2)
+        dzp = m(b.Mul(b.Mul(dh, b.Sub(hp, n)), sig_d(z)), 1)
+        if v.lbr:
+            drp = m(b.Mul(b.Mul(dnp, saved), sig_d(r)), 0)
+            dgx = b.Concat(drp, dzp, dnp, axis=1)
+            dgh = b.Concat(drp, dzp, b.Mul(dnp, r), axis=1)
+            dhp, outs = b.Add(b.Mul(dh, z), b.MatMul(dgh, Rh)), [dgx, dgh]
         else:
-            dp = b.Mul(dh, tanh_d(row))
+            Rrz, Rn = Rh
+            drh = b.MatMul(dnp, Rn)  # d(r * h_{t-1})
+            drp = m(b.Mul(b.Mul(drh, hp), sig_d(r)), 0)
+            drz = b.Concat(drp, dzp, axis=1)
+            dgx = b.Concat(drz, dnp, axis=1)
+            dhp = b.Add(b.Add(b.Mul(dh, z), b.MatMul(drz, Rrz)), b.Mul(drh, r))
+            outs = [dgx, b.Identity(dgx)]
+        states = []
+    else:
+        h = parts[-1]
+        if rnn_mode == "rnn_relu":
+            dp = b.Where(b.Greater(h, cl.zero), dh, cl.zero)
+        else:
+            dp = b.Mul(dh, tanh_d(h))
+        dp = m(dp, 0)
         dhp, states, outs = b.MatMul(dp, Rh), [], [dp]
     ins = [dh_c] + ([dc_c] if lstm else []) + [dy, row, hp] + ([cp] if lstm else [])
     return _graph(b, "cell_grad", ins, [dhp] + states + outs)
 
 
-def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L):
+def _check_host_reserved(b: _B, rnn_mode, direction, input_mode, L):
+    """0 (shape [1]) when host_reserved matches this configuration; a positive number otherwise,
+    which makes the reserve_space Reshape below fail with a node name that says why."""
+    want = b.op("Constant", value=numpy_helper.from_array(
+        _host_reserved(rnn_mode, direction, input_mode, L).astype(np.int64)))
+    got = b.Cast("host_reserved", to=onnx.TensorProto.INT64)
+    diff = b.op("Sub", got, want,
+                name="host_reserved_must_have_5_entries_as_written_by_the_forward_CudnnRNNV2")
+    return b.ReduceSum(b.Abs(diff), b.ints(0), keepdims=1)
+
+
+def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_CELL):
     x, h0, c0, params = FORWARD_INPUTS
     lstm, gru = rnn_mode == "lstm", rnn_mode == "gru"
+    lbr0 = gru and not variant.lbr
     nd, G = num_dirs(direction), num_gates(rnn_mode)
     dm = _Dims(b, x, h0, nd)
     w = _Weights(b, dm, params, rnn_mode, L, direction, input_mode)
     H = dm.H
-    one = b.like(1, x)
-    k = RESERVE_WIDTH[rnn_mode]
-    splits_row = b.Concat(*[H] * k, axis=0)
-    R = b.Reshape("reserve_space", b.Concat(b.ints(L * nd), dm.T, dm.B, dm.mul(k, H), axis=0))
+    cl = _Cell(b, x, H, rnn_mode, variant)
+    k = reserve_width(rnn_mode, variant)
+    width, first = dm.mul(k, H), b.ints(L * nd)
+    if v2:  # a host_reserved of another configuration makes the Reshape below fail, by name;
+        # in two dims, so that onnxruntime's ReshapeFusion cannot turn the check into a -1
+        bad = _check_host_reserved(b, rnn_mode, direction, input_mode, L)
+        width, first = b.Add(width, bad), b.Add(first, bad)
+    R = b.op("Reshape", "reserve_space", b.Concat(first, dm.T, dm.B, width, axis=0),
+             name="reserve_space_does_not_match_this_configuration_or_the_forward_op_"
+                  "host_reserved")
     negH = b.Neg(H)
     rows = [b.Gather(R, b.scalar_int(i), axis=0) for i in range(L * nd)]
     hseq = [b.Slice(r, negH, b.ints(_INT_MAX), b.ints(2)) for r in rows]
     minus1 = b.ints(-1)
     dY = "output_backprop"
-    dh0s, dc0s, grads = [None] * (L * nd), [None] * (L * nd), {}
+    dh0s, dc0s, dps, grads = [None] * (L * nd), [None] * (L * nd), [None] * (L * nd), {}
     for layer in reversed(range(L)):
         if layer == 0:
             layer_in = x
@@ -385,12 +549,16 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L):
             scan_in = [dY if nd == 1 else
                        b.Slice(dY, dm.mul(d, H), dm.mul(d + 1, H), b.ints(2)), rows[idx], hprev]
             states = [b.Gather("output_h_backprop", sidx, axis=0)]
+            cs = cprev = None
             if lstm:
                 cs = b.Slice(rows[idx], dm.mul(4, H), dm.mul(5, H), b.ints(2))
-                scan_in.append(shifted(cs, b.Gather(c0, sidx, axis=0)))
+                cprev = shifted(cs, b.Gather(c0, sidx, axis=0))
+                scan_in.append(cprev)
                 states.append(b.Gather("output_c_backprop", sidx, axis=0))
             n_scan_out = 2 if gru else 1
-            body = _bwd_cell(b.sub(f"gl{layer}d{d}/"), rnn_mode, Rh, splits_row, one)
+            peep = _peepholes(b, dm, sidx) if variant.peep else None
+            cell_R = _gru_split_rh(b, dm, Rh, bh, False)[:2] if lbr0 else Rh
+            body = _bwd_cell(b.sub(f"gl{layer}d{d}/"), cl, cell_R, peep)
             res = b.op("Scan", *states, *scan_in, n_out=len(states) + n_scan_out, body=body,
                        num_scan_inputs=len(scan_in),
                        scan_input_directions=[1 - d] * len(scan_in),
@@ -404,9 +572,23 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L):
             dgx2, dgh2 = flat(dgx, w.GH), flat(dgh, w.GH)
             dWx = None if Wx is None else b.MatMul(b.Transpose(dgx2), flat(layer_in,
                                                                              w.in_dim(layer)))
-            dRh = b.MatMul(b.Transpose(dgh2), flat(hprev, H))
+            if lbr0:  # rows r, z multiply h_{t-1}; rows h multiply r * h_{t-1} (saved)
+                H2 = dm.mul(2, H)
+                rh = b.Slice(rows[idx], dm.mul(3, H), dm.mul(4, H), b.ints(2))
+                dRh = b.Concat(
+                    b.MatMul(b.Transpose(b.Slice(dgh2, b.ints(0), H2, b.ints(1))),
+                             flat(hprev, H)),
+                    b.MatMul(b.Transpose(b.Slice(dgh2, H2, w.GH, b.ints(1))), flat(rh, H)),
+                    axis=0)
+            else:
+                dRh = b.MatMul(b.Transpose(dgh2), flat(hprev, H))
             grads[(layer, d)] = (dWx, dRh, b.ReduceSum(dgx2, b.ints(0), keepdims=0),
                                  b.ReduceSum(dgh2, b.ints(0), keepdims=0))
+            if peep:  # ONNX order i, o, f
+                sl = lambda v, j: b.Slice(v, dm.mul(j, H), dm.mul(j + 1, H), b.ints(2))  # noqa
+                red = lambda v: b.ReduceSum(v, b.ints(0, 1), keepdims=0)  # noqa: E731
+                dps[idx] = b.Concat(red(b.Mul(sl(dgx, 0), cprev)), red(b.Mul(sl(dgx, 3), cs)),
+                                    red(b.Mul(sl(dgx, 1), cprev)), axis=0)
             if Wx is None:
                 dxs.append(b.ReduceSum(b.Reshape(dgx, b.Concat(dm.T, dm.B, b.ints(G), H, axis=0)),
                                        b.ints(2), keepdims=0))
@@ -419,7 +601,9 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L):
     if lstm:
         b.Identity(stack(dc0s), out="input_c_backprop")
     else:
-        b.Expand(b.like(0, x), b.Shape(c0), out="input_c_backprop")
+        b.Expand(cl.zero, b.Shape(c0), out="input_c_backprop")
+    if variant.peep:
+        b.Identity(stack(dps), out="peepholes_backprop")
     weights, biases = [], []
     for layer in range(L):
         for d in range(nd):
@@ -431,7 +615,7 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L):
 
 def make_function(op_type: str, rnn_mode: str = "lstm", direction: str = "unidirectional",
                   input_mode: str = "linear_input", num_layers: int = 1,
-                  opset: int = 18) -> onnx.FunctionProto:
+                  opset: int = 18, variant: Variant = CUDNN_CELL) -> onnx.FunctionProto:
     """The FunctionProto of one op for one configuration (its overload is the config key)."""
     if op_type not in OPS:
         raise ValueError(f"{op_type!r} is not one of {', '.join(OPS)}")
@@ -442,21 +626,32 @@ def make_function(op_type: str, rnn_mode: str = "lstm", direction: str = "unidir
     if opset < MIN_OPSET:
         raise ValueError(f"the CudnnRNN function bodies need ai.onnx opset >= {MIN_OPSET}, "
                          f"got {opset}")
+    if variant != CUDNN_CELL and op_type not in EX_OPS:
+        raise ValueError(f"{op_type} has cuDNN's cell only; {variant.suffix()!r} needs "
+                         f"{' / '.join(EX_OPS)}")
+    if variant.clip and opset < 15:
+        raise ValueError(f"clip in {op_type} needs ai.onnx opset >= 15 (CastLike), got {opset}")
+    if not variant.lbr and rnn_mode != "gru":
+        raise ValueError("linear_before_reset=0 is a GRU option")
+    if variant.peep and rnn_mode != "lstm":
+        raise ValueError("peepholes are an LSTM option")
     b = _B(itertools.count(), opset)
     v2 = op_type.endswith("V2")
-    if op_type in FORWARD_OPS:
-        _forward_body(b, v2, rnn_mode, direction, input_mode, num_layers)
+    if op_type in FORWARD_OPS or op_type == "OnnxRNN":
+        _forward_body(b, v2, rnn_mode, direction, input_mode, num_layers, variant)
         defaults = FORWARD_ATTR_DEFAULTS
     else:
-        _backward_body(b, v2, rnn_mode, direction, input_mode, num_layers)
+        _backward_body(b, v2, rnn_mode, direction, input_mode, num_layers, variant)
         defaults = ATTR_DEFAULTS
+    if op_type in EX_OPS:
+        defaults = EX_ATTR_DEFAULTS
     f = helper.make_function(
-        DOMAIN, op_type, op_inputs(op_type), op_outputs(op_type), b.nodes,
+        DOMAIN, op_type, op_inputs(op_type, variant), op_outputs(op_type, variant), b.nodes,
         [helper.make_opsetid("", opset)],
         attribute_protos=[helper.make_attribute(k, v) for k, v in defaults.items()],
         doc_string=f"onnxgrad {op_type} ({rnn_mode}, {direction}, {input_mode}, "
-                   f"{num_layers} layers); see onnxgrad.rnn.ops")
-    f.overload = overload_key(rnn_mode, direction, input_mode, num_layers)
+                   f"{num_layers} layers{variant.suffix()}); see onnxgrad.rnn.ops")
+    f.overload = overload_key(rnn_mode, direction, input_mode, num_layers, variant)
     return f
 
 
@@ -502,25 +697,36 @@ def _walk(graph: onnx.GraphProto):
                     yield from _walk(sg)
 
 
-def node_config(node: onnx.NodeProto, dims: dict | None = None) -> tuple[str, str, str, int]:
-    """(rnn_mode, direction, resolved input_mode, num_layers) of one node; validates what this
-    slice supports."""
-    fwd = node.op_type in FORWARD_OPS
-    a = _attrs(node, FORWARD_ATTR_DEFAULTS if fwd else ATTR_DEFAULTS)
+def _variant_of(node: onnx.NodeProto, a: dict) -> Variant:
+    if node.op_type not in EX_OPS:
+        return CUDNN_CELL
+    pos = 4 if node.op_type == "OnnxRNN" else len(BACKWARD_INPUTS)
+    peep = len(node.input) > pos and bool(node.input[pos])
+    return Variant(a["linear_before_reset"], a["clip"] > 0, peep)
+
+
+def node_config(node: onnx.NodeProto, dims: dict | None = None, with_variant: bool = False):
+    """(rnn_mode, direction, resolved input_mode, num_layers[, Variant]) of one node; validates
+    what the functions support."""
+    fwd = node.op_type in FORWARD_OPS or node.op_type == "OnnxRNN"
+    ex = node.op_type in EX_OPS
+    a = _attrs(node, EX_ATTR_DEFAULTS if ex else FORWARD_ATTR_DEFAULTS if fwd else ATTR_DEFAULTS)
     rnn_mode, direction = a["rnn_mode"], a["direction"]
     num_gates(rnn_mode)
     nd = num_dirs(direction)
-    if a["num_proj"]:
+    variant = _variant_of(node, a)
+    if a.get("num_proj"):
         raise NotImplementedError(f"{node.op_type} {node.name!r}: num_proj={a['num_proj']} is not "
                                   "supported (only 0)")
     dims = dims or {}
     xs = dims.get(node.input[0]) if node.input else None
     hs = dims.get(node.input[1]) if len(node.input) > 1 else None
     if node.overload:
-        key_mode, key_dir, key_in, layers = parse_overload(node.overload)
-        if (key_mode, key_dir) != (rnn_mode, direction):
+        key_mode, key_dir, key_in, layers, key_variant = parse_overload(node.overload, True)
+        if (key_mode, key_dir, key_variant) != (rnn_mode, direction, variant):
             raise ValueError(f"{node.op_type} {node.name!r}: overload {node.overload!r} does not "
-                             f"match rnn_mode={rnn_mode!r}, direction={direction!r}")
+                             f"match rnn_mode={rnn_mode!r}, direction={direction!r}"
+                             + (f", cell options {variant.suffix()!r}" if ex else ""))
         input_mode = key_in
     else:
         if not hs or hs[0] is None:
@@ -536,15 +742,54 @@ def node_config(node: onnx.NodeProto, dims: dict | None = None) -> tuple[str, st
         input_size = xs[2] if xs and len(xs) == 3 else None
         num_units = hs[2] if len(hs) == 3 else None
         input_mode = resolve_input_mode(a["input_mode"], input_size, num_units)
-    if a["dropout"] > 0 and layers > 1 and (not fwd or a["is_training"]):
+    if a.get("dropout", 0) > 0 and layers > 1 and (not fwd or a["is_training"]):
         raise NotImplementedError(f"{node.op_type} {node.name!r}: dropout={a['dropout']} between "
                                   "layers is not implemented yet in onnxgrad's CudnnRNN functions")
-    return rnn_mode, direction, input_mode, layers
+    cfg = (rnn_mode, direction, input_mode, layers)
+    return cfg + (variant,) if with_variant else cfg
+
+
+#: the attributes a backward op must share with the forward op whose reserve_space it reads
+_MUST_MATCH = ("rnn_mode", "direction", "dropout", "seed", "seed2", "num_proj")
+
+
+def _check_pairs(m: onnx.ModelProto, nodes, cfgs) -> None:
+    """A backward node fed by a forward node's reserve_space (or host_reserved) must have the
+    same configuration; say so at build time rather than compute garbage."""
+    producer = {}
+    for n in nodes:
+        if n.op_type in FORWARD_OPS or n.op_type == "OnnxRNN":
+            for i, o in enumerate(n.output):
+                if o and i >= 3:  # reserve_space, host_reserved
+                    producer[o] = n
+    for n in nodes:
+        if n.op_type not in BACKWARD_OPS and n.op_type != "OnnxRNNBackprop":
+            continue
+        ins = [n.input[10]] if len(n.input) > 10 else []
+        if n.op_type == "CudnnRNNBackpropV2" and len(n.input) > 11:
+            ins.append(n.input[11])
+        for name in ins:
+            f = producer.get(name)
+            if f is None:
+                continue
+            fa = _attrs(f, EX_ATTR_DEFAULTS if f.op_type in EX_OPS else FORWARD_ATTR_DEFAULTS)
+            ba = _attrs(n, EX_ATTR_DEFAULTS if n.op_type in EX_OPS else ATTR_DEFAULTS)
+            diff = [f"{k}: {fa.get(k)!r} vs {ba.get(k)!r}" for k in _MUST_MATCH + tuple(
+                EX_ATTR_DEFAULTS) if fa.get(k) != ba.get(k)]
+            if cfgs[id(f)] != cfgs[id(n)]:
+                diff.append(f"configuration (rnn_mode.direction.input_mode.layers): "
+                            f"{overload_key(*cfgs[id(f)])!r} vs {overload_key(*cfgs[id(n)])!r}")
+            if diff:
+                raise ValueError(f"{n.op_type} {n.name!r} reads {name!r} of {f.op_type} "
+                                 f"{f.name!r}, but their attributes or shapes differ: "
+                                 + "; ".join(diff))
 
 
 def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` where every onnxgrad CudnnRNN-family node has its overload set and the
-    model carries the matching FunctionProtos and imports the ``onnxgrad`` opset (version 1)."""
+    model carries the matching FunctionProtos and imports the ``onnxgrad`` opset (version 1).
+    A backward node reading the reserve_space of a forward node with other attributes or
+    another configuration is a ValueError."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     nodes = [n for n in _walk(m.graph) if n.domain == DOMAIN and n.op_type in OPS]
@@ -556,12 +801,15 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
                          f"the model imports {opset}")
     dims = None if all(n.overload for n in nodes) else _static_dims(m)
     have = {(f.domain, f.name, f.overload) for f in m.functions}
+    cfgs = {}
     for n in nodes:
-        cfg = node_config(n, dims)
+        cfg = node_config(n, dims, with_variant=True)
+        cfgs[id(n)] = cfg
         n.overload = overload_key(*cfg)
         if (DOMAIN, n.op_type, n.overload) not in have:
-            m.functions.append(make_function(n.op_type, *cfg, opset=opset))
+            m.functions.append(make_function(n.op_type, *cfg[:4], opset=opset, variant=cfg[4]))
             have.add((DOMAIN, n.op_type, n.overload))
+    _check_pairs(m, nodes, cfgs)
     if not any(o.domain == DOMAIN for o in m.opset_import):
         m.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
     m.ir_version = max(m.ir_version, 10)  # FunctionProto.overload / NodeProto.overload
@@ -576,4 +824,4 @@ def make_node(op_type: str, inputs, outputs, **attrs) -> onnx.NodeProto:
 
 
 __all__ = ["attach_functions", "make_function", "make_node", "node_config", "overload_key",
-           "DOMAIN", "OPS", "FORWARD_OPS", "BACKWARD_OPS"]
+           "DOMAIN", "OPS", "FORWARD_OPS", "BACKWARD_OPS", "EX_OPS", "Variant"]

@@ -61,6 +61,9 @@ def _matmul(n, g):
             "inference or declare the input shapes")
     if ra == 1 and rb == 1:  # dot product: y is a scalar
         return g * b, g * a
+    if ra == 2 and rb == 2:  # Gemm transposes inside its kernel: no Transpose nodes
+        return (e.op("Gemm", g, b, transB=1, _shape=a.shape),
+                e.op("Gemm", a, g, transA=1, _shape=b.shape))
     sa, sb = a.shape, b.shape
     ys = n.y.shape if n.y.shape is not None else g.shape
     # numpy promotes a 1-D operand to a matrix ([K] -> [1, K] on the left, [K, 1] on the
@@ -94,8 +97,8 @@ def _matmul(n, g):
         # reshape(x, [-1, K])^T @ reshape(g, [-1, N]), rather than a batched product and a
         # ReduceSum over the batch
         db_shape = None if sb is None else (sb + (1,) if rb == 1 else sb)
-        db = e.op("MatMul", _swap_last(e, _flat2d(e, a, _last_dim(e, a)), 2),
-                  _flat2d(e, g2, _last_dim(e, g2)), _shape=db_shape)
+        db = e.op("Gemm", _flat2d(e, a, _last_dim(e, a)), _flat2d(e, g2, _last_dim(e, g2)),
+                  transA=1, _shape=db_shape)
     else:
         db_shape = _matmul_shape(a_t.shape, g2s)
         db = e.op("MatMul", a_t, g2, _shape=db_shape)
