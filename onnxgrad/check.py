@@ -97,6 +97,25 @@ def _graph64(g: onnx.GraphProto):
         _node64(n)
 
 
+def _expose(model, ys):
+    """A copy of ``model`` in which every y that is an intermediate tensor is also a graph output
+    (check_gradients runs the model for ys, and a runtime returns only graph outputs)."""
+    outputs = {o.name for o in model.graph.output}
+    produced = {o for n in model.graph.node for o in n.output}
+    missing = [y for y in dict.fromkeys(ys) if y not in outputs and y in produced]
+    if not missing:
+        return model
+    try:
+        typed = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001  (custom ops without inference: outputs stay untyped)
+        typed = model
+    infos = {vi.name: vi for vi in typed.graph.value_info}
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    for y in missing:
+        m.graph.output.append(infos.get(y) or onnx.helper.make_empty_tensor_value_info(y))
+    return m
+
+
 def _input_feeds(model, feeds, rng, dim):
     feeds = dict(feeds or {})
     init_names = {t.name for t in model.graph.initializer}
@@ -143,6 +162,7 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
         model = onnx.load(model)
     ys = [ys] if isinstance(ys, str) else list(ys)
     xs = [xs] if isinstance(xs, str) else list(xs)
+    model = _expose(model, ys)
     wide = dtype == "float64"
     eps = eps or (1e-6 if wide else 1e-2)
     rtol = rtol or (1e-5 if wide else 2e-2)

@@ -186,31 +186,10 @@ def _load_feeds(path: str, model) -> dict:
     return out
 
 
-def _expose(model, ys):
-    """A copy of ``model`` in which every y that is an intermediate tensor is also a graph output
-    (check_gradients runs the model for ys, and a runtime returns only graph outputs)."""
-    import onnx
-
-    outputs = {o.name for o in model.graph.output}
-    produced = {o for n in model.graph.node for o in n.output}
-    missing = [y for y in dict.fromkeys(ys) if y not in outputs and y in produced]
-    if not missing:
-        return model
-    try:
-        typed = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001  (custom ops without inference: outputs stay untyped)
-        typed = model
-    infos = {vi.name: vi for vi in typed.graph.value_info}
-    m = onnx.ModelProto.FromString(model.SerializeToString())
-    for y in missing:
-        m.graph.output.append(infos.get(y) or onnx.helper.make_empty_tensor_value_info(y))
-    return m
-
-
 def _cmd_check(args, out) -> int:
     from .check import check_gradients
 
-    model = _expose(_load(args.model), args.ys)
+    model = _load(args.model)
     feeds = _load_feeds(args.feeds, model) if args.feeds else None
     kw = {"stop_gradients": args.stop} if args.stop else {}
     report = check_gradients(model, args.ys, args.xs, feeds, dtype=args.dtype, eps=args.eps,

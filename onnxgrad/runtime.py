@@ -30,11 +30,16 @@ def cuda_available() -> bool:
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    so = _options()
+    so.log_severity_level = 4
+    ort.set_default_logger_severity(4)  # a missing CUDA library is an answer here, not an error
     try:
-        s = ort.InferenceSession(m.SerializeToString(), _options(),
+        s = ort.InferenceSession(m.SerializeToString(), so,
                                  providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
     except Exception:  # noqa: BLE001
         return False
+    finally:
+        ort.set_default_logger_severity(3)
     return "CUDAExecutionProvider" in s.get_providers()
 
 
