@@ -75,6 +75,8 @@ def _tensor64(t: TensorProto) -> TensorProto:
 
 
 def _node64(n: onnx.NodeProto):
+    if n.op_type == "SequenceEmpty" and not any(a.name == "dtype" for a in n.attribute):
+        n.attribute.append(onnx.helper.make_attribute("dtype", TensorProto.DOUBLE))  # default float
     for a in n.attribute:
         if a.type == onnx.AttributeProto.TENSOR:
             a.t.CopyFrom(_tensor64(a.t))

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--markdown", action="store_true", help="as a markdown table")
     o.set_defaults(func=_cmd_ops)
 
+    from .lower import add_lower_parser
+    add_lower_parser(sub)
+
     training = _training_cli()
     if training is not None:  # train, export-train-step (onnxgrad/training/cli.py)
         training.add_train_parser(sub)

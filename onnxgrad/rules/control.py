@@ -1,0 +1,311 @@
+"""Gradient rules for control flow: If, Loop, Scan.
+
+Each rule clones the forward body into a new subgraph (recomputing one branch or one iteration),
+seeds the cloned outputs with the incoming gradients, and lets the engine differentiate it
+(``n.differentiate``), recursively through nested control flow.
+
+- If: an If on the same condition whose branches return the gradients of the outer values the
+  branches read (zeros where a branch does not use one).
+- Loop: the forward Loop is augmented in place so that every iteration also emits, as scan outputs,
+  its iteration number (so a condition-ended loop's trip count is known) and the loop-carried
+  tensors the backward body reads at the start of the iteration. The backward Loop runs as many
+  iterations in reverse, recomputes iteration t from the saved state, carries the gradients of
+  loop-carried values (tensors and sequences) and sums the gradients of outer-scope values as
+  extra loop-carried values. Only what the backward body really reads is saved: a loop that writes
+  a sequence (a TensorArray) needs nothing saved for it, since SequenceInsert's gradient only reads
+  the gradient sequence.
+- Scan: the forward Scan also emits its state at the start of every iteration; the backward Scan
+  runs over the saved states, the scan inputs and the scan outputs' gradients with every direction
+  reversed, and emits the scan inputs' gradients along the same axes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir._cloner import Cloner
+
+from ..emitter import V
+from ..errors import NotDifferentiableError
+from ..registry import Grads, captured, register, subgraphs
+from .sequence import float_value, is_seq, zeros_for
+
+
+# -- cloning bodies ---------------------------------------------------------------------------
+def clone_into(e, body: ir.Graph, value_map: dict) -> dict:
+    """Append copies of ``body``'s nodes to ``e.graph``, reading ``value_map[v]`` for each body input
+    v (outer-scope values stay shared); every value gets a fresh name. Returns the value map (old
+    value -> clone)."""
+    vmap = dict(value_map)
+    for init in body.initializers.values():
+        vmap[init] = e.const(init.const_value.numpy()).value
+    cloner = Cloner(attr_map={}, value_map=vmap, metadata_props={}, allow_outer_scope_values=True)
+    for node in body:
+        new = cloner.clone_node(node)
+        new.name = e.unique(f"{e.prefix}/{node.name or node.op_type}")
+        _rename(e, new)
+        e.graph.append(new)
+    return vmap
+
+
+def _rename(e, node: ir.Node):
+    for out in node.outputs:
+        out.name = e.unique(f"{e.prefix}/{out.name or 'v'}")
+    for g in subgraphs(node):
+        for v in g.inputs:
+            v.name = e.unique(f"{e.prefix}/{v.name or 'in'}")
+        for inner in g:
+            inner.name = e.unique(f"{e.prefix}/{inner.name or inner.op_type}")
+            _rename(e, inner)
+
+
+def finish_body(e, graph: ir.Graph, outs: list[V]) -> None:
+    """Make ``outs`` the outputs of ``graph`` (through Identity where a value is not produced inside
+    it, or appears twice), then drop the nodes nothing uses."""
+    seen = set()
+    for o in outs:
+        v = o.value
+        if (v.producer() is None or v.producer().graph is not graph or v in seen
+                or v.is_graph_output()):
+            v = e.op("Identity", o, _dtype=o.dtype).value
+            v.type = o.value.type
+        seen.add(v)
+        graph.outputs.append(v)
+    dce(graph)
+
+
+def dce(graph: ir.Graph) -> None:
+    for node in reversed(list(graph)):
+        if all(not v.uses() and not v.is_graph_output() for v in node.outputs):
+            graph.remove(node, safe=True)
+
+
+def _typed(name, like: ir.Value) -> ir.Value:
+    return ir.Value(name=name, type=like.type, shape=like.shape)
+
+
+def _scalar(e, name, dtype) -> ir.Value:
+    return ir.Value(name=e.unique(name), type=ir.TensorType(dtype), shape=ir.Shape([]))
+
+
+def _caps(n):
+    return [c for c in captured(n.node) if float_value(c) and n.wants(c)]
+
+
+def _i64(e, x):
+    return e.const(np.array(x, np.int64))
+
+
+# -- If ---------------------------------------------------------------------------------------
+@register("If")
+def _if(n, g):
+    e, node = n.e, n.node
+    caps = _caps(n)
+    if not caps:
+        return None
+    branches = {}
+    for key in ("then_branch", "else_branch"):
+        body = node.attributes[key].value
+        bb = ir.Graph([], [], nodes=[], name=e.unique(f"{e.prefix}/{key}"))
+        be = e.child(bb, f"{e.prefix}/{key}")
+        vmap = clone_into(be, body, {})
+        seeds = {}
+        for o, gi in zip(body.outputs, n.gs):
+            if gi is not None and float_value(o):
+                seeds.setdefault(vmap.get(o, o), []).append(V(gi.value, be, gi.dtype, gi.shape))
+        res = n.differentiate(bb, seeds, caps, be)
+        outs = [r if r is not None else zeros_for(be, V(c, be)) for r, c in zip(res, caps)]
+        finish_body(be, bb, outs)
+        branches[key] = bb
+    out = e.op("If", n.ins[0], _outputs=len(caps), **branches,
+               _dtype=[c.dtype for c in caps])
+    out = out if isinstance(out, tuple) else (out,)
+    for o, c in zip(out, caps):
+        o.value.type = c.type
+    return Grads((None,), {c: V(o.value, e, c.dtype, None) for o, c in zip(out, caps)})
+
+
+# -- Loop -------------------------------------------------------------------------------------
+def _augment(e, node: ir.Node, body: ir.Graph, values: list[ir.Value], label: str) -> list[V]:
+    """Make the forward node also emit each of ``values`` (body values) as a scan output."""
+    fe = e.child(body, f"{e.scope}/{node.name or node.op_type}_fwd")
+    k = len(node.outputs)
+    for v in values:
+        body.outputs.append(fe.op("Identity", V(v, fe), _dtype=v.dtype).value)
+        body.outputs[-1].type = v.type
+    node.resize_outputs(k + len(values))
+    outs = []
+    for v, o in zip(values, node.outputs[k:]):
+        o.name = e.unique(f"{e.scope}/{node.name or node.op_type}_{label}")
+        o.type = v.type
+        outs.append(V(o, e, v.dtype, None))
+    return outs
+
+
+@register("Loop")
+def _loop(n, g):
+    e, node = n.e, n.node
+    body = node.attributes["body"].value
+    nv = len(node.inputs) - 2
+    b_iter, b_cond, b_vin = body.inputs[0], body.inputs[1], list(body.inputs[2:])
+    b_vout, b_scan = list(body.outputs[1:1 + nv]), list(body.outputs[1 + nv:])
+    n_scan = len(b_scan)
+    gs_final, gs_scan = n.gs[:nv], n.gs[nv:nv + n_scan]
+    caps = _caps(n)
+    carried = [j for j in range(nv) if float_value(node.inputs[2 + j])]
+
+    # the iteration count, from a saved iteration number (known after the forward ran)
+    (iters,) = _augment(e, node, body, [b_iter], "iters")
+    trips = e.Size(iters)
+    last = trips - _i64(e, 1)
+
+    # the backward body: k, cond, gradients of the carried values, sums for captured values
+    b_k = _scalar(e, f"{e.prefix}/k", ir.DataType.INT64)
+    b_c = _scalar(e, f"{e.prefix}/cond", ir.DataType.BOOL)
+    g_in = [_typed(e.unique(f"{e.prefix}/g_{b_vin[j].name}"), b_vin[j]) for j in carried]
+    acc_in = [_typed(e.unique(f"{e.prefix}/acc_{c.name}"), c) for c in caps]
+    for v, c in zip(acc_in, caps):
+        v.shape = c.shape
+    bb = ir.Graph([b_k, b_c, *g_in, *acc_in], [], nodes=[], name=e.unique(f"{e.prefix}/body"))
+    be = e.child(bb, f"{e.prefix}/body")
+    ph_t = _scalar(e, f"{e.prefix}/t", ir.DataType.INT64)  # forward iteration T-1-k
+    ph = [_typed(e.unique(f"{e.prefix}/state_{v.name}"), v) for v in b_vin]
+    vmap = clone_into(be, body, {b_iter: ph_t, b_cond: be.const(np.array(True)).value,
+                                 **dict(zip(b_vin, ph))})
+    seeds = {}
+    for j, gv in zip(carried, g_in):
+        seeds.setdefault(vmap.get(b_vout[j], b_vout[j]), []).append(V(gv, be))
+    for o, gi in zip(b_scan, gs_scan):
+        if gi is not None and float_value(o):
+            gt = be.Gather(V(gi.value, be, gi.dtype, None), V(ph_t, be), axis=0)
+            seeds.setdefault(vmap.get(o, o), []).append(gt)
+    xs = [ph[j] for j in carried] + caps
+    res = n.differentiate(bb, seeds, xs, be)
+    outs = [be.const(np.array(True))]
+    outs += [r if r is not None else zeros_for(be, V(ph[j], be)) for r, j in zip(res, carried)]
+    for a, r in zip(acc_in, res[len(carried):]):
+        a = V(a, be)
+        outs.append(a if r is None else _add(be, a, r))
+    finish_body(be, bb, outs)
+
+    # save what the backward body reads of the state at the start of each iteration
+    need = [j for j in range(nv) if ph[j].uses()]
+    for j in need:
+        if is_seq(b_vin[j]):
+            raise NotDifferentiableError(
+                "Loop", node.domain, n.opset, node.name,
+                [f"(the backward loop reads the carried sequence {b_vin[j].name!r} itself; "
+                 "only sequences that the body writes or that come from outside are supported)"])
+    saved = _augment(e, node, body, [b_vin[j] for j in need], "saved")
+    be.prefix = f"{e.prefix}/body"
+    for j, s in zip(need, saved):
+        got = be.Gather(V(s.value, be, s.dtype, None), V(ph_t, be), axis=0)
+        ph[j].replace_all_uses_with(got.value)
+    if ph_t.uses():
+        t = V(last.value, be, last.dtype, ()) - V(b_k, be)
+        ph_t.replace_all_uses_with(t.value)
+    bb.sort()
+
+    inits = []
+    for j, gj in zip(carried, (gs_final[j] for j in carried)):
+        inits.append(gj if gj is not None else zeros_for(e, n.outs[j]))
+    inits += [zeros_for(e, V(c, e)) for c in caps]
+    outs = e.op("Loop", trips, None, *inits, body=bb, _outputs=len(inits),
+                _dtype=[v.dtype for v in inits])
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    for o, v in zip(outs, inits):
+        o.value.type = v.value.type
+    per_input = [None] * len(node.inputs)
+    for k, j in enumerate(carried):
+        per_input[2 + j] = outs[k]
+    return Grads(per_input, dict(zip(caps, outs[len(carried):])))
+
+
+def _add(e, a: V, b: V) -> V:
+    if is_seq(a):
+        from .sequence import seq_add
+        return seq_add(e, a, b)
+    return a + b
+
+
+# -- Scan -------------------------------------------------------------------------------------
+@register("Scan", since=9)
+def _scan(n, g):
+    e, node = n.e, n.node
+    body = node.attributes["body"].value
+    m = n.attr("num_scan_inputs")
+    ns = len(node.inputs) - m
+    nso = len(body.outputs) - ns
+    in_axes = n.attr("scan_input_axes") or [0] * m
+    in_dirs = n.attr("scan_input_directions") or [0] * m
+    out_axes = n.attr("scan_output_axes") or [0] * nso
+    out_dirs = n.attr("scan_output_directions") or [0] * nso
+    b_sin, b_xin = list(body.inputs[:ns]), list(body.inputs[ns:])
+    b_sout, b_yout = list(body.outputs[:ns]), list(body.outputs[ns:])
+    caps = _caps(n)
+    carried = [j for j in range(ns) if float_value(b_sin[j])]
+    want_x = [i for i in range(m) if float_value(node.inputs[ns + i]) and n.wants(node.inputs[ns + i])]
+
+    g_in = [_typed(e.unique(f"{e.prefix}/g_{b_sin[j].name}"), b_sin[j]) for j in carried]
+    acc_in = [_typed(e.unique(f"{e.prefix}/acc_{c.name}"), c) for c in caps]
+    ph_s = [_typed(e.unique(f"{e.prefix}/state_{v.name}"), v) for v in b_sin]
+    ph_x = [_typed(e.unique(f"{e.prefix}/x_{v.name}"), v) for v in b_xin]
+    ph_gy = [None if gi is None or not float_value(o) else
+             _typed(e.unique(f"{e.prefix}/gy_{o.name}"), o) for o, gi in zip(b_yout, n.gs[ns:])]
+    bb = ir.Graph([*g_in, *acc_in], [], nodes=[], name=e.unique(f"{e.prefix}/body"))
+    be = e.child(bb, f"{e.prefix}/body")
+    vmap = clone_into(be, body, {**dict(zip(b_sin, ph_s)), **dict(zip(b_xin, ph_x))})
+    seeds = {}
+    for j, gv in zip(carried, g_in):
+        seeds.setdefault(vmap.get(b_sout[j], b_sout[j]), []).append(V(gv, be))
+    for o, p in zip(b_yout, ph_gy):
+        if p is not None:
+            seeds.setdefault(vmap.get(o, o), []).append(V(p, be))
+    xs = [ph_s[j] for j in carried] + caps + [ph_x[i] for i in want_x]
+    res = n.differentiate(bb, seeds, xs, be)
+    nc, ncap = len(carried), len(caps)
+    outs = [r if r is not None else be.zeros_like(V(ph_s[j], be))
+            for r, j in zip(res[:nc], carried)]
+    outs += [V(a, be) if r is None else V(a, be) + r for a, r in zip(acc_in, res[nc:nc + ncap])]
+    outs += [r if r is not None else be.zeros_like(V(ph_x[i], be))
+             for r, i in zip(res[nc + ncap:], want_x)]
+    finish_body(be, bb, outs)
+
+    # scan inputs of the backward Scan: saved states, forward scan inputs, output gradients
+    need_s = [j for j in range(ns) if ph_s[j].uses()]
+    need_x = [i for i in range(m) if ph_x[i].uses()]
+    need_y = [i for i, p in enumerate(ph_gy) if p is not None and p.uses()]
+    if not (need_s or need_x or need_y):
+        need_x = [0]  # the backward Scan needs one scan input for its length
+    saved = _augment(e, node, body, [b_sin[j] for j in need_s], "saved")
+    if need_s:
+        extra = len(need_s)
+        node.attributes["scan_output_axes"] = ir.AttrInt64s("scan_output_axes",
+                                                            [*out_axes, *[0] * extra])
+        node.attributes["scan_output_directions"] = ir.AttrInt64s(
+            "scan_output_directions", [*out_dirs, *[0] * extra])
+    scan_in, axes, dirs = [], [], []
+    for j, s in zip(need_s, saved):
+        bb.inputs.append(ph_s[j])
+        scan_in.append(s), axes.append(0), dirs.append(1)
+    for i in need_x:
+        bb.inputs.append(ph_x[i])
+        scan_in.append(n.ins[ns + i]), axes.append(in_axes[i]), dirs.append(1 - in_dirs[i])
+    for i in need_y:
+        bb.inputs.append(ph_gy[i])
+        scan_in.append(n.gs[ns + i]), axes.append(out_axes[i]), dirs.append(1 - out_dirs[i])
+
+    inits = [n.gs[j] if n.gs[j] is not None else e.zeros_like(n.outs[j]) for j in carried]
+    inits += [e.zeros_like(V(c, e)) for c in caps]
+    n_out = len(inits) + len(want_x)
+    outs = e.op("Scan", *inits, *scan_in, body=bb, num_scan_inputs=len(scan_in),
+                scan_input_axes=axes, scan_input_directions=dirs,
+                scan_output_axes=[in_axes[i] for i in want_x],
+                scan_output_directions=[1 - in_dirs[i] for i in want_x], _outputs=n_out,
+                _dtype=[v.dtype for v in inits] + [node.inputs[ns + i].dtype for i in want_x])
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    per_input = [None] * len(node.inputs)
+    for k, j in enumerate(carried):
+        per_input[j] = outs[k]
+    for k, i in enumerate(want_x):
+        per_input[ns + i] = outs[len(inits) + k]
+    return Grads(per_input, dict(zip(caps, outs[nc:nc + ncap])))

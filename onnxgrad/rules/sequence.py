@@ -1,0 +1,207 @@
+"""Gradient rules for ONNX sequence ops (TensorArray semantics, see DESIGN.md).
+
+The gradient of a sequence value is a sequence of the same length whose element i is the gradient
+of element i (zeros where nothing flowed). Contributions add elementwise (``seq_add``, registered
+with the engine for ``ir.SequenceType``); the engine names the summed gradient ``S@<scope>``.
+A rule never needs the forward sequence when a gradient sequence already carries its length
+(SequenceInsert), so loops that write a sequence need not save it per iteration.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from ..emitter import FLOAT_DTYPES, V
+from ..registry import Grads, captured, register, register_add
+
+SEQ_OPSET = 17  # SequenceMap
+
+
+def is_seq(v) -> bool:
+    t = (v.value if isinstance(v, V) else v).type
+    return isinstance(t, ir.SequenceType)
+
+
+def seq_type(dtype) -> ir.SequenceType:
+    return ir.SequenceType(ir.TensorType(dtype))
+
+
+def sop(e, op_type, *inputs, _dtype=None, **attrs) -> V:
+    """Emit a sequence-valued op (the output typed as a sequence of ``_dtype`` tensors)."""
+    out = e.op(op_type, *inputs, **attrs)
+    dtype = _dtype or out.dtype
+    out.value.type = seq_type(dtype)
+    return V(out.value, e, dtype, None)
+
+
+def _map(e, fn, seqs, dtypes, n_out=1):
+    """SequenceMap(seqs) whose body is ``fn(body_emitter, *elements) -> V or tuple``; the
+    element dtypes of the outputs are ``dtypes``."""
+    e.need(SEQ_OPSET)
+    ins = [ir.Value(name=e.unique(f"{e.prefix}/map_in"), type=ir.TensorType(s.dtype))
+           for s in seqs]
+    body = ir.Graph(ins, [], nodes=[], name=e.unique(f"{e.prefix}/map_body"))
+    be = e.child(body, f"{e.prefix}/map")
+    outs = fn(be, *[V(v, be) for v in ins])
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    for o in outs:
+        body.outputs.append(be.op("Identity", o).value)
+    res = e.op("SequenceMap", *seqs, body=body, _outputs=n_out)
+    res = res if isinstance(res, tuple) else (res,)
+    for r, d in zip(res, dtypes):
+        r.value.type = seq_type(d)
+    return tuple(V(r.value, e, d, None) for r, d in zip(res, dtypes))
+
+
+def seq_zeros_like(e, s: V) -> V:
+    """A sequence of zeros shaped like each element of ``s``."""
+    return _map(e, lambda be, x: be.zeros_like(x), [s], [s.dtype])[0]
+
+
+def seq_add(e, a: V, b: V) -> V:
+    """Elementwise sum of two sequences of the same length."""
+    return _map(e, lambda be, x, y: x + y, [a, b], [a.dtype])[0]
+
+
+register_add(ir.SequenceType, seq_add)
+
+
+def zeros_for(e, v: V) -> V:
+    """Zeros like a tensor or a sequence."""
+    return seq_zeros_like(e, v) if is_seq(v) else e.zeros_like(v)
+
+
+def _pos(e, p: V | None) -> V | None:
+    if p is None:
+        return None
+    return p if p.dtype == ir.DataType.INT64 else e.Cast(p, to=ir.DataType.INT64)
+
+
+def _norm(e, p: V, length: V) -> V:
+    """A position made non-negative against ``length``."""
+    zero = e.const(np.array(0, np.int64))
+    return e.Where(e.Less(p, zero), p + length, p)
+
+
+def one_hot(e, s: V, pos: V, g: V) -> V:
+    """zeros like ``s`` with ``g`` at ``pos``."""
+    z = seq_zeros_like(e, s)
+    p = _norm(e, _pos(e, pos), e.SequenceLength(s, _dtype=ir.DataType.INT64))
+    return sop(e, "SequenceInsert", sop(e, "SequenceErase", z, p), g, p)
+
+
+@register("SequenceEmpty")
+def _empty(n, g):
+    return ()
+
+
+@register("SequenceLength")
+def _length(n, g):
+    return None
+
+
+@register("SequenceConstruct")
+def _construct(n, g):
+    e = n.e
+    return tuple(None if not n.wants(x) else e.SequenceAt(g, e.const(np.array(i, np.int64)))
+                 for i, x in enumerate(n.ins))
+
+
+@register("SequenceAt")
+def _at(n, g):
+    return one_hot(n.e, n.x, n.ins[1], g), None
+
+
+@register("SequenceInsert")
+def _insert(n, g):
+    e = n.e
+    p = _pos(e, n.input(2))
+    if p is None:  # appended: the last element of g
+        gt = e.SequenceAt(g, e.const(np.array(-1, np.int64))) if n.wants(n.ins[1]) else None
+        return sop(e, "SequenceErase", g), gt, None
+    # normalized against len(S) = len(g) - 1, so the forward sequence is not needed
+    p = _norm(e, p, e.SequenceLength(g, _dtype=ir.DataType.INT64) - _one(e))
+    gt = e.SequenceAt(g, p) if n.wants(n.ins[1]) else None
+    return sop(e, "SequenceErase", g, p), gt, None
+
+
+@register("SequenceErase")
+def _erase(n, g):
+    e, s = n.e, n.x
+    p = _pos(e, n.input(1))
+    if p is None:
+        last = e.SequenceAt(s, e.const(np.array(-1, np.int64)))
+        return sop(e, "SequenceInsert", g, e.zeros_like(last)), None
+    p = _norm(e, p, e.SequenceLength(s, _dtype=ir.DataType.INT64))
+    return sop(e, "SequenceInsert", g, e.zeros_like(e.SequenceAt(s, p)), p), None
+
+
+@register("ConcatFromSequence")
+def _concat(n, g):
+    e, s = n.e, n.x
+    axis, new_axis = n.attr("axis"), n.attr("new_axis", 0)
+    if new_axis:
+        return sop(e, "SplitToSequence", g, axis=axis, keepdims=0, _dtype=g.dtype)
+    idx = e.const(np.array([axis], np.int64))
+    lens = _map(e, lambda be, x: be.Gather(be.Shape(x), idx), [s], [ir.DataType.INT64])[0]
+    split = e.ConcatFromSequence(lens, axis=0, _dtype=ir.DataType.INT64)
+    return sop(e, "SplitToSequence", g, split, axis=axis, _dtype=g.dtype)
+
+
+@register("SplitToSequence")
+def _split(n, g):
+    axis = n.attr("axis", 0)
+    squeezed = n.input(1) is None and n.attr("keepdims", 1) == 0
+    out = n.e.ConcatFromSequence(g, axis=axis, new_axis=1 if squeezed else 0, _dtype=g.dtype)
+    return out, None
+
+
+def _stack_sum(e, s: V) -> V:
+    """The sum of a sequence's (same-shaped) elements."""
+    st = e.ConcatFromSequence(s, axis=0, new_axis=1, _dtype=s.dtype)
+    return e.ReduceSum(st, e.const(np.array([0], np.int64)), keepdims=0)
+
+
+def float_value(v) -> bool:
+    return v is not None and v.dtype in FLOAT_DTYPES and isinstance(
+        v.type, (ir.TensorType, ir.SequenceType))
+
+
+@register("SequenceMap")
+def _sequence_map(n, g):
+    """A SequenceMap of the body's gradient: per-element gradients of sequence inputs come out as
+    sequences; tensor inputs and captured values get the sum over the elements."""
+    from .control import clone_into, finish_body  # one module for the subgraph machinery
+    e, node = n.e, n.node
+    body = node.attributes["body"].value
+    caps = [c for c in captured(node) if float_value(c) and n.wants(c)]
+    gs = [gi if gi is not None else seq_zeros_like(e, o) for gi, o in zip(n.gs, n.outs)]
+    e.need(SEQ_OPSET)
+    # body inputs: the forward inputs' elements, then the output gradients' elements
+    b_in = [ir.Value(name=e.unique(f"{e.prefix}/in"), type=v.type) for v in body.inputs]
+    b_g = [ir.Value(name=e.unique(f"{e.prefix}/g"), type=o.type) for o in body.outputs]
+    bb = ir.Graph([*b_in, *b_g], [], nodes=[], name=e.unique(f"{e.prefix}/body"))
+    be = e.child(bb, f"{e.prefix}/body")
+    vmap = clone_into(be, body, dict(zip(body.inputs, b_in)))
+    seeds = {vmap[o]: V(gv, be) for o, gv in zip(body.outputs, b_g) if float_value(o)}
+    wanted = [i for i, x in enumerate(node.inputs) if float_value(x) and n.wants(x)]
+    xs = [b_in[i] for i in wanted] + caps
+    res = n.differentiate(bb, seeds, xs, be)
+    outs = [r if r is not None else be.zeros_like(V(x, be)) for r, x in zip(res, xs)]
+    finish_body(be, bb, outs)
+    out_types = [x.dtype for x in xs]
+    mapped = e.op("SequenceMap", *n.ins, *gs, body=bb, _outputs=len(xs)) if xs else ()
+    mapped = mapped if isinstance(mapped, tuple) else (mapped,)
+    grads = []
+    for m, d in zip(mapped, out_types):
+        m.value.type = seq_type(d)
+        grads.append(V(m.value, e, d, None))
+    per_input = [None] * len(node.inputs)
+    for k, i in enumerate(wanted):
+        per_input[i] = grads[k] if is_seq(node.inputs[i]) else _stack_sum(e, grads[k])
+    cap_grads = {c: _stack_sum(e, grads[len(wanted) + k]) for k, c in enumerate(caps)}
+    return Grads(per_input, cap_grads)
+
+
+def _one(e):
+    return e.const(np.array(1, np.int64))

@@ -1,0 +1,257 @@
+"""If / Loop / Scan gradients against float64 finite differences (and onnxruntime in float32)."""
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper as h
+
+import onnxgrad
+from onnxgrad.runtime import run
+from util import assert_gradients
+
+F = np.float32
+N = h.make_node
+
+
+def vi(name, t=TP.FLOAT, shape=None):
+    return h.make_tensor_value_info(name, t, shape)
+
+
+def seq_vi(name, t=TP.FLOAT):
+    return h.make_tensor_sequence_value_info(name, t, None)
+
+
+def model(nodes, inputs, outputs, inits=None, opset=18):
+    """inputs / outputs: ValueInfoProtos (explicit, since Loop/Scan outputs infer poorly)."""
+    g = h.make_graph(nodes, "g", inputs, outputs,
+                     [onnx.numpy_helper.from_array(np.asarray(v), k)
+                      for k, v in (inits or {}).items()])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", opset)], ir_version=10)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def body(nodes, inputs, outputs):
+    return h.make_graph(nodes, "body", inputs, outputs)
+
+
+# -- If ---------------------------------------------------------------------------------------
+def if_model(cond_const=None):
+    then = body([N("Sin", ["x"], ["s"]), N("Mul", ["s", "w"], ["o1"])], [], [vi("o1")])
+    els = body([N("Mul", ["x", "x"], ["o2"])], [], [vi("o2")])
+    nodes = [N("If", ["c"], ["y"], then_branch=then, else_branch=els)]
+    inputs = [vi("x", shape=[3]), vi("w", shape=[3])]
+    if cond_const is None:
+        inputs.insert(0, vi("c", TP.BOOL, []))
+    else:
+        nodes.insert(0, N("Constant", [], ["c"], value=h.make_tensor("cv", TP.BOOL, [],
+                                                                     [cond_const])))
+    return model(nodes, inputs, [vi("y", shape=[3])])
+
+
+@pytest.mark.parametrize("c", [True, False])
+def test_if_both_branches(c):
+    r = assert_gradients(if_model(), "y", ["x", "w"], feeds={"c": np.array(c)})
+    x = r.feeds["x"]
+    if not c:  # the else branch does not read w: its gradient is zero, not missing
+        np.testing.assert_array_equal(r.results[1].grad, 0)
+        np.testing.assert_allclose(r.results[0].grad, 2 * x * r.cotangents["__cotangent_0"])
+
+
+@pytest.mark.parametrize("c", [True, False])
+def test_if_constant_condition(c):
+    assert_gradients(if_model(cond_const=c), "y", ["x", "w"])
+
+
+def test_if_branch_outputs_of_different_shapes():
+    then = body([N("Mul", ["x", "w"], ["o1"])], [], [vi("o1", shape=[3])])
+    els = body([N("ReduceSum", ["x"], ["o2"], keepdims=1), N("Mul", ["o2", "o2"], ["o3"])],
+               [], [vi("o3", shape=[1])])
+    m = model([N("If", ["c"], ["y"], then_branch=then, else_branch=els),
+               N("ReduceSum", ["y"], ["z"], keepdims=0)],
+              [vi("c", TP.BOOL, []), vi("x", shape=[3]), vi("w", shape=[3])], [vi("z", shape=[])])
+    for c in (True, False):
+        assert_gradients(m, "z", ["x", "w"], feeds={"c": np.array(c)})
+
+
+def test_nested_if():
+    inner_t = body([N("Mul", ["x", "w"], ["a"])], [], [vi("a")])
+    inner_e = body([N("Exp", ["x"], ["b"])], [], [vi("b")])
+    then = body([N("If", ["c2"], ["i"], then_branch=inner_t, else_branch=inner_e),
+                 N("Tanh", ["i"], ["o1"])], [], [vi("o1")])
+    els = body([N("Sin", ["w"], ["o2"])], [], [vi("o2")])
+    m = model([N("If", ["c1"], ["y"], then_branch=then, else_branch=els)],
+              [vi("c1", TP.BOOL, []), vi("c2", TP.BOOL, []), vi("x", shape=[3]),
+               vi("w", shape=[3])], [vi("y", shape=[3])])
+    for c1 in (True, False):
+        for c2 in (True, False):
+            assert_gradients(m, "y", ["x", "w"], feeds={"c1": np.array(c1), "c2": np.array(c2)})
+
+
+# -- Loop -------------------------------------------------------------------------------------
+def rnn_loop_body(d=3):
+    return body([N("Gather", ["x", "i"], ["xi"], axis=0), N("MatMul", ["h_in", "w"], ["hw"]),
+                 N("Add", ["hw", "xi"], ["pre"]), N("Tanh", ["pre"], ["h_out"]),
+                 N("Identity", ["cond_in"], ["cond_out"]), N("Mul", ["h_out", "h_out"], ["sq"])],
+                [vi("i", TP.INT64, []), vi("cond_in", TP.BOOL, []), vi("h_in", shape=[2, d])],
+                [vi("cond_out", TP.BOOL, []), vi("h_out", shape=[2, d]), vi("sq", shape=[2, d])])
+
+
+def test_loop_state_scan_outputs_and_outer_tensors():
+    # h <- tanh(h @ w + x[i]); x and w are outer-scope tensors read in every iteration
+    m = model([N("Loop", ["M", "", "h0"], ["hT", "hs"], body=rnn_loop_body())],
+              [vi("M", TP.INT64, []), vi("h0", shape=[2, 3]), vi("x", shape=[4, 2, 3]),
+               vi("w", shape=[3, 3])], [vi("hT", shape=[2, 3]), vi("hs", shape=["T", 2, 3])])
+    assert_gradients(m, ["hT", "hs"], ["h0", "x", "w"], feeds={"M": np.array(4)})
+
+
+def test_loop_dynamic_trip_count_one_graph():
+    m = model([N("Loop", ["M", "", "h0"], ["hT", "hs"], body=rnn_loop_body())],
+              [vi("M", TP.INT64, []), vi("h0", shape=[2, 3]), vi("x", shape=["T", 2, 3]),
+               vi("w", shape=[3, 3])], [vi("hT", shape=[2, 3]), vi("hs", shape=["T", 2, 3])])
+    res = onnxgrad.gradients(m, ["hT"], ["h0", "x", "w"])
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((3, 3)).astype(F) * 0.5
+    h0 = rng.standard_normal((2, 3)).astype(F)
+    for t in (0, 1, 5):  # zero iterations too: gradients pass straight through
+        x = rng.standard_normal((max(t, 1), 2, 3)).astype(F)
+        gh0, gx, gw = run(res.model, {"M": np.array(t), "h0": h0, "x": x, "w": w}, res.grads)
+        # an independent oracle: the same recurrence differentiated by hand in numpy
+        hs = [h0.astype(np.float64)]
+        for i in range(t):
+            hs.append(np.tanh(hs[-1] @ w + x[i]))
+        g, dx, dw = np.ones((2, 3)), np.zeros(x.shape), np.zeros((3, 3))
+        for i in reversed(range(t)):
+            dpre = g * (1 - hs[i + 1] ** 2)
+            dx[i] += dpre
+            dw += hs[i].T @ dpre
+            g = dpre @ w.T
+        np.testing.assert_allclose(gh0, g, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(gx, dx, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(gw, dw, rtol=1e-4, atol=1e-5)
+
+
+def while_model():
+    # while i < M and sum(h) < limit: h <- h * a + b; i counts (an integer carried state)
+    b_ = body([N("Mul", ["h_in", "a"], ["ha"]), N("Add", ["ha", "b"], ["h_out"]),
+               N("ReduceSum", ["h_out"], ["s"], keepdims=0), N("Less", ["s", "limit"], ["c"]),
+               N("Add", ["k_in", "one"], ["k_out"]), N("Identity", ["c"], ["cond_out"])],
+              [vi("i", TP.INT64, []), vi("cond_in", TP.BOOL, []), vi("h_in", shape=[3]),
+               vi("k_in", TP.INT64, [])],
+              [vi("cond_out", TP.BOOL, []), vi("h_out", shape=[3]), vi("k_out", TP.INT64, [])])
+    return model([N("Loop", ["M", "c0", "h0", "k0"], ["hT", "kT"], body=b_),
+                  N("Cast", ["kT"], ["kf"], to=TP.FLOAT), N("Mul", ["hT", "kf"], ["y"])],
+                 [vi("M", TP.INT64, []), vi("c0", TP.BOOL, []), vi("h0", shape=[3]),
+                  vi("a", shape=[3]), vi("b", shape=[3]), vi("k0", TP.INT64, [])],
+                 [vi("y", shape=[3])],
+                 inits={"limit": np.array(20, F), "one": np.array(1, np.int64)})
+
+
+def test_loop_data_dependent_condition():
+    feeds = {"M": np.array(50), "c0": np.array(True), "k0": np.array(0),
+             "h0": np.array([0.5, 1.0, 0.2], F), "a": np.array([1.3, 1.1, 1.2], F),
+             "b": np.array([0.1, 0.2, 0.3], F)}
+    r = assert_gradients(while_model(), "y", ["h0", "a", "b"], feeds=feeds)
+    # the loop ran a data-dependent number of times (not M): check against a numpy loop
+    h_, k = feeds["h0"].astype(np.float64), 0
+    while k < 50:
+        h_ = h_ * feeds["a"] + feeds["b"]
+        k += 1
+        if h_.sum() >= 20:
+            break
+    assert 1 < k < 50
+    cot = r.cotangents["__cotangent_0"]
+    np.testing.assert_allclose(r.results[0].grad, cot * k * feeds["a"].astype(np.float64) ** k,
+                               rtol=1e-6)
+
+
+def test_nested_loops():
+    # outer: for i < 3: h <- inner(h) * x[i];  inner: for j < 2: h <- sin(h + w)
+    inner = body([N("Add", ["g_in", "w"], ["gw"]), N("Sin", ["gw"], ["g_out"]),
+                  N("Identity", ["ci"], ["co"])],
+                 [vi("j", TP.INT64, []), vi("ci", TP.BOOL, []), vi("g_in", shape=[3])],
+                 [vi("co", TP.BOOL, []), vi("g_out", shape=[3])])
+    outer = body([N("Loop", ["two", "", "h_in"], ["hi"], body=inner),
+                  N("Gather", ["x", "i"], ["xi"], axis=0), N("Mul", ["hi", "xi"], ["h_out"]),
+                  N("Identity", ["cond_in"], ["cond_out"]), N("Identity", ["hi"], ["scan"])],
+                 [vi("i", TP.INT64, []), vi("cond_in", TP.BOOL, []), vi("h_in", shape=[3])],
+                 [vi("cond_out", TP.BOOL, []), vi("h_out", shape=[3]), vi("scan", shape=[3])])
+    m = model([N("Loop", ["three", "", "h0"], ["hT", "his"], body=outer)],
+              [vi("h0", shape=[3]), vi("x", shape=[3, 3]), vi("w", shape=[3])],
+              [vi("hT", shape=[3]), vi("his", shape=[3, 3])],
+              inits={"two": np.array(2, np.int64), "three": np.array(3, np.int64)})
+    assert_gradients(m, ["hT", "his"], ["h0", "x", "w"])
+
+
+def test_loop_gradient_is_differentiable_again():
+    m = model([N("Loop", ["M", "", "h0"], ["hT", "hs"], body=rnn_loop_body())],
+              [vi("M", TP.INT64, []), vi("h0", shape=[2, 3]), vi("x", shape=[3, 2, 3]),
+               vi("w", shape=[3, 3])], [vi("hT", shape=[2, 3]), vi("hs", shape=["T", 2, 3])])
+    first = onnxgrad.gradients(m, "hT", "w")
+    assert_gradients(first.model, first.grads[0], ["h0"], feeds={"M": np.array(3)}, f32=False)
+
+
+# -- Scan -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("in_dir,in_axis,out_dir,out_axis", [(0, 0, 0, 0), (1, 1, 1, 1),
+                                                           (0, -1, 1, 0)])
+def test_scan_states_inputs_outputs(in_dir, in_axis, out_dir, out_axis):
+    # s <- tanh(s * w + x_t) ; y_t = s * s ; two scan inputs (one in the other direction)
+    b_ = body([N("Mul", ["s_in", "w"], ["sw"]), N("Add", ["sw", "xt"], ["p"]),
+               N("Mul", ["p", "zt"], ["pz"]), N("Tanh", ["pz"], ["s_out"]),
+               N("Mul", ["s_out", "s_out"], ["yt"])],
+              [vi("s_in", shape=[2]), vi("xt", shape=[2]), vi("zt", shape=[2])],
+              [vi("s_out", shape=[2]), vi("yt", shape=[2])])
+    xshape = [4, 2] if in_axis == 0 else [2, 4]
+    m = model([N("Scan", ["s0", "x", "z"], ["sT", "ys"], body=b_, num_scan_inputs=2,
+                 scan_input_axes=[in_axis, 0], scan_input_directions=[in_dir, 1 - in_dir],
+                 scan_output_axes=[out_axis], scan_output_directions=[out_dir])],
+              [vi("s0", shape=[2]), vi("x", shape=xshape), vi("z", shape=[4, 2]),
+               vi("w", shape=[2])],
+              [vi("sT", shape=[2]), vi("ys", shape=[4, 2] if out_axis == 0 else [2, 4])])
+    assert_gradients(m, ["sT", "ys"], ["s0", "x", "z", "w"])
+
+
+def test_scan_cumulative_sum_against_numpy():
+    b_ = body([N("Add", ["s_in", "xt"], ["s_out"]), N("Identity", ["s_out"], ["yt"])],
+              [vi("s_in", shape=[2]), vi("xt", shape=[2])],
+              [vi("s_out", shape=[2]), vi("yt", shape=[2])])
+    m = model([N("Scan", ["s0", "x"], ["sT", "ys"], body=b_, num_scan_inputs=1)],
+              [vi("s0", shape=[2]), vi("x", shape=[5, 2])],
+              [vi("sT", shape=[2]), vi("ys", shape=[5, 2])])
+    res = onnxgrad.gradients(m, "ys", ["x", "s0"])
+    x = np.arange(10, dtype=F).reshape(5, 2)
+    gx, gs0 = run(res.model, {"x": x, "s0": np.zeros(2, F)}, res.grads)
+    # d sum(cumsum(x)) / dx[t] = T - t
+    np.testing.assert_allclose(gx, np.repeat(np.arange(5, 0, -1)[:, None], 2, 1).astype(F))
+    np.testing.assert_allclose(gs0, [5, 5])
+
+
+# -- sequences carried through loops (the TensorArray-in-while-loop case) ---------------------
+def ta_rnn_model():
+    """The dynamic RNN of tf.nn.dynamic_rnn: xs = unstack(x) outside; inside the loop
+    h = tanh(read(xs, i) @ u + h @ w); outs = outs.write(i, h); afterwards stack(outs)."""
+    b_ = body([N("SequenceAt", ["xs", "i"], ["xi"]), N("MatMul", ["xi", "u"], ["xu"]),
+               N("MatMul", ["h_in", "w"], ["hw"]), N("Add", ["xu", "hw"], ["p"]),
+               N("Tanh", ["p"], ["h_out"]), N("SequenceInsert", ["ta_in", "h_out", "i"], ["ta_out"]),
+               N("Identity", ["cond_in"], ["cond_out"])],
+              [vi("i", TP.INT64, []), vi("cond_in", TP.BOOL, []), vi("h_in", shape=[2, 3]),
+               seq_vi("ta_in")],
+              [vi("cond_out", TP.BOOL, []), vi("h_out", shape=[2, 3]), seq_vi("ta_out")])
+    return model([N("SplitToSequence", ["x"], ["xs"], axis=0, keepdims=0),
+                  N("SequenceLength", ["xs"], ["T"]),
+                  N("SequenceEmpty", [], ["ta0"], dtype=TP.FLOAT),
+                  N("Loop", ["T", "", "h0", "ta0"], ["hT", "ta"], body=b_),
+                  N("ConcatFromSequence", ["ta"], ["outs"], axis=0, new_axis=1)],
+                 [vi("x", shape=[4, 2, 2]), vi("h0", shape=[2, 3]), vi("u", shape=[2, 3]),
+                  vi("w", shape=[3, 3])], [vi("outs", shape=[4, 2, 3]), vi("hT", shape=[2, 3])])
+
+
+def test_sequence_written_in_loop_and_outer_sequence_read():
+    m = ta_rnn_model()
+    assert_gradients(m, ["outs", "hT"], ["x", "h0", "u", "w"])
+    res = onnxgrad.gradients(m, "outs", ["x", "w"])
+    nodes = {n.op_type for n in res.model.graph.node}
+    assert "Loop" in nodes
+    # the forward loop saved h (a tensor) per iteration, but not the sequence it writes
+    fwd = next(n for n in res.model.graph.node if n.op_type == "Loop")
+    assert len(fwd.output) == 2 + 2  # hT, ta + iteration numbers + saved h
