@@ -432,3 +432,42 @@ def test_host_reserved_is_checked_at_run_time(bad):
         s.run(None, {**feeds, "hr_in": np.array(bad, np.int8)})
     with pytest.raises(Exception, match="host_reserved_must_have_5_entries"):
         s.run(None, {**feeds, "hr_in": np.array([111, 2], np.int8)})
+
+
+# -- CUDA ----------------------------------------------------------------------------------------
+def test_cuda_backward_matches_cpu():
+    """The same gradient graph on onnxruntime's CUDA provider gives the CPU numbers (skipped
+    without a GPU; bench/rnn_gpu.py checks node placement and times it against cuDNN)."""
+    from onnxgrad.runtime import cuda_available, session as make_session
+    if not cuda_available():
+        pytest.skip("no CUDA session can be created here")
+    rng = np.random.default_rng(11)
+    fwd = rnn_model("CudnnRNNV2", "lstm", 2, BI, TP.FLOAT, attach=False)
+    res = onnxgrad.gradients(fwd, ["y", "hn", "cn"], ["x", "h0", "c0", "p"])
+    x, h0, c0 = inputs("lstm", 2, BI, np.float32, rng)
+    p = (rng.standard_normal(params_size("lstm", 2, H, I, BI)) * 0.5).astype(np.float32)
+    feeds = {"x": x, "h0": h0, "c0": c0, "p": p}
+    cpu = make_session(res.model, "cpu").run(res.grads, feeds)
+    gpu = make_session(res.model, "cuda").run(res.grads, feeds)
+    for a, b in zip(cpu, gpu):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float16_backward(mode):
+    """float16 end to end on onnxruntime CPU (the bodies are polymorphic in T): within float16's
+    precision of the float64 reference."""
+    rng = np.random.default_rng(12)
+    fwd = rnn_model("CudnnRNNV2", mode, 2, BI, TP.FLOAT16, attach=False)
+    res = onnxgrad.gradients(fwd, "y", ["x", "h0", "p"])
+    x, h0, c0 = inputs(mode, 2, BI, np.float64, rng)
+    p = rng.standard_normal(params_size(mode, 2, H, I, BI)) * 0.5
+    f16 = lambda a: a.astype(np.float16)  # noqa: E731
+    got = session(res.model).run(res.grads, {"x": f16(x), "h0": f16(h0), "c0": f16(c0),
+                                             "p": f16(p)})
+    up = lambda a: a.astype(np.float16).astype(np.float64)  # noqa: E731
+    y, _, _, rs = rnn_forward(up(x), up(h0), up(c0), up(p), mode, BI)
+    want = rnn_backward(up(x), up(h0), up(c0), up(p), np.ones_like(y), None, None, rs, mode, BI)
+    for a, w in zip(got, [want[0], want[1], want[3]]):
+        assert a.dtype == np.float16
+        assert np.abs(a - w).max() <= 1e-2 * max(1.0, np.abs(w).max())

@@ -39,10 +39,29 @@ gru          5  r, z, h~ (activated), R_h h_{t-1} + b_Rh, h_t
 rnn_*        1  h_t
 =========== === ===============================================================================
 
+With the ONNX cell options (``OnnxRNN``, below): for GRU with linear_before_reset=0 the fourth
+block is r * h_{t-1} (what R_h multiplies); with clip, G more blocks before h_t hold the 0/1
+masks of the gate pre-activations that were not clipped (i, f, c~, o / r, z, h~ / the one gate).
+
 The backward op reads gate activations, states and each layer's outputs (the next layer's inputs)
 from it and recomputes nothing of the forward. host_reserved (V2) is an int8 vector
-``[111, rnn_mode index, direction index, input_mode index, num_layers]`` (111 = 'o'); this slice
-does not yet check it at run time.
+``[111, rnn_mode index, direction index, input_mode index, num_layers]`` (111 = 'o'); the
+backward body checks it at run time: another value makes the node named
+``reserve_space_does_not_match_this_configuration_or_the_forward_op_host_reserved`` fail (a
+host_reserved of another length fails at ``host_reserved_must_have_5_entries...``), and so does a
+reserve_space of the wrong size. :func:`attach_functions` checks at build time that a backward
+node reading a forward node's reserve_space/host_reserved has the same attributes and
+configuration.
+
+**OnnxRNN / OnnxRNNBackprop** (domain onnxgrad): the same params layout, bodies and reserve_space
+with the ONNX cell options cuDNN lacks, used by the gradients of ai.onnx LSTM/GRU/RNN
+(:mod:`onnxgrad.rnn.onnx_rnn`). Inputs: CudnnRNN's (resp. CudnnRNNBackprop's) plus an optional
+trailing ``peepholes`` [num_layers * num_dirs, 3 * num_units] (ONNX's P: i, o, f); outputs:
+CudnnRNN's without host_reserved (resp. CudnnRNNBackprop's plus ``peepholes_backprop``).
+Attributes: rnn_mode, input_mode, direction, ``linear_before_reset`` (1: cuDNN's GRU; 0: ONNX's
+default, h~ = tanh(W_h x + b_Wh + R_h (r * h) + b_Rh)), ``clip`` (0: none; else ONNX's clip,
+bounding every gate pre-activation to [-clip, clip], as onnxruntime does; needs opset 15).
+The overload key gets ``.lbr0``, ``.clip``, ``.peep`` suffixes.
 
 Dropout is not implemented yet: a forward op with dropout > 0, is_training and num_layers > 1
 (or a backward op with dropout > 0 and num_layers > 1) is rejected by :func:`attach_functions`

@@ -1,0 +1,214 @@
+"""Gradients of ONNX's own LSTM, GRU and RNN ops, through the CudnnRNN op family.
+
+The rule rearranges the node's W, R and B (ONNX gate order i, o, f, c for LSTM and z, r, h for GRU;
+one [num_directions, ...] tensor each) into cuDNN's flat params buffer with standard ops (Reshape,
+Gather of the gate blocks, Concat), runs the forward op of the family inside the gradient graph to
+get reserve_space, then its backward op, and maps params_backprop back to the shapes of W, R and
+B (the inverse gather). A one-layer ONNX node is num_layers=1; direction "bidirectional" is
+cuDNN's bidirectional; "reverse" runs the forward direction on the time-reversed sequence.
+
+* cuDNN's cell (LSTM without peepholes, GRU with linear_before_reset=1, RNN Tanh/Relu; no clip):
+  CudnnRNNV2 -> CudnnRNNBackpropV2.
+* The cell options cuDNN lacks (GRU linear_before_reset=0, LSTM peepholes P, clip): the same
+  pair with those options, ``onnxgrad.OnnxRNN`` -> ``onnxgrad.OnnxRNNBackprop`` (same params
+  layout and bodies, see :mod:`onnxgrad.rnn.ops`).
+* RNN without clip needs no forward recompute: its reserve_space is the sequence of hidden
+  states, which is the node's own output Y (rearranged); LSTM and GRU save gate activations that
+  Y does not hold, so the forward op is run once more in the gradient graph.
+
+Supported: every direction, layout 0 and 1, initial_h / initial_c given or absent, B given or
+absent, clip, linear_before_reset 0 and 1, peepholes, default activations (and RNN's Relu).
+Not supported (NotImplementedError naming the node): other activations, input_forget=1, and a
+sequence_lens that is not a constant equal to the (static) sequence length everywhere.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from ..registry import register
+from .ops import DOMAIN, Variant, _host_reserved, overload_key
+
+_INT_MIN, _INT_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+
+#: cuDNN gate k comes from ONNX gate _PERM[op][k]; _INV the other way
+_PERM = {"LSTM": [0, 2, 3, 1], "GRU": [1, 0, 2], "RNN": [0]}
+_INV = {op: [p.index(k) for k in range(len(p))] for op, p in _PERM.items()}
+_DEFAULT_ACTS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", "tanh"],
+                 "RNN": ["tanh"]}
+
+
+def _fail(n, what):
+    node = n.node
+    raise NotImplementedError(
+        f"onnxgrad has no gradient for {node.op_type} node {node.name!r} with {what}; supported: "
+        "default activations (RNN: Tanh or Relu), input_forget=0, and sequence_lens absent or a "
+        "constant equal to the sequence length for every batch entry")
+
+
+def _mode(n, op):
+    acts = [a.lower() if isinstance(a, str) else a.decode().lower()
+            for a in (n.attr("activations") or [])]
+    nd = 2 if n.attr("direction", "forward") == "bidirectional" else 1
+    if op == "RNN":
+        acts = acts or ["tanh"] * nd
+        if len(set(acts)) == 1 and acts[0] in ("tanh", "relu") and len(acts) == nd:
+            return "rnn_" + acts[0]
+        _fail(n, f"activations={acts}")
+    want = _DEFAULT_ACTS[op] * nd
+    if acts and acts != want:
+        _fail(n, f"activations={acts}")
+    return op.lower()
+
+
+def _check_seq_lens(n, T):
+    if n.input(4) is None:
+        return
+    lens = n.const(4)
+    if lens is None:
+        _fail(n, "a sequence_lens that is not a constant (variable-length batches)")
+    if not isinstance(T, int) or np.any(np.asarray(lens) != T):
+        _fail(n, f"sequence_lens={np.asarray(lens).tolist()} that is not the sequence length "
+                 f"{T} everywhere (variable-length batches)")
+
+
+def _flip(e, x):
+    """x reversed along axis 0 (time)."""
+    return e.Slice(x, [-1], [_INT_MIN], [0], [-1])
+
+
+def _gates(e, w, perm, nd):
+    """[nd, G*H, K] -> [nd, G*H*K], gate blocks reordered by perm (each block H*K contiguous)."""
+    return e.Reshape(e.Gather(e.Reshape(w, [nd, len(perm), -1]), perm, axis=1), [nd, -1])
+
+
+def _zeros(e, shape, dtype):
+    return e.op("ConstantOfShape", shape, value=ir.tensor(np.array([0], dtype=dtype.numpy())),
+                _dtype=dtype)
+
+
+@register(["LSTM", "GRU", "RNN"], since=7)
+def _onnx_rnn(n, g):
+    op = n.node.op_type
+    e = n.e
+    mode = _mode(n, op)
+    lstm = op == "LSTM"
+    direction = n.attr("direction", "forward")
+    if direction not in ("forward", "reverse", "bidirectional"):
+        raise ValueError(f"{op} node {n.node.name!r}: direction={direction!r}")
+    nd = 2 if direction == "bidirectional" else 1
+    layout = n.attr("layout", 0)
+    if lstm and n.attr("input_forget", 0):
+        _fail(n, "input_forget=1")
+    clip = n.attr("clip")
+    lbr = n.attr("linear_before_reset", 0) if op == "GRU" else 1
+    X, W, R = n.ins[:3]
+    Bias = n.input(3)
+    h0 = n.input(5)
+    c0 = n.input(6) if lstm else None
+    P = n.input(7) if lstm else None
+    variant = Variant(lbr, clip is not None, P is not None)
+    e.need(15 if variant.clip else 13)  # CastLike for the clip bound; the bodies need 13
+    dt = X.dtype
+    G = len(_PERM[op])
+
+    # -- inputs in cuDNN's time-major form -------------------------------------------------
+    xs = X.shape
+    T = (xs[1] if layout else xs[0]) if xs is not None and len(xs) == 3 else None
+    _check_seq_lens(n, T)
+    x = e.Transpose(X, perm=[1, 0, 2]) if layout else X
+    if direction == "reverse":
+        x = _flip(e, x)
+    sx = e.Shape(x)
+    H = e.Slice(e.Shape(R), [2], [3])
+    state_shape = e.Concat(e.const(np.array([nd], np.int64)), e.Slice(sx, [1], [2]), H, axis=0)
+
+    def state(v):
+        if v is None:
+            return _zeros(e, state_shape, dt)
+        return e.Transpose(v, perm=[1, 0, 2]) if layout else v
+
+    h = state(h0)
+    c = state(c0) if lstm else h
+    perm = _PERM[op]
+    weights = e.Concat(_gates(e, W, perm, nd), _gates(e, R, perm, nd), axis=1)
+    if Bias is None:  # nd * 2 * G * H zeros = 2 * Size(R) / H
+        biases = _zeros(e, e.Div(e.Reshape(e.Mul(e.Size(R), e.const(np.array(2, np.int64))),
+                                           [1]), H), dt)
+    else:
+        biases = _gates(e, Bias, perm + [G + p for p in perm], nd)
+    params = e.Concat(e.Reshape(weights, [-1]), e.Reshape(biases, [-1]), axis=0)
+
+    # -- cotangents in cuDNN's form --------------------------------------------------------
+    gY, gYh = n.gs[0], n.gs[1] if len(n.gs) > 1 else None
+    gYc = n.gs[2] if lstm and len(n.gs) > 2 else None
+    if gY is None:
+        dy = _zeros(e, e.Concat(e.Slice(sx, [0], [2]), e.Mul(H, [nd]), axis=0), dt)
+    else:  # [T, nd, B, H] (layout 1: [B, T, nd, H]) -> [T, B, nd * H]
+        dy = e.Reshape(e.Transpose(gY, perm=[1, 0, 2, 3] if layout else [0, 2, 1, 3]),
+                       [0, 0, -1])
+        if direction == "reverse":
+            dy = _flip(e, dy)
+    dhn = _zeros(e, state_shape, dt) if gYh is None else state(gYh)
+    dcn = (_zeros(e, state_shape, dt) if gYc is None else state(gYc)) if lstm else dhn
+
+    # -- forward (recomputed unless its outputs are what backward needs) and backward -------
+    cudnn_dir = "bidirectional" if nd == 2 else "unidirectional"
+    key = overload_key(mode, cudnn_dir, "linear_input", 1, variant)
+    ex = variant != Variant()
+    attrs = dict(rnn_mode=mode, direction=cudnn_dir)
+    if ex:
+        attrs.update(linear_before_reset=lbr, **({"clip": float(clip)} if variant.clip else {}))
+    Y = n.outs[0] if n.outs else None
+    fwd_ins = [x, h, c, params] + ([P] if variant.peep else [])
+    if mode.startswith("rnn") and not variant.clip and Y is not None:
+        # the reserve_space of an RNN is its hidden states: Y as [nd, T, B, H], flattened
+        ys = e.Transpose(Y, perm=[2, 1, 0, 3] if layout else [1, 0, 2, 3])
+        if direction == "reverse":
+            ys = e.Slice(ys, [-1], [_INT_MIN], [1], [-1])
+        reserve = e.Reshape(ys, [-1])
+        fwd = [x, h, c, reserve]  # output/output_h/output_c: the body does not read them
+        host = e.const(_host_reserved(mode, cudnn_dir, "linear_input", 1))
+    else:
+        n_out = 4 if ex else 5
+        fwd = e.op("OnnxRNN" if ex else "CudnnRNNV2", *fwd_ins, _outputs=n_out, _domain=DOMAIN,
+                   _dtype=[dt] * 4 + [ir.DataType.INT8], **attrs)
+        fwd[0].value.producer().overload = key
+        host = None if ex else fwd[4]
+        reserve = fwd[3]
+    bwd_ins = [x, h, c, params, fwd[0], fwd[1], fwd[2], dy, dhn, dcn, reserve]
+    if ex:
+        bwd_ins += [P] if variant.peep else []
+    else:
+        bwd_ins.append(host)
+    n_out = 5 if variant.peep else 4
+    res = e.op("OnnxRNNBackprop" if ex else "CudnnRNNBackpropV2", *bwd_ins, _outputs=n_out,
+               _domain=DOMAIN, _dtype=[dt] * n_out, **attrs)
+    res[0].value.producer().overload = key
+    dx, dh0, dc0, dp = res[:4]
+
+    # -- back to the node's shapes ---------------------------------------------------------
+    if direction == "reverse":
+        dx = _flip(e, dx)
+    if layout:
+        dx = e.Transpose(dx, perm=[1, 0, 2])
+    dB = None
+    sW, sR = e.Reshape(e.Size(W), [1]), e.Reshape(e.Size(R), [1])
+    wr = e.Reshape(e.Slice(dp, [0], e.Add(sW, sR)), [nd, -1])
+    dWp, dRp = e.op("Split", wr, e.Concat(e.Div(sW, [nd]), e.Div(sR, [nd]), axis=0), axis=1,
+                    _outputs=2)
+    inv = _INV[op]
+    back = lambda v, like, idx: e.Reshape(  # noqa: E731
+        e.Gather(e.Reshape(v, [nd, len(idx), -1]), idx, axis=1), e.Shape(like))
+    dW = back(dWp, W, inv).with_shape(W.shape)
+    dR = back(dRp, R, inv).with_shape(R.shape)
+    if Bias is not None:
+        dB = back(e.Slice(dp, e.Add(sW, sR), [_INT_MAX]), Bias,
+                  inv + [G + p for p in inv]).with_shape(Bias.shape)
+    unstate = lambda v: e.Transpose(v, perm=[1, 0, 2]) if layout else v  # noqa: E731
+    grads = [dx.with_shape(X.shape), dW, dR, dB, None,
+             None if h0 is None else unstate(dh0).with_shape(h0.shape)]
+    if lstm:
+        grads.append(None if c0 is None else unstate(dc0).with_shape(c0.shape))
+        grads.append(None if P is None else res[4].with_shape(P.shape))
+    return tuple(grads[:len(n.ins)])
