@@ -7,6 +7,7 @@ particular ops: rules live in ``onnxgrad.rules`` and are found through the regis
 from __future__ import annotations
 
 import difflib
+import gc
 import enum
 import os
 from collections import deque
@@ -19,7 +20,8 @@ import onnx_ir as ir
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import NotDifferentiableError
-from .registry import Grads, Node, add_for, attach_functions, captured as _captured, lookup
+from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
+                       subgraphs)
 
 MIN_OPSET = 13  # the emitter writes axes as inputs (ReduceSum, Squeeze, Unsqueeze)
 
@@ -61,19 +63,30 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     if len(grad_ys) != len(ys):
         raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
 
-    proto, opset = _prepare(model)
+    model = _load(model)
+    args = (ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
+            {vi.name for vi in model.graph.value_info})
+    # the sweep allocates millions of small objects and frees none: the cyclic collector would
+    # rescan the whole IR again and again (a third of the build time at 10k nodes)
+    gc_was_on = gc.isenabled()
+    gc.disable()
     try:
-        return _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
-                          aggregation)
-    except NeedOpset as need:  # a rule needs a newer op: upgrade the whole model once, retry
-        proto, opset = _prepare(onnx.version_converter.convert_version(proto, need.version))
-        return _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients,
-                          unconnected, aggregation)
+        proto, opset = _prepare(model)
+        try:
+            return _gradients(proto, opset, *args)
+        except NeedOpset as need:  # a rule needs a newer op: upgrade the whole model once, retry
+            proto, opset = _prepare(onnx.version_converter.convert_version(proto, need.version))
+            return _gradients(proto, opset, *args)
+    finally:
+        if gc_was_on:
+            gc.enable()
 
 
-def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation):
+def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
+               declared):
     irm = ir.serde.deserialize_model(proto)
     graph = irm.graph
+    forward = list(graph)
     values = _values_by_name(graph)
     y_vals = [_resolve(values, n, "ys") for n in ys]
     x_vals = [_resolve(values, n, "xs") for n in xs]
@@ -91,7 +104,40 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     results = engine.sweep(graph, e, seeds, x_vals, stop)
     names = _outputs(e, graph, xs, x_vals, results, unconnected)
     _drop_dead(graph, e.nodes)
-    return GradientsResult(attach_functions(ir.serde.serialize_model(irm)), names)
+    return GradientsResult(attach_functions(_to_proto(proto, irm, forward, declared)), names)
+
+
+def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: set):
+    """The result: ``proto`` (the prepared copy, ours to change) plus what the call added.
+
+    Only the new nodes, and forward nodes a control-flow rule rewrote in place, are serialised;
+    re-encoding the unchanged forward graph would cost a third of the build. When the graph
+    changed in any other way, the whole model is serialised instead. value_info is kept only
+    where the input model had it (the types from shape inference were for the rules)."""
+    graph, g = irm.graph, proto.graph
+    nodes = list(graph)
+    if nodes[:len(forward)] != forward or len(graph.initializers) != len(g.initializer):
+        for node in graph:
+            for v in node.outputs:
+                if v.name not in declared and not v.is_graph_output():
+                    v.type, v.shape = None, None
+        return ir.serde.serialize_model(irm)
+    for i, node in enumerate(forward):
+        if len(node.outputs) != len(g.node[i].output) or subgraphs(node):
+            g.node[i].CopyFrom(ir.serde.serialize_node(node))
+    g.node.extend(ir.serde.serialize_node(node) for node in nodes[len(forward):])
+    g.input.extend(ir.serde.serialize_value(v) for v in list(graph.inputs)[len(g.input):])
+    g.output.extend(ir.serde.serialize_value(v) for v in list(graph.outputs)[len(g.output):])
+    kept = [vi for vi in g.value_info if vi.name in declared]
+    del g.value_info[:]
+    g.value_info.extend(kept)
+    for domain, version in irm.opset_imports.items():
+        entry = next((o for o in proto.opset_import if o.domain == domain), None)
+        if entry is None:
+            proto.opset_import.add(domain=domain, version=version)
+        else:
+            entry.version = version
+    return proto
 
 
 class Engine:
@@ -180,11 +226,15 @@ def _name_grad(e: Emitter, v: ir.Value, g: V) -> V:
 
 
 # -- preparation -------------------------------------------------------------------------------
-def _prepare(model) -> tuple[onnx.ModelProto, int]:
+def _load(model) -> onnx.ModelProto:
     if isinstance(model, (str, os.PathLike)):
-        model = onnx.load(os.fspath(model))
+        return onnx.load(os.fspath(model))
     if not isinstance(model, onnx.ModelProto):
         raise TypeError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
+    return model
+
+
+def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None:
         raise ValueError("the model imports no ai.onnx opset")

@@ -119,8 +119,10 @@ def without_forward(model, outputs, dtype=TP.DOUBLE):
     fwd = next(n for n in m.graph.node if n.name == "rnn")
     m.graph.node.remove(fwd)
     used = {i for n in m.graph.node for i in n.input}
-    m.graph.input.extend(helper.make_tensor_value_info(o, dtype, None) for o in fwd.output
-                         if o in used)
+    declared = {v.name: v for v in [*m.graph.output, *m.graph.value_info]}
+    m.graph.input.extend(onnx.ValueInfoProto.FromString(declared[o].SerializeToString())
+                         if o in declared else helper.make_tensor_value_info(o, dtype, None)
+                         for o in fwd.output if o in used)
     outs = [o for o in m.graph.output if o.name in outputs]
     del m.graph.output[:]
     m.graph.output.extend(outs)
@@ -236,8 +238,8 @@ def run_gradients(res, fwd_model, feeds, cot, fwd_vals=None):
     for n in rnns:
         m.graph.node.remove(n)
     used = {i for n in m.graph.node for i in n.input} | {o.name for o in m.graph.output}
-    m.graph.input.extend(helper.make_tensor_value_info(o, TP.DOUBLE, None) for o in names
-                         if o in used)
+    m.graph.input.extend(helper.make_tensor_value_info(o, TP.DOUBLE, np.shape(vals[o]))
+                         for o in names if o in used)
     keep = [o for o in m.graph.output if o.name in res.grads]
     del m.graph.output[:]
     m.graph.output.extend(keep)
