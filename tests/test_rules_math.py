@@ -12,28 +12,14 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
-from util import assert_gradients, grads_of, make_model, op_model
+from util import (assert_dtypes_agree, assert_gradients, grads_of, make_model, op_model, rand,
+                  run_grads)
 
 import onnxgrad
 from onnxgrad.runtime import run, session
 
 F32 = np.float32
 OPSETS = [13, 18]
-
-
-def rand(shape, lo=-2.0, hi=2.0, away=(), gap=0.1, seed=0, dtype=F32):
-    """Uniform values in [lo, hi] at least ``gap`` from every point in ``away``."""
-    rng = np.random.default_rng(seed)
-    x = rng.uniform(lo, hi, shape)
-    for _ in range(1000):
-        bad = np.zeros(x.shape, bool)
-        for k in away:
-            bad |= np.abs(x - k) < gap
-        if not bad.any():
-            break
-        x[bad] = rng.uniform(lo, hi, int(bad.sum()))
-    assert not bad.any()
-    return np.asarray(x, dtype)
 
 
 def nonzero(shape, lo=0.4, hi=2.0, seed=0, dtype=F32):
@@ -546,42 +532,9 @@ def run_in_dtype(case, dtype):
     fd = {k: np.asarray(v, np.float64).astype(np.float16).astype(dtype) for k, v in feeds.items()}
     fd.update({k: np.asarray(v, t) for k, (v, t) in fixed.items()})
     fd["gy"] = cot.astype(np.float16).astype(dtype)  # exact in all three dtypes
-    try:
-        sess = session(res.model)
-    except Exception:  # noqa: BLE001
-        try:
-            session(m)
-        except Exception:  # noqa: BLE001  onnxruntime lacks the forward kernel: use onnx.reference
-            return res, run(res.model, fd, outputs=res.grads, prefer="reference")
-        raise  # the forward runs on onnxruntime, so its gradient graph must run there too
-    return res, sess.run(res.grads, fd)
-
-
-def float_constants(model):
-    """(node name, dtype) of every float constant the gradient call added."""
-    out = []
-    for n in model.graph.node:
-        if not n.name.startswith("gradients/"):
-            continue
-        for a in n.attribute:
-            if (a.type == onnx.AttributeProto.TENSOR
-                    and n.op_type in ("Constant", "ConstantOfShape")):
-                dt = helper.tensor_dtype_to_np_dtype(a.t.data_type)
-                if np.issubdtype(dt, np.floating):
-                    out.append((n.name, dt))
-    return out
+    return res, run_grads(res, m, fd)
 
 
 @pytest.mark.parametrize("case", list(DTYPE_CASES))
 def test_dtypes_agree_with_float32(case):
-    res32, g32 = run_in_dtype(case, np.float32)
-    for dtype, rtol in [(np.float64, 1e-5), (np.float16, 2e-2)]:
-        res, got = run_in_dtype(case, dtype)
-        for name, a, b in zip(res.grads, got, g32):
-            assert a.dtype == dtype, (name, a.dtype)
-            scale = max(1.0, float(np.max(np.abs(b))))
-            np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=rtol, atol=rtol * scale,
-                                       err_msg=f"{case} {np.dtype(dtype).name} {name}")
-        consts = float_constants(res.model)
-        wrong = [(n, d) for n, d in consts if d != dtype]
-        assert not wrong, f"constants not in {np.dtype(dtype).name}: {wrong}"
+    assert_dtypes_agree(lambda dtype: run_in_dtype(case, dtype))

@@ -42,7 +42,6 @@ def assert_gradients(model, ys, xs, feeds=None, *, f32=True, **kw):
     res = onnxgrad.gradients(model, ys, xs, grad_ys=list(report.cotangents))
     onnx.checker.check_model(res.model, full_check=True)
     if f32:  # the same graph in the original dtype, on onnxruntime, gives the same gradient
-        import onnxruntime as ort  # noqa: F401  (must run on ORT, no reference fallback)
         from onnxgrad.runtime import session
         dtypes = {vi.name: helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
                   for vi in res.model.graph.input}
@@ -66,3 +65,61 @@ def grads_of(model, ys, xs, feeds, **kw):
     names = [g for g in res.grads if g is not None]
     vals = dict(zip(names, run(res.model, feeds, outputs=names)))
     return [None if g is None else vals[g] for g in res.grads], res
+
+
+def rand(shape, lo=-2.0, hi=2.0, away=(), gap=0.1, seed=0, dtype=np.float32):
+    """Uniform values in [lo, hi] at least ``gap`` from every point in ``away`` (kinks)."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(lo, hi, shape)
+    for _ in range(1000):
+        bad = np.zeros(x.shape, bool)
+        for k in away:
+            bad |= np.abs(x - k) < gap
+        if not bad.any():
+            break
+        x[bad] = rng.uniform(lo, hi, int(bad.sum()))
+    assert not bad.any()
+    return np.asarray(x, dtype)
+
+
+def float_constants(model):
+    """(node name, dtype) of every float constant the gradient call added."""
+    out = []
+    for n in model.graph.node:
+        if n.name.startswith("gradients/") and n.op_type in ("Constant", "ConstantOfShape"):
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.TENSOR:
+                    dt = helper.tensor_dtype_to_np_dtype(a.t.data_type)
+                    if np.issubdtype(dt, np.floating):
+                        out.append((n.name, dt))
+    return out
+
+
+def run_grads(res, forward, feeds):
+    """res.grads on onnxruntime CPU; on onnx.reference only where onnxruntime has no kernel for
+    the forward model itself (then its gradient graph cannot be expected to run there either)."""
+    from onnxgrad.runtime import session
+    try:
+        sess = session(res.model)
+    except Exception:  # noqa: BLE001
+        try:
+            session(forward)
+        except Exception:  # noqa: BLE001  onnxruntime lacks the forward kernel
+            return run(res.model, feeds, outputs=res.grads, prefer="reference")
+        raise  # the forward runs on onnxruntime, so its gradient graph must run there too
+    return sess.run(res.grads, feeds)
+
+
+def assert_dtypes_agree(build):
+    """``build(dtype) -> (result, gradients)``: the float64 and float16 gradient graphs agree with
+    the float32 one, and every float constant they hold has the model's dtype."""
+    _, g32 = build(np.float32)
+    for dtype, rtol in [(np.float64, 1e-5), (np.float16, 2e-2)]:
+        res, got = build(dtype)
+        for name, a, b in zip(res.grads, got, g32):
+            assert a.dtype == dtype, (name, a.dtype)
+            scale = max(1.0, float(np.max(np.abs(b))))
+            np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=rtol, atol=rtol * scale,
+                                       err_msg=f"{np.dtype(dtype).name} {name}")
+        wrong = [(n, d) for n, d in float_constants(res.model) if d != dtype]
+        assert not wrong, f"constants not in {np.dtype(dtype).name}: {wrong}"

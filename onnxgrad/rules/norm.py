@@ -125,7 +125,7 @@ def _batch_norm(n, g):
 @register("InstanceNormalization")
 def _instance_norm(n, g):
     e, x = n.e, n.x
-    scale, bias = n.ins[1], n.ins[2]
+    scale = n.ins[1]
     rank = _rank(n, x)
     if rank < 3:
         raise NotImplementedError(
