@@ -6,6 +6,7 @@
                    [--rtol R] [--atol A] [--eps E]
     onnxgrad ops [--markdown]
     onnxgrad train / export-train-step ...   (see onnxgrad/training/cli.py)
+    onnxgrad lower MODEL -o OUT              (see onnxgrad/lower.py)
     onnxgrad --version
 
 Exit status: 0 on success, 1 when ``check`` finds a gradient that does not match, 2 on an error
@@ -95,21 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .lower import add_lower_parser
     add_lower_parser(sub)
 
-    training = _training_cli()
-    if training is not None:  # train, export-train-step (onnxgrad/training/cli.py)
-        training.add_train_parser(sub)
-        training.add_export_train_step_parser(sub)
+    from .training.cli import add_export_train_step_parser, add_train_parser
+    add_train_parser(sub)
+    add_export_train_step_parser(sub)
     return p
-
-
-def _training_cli():
-    try:
-        from .training import cli as training
-    except ModuleNotFoundError as exc:  # a build without the training package
-        if exc.name and exc.name.startswith(f"{__package__}.training"):
-            return None
-        raise
-    return training
 
 
 def _positive(text: str) -> float:
@@ -238,7 +228,7 @@ def _describe(exc: BaseException) -> str | None:
         return str(exc)
     if isinstance(exc, FileNotFoundError):
         return f"{exc.filename or exc}: no such file"
-    if isinstance(exc, (ValueError, TypeError, KeyError)):
+    if isinstance(exc, (ValueError, TypeError, KeyError, FloatingPointError)):
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         return str(msg)
     try:

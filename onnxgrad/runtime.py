@@ -13,7 +13,8 @@ import onnx
 MAX_IR_VERSION = 13
 
 
-def _ort():
+def ort_module():
+    """onnxruntime, imported with its default logger quiet."""
     import onnxruntime as ort
     ort.set_default_logger_severity(3)  # no CUDA-missing banners for CPU-only users
     return ort
@@ -22,7 +23,7 @@ def _ort():
 @functools.lru_cache(maxsize=None)
 def cuda_available() -> bool:
     """True only when a CUDA session can actually be created (libraries present, GPU visible)."""
-    ort = _ort()
+    ort = ort_module()
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return False
     from onnx import TensorProto, helper
@@ -30,7 +31,7 @@ def cuda_available() -> bool:
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
-    so = _options()
+    so = session_options()
     so.log_severity_level = 4
     ort.set_default_logger_severity(4)  # a missing CUDA library is an answer here, not an error
     try:
@@ -54,20 +55,22 @@ def providers(device: str = "auto") -> list[str]:
     return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
-def _options(threads: int | None = None):
-    so = _ort().SessionOptions()
+def session_options(threads: int | None = None):
+    """SessionOptions with quiet logs (and ``threads`` intra-op threads when given)."""
+    so = ort_module().SessionOptions()
     so.log_severity_level = 3
     if threads:
         so.intra_op_num_threads = threads
     return so
 
 
-def session(model, device: str = "cpu", threads: int | None = None):
+def session(model, device: str = "cpu", threads: int | None = None, options=None):
     """An onnxruntime InferenceSession for a ModelProto (or bytes / path)."""
-    ort = _ort()
+    ort = ort_module()
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
-    return ort.InferenceSession(model, _options(threads), providers=providers(device))
+    return ort.InferenceSession(model, options or session_options(threads),
+                                providers=providers(device))
 
 
 def runner(model: onnx.ModelProto, prefer: str = "ort"):
@@ -77,8 +80,8 @@ def runner(model: onnx.ModelProto, prefer: str = "ort"):
     which is wrong for numerical checks); onnx.reference where onnxruntime has no kernel
     (float64 variants of some ops, for instance) or when ``prefer`` is "reference"."""
     if prefer == "ort":
-        ort = _ort()
-        so = _options()
+        ort = ort_module()
+        so = session_options()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         try:
             s = ort.InferenceSession(model.SerializeToString(), so,

@@ -1,0 +1,232 @@
+"""The training commands of the ``onnxgrad`` CLI (wired in by onnxgrad/cli.py):
+
+    onnxgrad train MODEL --loss {mse,l1,cross_entropy,bce} --data DATA.npz -o trained.onnx
+                   [--output-name NAME] [--epochs N] [--batch-size B] [--optimizer {sgd,adam,adamw}]
+                   [--lr LR] [--momentum M] [--weight-decay WD] [--clip-norm C]
+                   [--accumulate K] [--val-split F] [--checkpoint CKPT] [--resume CKPT]
+                   [--plot loss.png] [--device auto|cpu|cuda] [--seed S] [--no-progress]
+    onnxgrad export-train-step MODEL --loss ... -o step.onnx [--optimizer ...] [--lr ...]
+
+DATA.npz holds arrays ``x`` (the model's input, rows on axis 0) and ``y`` (the targets: int class
+labels for cross_entropy, floats otherwise). Each command function takes (args, out) and returns
+the exit status; errors are ValueError/KeyError/FileNotFoundError for the main CLI to report.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .losses import LOSSES
+from .optimizers import OPTIMIZERS
+
+
+def _common(p, need_data: bool):
+    p.add_argument("model", metavar="MODEL", help="the ONNX model to train")
+    p.add_argument("--loss", required=True, choices=LOSSES,
+                   help="the loss attached to the model's output")
+    p.add_argument("--output-name", metavar="NAME", default=None,
+                   help="the output the loss reads (default: the first output)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                   help="default adamw")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    p.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="weight decay (default 0; 1e-2 for adamw, as in PyTorch)")
+    p.add_argument("--clip-norm", type=float, default=None, metavar="C",
+                   help="clip the gradients' global 2-norm to C")
+    p.add_argument("--frozen", nargs="+", default=[], metavar="NAME",
+                   help="initializers not to train")
+    p.add_argument("-o", "--output", required=True, metavar="OUT",
+                   help="where to write the result")
+
+
+def add_train_parser(subparsers):
+    """Add ``train`` to an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "train", help="train an ONNX model on onnxruntime",
+        description="Attach a loss to MODEL, train it on DATA.npz (arrays x and y) with the "
+        "optimizer running inside the ONNX graph on onnxruntime (CUDA when available), and "
+        "write the trained model. Prints the final loss (and accuracy for classification).")
+    _common(p, True)
+    p.add_argument("--data", required=True, metavar="DATA.npz", help="arrays x and y")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="split each batch into K micro-batches (gradient accumulation)")
+    p.add_argument("--val-split", type=float, default=0.0, metavar="F",
+                   help="hold out this fraction of the rows for validation")
+    p.add_argument("--checkpoint", metavar="CKPT", help="write a checkpoint here each epoch")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                   help="also every STEPS steps")
+    p.add_argument("--resume", metavar="CKPT", help="continue from this checkpoint")
+    p.add_argument("--plot", metavar="PNG", help="write the loss curve here (needs matplotlib)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--seed", type=int, default=0, help="shuffling and validation split seed")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+    return p
+
+
+def add_export_train_step_parser(subparsers):
+    """Add ``export-train-step`` to an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "export-train-step", help="write the train-step graph of a model as one .onnx file",
+        description="Write one ONNX model that takes a training step of MODEL: inputs the data, "
+        "the parameters, the optimizer state, lr (float64) and step (int64, 1 first); outputs "
+        "the loss, the updated parameters and the updated state. The model's weights and zero "
+        "state are stored as the inputs' defaults, so the file runs as it is.")
+    _common(p, False)
+    p.add_argument("--gradient", metavar="GRAD.onnx",
+                   help="also write the gradient graph (data + params -> loss, gradients)")
+    p.set_defaults(func=cmd_export_train_step)
+    return p
+
+
+def _optimizer(args):
+    from .optimizers import make_optimizer
+    kw = {"lr": args.lr}
+    if args.weight_decay is not None:
+        kw["weight_decay"] = args.weight_decay
+    if args.optimizer == "sgd":
+        kw.update(momentum=args.momentum, nesterov=args.nesterov)
+    elif args.momentum or args.nesterov:
+        raise ValueError("--momentum and --nesterov apply to --optimizer sgd only")
+    return make_optimizer(args.optimizer, **kw)
+
+
+def _load_model(path):
+    import onnx
+    if not os.path.exists(path):
+        raise FileNotFoundError(2, "no such file", path)
+    return onnx.load(path)
+
+
+def _data_input(model):
+    inits = {t.name for t in model.graph.initializer}
+    ins = [i.name for i in model.graph.input if i.name not in inits]
+    if len(ins) != 1:
+        raise ValueError(f"the model has {len(ins)} data inputs ({ins}); `onnxgrad train` feeds "
+                         "one (array x of DATA.npz): use onnxgrad.Trainer from Python")
+    return ins[0]
+
+
+def cmd_train(args, out) -> int:
+    from .trainer import Trainer
+
+    model = _load_model(args.model)
+    if not os.path.exists(args.data):
+        raise FileNotFoundError(2, "no such file", args.data)
+    with np.load(args.data) as z:
+        if "x" not in z or "y" not in z:
+            raise ValueError(f"{args.data}: needs arrays 'x' and 'y' (has {list(z.keys())})")
+        x, y = z["x"], z["y"]
+    if len(x) != len(y):
+        raise ValueError(f"{args.data}: x has {len(x)} rows but y has {len(y)}")
+    if args.epochs < 1 or args.batch_size < 1:
+        raise ValueError("--epochs and --batch-size must be at least 1")
+    if not 0 <= args.val_split < 1:
+        raise ValueError(f"--val-split {args.val_split} must be in [0, 1)")
+    xin = _data_input(model)
+    trainer = Trainer(model, args.loss, output_name=args.output_name, optimizer=_optimizer(args),
+                      frozen=args.frozen, clip_norm=args.clip_norm,
+                      accumulation_steps=args.accumulate, device=args.device, seed=args.seed,
+                      progress=not args.no_progress)
+    order = np.random.default_rng(args.seed).permutation(len(x))
+    n_val = int(round(len(x) * args.val_split))
+    val_idx, train_idx = order[:n_val], order[n_val:]
+    train = {xin: x[train_idx], trainer.target_name: y[train_idx]}
+    val = {xin: x[val_idx], trainer.target_name: y[val_idx]} if n_val else None
+    print(f"training {os.path.basename(args.model)} on {len(train_idx)} rows"
+          + (f" (+{n_val} validation)" if n_val else "")
+          + f", {args.optimizer} lr {args.lr}, {args.epochs} epochs of batch {args.batch_size}, "
+          f"on {trainer.device}", file=out)
+    import time
+    t0 = time.perf_counter()
+    trainer.fit(train, epochs=args.epochs, batch_size=args.batch_size,
+                checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
+                resume=args.resume)
+    secs = time.perf_counter() - t0
+    trainer.export(args.output)
+    report = {"train": trainer.evaluate(train)}
+    if val:
+        report["validation"] = trainer.evaluate(val)
+    print(f"{trainer.step_count} steps in {secs:.2f} s", file=out)
+    for k, v in report.items():
+        print(f"final loss ({k}): {v:.6g}", file=out)
+    if args.loss in ("cross_entropy", "bce"):
+        for k, part in [("train", train), ("validation", val)]:
+            if part is not None:
+                acc = accuracy(trainer, part, xin, args.loss)
+                print(f"accuracy ({k}): {acc:.4f}", file=out)
+    if args.plot:
+        msg = plot_losses(trainer.history, args.plot, per_epoch=-(-len(train_idx) //
+                                                                   args.batch_size))
+        print(msg, file=out)
+    print(f"wrote {args.output}", file=out)
+    return 0
+
+
+def accuracy(trainer, data, xin, loss) -> float:
+    logits = trainer.predict({xin: data[xin]}, outputs=[trainer.output_name],
+                             batch_size=4096)[0]
+    y = data[trainer.target_name]
+    if loss == "cross_entropy":
+        return float(np.mean(np.argmax(logits, axis=1) == y))
+    return float(np.mean((logits > 0) == (y > 0.5)))
+
+
+def plot_losses(losses, path, per_epoch=None) -> str:
+    """Write the loss curve as a PNG with matplotlib; a note when it is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (f"matplotlib is not installed: no plot written to {path} "
+                "(pip install 'onnxgrad[train]')")
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="loss per step")
+    if per_epoch and len(losses) >= per_epoch:
+        k = len(losses) // per_epoch
+        means = np.asarray(losses[:k * per_epoch]).reshape(k, per_epoch).mean(axis=1)
+        ax.plot(np.arange(1, k + 1) * per_epoch, means, "o-", label="epoch mean")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return f"wrote the loss curve to {path}"
+
+
+def cmd_export_train_step(args, out) -> int:
+    from .losses import attach_loss
+    from .step import build_gradient_model, build_train_step
+
+    model = _load_model(args.model)
+    lm = attach_loss(model, args.loss, args.output_name)
+    loss = lm.graph.output[-1].name
+    step = build_train_step(lm, loss, optimizer=_optimizer(args), frozen=args.frozen,
+                            clip_norm=args.clip_norm)
+    step.save(args.output)
+    print(f"wrote {args.output}", file=out)
+    print(f"  data inputs: {', '.join(step.data_inputs)}", file=out)
+    print(f"  parameters:  {', '.join(step.params)} -> {', '.join(step.param_outputs)}", file=out)
+    if step.state:
+        print(f"  state:       {', '.join(step.state)}", file=out)
+    print(f"  scalars:     {step.lr} (float64), {step.step} (int64, 1 first); "
+          f"loss output: {step.loss}", file=out)
+    if args.gradient:
+        g = build_gradient_model(lm, loss, frozen=args.frozen)
+        from .step import with_defaults
+        from ..runtime import save_model
+        save_model(with_defaults(g.model, g.initial_params), args.gradient)
+        print(f"wrote {args.gradient}", file=out)
+    return 0

@@ -1,0 +1,216 @@
+"""Loss helpers: attach a scalar loss to one output of a model.
+
+Each helper returns a new ModelProto (the input is never mutated) with one more graph input, the
+target (its batch dim symbolic), and one more graph output, the scalar loss, appended after the
+model's own outputs. The definitions follow PyTorch's:
+
+    mse            mean((y - t)^2)                                  torch.nn.functional.mse_loss
+    l1             mean(|y - t|)                                    torch.nn.functional.l1_loss
+    cross_entropy  SoftmaxCrossEntropyLoss(logits [N, C, ...], int64 labels [N, ...]) with optional
+                   class weights and ignore_index ("mean": sum(w_i l_i) / sum(w_i))
+                                                                    torch.nn.functional.cross_entropy
+    bce            max(x, 0) - x t + log(1 + exp(-|x|)) (the stable form), optional pos_weight
+                                                                    binary_cross_entropy_with_logits
+
+``reduction`` is "mean" (the default) or "sum". Constants (class weights, pos_weight) are Constant
+nodes, not initializers, so they are never mistaken for trainable parameters.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+LOSSES = ("mse", "l1", "cross_entropy", "bce")
+_FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
+
+
+def load(model) -> onnx.ModelProto:
+    """A private copy of ``model`` (a ModelProto or a path)."""
+    if isinstance(model, (str, os.PathLike)):
+        return onnx.load(os.fspath(model))
+    if not isinstance(model, onnx.ModelProto):
+        raise TypeError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)  # not SerializeToString: that fails past 2 GB
+    return copy
+
+
+def opset_of(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _taken(graph: onnx.GraphProto) -> set[str]:
+    names = {v.name for v in graph.input} | {v.name for v in graph.output}
+    names |= {t.name for t in graph.initializer}
+    for n in graph.node:
+        names.update(n.output)
+        names.add(n.name)
+    return names
+
+
+def unique_name(base: str, taken: set[str]) -> str:
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name
+
+
+def _output_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
+    for v in model.graph.output:
+        if v.name == name and v.type.tensor_type.elem_type:
+            return v.type
+    inferred = onnx.shape_inference.infer_shapes(model)
+    for v in [*inferred.graph.output, *inferred.graph.value_info]:
+        if v.name == name:
+            return v.type
+    outs = [o.name for o in model.graph.output]
+    raise ValueError(f"no output named {name!r} in the model (its outputs: {outs})")
+
+
+def _target_dims(dims, drop_axis=None):
+    """The target's dims: the output's, with a symbolic batch dim (and one axis dropped)."""
+    out = []
+    for i, d in enumerate(dims):
+        if i == drop_axis:
+            continue
+        if i == 0:
+            out.append(d.dim_param if d.HasField("dim_param") else "batch")
+        elif d.HasField("dim_value"):
+            out.append(d.dim_value)
+        elif d.HasField("dim_param"):
+            out.append(d.dim_param)
+        else:
+            out.append(None)
+    return out
+
+
+def attach_loss(model, kind: str, output_name: str | None = None, *, target_name: str = "target",
+                loss_name: str = "loss", reduction: str = "mean", weight=None,
+                ignore_index: int | None = None, pos_weight=None) -> onnx.ModelProto:
+    """Return a copy of ``model`` with a scalar ``loss`` of ``kind`` (one of :data:`LOSSES`)
+    computed from the output ``output_name`` (default: the first output) and a new target input.
+
+    The names of the new input and output are ``target_name`` and ``loss_name`` (made unique).
+    ``weight`` (class weights [C]) and ``ignore_index`` are for cross_entropy; ``pos_weight``
+    ([C] or a scalar) for bce."""
+    if kind not in LOSSES:
+        raise ValueError(f"loss={kind!r} is not one of {', '.join(map(repr, LOSSES))}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r} is not one of 'mean', 'sum'")
+    if weight is not None and kind != "cross_entropy" or ignore_index is not None and \
+            kind != "cross_entropy":
+        raise ValueError("weight and ignore_index apply to the cross_entropy loss only")
+    if pos_weight is not None and kind != "bce":
+        raise ValueError("pos_weight applies to the bce loss only")
+    m = load(model)
+    if not m.graph.output:
+        raise ValueError("the model has no outputs")
+    output_name = output_name or m.graph.output[0].name
+    otype = _output_type(m, output_name)
+    elem = otype.tensor_type.elem_type
+    if elem not in _FLOATS:
+        raise ValueError(f"output {output_name!r} is {TensorProto.DataType.Name(elem)}, not a "
+                         "float tensor: a loss needs float predictions")
+    dims = list(otype.tensor_type.shape.dim) if otype.tensor_type.HasField("shape") else None
+    np_dtype = helper.tensor_dtype_to_np_dtype(elem)
+    if kind == "cross_entropy" and opset_of(m) < 13:
+        m = onnx.version_converter.convert_version(m, 13)
+    g = m.graph
+    taken = _taken(g)
+    target = unique_name(target_name, taken)
+    loss = unique_name(loss_name, taken)
+    nodes: list[onnx.NodeProto] = []
+
+    def tmp(base):
+        return unique_name(f"loss/{base}", taken)
+
+    def node(op, inputs, **attrs):
+        out = tmp(op)
+        nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def const(value, dtype=np_dtype):
+        out = tmp("Constant")
+        nodes.append(helper.make_node("Constant", [], [out], name=out,
+                                      value=numpy_helper.from_array(np.asarray(value, dtype))))
+        return out
+
+    reduce_op = "ReduceMean" if reduction == "mean" else "ReduceSum"
+
+    def reduce_all(x):  # no axes: every axis, whatever the opset's form of axes
+        out = node(reduce_op, [x], keepdims=0)
+        return out
+
+    y = output_name
+    if kind == "cross_entropy":
+        if dims is not None and len(dims) < 2:
+            raise ValueError(f"cross_entropy needs logits [N, C, ...]; {output_name!r} has rank "
+                             f"{len(dims)}")
+        tdims = None if dims is None else _target_dims(dims, drop_axis=1)
+        tin = helper.make_tensor_value_info(target, TensorProto.INT64, tdims)
+        ins = [y, target]
+        if weight is not None:
+            ins.append(const(np.asarray(weight, np_dtype).reshape(-1)))
+        attrs = {"reduction": reduction}
+        if ignore_index is not None:
+            attrs["ignore_index"] = int(ignore_index)
+        nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", ins, [loss],
+                                      name="loss/SoftmaxCrossEntropyLoss", **attrs))
+    else:
+        tdims = None if dims is None else _target_dims(dims)
+        tin = helper.make_tensor_value_info(target, elem, tdims)
+        if kind == "mse":
+            d = node("Sub", [y, target])
+            per = node("Mul", [d, d])
+        elif kind == "l1":
+            per = node("Abs", [node("Sub", [y, target])])
+        else:  # bce: relu(x) - x t + softplus(-|x|), or with pos_weight p:
+            # (1 - t) x + (1 + (p - 1) t) (softplus(-|x|) + relu(-x))   (PyTorch's form)
+            soft = node("Softplus", [node("Neg", [node("Abs", [y])])])
+            if pos_weight is None:
+                per = node("Add", [node("Sub", [node("Relu", [y]), node("Mul", [y, target])]),
+                                   soft])
+            else:
+                pw = const(np.asarray(pos_weight, np_dtype))
+                one = const(1)
+                lw = node("Add", [one, node("Mul", [node("Sub", [pw, one]), target])])
+                left = node("Mul", [node("Sub", [one, target]), y])
+                right = node("Mul", [lw, node("Add", [soft, node("Relu", [node("Neg", [y])])])])
+                per = node("Add", [left, right])
+        nodes.append(helper.make_node(reduce_op, [per], [loss], name=f"loss/{reduce_op}",
+                                      keepdims=0))
+    g.node.extend(nodes)
+    g.input.append(tin)
+    g.output.append(helper.make_tensor_value_info(loss, elem, []))
+    if m.ByteSize() < 2**31 - 2**20:  # the checker takes a path past 2 GB
+        onnx.checker.check_model(m)
+    return m
+
+
+def mse_loss(model, output_name=None, **kw) -> onnx.ModelProto:
+    """Mean squared error (``torch.nn.functional.mse_loss``); see :func:`attach_loss`."""
+    return attach_loss(model, "mse", output_name, **kw)
+
+
+def l1_loss(model, output_name=None, **kw) -> onnx.ModelProto:
+    """Mean absolute error (``torch.nn.functional.l1_loss``); see :func:`attach_loss`."""
+    return attach_loss(model, "l1", output_name, **kw)
+
+
+def cross_entropy_loss(model, output_name=None, weight=None, ignore_index=None,
+                       **kw) -> onnx.ModelProto:
+    """Cross-entropy with logits (``torch.nn.functional.cross_entropy``), int64 class labels,
+    optional class ``weight`` and ``ignore_index``; see :func:`attach_loss`."""
+    return attach_loss(model, "cross_entropy", output_name, weight=weight,
+                       ignore_index=ignore_index, **kw)
+
+
+def bce_with_logits_loss(model, output_name=None, pos_weight=None, **kw) -> onnx.ModelProto:
+    """Binary cross-entropy with logits (``binary_cross_entropy_with_logits``), float targets in
+    [0, 1] of the logits' shape; see :func:`attach_loss`."""
+    return attach_loss(model, "bce", output_name, pos_weight=pos_weight, **kw)

@@ -1,0 +1,267 @@
+"""Optimizers as ONNX subgraphs, matching PyTorch's definitions (torch.optim, single-tensor path).
+
+Each optimizer emits, for one parameter p with gradient g and its state tensors, the nodes that
+compute the updated parameter and state. The learning rate is a float64 scalar graph input (so a
+schedule can feed it per step) and the step count an int64 scalar input: the number of the step
+being taken, 1 for the first (PyTorch's ``state["step"]`` after its increment). Scalar
+hyper-parameter arithmetic (bias corrections, lr * weight_decay) is done in float64 and cast to
+the parameter's dtype once, as PyTorch does with its Python-float scalars.
+
+    SGD    d = g + wd p;  b = d (first step) | momentum b + (1 - dampening) d;
+           d = d + momentum b (nesterov) | b;  p = p - lr d
+    Adam   g = g + wd p;  m = lerp(m, g, 1 - beta1);  v = beta2 v + (1 - beta2) g g;
+           p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+           (computed as p - (lr sqrt(bc2) / bc1) * m / (sqrt(v) + eps sqrt(bc2)): one full
+           pass fewer, equal up to float rounding)
+           (amsgrad: v_max = max(v_max, v) in the denominator)
+    AdamW  as Adam, with p = p (1 - lr wd) first instead of g + wd p
+
+:func:`clip_grad_norm` scales all gradients as ``torch.nn.utils.clip_grad_norm_`` (2-norm):
+g = g * min(1, max_norm / (total_norm + 1e-6)).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+class Builder:
+    """Appends NodeProtos with unique names under a prefix; constants are Constant nodes."""
+
+    def __init__(self, taken: set[str], prefix: str = "optimizer"):
+        self.taken, self.prefix = taken, prefix
+        self.nodes: list[onnx.NodeProto] = []
+        self._consts: dict[tuple, str] = {}
+
+    def name(self, base: str) -> str:
+        name, k = base, 0
+        while name in self.taken:
+            k += 1
+            name = f"{base}_{k}"
+        self.taken.add(name)
+        return name
+
+    def rename(self, renames: dict[str, str]) -> None:
+        """Rename tensors produced by this builder's nodes (and their uses), in one pass."""
+        for n in self.nodes:
+            for i, x in enumerate(n.input):
+                if x in renames:
+                    n.input[i] = renames[x]
+            for i, x in enumerate(n.output):
+                if x in renames:
+                    n.output[i] = renames[x]
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        out = out or self.name(f"{self.prefix}/{op_type}")
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
+        return out
+
+    def const(self, value, dtype) -> str:
+        arr = np.asarray(value, dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            out = self.name(f"{self.prefix}/const")
+            self.nodes.append(helper.make_node("Constant", [], [out], name=out,
+                                               value=numpy_helper.from_array(arr)))
+            self._consts[key] = out
+        return self._consts[key]
+
+
+@dataclass
+class Slot:
+    """What the update of one parameter reads: names of p, g, its state tensors (by slot) and
+    the shared scalars; ``dtype`` is p's ONNX elem type."""
+    param: str
+    grad: str
+    state: dict[str, str]
+    dtype: int
+    scalars: "Scalars"
+
+
+class Scalars:
+    """The step's shared scalars: lr (float64), step (int64), and casts made once per dtype."""
+
+    def __init__(self, b: Builder, lr: str, step: str):
+        self.b, self.lr, self.step = b, lr, step
+        self._cast: dict[tuple[str, int], str] = {}
+        self._step_f64 = None
+
+    def cast(self, name: str, dtype: int) -> str:
+        if dtype == TensorProto.DOUBLE:
+            return name
+        key = (name, dtype)
+        if key not in self._cast:
+            self._cast[key] = self.b.op("Cast", name, to=dtype)
+        return self._cast[key]
+
+    def f64(self, value) -> str:
+        return self.b.const(np.array(value, np.float64), np.float64)
+
+    @property
+    def step_f64(self) -> str:
+        if self._step_f64 is None:
+            self._step_f64 = self.b.op("Cast", self.step, to=TensorProto.DOUBLE)
+        return self._step_f64
+
+    def memo(self, key, make):
+        if key not in self._cast:
+            self._cast[key] = make()
+        return self._cast[key]
+
+
+@dataclass
+class Optimizer:
+    """Base class: ``lr`` is the default learning rate (what a Trainer feeds without a
+    schedule); ``slots`` are the state tensors each parameter gets (zeros at the start)."""
+    lr: float = 1e-3
+
+    slots: tuple[str, ...] = field(default=(), init=False, repr=False)
+
+    def update(self, b: Builder, s: Slot) -> tuple[str, dict[str, str]]:
+        raise NotImplementedError
+
+    def config(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "slots"}
+
+
+@dataclass
+class SGD(Optimizer):
+    """torch.optim.SGD (maximize=False): momentum buffer = d on the first step."""
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self):
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("nesterov momentum requires a momentum and zero dampening")
+        if self.lr < 0 or self.momentum < 0 or self.weight_decay < 0:
+            raise ValueError(f"invalid SGD hyper-parameters: {self}")
+        self.slots = ("momentum_buffer",) if self.momentum != 0 else ()
+
+    def update(self, b, s):
+        T, sc = s.dtype, s.scalars
+        d = s.grad
+        if self.weight_decay != 0:
+            d = b.op("Add", d, b.op("Mul", s.param, b.const(self.weight_decay, _np(T))))
+        new_state = {}
+        if self.momentum != 0:
+            buf = s.state["momentum_buffer"]
+            mom = b.op("Mul", buf, b.const(self.momentum, _np(T)))
+            scaled = d if self.dampening == 0 else b.op("Mul", d, b.const(1 - self.dampening,
+                                                                           _np(T)))
+            later = b.op("Add", mom, scaled)
+            first = sc.memo("first", lambda: b.op("Equal", sc.step,
+                                                  b.const(1, np.int64)))
+            buf = b.op("Where", first, d, later)
+            new_state["momentum_buffer"] = buf
+            d = b.op("Add", d, b.op("Mul", buf, b.const(self.momentum, _np(T)))) \
+                if self.nesterov else buf
+        lr = sc.cast(sc.lr, T)
+        return b.op("Sub", s.param, b.op("Mul", d, lr)), new_state
+
+
+@dataclass
+class Adam(Optimizer):
+    """torch.optim.Adam (maximize=False, capturable=False); weight decay is L2 on the gradient."""
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+    decoupled = False
+
+    def __post_init__(self):
+        b1, b2 = self.betas
+        if not (0 <= b1 < 1 and 0 <= b2 < 1) or self.eps < 0 or self.lr < 0 or \
+                self.weight_decay < 0:
+            raise ValueError(f"invalid {type(self).__name__} hyper-parameters: {self}")
+        self.betas = (float(b1), float(b2))
+        self.slots = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
+
+    def _scalars(self, b, sc):
+        """float64 scalars shared by all parameters: the step size and eps, both scaled by
+        sqrt(bc2) (see update), and the decoupled decay factor 1 - lr wd."""
+        b1, b2 = self.betas
+
+        def make():
+            t = sc.step_f64
+            bc1 = b.op("Sub", sc.f64(1.0), b.op("Pow", sc.f64(b1), t))
+            bc2 = b.op("Sub", sc.f64(1.0), b.op("Pow", sc.f64(b2), t))
+            bc2_sqrt = b.op("Sqrt", bc2)
+            step_size = b.op("Mul", b.op("Div", sc.lr, bc1), bc2_sqrt)
+            eps = b.op("Mul", sc.f64(self.eps), bc2_sqrt)
+            decay = b.op("Sub", sc.f64(1.0), b.op("Mul", sc.lr, sc.f64(self.weight_decay)))
+            return step_size, eps, decay
+        return sc.memo("adam", make)
+
+    def update(self, b, s):
+        T, sc, npT = s.dtype, s.scalars, _np(s.dtype)
+        b1, b2 = self.betas
+        step_size, eps, decay = self._scalars(b, sc)
+        p, g = s.param, s.grad
+        if self.weight_decay != 0:
+            if self.decoupled:
+                p = b.op("Mul", p, sc.cast(decay, T))
+            else:
+                g = b.op("Add", g, b.op("Mul", p, b.const(self.weight_decay, npT)))
+        m, v = s.state["exp_avg"], s.state["exp_avg_sq"]
+        # torch.lerp with weight < 0.5: m + w (g - m)
+        m_new = b.op("Add", m, b.op("Mul", b.op("Sub", g, m), b.const(1 - b1, npT)))
+        # addcmul: v b2 + (1 - b2) g g
+        v_new = b.op("Add", b.op("Mul", v, b.const(b2, npT)),
+                     b.op("Mul", b.op("Mul", g, b.const(1 - b2, npT)), g))
+        new_state = {"exp_avg": m_new, "exp_avg_sq": v_new}
+        vd = v_new
+        if self.amsgrad:
+            vd = b.op("Max", s.state["max_exp_avg_sq"], v_new)
+            new_state["max_exp_avg_sq"] = vd
+        # m / (sqrt(v) / sqrt(bc2) + eps) * lr / bc1, with the division by sqrt(bc2) moved
+        # into the two scalars (one pass over the tensor fewer; the same up to rounding)
+        denom = b.op("Add", b.op("Sqrt", vd), sc.cast(eps, T))
+        p_new = b.op("Sub", p, b.op("Mul", b.op("Div", m_new, denom), sc.cast(step_size, T)))
+        return p_new, new_state
+
+
+@dataclass
+class AdamW(Adam):
+    """torch.optim.AdamW: decoupled weight decay p = p (1 - lr wd), default wd 1e-2."""
+    weight_decay: float = 1e-2
+    decoupled = True
+
+
+OPTIMIZERS = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
+
+
+def make_optimizer(name: str, **kw) -> Optimizer:
+    """An optimizer by name ("sgd", "adam", "adamw") with its keyword hyper-parameters."""
+    try:
+        return OPTIMIZERS[name.lower()](**kw)
+    except KeyError:
+        raise ValueError(f"optimizer={name!r} is not one of {', '.join(OPTIMIZERS)}") from None
+
+
+def clip_grad_norm(b: Builder, grads: list[str], dtypes: list[int], max_norm: float) -> list[str]:
+    """The gradients scaled as torch.nn.utils.clip_grad_norm_(max_norm, norm_type=2) does."""
+    if not grads:
+        return grads
+    T = dtypes[0]
+    sq = []
+    for g, dt in zip(grads, dtypes):
+        s = b.op("ReduceSumSquare", g, keepdims=0)
+        sq.append(s if dt == T else b.op("Cast", s, to=T))
+    total = b.op("Sqrt", sq[0] if len(sq) == 1 else b.op("Sum", *sq))
+    coef = b.op("Div", b.const(max_norm, _np(T)), b.op("Add", total, b.const(1e-6, _np(T))))
+    coef = b.op("Min", coef, b.const(1.0, _np(T)))
+    out = []
+    for g, dt in zip(grads, dtypes):
+        out.append(b.op("Mul", g, coef if dt == T else b.op("Cast", coef, to=dt)))
+    return out
+
+
+def _np(dtype: int):
+    return helper.tensor_dtype_to_np_dtype(dtype)

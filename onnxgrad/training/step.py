@@ -1,0 +1,392 @@
+"""Training-step graphs: loss + gradients + optimizer update as one ONNX model.
+
+    step = build_train_step(model, "loss", optimizer=AdamW(lr=1e-3))
+    step.model        # inputs: data..., params..., state..., lr (float64 []), step (int64 [])
+                      # outputs: loss, updated params..., updated state...
+    step.data_inputs, step.params, step.param_outputs, step.state, step.state_outputs, ...
+
+The parameters are graph inputs, not initializers, so a runtime keeps them where it likes (on the
+GPU) and swaps them between steps. ``step`` is the number of the step being taken (1 first).
+Updated values are named ``<param>.new`` and ``<param>.<slot>.new`` directly on the nodes that
+compute them (no Identity copies). A one-output MaxPool of the forward graph gets its Indices
+output in the step graph, so its gradient reuses the forward's argmax instead of pooling twice.
+
+Also here: :func:`build_gradient_model` (gradients() with the parameters as inputs), and the two
+graphs a gradient-accumulating trainer runs: :func:`build_accumulate_model` (data, params, running
+sums -> loss, sums + w * gradients) and :func:`build_apply_model` (params, state, gradients, lr,
+step -> updated params and state).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..autodiff import gradients
+from .losses import _taken, load
+from .optimizers import AdamW, Builder, Optimizer, Scalars, Slot, clip_grad_norm
+
+_FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
+
+
+@dataclass
+class TrainStep:
+    """A built step graph and the roles of its inputs and outputs (all lists aligned)."""
+    model: onnx.ModelProto
+    loss: str                          # output: the scalar loss
+    data_inputs: list[str]             # inputs fed per batch
+    params: list[str]                  # inputs: current parameters
+    param_outputs: list[str]           # outputs: updated parameters (aligned with params)
+    state: list[str] = field(default_factory=list)          # inputs: optimizer state
+    state_outputs: list[str] = field(default_factory=list)  # outputs: updated state
+    state_of: list[tuple[str, str]] = field(default_factory=list)  # (param, slot) per state
+    lr: str | None = "lr"              # input: float64 scalar learning rate
+    step: str | None = "step"          # input: int64 scalar step number (1 first)
+    grads: list[str] = field(default_factory=list)  # inputs (apply) or outputs (gradient model)
+    initial_params: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    frozen: list[str] = field(default_factory=list)
+    grad_weight: str | None = None     # input of the accumulate graph: the micro-batch weight
+    unconnected: list[str] = field(default_factory=list)  # float initializers with no gradient
+
+    def initial_state(self, params: dict | None = None) -> dict[str, np.ndarray]:
+        """Zeros for every state tensor, shaped like its parameter."""
+        params = params or self.initial_params
+        return {s: np.zeros_like(params[p]) for s, (p, _) in zip(self.state, self.state_of)}
+
+    def save(self, path, with_values: bool = True) -> None:
+        """Write the step graph as one .onnx file (external data past 2 GB, IR pinned for
+        onnxruntime); with_values stores the current parameters and zero state as initializers
+        that double as the inputs' defaults, so the file runs as it is."""
+        from ..runtime import save_model
+        m = self.model
+        if with_values and self.initial_params:
+            m = with_defaults(m, {**self.initial_params, **self.initial_state()})
+        save_model(m, path)
+
+
+def with_defaults(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of model whose inputs named in values get them as initializers (input defaults)."""
+    m = load(model)
+    inputs = {v.name for v in m.graph.input}
+    m.graph.initializer.extend(numpy_helper.from_array(np.asarray(v), k)
+                               for k, v in values.items() if k in inputs)
+    return m
+
+
+def float_initializers(model: onnx.ModelProto) -> list[str]:
+    return [t.name for t in model.graph.initializer if t.data_type in _FLOATS]
+
+
+def _resolve_params(m: onnx.ModelProto, params, frozen) -> tuple[list[str], list[str]]:
+    inits = {t.name: t for t in m.graph.initializer}
+    frozen = list(frozen or [])
+    for f in frozen:
+        if f not in inits:
+            raise ValueError(f"frozen: no initializer named {f!r}")
+    if params is None:
+        chosen = [n for n in float_initializers(m) if n not in set(frozen)]
+    else:
+        chosen = [params] if isinstance(params, str) else list(params)
+        for p in chosen:
+            if p not in inits:
+                raise ValueError(f"params: {p!r} is not an initializer of the model")
+            if inits[p].data_type not in _FLOATS:
+                raise ValueError(f"params: {p!r} is not a float tensor")
+        chosen = [p for p in chosen if p not in set(frozen)]
+    if len(set(chosen)) != len(chosen):
+        raise ValueError("params: a name is listed twice")
+    return chosen, frozen
+
+
+def _check_loss(m: onnx.ModelProto, loss: str):
+    if not isinstance(loss, str):
+        raise TypeError(f"loss must be the name of a scalar tensor, not {loss!r}")
+    names = {o.name for o in m.graph.output} | {o for n in m.graph.node for o in n.output}
+    if loss not in names:
+        outs = [o.name for o in m.graph.output]
+        raise ValueError(f"loss: no tensor named {loss!r} in the model (its outputs: {outs})")
+
+
+def _params_to_inputs(m: onnx.ModelProto, params: list[str]) -> dict[str, np.ndarray]:
+    """Move ``params`` from initializers to graph inputs; returns their values."""
+    g = m.graph
+    keep, values = [], {}
+    wanted = set(params)
+    by_name = {}
+    for t in g.initializer:
+        if t.name in wanted:
+            by_name[t.name] = t
+        else:
+            keep.append(t)
+    existing = {v.name for v in g.input}
+    for p in params:
+        t = by_name[p]
+        values[p] = numpy_helper.to_array(t)
+        if p not in existing:
+            g.input.append(helper.make_tensor_value_info(p, t.data_type, list(t.dims)))
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    return values
+
+
+def _prune(m: onnx.ModelProto, outputs: list[str], keep_inputs: list[str]):
+    """Set the graph outputs, drop nodes nothing needs, and inputs nothing reads (bar
+    ``keep_inputs``)."""
+    g = m.graph
+    types = {v.name: v for v in [*g.output, *g.value_info, *g.input]}
+    new_outs = []
+    for o in outputs:
+        vi = types.get(o)
+        new_outs.append(vi if vi is not None and vi.name == o and vi.type.tensor_type.elem_type
+                        else helper.make_empty_tensor_value_info(o))
+    needed = set(outputs)
+    live = []
+    for n in reversed(g.node):
+        if any(o in needed for o in n.output):
+            live.append(n)
+            needed.update(i for i in n.input if i)
+            for a in n.attribute:  # subgraphs read outer names implicitly
+                for sub in ([a.g] if a.HasField("g") else list(a.graphs)):
+                    needed.update(_outer_reads(sub))
+    live.reverse()
+    del g.node[:]
+    g.node.extend(live)
+    del g.output[:]
+    g.output.extend(new_outs)
+    ins = [v for v in g.input if v.name in needed or v.name in keep_inputs]
+    del g.input[:]
+    g.input.extend(ins)
+    inits = [t for t in g.initializer if t.name in needed]
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    vis = [v for v in g.value_info if v.name in needed]
+    del g.value_info[:]
+    g.value_info.extend(vis)
+
+
+def _outer_reads(graph: onnx.GraphProto) -> set[str]:
+    reads = set()
+    for n in graph.node:
+        reads.update(i for i in n.input if i)
+        for a in n.attribute:
+            for sub in ([a.g] if a.HasField("g") else list(a.graphs)):
+                reads |= _outer_reads(sub)
+    return reads
+
+
+def _dtype_of(m: onnx.ModelProto, name: str) -> int:
+    for v in m.graph.input:
+        if v.name == name:
+            return v.type.tensor_type.elem_type
+    raise KeyError(name)
+
+
+def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainStep:
+    """``gradients(model, loss, params)`` with the parameters as graph inputs.
+
+    Returns a :class:`TrainStep` description whose ``model`` has inputs data + params and
+    outputs [loss, gradients...] (``grads``, aligned with ``params``). Parameters the loss does
+    not depend on are left as initializers and listed in ``unconnected``."""
+    m = load(model)
+    _check_loss(m, loss)
+    _expose_pool_indices(m)
+    chosen, frozen = _resolve_params(m, params, frozen)
+    if not chosen:
+        raise ValueError("no parameters to train: the model has no float initializers "
+                         "(or all are frozen)")
+    # the parameters become graph inputs first: gradients() then sees a small model (no weight
+    # data, whatever the model's size) and the step graph reads them as inputs
+    values = _params_to_inputs(m, chosen)
+    res = gradients(m, [loss], chosen)
+    gm = res.model
+    params_ok = [p for p, g in zip(chosen, res.grads) if g is not None]
+    grads = [g for g in res.grads if g is not None]
+    unconnected = [p for p, g in zip(chosen, res.grads) if g is None]
+    if not params_ok:
+        raise ValueError(f"the loss {loss!r} depends on none of the parameters {chosen}")
+    if unconnected:  # no gradient: they stay constants (initializers), as torch leaves them
+        ins = [v for v in gm.graph.input if v.name not in set(unconnected)]
+        del gm.graph.input[:]
+        gm.graph.input.extend(ins)
+        gm.graph.initializer.extend(numpy_helper.from_array(values.pop(p), p)
+                                    for p in unconnected)
+    _prune(gm, [loss, *grads], [])
+    data = [v.name for v in gm.graph.input if v.name not in values]
+    return TrainStep(model=gm, loss=loss, data_inputs=data, params=params_ok, param_outputs=[],
+                     grads=grads, lr=None, step=None, initial_params=values, frozen=frozen,
+                     unconnected=unconnected)
+
+
+def _expose_pool_indices(m: onnx.ModelProto):
+    """Give each one-output MaxPool its Indices output, so the MaxPool gradient rule reuses the
+    forward's argmax instead of running a second MaxPool (the training graph computes it once)."""
+    taken = None
+    for n in m.graph.node:
+        if n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and len(n.output) == 1:
+            taken = taken if taken is not None else _taken(m.graph)
+            base, k = f"{n.output[0]}.indices", 0
+            name = base
+            while name in taken:
+                k += 1
+                name = f"{base}_{k}"
+            taken.add(name)
+            n.output.append(name)
+
+
+def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
+                   optimizer: Optimizer, clip_norm: float | None, taken: set[str]):
+    """Append the optimizer's nodes and inputs to gm; fills desc's state and output lists."""
+    g = gm.graph
+    b = Builder(taken, "optimizer")
+    lr = b.name("lr")
+    step = b.name("step")
+    g.input.append(helper.make_tensor_value_info(lr, TensorProto.DOUBLE, []))
+    g.input.append(helper.make_tensor_value_info(step, TensorProto.INT64, []))
+    sc = Scalars(b, lr, step)
+    dtypes = [_dtype_of(gm, p) for p in desc.params]
+    if clip_norm is not None:
+        if not clip_norm > 0:
+            raise ValueError(f"clip_norm={clip_norm!r} must be positive")
+        b.prefix = "optimizer/clip"
+        grads = clip_grad_norm(b, grads, dtypes, float(clip_norm))
+    state_in, state_out, state_of, p_out = [], [], [], []
+    renames: dict[str, str] = {}
+
+    def output(value: str, base: str, dt, shape) -> str:
+        """Name ``value`` ``base`` as a graph output: rename the node that makes it (an
+        Identity would copy the whole tensor every step) unless it is not ours to rename."""
+        name = b.name(base)
+        if value in produced_here and value not in renames and value not in fixed:
+            renames[value] = name
+        else:
+            b.nodes.append(helper.make_node("Identity", [value], [name], name=name))
+        g.output.append(helper.make_tensor_value_info(name, dt, shape))
+        return name
+
+    fixed = set(grads)  # clipped gradients etc. may be shared: never rename those
+    for p, gr, dt in zip(desc.params, grads, dtypes):
+        b.prefix = f"optimizer/{p}"
+        shape = list(desc.initial_params[p].shape)
+        st = {}
+        for slot in optimizer.slots:
+            name = b.name(f"{p}.{slot}")
+            g.input.append(helper.make_tensor_value_info(name, dt, shape))
+            st[slot] = name
+        first = len(b.nodes)
+        new_p, new_st = optimizer.update(b, Slot(p, gr, st, dt, sc))
+        produced_here = {o for n in b.nodes[first:] for o in n.output}
+        p_out.append(output(new_p, f"{p}.new", dt, shape))
+        for slot in optimizer.slots:
+            state_in.append(st[slot])
+            state_out.append(output(new_st[slot], f"{p}.{slot}.new", dt, shape))
+            state_of.append((p, slot))
+    b.rename(renames)
+    g.node.extend(b.nodes)
+    desc.lr, desc.step = lr, step
+    desc.param_outputs, desc.state, desc.state_outputs, desc.state_of = \
+        p_out, state_in, state_out, state_of
+
+
+def build_train_step(model, loss: str, params=None, optimizer: Optimizer | None = None,
+                     frozen=None, clip_norm: float | None = None) -> TrainStep:
+    """One ONNX model that takes a training step: see the module doc.
+
+    ``model`` (a ModelProto or a path) must compute ``loss`` (a scalar; the loss helpers in
+    :mod:`onnxgrad.training.losses` attach one). ``params``: initializer names to train (None:
+    every float initializer, minus ``frozen``). ``optimizer``: an :class:`Optimizer` (default
+    AdamW()). ``clip_norm``: clip the gradients' global 2-norm first."""
+    optimizer = optimizer or AdamW()
+    desc = build_gradient_model(model, loss, params, frozen)
+    gm = desc.model
+    grads = desc.grads
+    taken = _taken(gm.graph)
+    _add_optimizer(gm, desc, grads, optimizer, clip_norm, taken)
+    outs = [loss, *desc.param_outputs, *desc.state_outputs]
+    _prune(gm, outs, [desc.lr, desc.step])  # both stay inputs even when unread (plain SGD)
+    _reorder_inputs(gm, desc.data_inputs + desc.params + desc.state + [desc.lr, desc.step])
+    desc.grads = []
+    onnx.checker.check_model(gm)
+    return desc
+
+
+def _reorder_inputs(gm: onnx.ModelProto, order: list[str]):
+    by = {v.name: v for v in gm.graph.input}
+    ins = [by[n] for n in order if n in by] + [v for v in gm.graph.input if v.name not in order]
+    del gm.graph.input[:]
+    gm.graph.input.extend(ins)
+
+
+def build_accumulate_model(model, loss: str, params=None, frozen=None) -> TrainStep:
+    """Gradient accumulation: inputs data, params, running sums (``grads``, one per param) and
+    ``grad_weight`` (scalar, the param dtype); outputs loss and sums + grad_weight * gradients
+    (in ``param_outputs``). Feed zeros as the sums of the first micro-batch, and n_i / N as the
+    weight of a micro-batch of n_i of the N rows: the sums are then the big batch's gradient
+    of a per-row mean loss."""
+    desc = build_gradient_model(model, loss, params, frozen)
+    gm = desc.model
+    g = gm.graph
+    b = Builder(_taken(g), "accumulate")
+    dtypes = [_dtype_of(gm, p) for p in desc.params]
+    w = b.name("grad_weight")
+    g.input.append(helper.make_tensor_value_info(w, dtypes[0], []))
+    sums, outs = [], []
+    weights = {}
+    for p, gr, dt in zip(desc.params, desc.grads, dtypes):
+        shape = list(desc.initial_params[p].shape)
+        s = b.name(f"{p}.grad_sum")
+        g.input.append(helper.make_tensor_value_info(s, dt, shape))
+        if dt not in weights:
+            weights[dt] = w if dt == dtypes[0] else b.op("Cast", w, to=dt)
+        o = b.name(f"{p}.grad_sum.new")
+        b.op("Add", s, b.op("Mul", gr, weights[dt]), out=o)
+        g.output.append(helper.make_tensor_value_info(o, dt, shape))
+        sums.append(s)
+        outs.append(o)
+    g.node.extend(b.nodes)
+    _prune(gm, [loss, *outs], [])
+    _reorder_inputs(gm, desc.data_inputs + desc.params + sums + [w])
+    desc.grads, desc.param_outputs = sums, outs
+    desc.lr, desc.step, desc.grad_weight = None, None, w
+    onnx.checker.check_model(gm)
+    return desc
+
+
+def build_apply_model(grad_desc: TrainStep, optimizer: Optimizer | None = None,
+                      clip_norm: float | None = None) -> TrainStep:
+    """The optimizer alone: inputs params, gradients (``grads``), state, lr, step; outputs the
+    updated params and state. ``grad_desc`` describes the parameters (from
+    :func:`build_gradient_model` or :func:`build_accumulate_model`)."""
+    optimizer = optimizer or AdamW()
+    vals = grad_desc.initial_params
+    graph = helper.make_graph([], "apply", [], [])
+    gm = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    dts = {}
+    for p in grad_desc.params:
+        dts[p] = helper.np_dtype_to_tensor_dtype(vals[p].dtype)
+        gm.graph.input.append(helper.make_tensor_value_info(p, dts[p], list(vals[p].shape)))
+    taken = {p for p in grad_desc.params}
+    grads = []
+    for p in grad_desc.params:
+        name = f"{p}.grad"
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        gm.graph.input.append(helper.make_tensor_value_info(name, dts[p], list(vals[p].shape)))
+        grads.append(name)
+    desc = TrainStep(model=gm, loss="", data_inputs=[], params=list(grad_desc.params),
+                     param_outputs=[], grads=grads, initial_params=vals,
+                     frozen=grad_desc.frozen, unconnected=grad_desc.unconnected)
+    _add_optimizer(gm, desc, grads, optimizer, clip_norm, taken)
+    _reorder_inputs(gm, desc.params + grads + desc.state + [desc.lr, desc.step])
+    onnx.checker.check_model(gm)
+    return desc
+
+
+def export_train_step(model, loss: str, path, **kw) -> TrainStep:
+    """Build the train step of ``model`` and write it to ``path`` (see TrainStep.save)."""
+    step = build_train_step(model, loss, **kw)
+    step.save(os.fspath(path))
+    return step

@@ -1,0 +1,523 @@
+"""The Trainer: runs a train-step graph on onnxruntime with the weights kept on the device.
+
+    trainer = Trainer(model, "cross_entropy", optimizer=AdamW(lr=1e-3))
+    trainer.fit({"x": X, "target": y}, epochs=5, batch_size=64, checkpoint="ckpt.npz")
+    trainer.export("trained.onnx")
+
+How a step runs: the parameters and the optimizer state are OrtValues on the session's device
+(CUDA when a CUDA session can be created, else CPU), in two sets. Two IOBindings are built once:
+one reads set A and writes the updated values into set B, the other the reverse; each step binds
+only the batch, the learning rate and the step number, runs, reads the scalar loss (the only host
+copy) and flips to the other binding. Nothing is copied on the Python side per step.
+
+Gradient accumulation (``accumulation_steps=k``): the batch is split into k micro-batches; an
+accumulating gradient graph adds w_i * grad_i into running sums on the device (w_i = n_i / N, so
+for a loss that is a mean over rows the sums are exactly the big batch's gradient, up to float
+rounding), then the optimizer graph applies them once. The reported loss is sum(w_i * loss_i).
+
+A non-finite loss raises :class:`NonFiniteLossError` naming the step; the step's updates are not
+applied. Checkpoints (npz: parameters, optimizer state, step, epoch position, the shuffling RNG's
+state, the loss history) are written atomically, and a resumed ``fit`` reproduces the
+uninterrupted run bit for bit on CPU.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .. import runtime
+from .losses import LOSSES, attach_loss, load
+from .optimizers import AdamW, Optimizer
+from .step import (_params_to_inputs, _prune, build_accumulate_model,
+                   build_apply_model, build_gradient_model, build_train_step, with_defaults)
+
+CHECKPOINT_FORMAT = "onnxgrad-checkpoint-1"
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss was NaN or infinite; ``step`` is the number of the step (1 first)."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(f"the loss is {loss} at step {step}: training stopped (the updates of "
+                         f"step {step} were not applied; lower the learning rate, clip the "
+                         "gradients or check the data)")
+        self.step, self.loss = step, loss
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover  (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def session_options(threads: int | None = None, profile: str | None = None):
+    """Tuned for training: all graph optimisations, one intra-op thread per core, quiet logs."""
+    ort = runtime.ort_module()
+    so = runtime.session_options(threads or cores())
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.inter_op_num_threads = 1
+    if profile:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile
+    return so
+
+
+def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int | None = None,
+                 profile: str | None = None, options=None):
+    return runtime.session(model, device, options=options or session_options(threads, profile))
+
+
+def _tqdm():
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm
+
+
+class Trainer:
+    """Train an ONNX model on onnxruntime.
+
+    model: the ONNX model (ModelProto or path); what :meth:`export` writes back with the trained
+        weights.
+    loss: a loss kind ("mse", "l1", "cross_entropy", "bce"; attached to ``output_name``, default
+        the first output, with a new input ``target_name``; ``loss_options`` go to
+        :func:`~onnxgrad.training.losses.attach_loss`), or the name of a scalar tensor the model
+        already computes.
+    optimizer: an :class:`~onnxgrad.training.optimizers.Optimizer` (default AdamW()).
+    params / frozen / clip_norm: as :func:`~onnxgrad.training.step.build_train_step`.
+    lr_schedule: None (the optimizer's lr) or ``f(step) -> lr``, step counted from 1.
+    accumulation_steps: split each batch into this many micro-batches (see the module doc).
+    device: "auto" (CUDA when a CUDA session can be created), "cpu" or "cuda".
+    threads: intra-op threads (default: the cores this process may use).
+    seed: seeds the RNG that shuffles batches in :meth:`fit`.
+    progress: show a tqdm bar in :meth:`fit` when tqdm is installed.
+    profile: a file prefix: turn on onnxruntime profiling of the step session.
+    session_options: an onnxruntime.SessionOptions for the training sessions instead of the
+        tuned default (:func:`session_options`: ORT_ENABLE_ALL, one thread per core).
+    """
+
+    def __init__(self, model, loss: str, *, output_name: str | None = None,
+                 target_name: str = "target", loss_options: dict | None = None,
+                 optimizer: Optimizer | None = None, params=None, frozen=None,
+                 clip_norm: float | None = None, lr_schedule=None, accumulation_steps: int = 1,
+                 device: str = "auto", threads: int | None = None, seed: int = 0,
+                 progress: bool = True, profile: str | None = None, session_options=None):
+        self.model = load(model)
+        self._so = session_options
+        if loss in LOSSES:
+            self.loss_model = attach_loss(self.model, loss, output_name, target_name=target_name,
+                                          **(loss_options or {}))
+            self.loss_name = self.loss_model.graph.output[-1].name
+            self.loss_kind = loss
+        else:
+            if loss_options or output_name:
+                raise ValueError(f"loss={loss!r} names a tensor of the model: output_name and "
+                                 "loss_options apply to loss kinds only "
+                                 f"({', '.join(LOSSES)})")
+            self.loss_model, self.loss_name, self.loss_kind = self.model, loss, None
+        self.output_name = output_name or self.model.graph.output[0].name
+        self.target_name = (self.loss_model.graph.input[-1].name if self.loss_kind else None)
+        self.optimizer = optimizer or AdamW()
+        self.clip_norm = clip_norm
+        self.lr_schedule = lr_schedule
+        if int(accumulation_steps) < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps!r} must be at least 1")
+        self.accumulation_steps = int(accumulation_steps)
+        self.device = "cuda" if runtime.providers(device)[0].startswith("CUDA") else "cpu"
+        self.threads = threads or cores()
+        self.progress = progress
+        self.profile = profile
+        self.rng = np.random.default_rng(seed)
+        self.step_count = 0
+        self.history: list[float] = []
+        self._pos = (0, 0, None)  # fit position: epoch, next batch, that epoch's order
+        self._ort = runtime.ort_module()
+        self._params_spec = params
+        self._frozen = frozen
+        self._infer = self._eval = None
+
+        if self.accumulation_steps == 1:
+            self.train_step = build_train_step(self.loss_model, self.loss_name, params,
+                                               self.optimizer, frozen, clip_norm)
+            desc = self.train_step
+            self._sess = make_session(desc.model, self.device, self.threads, profile, self._so)
+        else:
+            self.train_step = None  # built on demand by export()
+            self._acc = build_accumulate_model(self.loss_model, self.loss_name, params, frozen)
+            self._apply = build_apply_model(self._acc, self.optimizer, clip_norm)
+            desc = self._apply
+            self._acc_sess = make_session(self._acc.model, self.device, self.threads, profile,
+                                          self._so)
+            self._sess = make_session(self._apply.model, self.device, self.threads, None, self._so)
+        self.params = list(desc.params)
+        self.state_names = list(desc.state)
+        self._desc = desc
+        self._input_dtypes, self._input_shapes = {}, {}
+        for s in ([self._sess] if self.accumulation_steps == 1 else [self._acc_sess]):
+            for i in s.get_inputs():
+                self._input_dtypes[i.name] = _np_dtype(i.type)
+                self._input_shapes[i.name] = i.shape
+        self.data_inputs = list((self.train_step or self._acc).data_inputs)
+
+        # device buffers: two sets of params + state; scalars and the loss on the host
+        init = dict(desc.initial_params)
+        init.update(desc.initial_state(init))
+        names = self.params + self.state_names
+        self._sets = [[self._new(init[n]) for n in names] for _ in range(2)]
+        self._cur = 0
+        self._lr = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float64))
+        self._stepv = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.int64))
+        loss_sess = self._sess if self.accumulation_steps == 1 else self._acc_sess
+        loss_type = next(o.type for o in loss_sess.get_outputs() if o.name == self.loss_name)
+        self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), _np_dtype(loss_type)))
+        if self.accumulation_steps == 1:
+            self._bindings = [self._bind_step(k) for k in (0, 1)]
+        else:
+            self._setup_accumulation(init)
+        # the values live in the device buffers now: drop the host copies the builders made
+        del init
+        for d in {id(x): x for x in (desc, self.train_step, getattr(self, "_acc", None))
+                  if x is not None}.values():
+            d.initial_params = {}
+
+    # -- buffers ---------------------------------------------------------------------------
+    def _new(self, arr: np.ndarray):
+        ov = self._ort.OrtValue.ortvalue_from_shape_and_type(list(arr.shape), arr.dtype,
+                                                             self.device, 0)
+        ov.update_inplace(np.ascontiguousarray(arr))
+        return ov
+
+    def _bind_step(self, k: int):
+        """The binding that reads set k and writes set 1 - k."""
+        d, b = self._desc, self._sess.io_binding()
+        src, dst = self._sets[k], self._sets[1 - k]
+        ins = d.params + d.state
+        outs = d.param_outputs + d.state_outputs
+        for name, ov in zip(ins, src):
+            b.bind_ortvalue_input(name, ov)
+        for name, ov in zip(outs, dst):
+            b.bind_ortvalue_output(name, ov)
+        b.bind_ortvalue_input(d.lr, self._lr)
+        b.bind_ortvalue_input(d.step, self._stepv)
+        if self.accumulation_steps == 1:
+            b.bind_ortvalue_output(d.loss, self._loss)
+        return b
+
+    def _setup_accumulation(self, init):
+        a = self._acc
+        pv = [init[p] for p in self.params]
+        self._zeros = [self._new(np.zeros_like(v)) for v in pv]
+        self._sums = [[self._new(np.zeros_like(v)) for v in pv] for _ in range(2)]
+        self._wdtype = pv[0].dtype
+        self._weight = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), self._wdtype))
+        # acc bindings: reading (zeros | sums k) and writing sums 1-k, for params set c
+        self._acc_bind = self._acc_sess.io_binding()
+        b = self._acc_bind
+        b.bind_ortvalue_input(a.grad_weight, self._weight)
+        b.bind_ortvalue_output(a.loss, self._loss)
+        self._bindings = [self._bind_step(k) for k in (0, 1)]
+
+    # -- stepping --------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        return float(self.lr_schedule(step) if self.lr_schedule else self.optimizer.lr)
+
+    def _feed(self, binding, batch: dict):
+        for name in self.data_inputs:
+            if name not in batch:
+                raise KeyError(f"the batch has no {name!r} (the step reads {self.data_inputs})")
+            binding.bind_cpu_input(name, np.ascontiguousarray(batch[name],
+                                                              self._input_dtypes[name]))
+
+    def _run(self, sess, binding):
+        sess.run_with_iobinding(binding)
+        if self.device == "cuda":
+            binding.synchronize_outputs()
+
+    def step(self, batch: dict) -> float:
+        """One optimizer step on ``batch`` ({input name: array}); returns the loss."""
+        n = self.step_count + 1
+        self._lr.update_inplace(np.array(self.lr_at(n), np.float64))
+        self._stepv.update_inplace(np.array(n, np.int64))
+        if self.accumulation_steps == 1:
+            b = self._bindings[self._cur]
+            self._feed(b, batch)
+            self._run(self._sess, b)
+            loss = float(self._loss.numpy())
+        else:
+            loss = self._accumulate(batch)
+            if math.isfinite(loss):
+                self._run(self._sess, self._bindings[self._cur])
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(n, loss)
+        self._cur = 1 - self._cur
+        self.step_count = n
+        self.history.append(loss)
+        return loss
+
+    def _accumulate(self, batch: dict) -> float:
+        a, b = self._acc, self._acc_bind
+        rows = len(next(iter(batch[k] for k in self.data_inputs)))
+        parts = [p for p in np.array_split(np.arange(rows), self.accumulation_steps) if len(p)]
+        params = self._sets[self._cur][:len(self.params)]
+        for name, ov in zip(a.params, params):
+            b.bind_ortvalue_input(name, ov)
+        total, src = 0.0, self._zeros
+        for i, idx in enumerate(parts):
+            w = len(idx) / rows
+            self._weight.update_inplace(np.array(w, self._wdtype))
+            dst = self._sums[i % 2]
+            for name, ov in zip(a.grads, src):
+                b.bind_ortvalue_input(name, ov)
+            for name, ov in zip(a.param_outputs, dst):
+                b.bind_ortvalue_output(name, ov)
+            sl = slice(idx[0], idx[-1] + 1)
+            self._feed(b, {k: batch[k][sl] for k in self.data_inputs})
+            self._run(self._acc_sess, b)
+            total += w * float(self._loss.numpy())
+            src = dst
+        ab = self._bindings[self._cur]
+        for name, ov in zip(self._apply.grads, src):
+            ab.bind_ortvalue_input(name, ov)
+        return total
+
+    # -- the loop --------------------------------------------------------------------------
+    def fit(self, data: dict, epochs: int = 1, batch_size: int = 32, shuffle: bool = True, *,
+            checkpoint: str | None = None, checkpoint_every: int | None = None,
+            resume: str | None = None, callback=None, max_steps: int | None = None) -> list[float]:
+        """Train for ``epochs`` over ``data`` ({input name: array}, rows on axis 0) in batches
+        of ``batch_size`` (the last may be smaller), shuffled by the trainer's RNG.
+
+        checkpoint: a path written (atomically) at the end of each epoch, and every
+        ``checkpoint_every`` steps when given. resume: a checkpoint to continue from (the same
+        data, epochs and batch size reproduce the uninterrupted run). callback(trainer, loss)
+        runs after every step. Returns the losses of the steps this call took."""
+        arrays = {k: np.ascontiguousarray(data[k], self._input_dtypes.get(k))
+                  for k in self.data_inputs if k in data}
+        missing = [k for k in self.data_inputs if k not in data]
+        if missing:
+            raise KeyError(f"data has no {missing} (the step reads {self.data_inputs})")
+        sizes = {len(v) for v in arrays.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"data arrays have different numbers of rows: "
+                             f"{ {k: len(v) for k, v in arrays.items()} }")
+        rows = sizes.pop()
+        for k, v in arrays.items():
+            want = self._input_shapes.get(k)
+            if want is not None and (len(want) != v.ndim or any(
+                    isinstance(w, int) and w != d for w, d in zip(want[1:], v.shape[1:]))):
+                shown = [w if isinstance(w, int) else "N" if i == 0 else "?"
+                         for i, w in enumerate(want)]
+                raise ValueError(f"data {k!r} has shape {list(v.shape)}, but the step reads "
+                                 f"{k!r} shaped {shown}" + (
+                                     f" (the {self.loss_kind} loss wants targets shaped like "
+                                     f"output {self.output_name!r})"
+                                     if k == self.target_name else ""))
+        if batch_size < 1 or rows == 0:
+            raise ValueError("need batch_size >= 1 and at least one row of data")
+        if resume:
+            self.load_checkpoint(resume)
+        epoch0, batch0, order = self._pos
+        per_epoch = -(-rows // batch_size)
+        todo = max(0, (epochs - epoch0) * per_epoch - batch0)
+        if max_steps is not None:
+            todo = min(todo, max_steps)
+        tqdm = _tqdm() if self.progress else None
+        bar = tqdm(total=todo, unit="step", dynamic_ncols=True) if tqdm and todo else None
+        losses = []
+        try:
+            for epoch in range(epoch0, epochs):
+                if order is None:
+                    order = self.rng.permutation(rows) if shuffle else np.arange(rows)
+                for bi in range(batch0, per_epoch):
+                    if len(losses) == todo:
+                        return losses
+                    idx = order[bi * batch_size:(bi + 1) * batch_size]
+                    loss = self.step({k: v[idx] for k, v in arrays.items()})
+                    losses.append(loss)
+                    self._pos = (epoch, bi + 1, order)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(f"loss {loss:.4g} epoch {epoch + 1}", refresh=False)
+                    if checkpoint and checkpoint_every and self.step_count % checkpoint_every == 0:
+                        self.save_checkpoint(checkpoint)
+                    if callback is not None:
+                        callback(self, loss)
+                self._pos = (epoch + 1, 0, None)
+                batch0, order = 0, None
+                if checkpoint:
+                    self.save_checkpoint(checkpoint)
+        finally:
+            if bar is not None:
+                bar.close()
+        return losses
+
+    # -- reading the model -----------------------------------------------------------------
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The current parameters, copied to the host."""
+        return {n: ov.numpy() for n, ov in zip(self.params, self._sets[self._cur])}
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        k = len(self.params)
+        return {n: ov.numpy() for n, ov in zip(self.state_names, self._sets[self._cur][k:])}
+
+    def _params_session(self, model):
+        m = load(model)
+        _params_to_inputs(m, self.params)
+        return make_session(m, self.device, self.threads)
+
+    def _run_with_params(self, sess, feeds: dict, outputs: list[str]):
+        b = sess.io_binding()
+        for n, ov in zip(self.params, self._sets[self._cur]):
+            b.bind_ortvalue_input(n, ov)
+        types = {i.name: _np_dtype(i.type) for i in sess.get_inputs()}
+        for n in types:
+            if n in self.params:
+                continue
+            if n not in feeds:
+                raise KeyError(f"no value for input {n!r}")
+            b.bind_cpu_input(n, np.ascontiguousarray(feeds[n], types[n]))
+        for o in outputs:
+            b.bind_output(o, "cpu")
+        sess.run_with_iobinding(b)
+        return b.copy_outputs_to_cpu()
+
+    def predict(self, feeds: dict, outputs: list[str] | None = None,
+                batch_size: int | None = None) -> list[np.ndarray]:
+        """Run the model (without the loss) with the current parameters."""
+        if self._infer is None:
+            self._infer = self._params_session(self.model)
+        outputs = outputs or [o.name for o in self.model.graph.output]
+        if batch_size is None:
+            return self._run_with_params(self._infer, feeds, outputs)
+        rows = len(next(iter(feeds.values())))
+        parts = [self._run_with_params(self._infer, {k: v[i:i + batch_size]
+                                                     for k, v in feeds.items()}, outputs)
+                 for i in range(0, rows, batch_size)]
+        return [np.concatenate([p[j] for p in parts]) for j in range(len(outputs))]
+
+    def evaluate(self, data: dict, batch_size: int = 1024) -> float:
+        """The loss on ``data`` with the current parameters (row-weighted mean over batches)."""
+        if self._eval is None:
+            m = load(self.loss_model)
+            _prune(m, [self.loss_name], [])
+            self._eval = self._params_session(m)
+        rows = len(next(iter(data.values())))
+        total = 0.0
+        for i in range(0, rows, batch_size):
+            part = {k: v[i:i + batch_size] for k, v in data.items()}
+            n = len(next(iter(part.values())))
+            total += n * float(self._run_with_params(self._eval, part, [self.loss_name])[0])
+        return total / rows
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, path) -> None:
+        """Write parameters, optimizer state, step, fit position, RNG state and loss history to
+        ``path`` (npz) atomically: a temporary file in the same folder, then a rename."""
+        path = os.fspath(path)
+        epoch, batch, order = self._pos
+        k = len(self.params)
+        cur = self._sets[self._cur]
+        arrays = {
+            "format": np.array(CHECKPOINT_FORMAT),
+            "param_names": np.array(self.params, dtype=str),
+            "state_names": np.array(self.state_names, dtype=str),
+            "step": np.array(self.step_count, np.int64),
+            "epoch": np.array(epoch, np.int64),
+            "batch": np.array(batch, np.int64),
+            "order": np.asarray(order if order is not None else [], np.int64),
+            "has_order": np.array(order is not None),
+            "rng": np.array(json.dumps(self.rng.bit_generator.state)),
+            "optimizer": np.array(json.dumps({"type": type(self.optimizer).__name__,
+                                              **self.optimizer.config()}, default=str)),
+            "history": np.asarray(self.history, np.float64),
+        }
+        for i, ov in enumerate(cur[:k]):
+            arrays[f"param_{i}"] = ov.numpy()
+        for j, ov in enumerate(cur[k:]):
+            arrays[f"state_{j}"] = ov.numpy()
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".onnxgrad-ckpt-", suffix=".npz")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def load_checkpoint(self, path) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (the same model, params and optimizer)."""
+        with np.load(os.fspath(path), allow_pickle=False) as z:
+            if "format" not in z or str(z["format"]) != CHECKPOINT_FORMAT:
+                raise ValueError(f"{path}: not an onnxgrad checkpoint")
+            pn, sn = list(z["param_names"]), list(z["state_names"])
+            if pn != self.params or sn != self.state_names:
+                raise ValueError(f"{path}: the checkpoint's parameters/state ({pn}, {sn}) do not "
+                                 f"match this trainer's ({self.params}, {self.state_names})")
+            cur = self._sets[self._cur]
+            for i, ov in enumerate(cur[:len(pn)]):
+                ov.update_inplace(np.ascontiguousarray(z[f"param_{i}"]))
+            for j, ov in enumerate(cur[len(pn):]):
+                ov.update_inplace(np.ascontiguousarray(z[f"state_{j}"]))
+            self.step_count = int(z["step"])
+            self.rng.bit_generator.state = json.loads(str(z["rng"]))
+            self.history = [float(x) for x in z["history"]]
+            order = np.array(z["order"]) if bool(z["has_order"]) else None
+            self._pos = (int(z["epoch"]), int(z["batch"]), order)
+
+    # -- export ----------------------------------------------------------------------------
+    def trained_model(self) -> onnx.ModelProto:
+        """The original model with the trained parameters as its initializers."""
+        m = load(self.model)
+        values = self.parameters()
+        for t in m.graph.initializer:
+            if t.name in values:
+                t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
+        return m
+
+    def export(self, path, train_step=None, gradient=None) -> None:
+        """Write the trained inference model to ``path`` (IR pinned for onnxruntime, external
+        data past 2 GB). ``train_step`` / ``gradient``: also write the train-step graph and the
+        gradient graph there, with the current parameters (and optimizer state) as the defaults
+        of their inputs, so each is one self-contained .onnx file."""
+        runtime.save_model(self.trained_model(), path)
+        values = self.parameters()
+        if train_step:
+            step = self.train_step or build_train_step(
+                self.loss_model, self.loss_name, self._params_spec, self.optimizer,
+                self._frozen, self.clip_norm)
+            state = self.optimizer_state()  # the apply graph's state has the same names
+            runtime.save_model(with_defaults(step.model, {**values, **state}), train_step)
+        if gradient:
+            g = build_gradient_model(self.loss_model, self.loss_name, self._params_spec,
+                                     self._frozen)
+            runtime.save_model(with_defaults(g.model, values), gradient)
+
+    def end_profiling(self) -> str | None:
+        """Stop onnxruntime profiling (``profile=``) and return the trace file."""
+        if not self.profile:
+            return None
+        return self._sess.end_profiling() if self.accumulation_steps == 1 else \
+            self._acc_sess.end_profiling()
+
+
+def _np_dtype(ort_type: str):
+    table = {"tensor(float)": np.float32, "tensor(double)": np.float64,
+             "tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+             "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_,
+             "tensor(int16)": np.int16}
+    return table.get(ort_type)
+
