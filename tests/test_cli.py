@@ -298,4 +298,4 @@ def test_all_commands_are_wired_in(capsys):
     rc, stdout, _ = cli(capsys, "--help")
     assert rc == 0
     for command in ("grad", "check", "ops", "lower", "train", "export-train-step"):
-        assert f"    {command} " in stdout, command
+        assert f"\n    {command}" in stdout, command
