@@ -17,6 +17,7 @@ import os
 
 import numpy as np
 
+from ..runtime import atomic_path
 from .losses import LOSSES
 from .optimizers import OPTIMIZERS
 
@@ -199,10 +200,9 @@ def plot_losses(losses, path, per_epoch=None) -> str:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp)
+    with atomic_path(path, ".png") as tmp:
+        fig.savefig(tmp)
     plt.close(fig)
-    os.replace(tmp, path)
     return f"wrote the loss curve to {path}"
 
 

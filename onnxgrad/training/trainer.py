@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 
 import numpy as np
 import onnx
@@ -444,19 +443,10 @@ class Trainer:
             arrays[f"param_{i}"] = ov.numpy()
         for j, ov in enumerate(cur[k:]):
             arrays[f"state_{j}"] = ov.numpy()
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".onnxgrad-ckpt-", suffix=".npz")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with runtime.atomic_path(path, ".npz") as tmp, open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
 
     def load_checkpoint(self, path) -> None:
         """Restore what :meth:`save_checkpoint` wrote (the same model, params and optimizer)."""
