@@ -21,9 +21,8 @@ from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import NotDifferentiableError
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
-                       subgraphs)
+                       subgraphs, MIN_OPSET)
 
-MIN_OPSET = 13  # the emitter writes axes as inputs (ReduceSum, Squeeze, Unsqueeze)
 
 
 class UnconnectedGradients(str, enum.Enum):

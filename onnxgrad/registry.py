@@ -91,11 +91,17 @@ def lookup(domain: str, op_type: str, opset: int) -> Rule | None:
     return None
 
 
+# gradient graphs are written at ai.onnx opset 13 or newer; older models are upgraded first
+MIN_OPSET = 13
+
+
 def supported_ops() -> list[tuple[str, str, int, int | None]]:
-    """(domain, op_type, since, until) rows, sorted; until is None when open-ended."""
-    rows = [(d, op, s, None if u == _MAX else u)
-            for (d, op), entries in _RULES.items() for s, u, _ in entries]
-    return sorted(rows)
+    """(domain, op_type, since, until) rows, sorted; until is None when open-ended. For ai.onnx,
+    since is at least MIN_OPSET: a model with an older opset is upgraded before any rule runs."""
+    rows = [(d, op, max(s, MIN_OPSET) if d == "" else s, None if u == _MAX else u)
+            for (d, op), entries in _RULES.items() for s, u, _ in entries
+            if d != "" or u >= MIN_OPSET]
+    return sorted(rows, key=lambda r: (r[0], r[1], r[2], _MAX if r[3] is None else r[3]))
 
 
 class Grads:

@@ -191,7 +191,7 @@ def test_ops_plain_and_markdown(capsys):
     lines = stdout.splitlines()
     assert lines[0] == "| domain | op | since | until |"
     assert lines[1].startswith("|---")
-    assert "| ai.onnx | Relu | 1 | - |" in lines
+    assert "| ai.onnx | Relu | 13 | - |" in lines
     assert len(lines) == 2 + len(registry.supported_ops())
 
 
