@@ -239,6 +239,7 @@ def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         raise ValueError("the model imports no ai.onnx opset")
     upgraded = opset < MIN_OPSET
     if upgraded:  # gradient graphs need opset 13; upgrade rather than write two forms
+        upsample = {n.output[0]: n for n in model.graph.node if n.op_type == "Upsample"}
         model, opset = onnx.version_converter.convert_version(model, MIN_OPSET), MIN_OPSET
     try:  # returns a copy, so the caller's model is never touched
         model = onnx.shape_inference.infer_shapes(model)
@@ -246,7 +247,22 @@ def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         model = onnx.ModelProto.FromString(model.SerializeToString())
     if upgraded:
         _fix_clip_bounds(model.graph)
+        _fix_upsample(model.graph, upsample)
     return model, opset
+
+
+def _fix_upsample(graph: onnx.GraphProto, upsample: dict):
+    """onnx's Upsample -> Resize adapter keeps Resize's default half_pixel coordinates, but
+    Upsample maps output i to input i / scale: asymmetric coordinates (and floor for nearest)."""
+    for n in graph.node:
+        if n.op_type == "Resize" and n.output[0] in upsample:
+            keep = [a for a in n.attribute
+                    if a.name not in ("coordinate_transformation_mode", "nearest_mode")]
+            del n.attribute[:]
+            n.attribute.extend(keep)
+            n.attribute.append(onnx.helper.make_attribute("coordinate_transformation_mode",
+                                                          "asymmetric"))
+            n.attribute.append(onnx.helper.make_attribute("nearest_mode", "floor"))
 
 
 def _fix_clip_bounds(graph: onnx.GraphProto):

@@ -27,9 +27,12 @@ Gradients of values that are not tensors (sequences) are added with the function
 from __future__ import annotations
 
 import bisect
+import functools
 from typing import Callable
 
 import numpy as np
+import onnx
+import onnx.defs
 import onnx_ir as ir
 
 from .emitter import Emitter, V
@@ -84,10 +87,30 @@ def attach_functions(model):
     return model
 
 
+_FALLBACK: list[Rule] = []  # the rule for ai.onnx ops with a function body and no rule of their own
+
+
+def fallback(rule: Rule) -> Rule:
+    """Register the rule used for an ai.onnx op that has an ONNX function body but no rule."""
+    _FALLBACK[:] = [rule]
+    return rule
+
+
+@functools.lru_cache(maxsize=None)
+def _has_function(op_type: str, opset: int) -> bool:
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    return schema.has_function or schema.has_context_dependent_function
+
+
 def lookup(domain: str, op_type: str, opset: int) -> Rule | None:
     for since, until, fn in reversed(_RULES.get((domain, op_type), ())):
         if since <= opset <= until:
             return fn
+    if domain == "" and _FALLBACK and _has_function(op_type, opset):
+        return _FALLBACK[0]
     return None
 
 
@@ -101,6 +124,12 @@ def supported_ops() -> list[tuple[str, str, int, int | None]]:
     rows = [(d, op, max(s, MIN_OPSET) if d == "" else s, None if u == _MAX else u)
             for (d, op), entries in _RULES.items() for s, u, _ in entries
             if d != "" or u >= MIN_OPSET]
+    if _FALLBACK:  # ops covered only through their function body
+        newest = onnx.defs.onnx_opset_version()
+        rows += [("", schema.name, max(schema.since_version, MIN_OPSET), None)
+                 for schema in onnx.defs.get_all_schemas()
+                 if schema.domain == "" and ("", schema.name) not in _RULES
+                 and not schema.deprecated and _has_function(schema.name, newest)]
     return sorted(rows, key=lambda r: (r[0], r[1], r[2], _MAX if r[3] is None else r[3]))
 
 

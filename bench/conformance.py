@@ -1,0 +1,207 @@
+"""Conformance sweep: onnxgrad's gradients on the ONNX backend node test cases.
+
+For every case of an ai.onnx op with float tensor inputs and outputs (inputs < 10k elements, ops
+that are differentiable by nature), every float output is differentiated with respect to every
+float input and compared with central finite differences (onnxgrad.check.check_gradients, float64
+where the runtime allows). Prints pass / unsupported (NotDifferentiableError) / fail per op.
+
+    python bench/conformance.py [--per-op N] [--op Resize ...] [--pass-list] [-v]
+
+--pass-list prints the names of the passing cases (tests/test_conformance.py pins that list).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import signal
+import sys
+import time
+from collections import Counter, defaultdict
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+FLOAT = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16}
+MAX_ELEMENTS = 10_000
+PER_OP = 6  # cases per op (the first ones, in name order)
+
+# not differentiable by nature: comparisons and logic, integer and bit ops, random ops, shape-only
+# or index-valued ops, quantization, string ops
+EXCLUDED = frozenset("""
+Equal Less Greater LessOrEqual GreaterOrEqual Not And Or Xor IsNaN IsInf
+BitShift BitwiseAnd BitwiseOr BitwiseXor BitwiseNot BitCast
+RandomNormal RandomNormalLike RandomUniform RandomUniformLike Bernoulli Multinomial
+Shape Size ConstantOfShape EyeLike Range Constant NonZero ArgMax ArgMin Unique
+QuantizeLinear DequantizeLinear DynamicQuantizeLinear QLinearConv QLinearMatMul MatMulInteger
+ConvInteger StringNormalizer StringConcat StringSplit RegexFullMatch TfIdfVectorizer
+NonMaxSuppression Optional OptionalGetElement OptionalHasElement
+""".split())
+
+
+@functools.lru_cache(maxsize=1)
+def all_cases() -> dict:
+    """name -> TestCase of the node tests (built once per process: ~25 s)."""
+    from onnx.backend.test.case.node import collect_testcases
+    return {c.name: c for c in collect_testcases()}
+
+
+def _elem(vi):
+    t = vi.type
+    return t.tensor_type.elem_type if t.WhichOneof("value") == "tensor_type" else None
+
+
+def _non_differentiable(node, opset):
+    """Input positions the op's schema marks NonDifferentiable (shapes, scales, indices ...)."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    except onnx.defs.SchemaError:
+        return set()
+    formal = list(schema.inputs)
+    out = set()
+    for i in range(1, len(node.input)):  # input 0 is the data (AffineGrid's theta is mislabeled)
+        p = formal[min(i, len(formal) - 1)] if formal else None
+        if p is not None and p.differentiation_category == \
+                onnx.defs.OpSchema.DifferentiationCategory.NonDifferentiable:
+            out.add(i)
+    return out
+
+
+def _freeze(model, names, feeds):
+    """A copy of model with the inputs ``names`` turned into initializers of their case values."""
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    keep = [vi for vi in m.graph.input if vi.name not in names]
+    del m.graph.input[:]
+    m.graph.input.extend(keep)
+    m.graph.initializer.extend(onnx.numpy_helper.from_array(feeds[n], n) for n in names)
+    return m
+
+
+def build(case):
+    """(op, model, xs, ys, feeds) ready for the check: the inputs the op's schema calls
+    NonDifferentiable are frozen into initializers (rules may then read them as constants)."""
+    op, xs, ys, feeds = describe(case)
+    node = case.model.graph.node[0]
+    opset = next(o.version for o in case.model.opset_import if o.domain in ("", "ai.onnx"))
+    frozen = {node.input[i] for i in _non_differentiable(node, opset) if node.input[i]}
+    frozen &= set(feeds)
+    model = _freeze(case.model, frozen, feeds) if frozen else case.model
+    xs = [x for x in xs if x not in frozen]
+    return op, model, xs, ys, {k: v for k, v in feeds.items() if k not in frozen}
+
+
+def describe(case):
+    """(op, xs, ys, feeds) for an eligible case, else None."""
+    g = case.model.graph
+    if case.name.endswith(("_expanded", "_expanded_ver18")) or len(g.node) != 1:
+        return None
+    node = g.node[0]
+    if node.domain not in ("", "ai.onnx") or node.op_type in EXCLUDED:
+        return None
+    if not case.data_sets:
+        return None
+    inputs, _ = case.data_sets[0]
+    if len(inputs) != len(g.input):
+        return None
+    feeds = {}
+    for vi, val in zip(g.input, inputs):
+        if not isinstance(val, np.ndarray) or val.size >= MAX_ELEMENTS:
+            return None
+        feeds[vi.name] = val
+    xs = [vi.name for vi in g.input if _elem(vi) in FLOAT]
+    ys = [vi.name for vi in g.output if _elem(vi) in FLOAT]
+    if not xs or not ys or any(_elem(vi) is None for vi in g.output):
+        return None
+    return node.op_type, xs, ys, feeds
+
+
+@functools.lru_cache(maxsize=1)
+def eligible(per_op: int = PER_OP) -> dict:
+    """op -> [case names] (at most per_op each, in name order)."""
+    out = defaultdict(list)
+    for name in sorted(all_cases()):
+        d = describe(all_cases()[name])
+        if d is not None and len(out[d[0]]) < per_op:
+            out[d[0]].append(name)
+    return dict(out)
+
+
+class _Timeout(Exception):
+    pass
+
+
+def check_case(name: str, timeout: int = 60):
+    """('pass' | 'unsupported' | 'fail', detail) for one case."""
+    import onnxgrad
+    from onnxgrad.check import check_gradients
+    case = all_cases()[name]
+    op, model, xs, ys, feeds = build(case)
+    if not xs:
+        return "unsupported", "no differentiable float input"
+
+    def alarm(*_):
+        raise _Timeout()
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(timeout)
+    try:
+        report = check_gradients(model, ys, xs, feeds, max_elements=16, directions=2,
+                                 unconnected_gradients="zero")
+    except onnxgrad.NotDifferentiableError as e:
+        return "unsupported", f"no rule: {e.op_type}"
+    except _Timeout:
+        return "fail", f"timeout {timeout}s"
+    except Exception as e:  # noqa: BLE001  (a sweep reports, it does not stop)
+        return "fail", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    if report.ok:
+        return "pass", ""
+    bad = [r for r in report.results if not r.ok]
+    return "fail", "; ".join(f"{r.name}: rel err {r.max_rel_err:.2g}" for r in bad)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--per-op", type=int, default=PER_OP)
+    ap.add_argument("--op", nargs="*", help="only these ops")
+    ap.add_argument("--pass-list", action="store_true", help="print the passing case names")
+    ap.add_argument("-v", "--verbose", action="store_true", help="one line per failing case")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    ops = eligible(args.per_op)
+    if args.op:
+        ops = {k: v for k, v in ops.items() if k in args.op}
+    table, passing, notes = {}, [], []
+    for op in sorted(ops):
+        counts = Counter()
+        for name in ops[op]:
+            status, detail = check_case(name)
+            counts[status] += 1
+            if status == "pass":
+                passing.append(name)
+            elif args.verbose or status == "fail":
+                notes.append(f"  {status:11s} {name}: {detail}")
+        table[op] = counts
+    print(f"{'op':28s} {'pass':>5s} {'unsup':>5s} {'fail':>5s}")
+    total = Counter()
+    for op, c in table.items():
+        total.update(c)
+        print(f"{op:28s} {c['pass']:5d} {c['unsupported']:5d} {c['fail']:5d}")
+    print(f"{'TOTAL (' + str(len(table)) + ' ops)':28s} {total['pass']:5d} "
+          f"{total['unsupported']:5d} {total['fail']:5d}")
+    print(f"ops fully passing: {sum(1 for c in table.values() if c['pass'] and not c['fail'] and not c['unsupported'])}"
+          f"; {time.time() - t0:.0f} s")
+    if notes:
+        print("\nnot passing:")
+        print("\n".join(notes))
+    if args.pass_list:
+        print("\nPASSING = [")
+        print("\n".join(f"    {n!r}," for n in passing))
+        print("]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The fallback rule: any ai.onnx op that has an ONNX function body (Attention, RotaryEmbedding,
+SwiGLU, ... every op the schema defines as a function) and no rule of its own. The body is expanded
+for this node (context-dependent bodies included), its nodes are appended to the graph (they
+recompute the forward), and the engine's sweep differentiates that expansion.
+"""
+from __future__ import annotations
+
+import onnx
+import onnx.defs
+import onnx_ir as ir
+from onnx import helper
+
+from ..errors import NotDifferentiableError
+from ..registry import fallback
+
+def _function_proto(n) -> onnx.FunctionProto | None:
+    node = n.node
+    try:
+        schema = onnx.defs.get_schema(node.op_type, n.opset, node.domain or "")
+    except onnx.defs.SchemaError:
+        return None
+    if schema.has_function:
+        version = max((v for v in schema.function_opset_versions if v <= n.opset), default=None)
+        fp = None if version is None else schema.get_function_with_opset_version(version)
+        if fp:
+            return onnx.FunctionProto.FromString(fp) if isinstance(fp, bytes) else fp
+    if schema.has_context_dependent_function:
+        version = max((v for v in schema.context_dependent_function_opset_versions
+                       if v <= n.opset), default=None)
+        if version is None or any(v is not None and v.type is None for v in node.inputs):
+            return None
+        proto = ir.serde.serialize_node(node).SerializeToString()
+        # the builders check the input types: a dtype outside the op's constraints (float64 in
+        # a gradient check) gets the body built for float32, which is written dtype-generically
+        for as_float in (False, True):
+            types = []
+            for v in node.inputs:
+                t = onnx.TypeProto() if v is None else ir.serde.serialize_value(v).type
+                if as_float and t.tensor_type.elem_type == onnx.TensorProto.DOUBLE:
+                    t.tensor_type.elem_type = onnx.TensorProto.FLOAT
+                types.append(t.SerializeToString())
+            fp = schema.get_context_dependent_function_with_opset_version(version, proto, types)
+            if fp:
+                return onnx.FunctionProto.FromString(fp)
+    return None
+
+
+def _attr_map(n, schema):
+    attrs = dict(n.node.attributes)
+    for name, a in schema.attributes.items():
+        if name not in attrs and a.default_value.type != onnx.AttributeProto.UNDEFINED:
+            attrs[name] = ir.serde.deserialize_attribute(a.default_value)
+    return attrs
+
+
+def _expand(n, fp: onnx.FunctionProto):
+    """Clone the body into the node's graph (named under the rule's prefix, typed by onnx shape
+    inference); returns (nodes, outputs aligned with the node's outputs)."""
+    from onnx_ir import _cloner
+
+    e, node = n.e, n.node
+    schema = onnx.defs.get_schema(node.op_type, n.opset, node.domain or "")
+    # a context-dependent body may name outputs (Attention's present_key ...) it does not make
+    made = {o for c in fp.node for o in c.output} | set(fp.input)
+    names = [o if o in made else None for o in fp.output[:len(node.outputs)]]
+    fp = onnx.FunctionProto.FromString(fp.SerializeToString())
+    del fp.output[:]
+    fp.output.extend(o for o in names if o is not None)
+    func = ir.serde.deserialize_function(fp)
+    value_map = {}
+    for i, formal in enumerate(func.inputs):
+        value_map[formal] = node.inputs[i] if i < len(node.inputs) else None
+
+    def rename(c):
+        c.name = e.unique(f"{e.prefix}/{node.op_type}_body/{c.op_type}")
+        for k, o in enumerate(c.outputs):
+            o.name = c.name if len(c.outputs) == 1 else f"{c.name}:{k}"
+
+    cloner = _cloner.Cloner(attr_map=_attr_map(n, schema), value_map=value_map, metadata_props={},
+                            post_process=rename, resolve_ref_attrs=True)
+    clones = [cloner.clone_node(c) for c in func]
+    it = iter(func.outputs)
+    outs = [None if o is None else value_map.get(next(it)) for o in names]
+    _infer_types(n, clones, fp)
+    return clones, outs
+
+
+def _infer_types(n, clones, fp):
+    """Types and shapes of the cloned values, from onnx shape inference on them alone."""
+    produced = {o for c in clones for o in c.outputs}
+    outer = list(dict.fromkeys(v for c in clones for v in c.inputs
+                               if v is not None and v not in produced))
+    inputs, inits = [], []
+    consts = {v: n.const(i) for i, v in enumerate(n.node.inputs) if v is not None}
+    for v in outer:
+        inputs.append(ir.serde.serialize_value(v))
+        if consts.get(v) is not None:  # lets data propagation see e.g. AffineGrid's size
+            inits.append(onnx.numpy_helper.from_array(consts[v], v.name))
+    nodes = [ir.serde.serialize_node(c) for c in clones]
+    last = [o for o in clones[-1].outputs] if clones else []
+    graph = helper.make_graph(nodes, "body", inputs,
+                              [helper.make_empty_tensor_value_info(o.name) for o in last], inits)
+    opsets = list(fp.opset_import) or [helper.make_opsetid("", n.opset)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 10
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    types = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
+    for c in clones:
+        for o in c.outputs:
+            vi = types.get(o.name)
+            if vi is None or not vi.type.HasField("tensor_type"):
+                continue
+            v = ir.serde.deserialize_value_info_proto(vi, None)
+            o.type, o.shape = v.type, v.shape
+
+
+def _function_rule(n, g):
+    fp = _function_proto(n)
+    if fp is None:
+        raise NotDifferentiableError(n.node.op_type, n.node.domain, n.opset, n.node.name, [])
+    e = n.e
+    clones, outs = _expand(n, fp)
+    for c in clones:
+        e.graph.append(c)
+    e.nodes.extend(clones)
+    seeds = {o: gi for o, gi in zip(outs, n.gs) if o is not None and gi is not None}
+    xs = [v for v in n.node.inputs if v is not None and n.wants(v)]
+    view = ir.GraphView(inputs=[], outputs=[], nodes=clones)
+    got = dict(zip(xs, n.differentiate(view, seeds, xs, e)))
+    return tuple(got.get(v) if v is not None else None for v in n.node.inputs)
+
+
+fallback(_function_rule)
