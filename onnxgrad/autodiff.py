@@ -62,9 +62,9 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     if len(grad_ys) != len(ys):
         raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
 
-    model = _load(model)
+    model, weights = _without_weights(_load(model))
     args = (ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
-            {vi.name for vi in model.graph.value_info})
+            {vi.name for vi in model.graph.value_info}, weights)
     # the sweep allocates millions of small objects and frees none: the cyclic collector would
     # rescan the whole IR again and again (a third of the build time at 10k nodes)
     gc_was_on = gc.isenabled()
@@ -82,7 +82,7 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
 
 
 def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
-               declared):
+               declared, weights):
     irm = ir.serde.deserialize_model(proto)
     graph = irm.graph
     forward = list(graph)
@@ -103,7 +103,11 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     results = engine.sweep(graph, e, seeds, x_vals, stop)
     names = _outputs(e, graph, xs, x_vals, results, unconnected)
     _drop_dead(graph, e.nodes)
-    return GradientsResult(attach_functions(_to_proto(proto, irm, forward, declared)), names)
+    out = _to_proto(proto, irm, forward, declared)
+    for t in out.graph.initializer:
+        if t.name in weights:
+            t.CopyFrom(weights[t.name])
+    return GradientsResult(attach_functions(out), names)
 
 
 def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: set):
@@ -225,6 +229,30 @@ def _name_grad(e: Emitter, v: ir.Value, g: V) -> V:
 
 
 # -- preparation -------------------------------------------------------------------------------
+_FLOAT_PROTO_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+                      onnx.TensorProto.BFLOAT16}
+
+
+def _without_weights(model: onnx.ModelProto):
+    """A copy of ``model`` whose large float initializers carry no data, and those initializers.
+
+    Version conversion and shape inference serialise the whole model, which costs seconds with
+    hundreds of MB of weights; no rule reads a weight's values, so they are put back at the end."""
+    big = {t.name: t for t in model.graph.initializer
+           if t.data_type in _FLOAT_PROTO_TYPES and t.ByteSize() > 1 << 20}
+    if not big:
+        return model, {}
+    light = onnx.ModelProto()
+    light.CopyFrom(model)
+    for t in light.graph.initializer:
+        if t.name in big:
+            name, dims, dtype = t.name, list(t.dims), t.data_type
+            t.Clear()
+            t.name, t.data_type = name, dtype
+            t.dims.extend(dims)
+    return light, big
+
+
 def _load(model) -> onnx.ModelProto:
     if isinstance(model, (str, os.PathLike)):
         return onnx.load(os.fspath(model))

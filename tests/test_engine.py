@@ -277,3 +277,19 @@ def test_initializer_xs_and_model_path(tmp_path):
 def test_bad_model_argument():
     with pytest.raises(TypeError, match="ModelProto or a path"):
         onnxgrad.gradients(42, "y", "x")
+
+
+def test_large_weights_round_trip_exactly():
+    # weights over 1 MiB skip version conversion and shape inference and are put back as given
+    w = np.random.default_rng(0).standard_normal((600, 600)).astype(F)
+    m = make_model([node("MatMul", ["x", "w"], ["y"])], {"x": (F, ["N", 600])}, ["y"],
+                   inits={"w": w}, opset=11, ir_version=6)
+    before = m.SerializeToString()
+    res = onnxgrad.gradients(m, "y", ["x", "w"])
+    assert m.SerializeToString() == before
+    out = {t.name: t for t in res.model.graph.initializer}
+    assert out["w"].SerializeToString() == m.graph.initializer[0].SerializeToString()
+    x = np.ones((2, 600), F)
+    gx, gw = run(res.model, {"x": x}, res.grads)
+    np.testing.assert_allclose(gx, np.ones((2, 600), F) @ w.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(gw, x.T @ np.ones((2, 600), F), rtol=1e-6)
