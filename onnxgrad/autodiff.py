@@ -458,14 +458,11 @@ def _outputs(e: Emitter, graph, xs, x_vals, results, unconnected) -> list[str | 
 
 
 def _drop_dead(graph: ir.Graph, added: list[ir.Node]):
-    """Remove added nodes whose results nothing uses (rules compute every input's gradient)."""
-    added_set = set(added)
+    """Remove added nodes whose results nothing uses (rules compute every input's gradient);
+    in reverse order, so a node's consumers are gone before it is looked at."""
     for node in reversed(added):
         if all(not v.uses() and not v.is_graph_output() for v in node.outputs):
             graph.remove(node, safe=True)
-            added_set.discard(node)
-    e_nodes = [n for n in added if n in added_set]
-    added[:] = e_nodes
 
 
 def _path(node, ys, xs, live, grads, summed) -> list[str]:

@@ -214,13 +214,13 @@ class Emitter:
             return self.op(op_type, x, axes, keepdims=keepdims)
         return self.op(op_type, x, axes=list(axes), keepdims=keepdims)
 
-    def sum_to(self, t: V, x: V, source_shape=None) -> V:
+    def sum_to(self, t: V, x: V) -> V:
         """Sum ``t`` (broadcast from x) down to x's shape: the adjoint of numpy broadcasting.
 
         Static shapes decide the axes when they can; otherwise the axes are computed at run time
         from Shape(t) and Shape(x), so symbolic batch dims work.
         """
-        src, dst = source_shape or t.shape, x.shape
+        src, dst = t.shape, x.shape
         if src is not None and dst is not None:
             lead = len(src) - len(dst)
             if lead >= 0:

@@ -1,13 +1,12 @@
 """If / Loop / Scan gradients against float64 finite differences (and onnxruntime in float32)."""
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto as TP
 from onnx import helper as h
 
 import onnxgrad
 from onnxgrad.runtime import run
-from util import assert_gradients
+from util import assert_gradients, vi_model
 
 F = np.float32
 N = h.make_node
@@ -23,12 +22,7 @@ def seq_vi(name, t=TP.FLOAT):
 
 def model(nodes, inputs, outputs, inits=None, opset=18):
     """inputs / outputs: ValueInfoProtos (explicit, since Loop/Scan outputs infer poorly)."""
-    g = h.make_graph(nodes, "g", inputs, outputs,
-                     [onnx.numpy_helper.from_array(np.asarray(v), k)
-                      for k, v in (inits or {}).items()])
-    m = h.make_model(g, opset_imports=[h.make_opsetid("", opset)], ir_version=10)
-    onnx.checker.check_model(m, full_check=True)
-    return m
+    return vi_model(nodes, inputs, outputs, inits, opset, infer=False)
 
 
 def body(nodes, inputs, outputs):

@@ -10,7 +10,7 @@ from onnx import helper as h
 
 import onnxgrad
 from onnxgrad.runtime import run
-from util import assert_gradients
+from util import assert_gradients, vi_model
 
 F = np.float32
 N = h.make_node
@@ -20,14 +20,7 @@ def vi(name, t=TP.FLOAT, shape=None):
     return h.make_tensor_value_info(name, t, shape)
 
 
-def model(nodes, inputs, outputs, inits=None, opset=18):
-    g = h.make_graph(nodes, "g", inputs, outputs,
-                     [onnx.numpy_helper.from_array(np.asarray(v), k)
-                      for k, v in (inits or {}).items()])
-    m = h.make_model(g, opset_imports=[h.make_opsetid("", opset)], ir_version=10)
-    m = onnx.shape_inference.infer_shapes(m)
-    onnx.checker.check_model(m, full_check=True)
-    return m
+model = vi_model
 
 
 def i64(v):

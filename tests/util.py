@@ -25,6 +25,19 @@ def make_model(nodes, inputs, outputs, inits=None, opset=18, ir_version=10) -> o
     return m
 
 
+def vi_model(nodes, inputs, outputs, inits=None, opset=18, infer=True) -> onnx.ModelProto:
+    """Like make_model, with inputs and outputs given as ValueInfoProtos (sequence types, or
+    outputs declared by hand where inference is poor, as for Loop/Scan: ``infer=False``)."""
+    g = helper.make_graph(nodes, "test", inputs, outputs,
+                          [numpy_helper.from_array(np.asarray(v), n)
+                           for n, v in (inits or {}).items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+    if infer:
+        m = onnx.shape_inference.infer_shapes(m)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
 def op_model(op, inputs, n_out=1, opset=18, inits=None, **attrs):
     """A one-node model: inputs {name: (dtype, shape)}; outputs y0..yk."""
     outs = ["y"] if n_out == 1 else [f"y{i}" for i in range(n_out)]
