@@ -1,0 +1,1 @@
+"""Converters from other frameworks' model formats to ONNX."""

@@ -1,0 +1,228 @@
+"""TF1 control flow -> ONNX: a while frame becomes a ``Loop``, a cond becomes an ``If``.
+
+While frame (Enter -> Merge -> Switch(LoopCond) -> body -> NextIteration -> Merge; Exit): the
+Merges are the loop-carried values. TF tests the condition at the top of each iteration, ONNX at
+the bottom, so the condition's nodes are converted twice: once before the Loop on the initial
+values (``cond`` input) and once at the end of the body on the next values. Resources (TensorArrays,
+stacks) that the frame mutates are carried too, so pushes in a forward loop and pops in the
+backward loop see one stack. A cond's branches become the ``If``'s two graphs; its Merges are the
+``If``'s outputs.
+"""
+from __future__ import annotations
+
+from onnx import TensorProto, helper
+
+from .core import Converter, Resource, Scope, onnx_dtype
+from .errors import ConversionError
+from .graph import TFNode
+from .resources import ensure_grad, flow_key, mutated
+
+ENTER, EXIT = ("Enter", "RefEnter"), ("Exit", "RefExit")
+NEXT, SWITCH = ("NextIteration", "RefNextIteration"), ("Switch", "RefSwitch")
+
+
+def _tensor_vi(c: Converter, name: str, value, dtype_node: TFNode | None):
+    r = c.seq_of.get(value) if isinstance(value, str) else None
+    if r is not None:
+        return helper.make_tensor_sequence_value_info(name, r.dtype, None)
+    elem = onnx_dtype(dtype_node.attr["T"].type, dtype_node) if dtype_node else 0
+    return helper.make_tensor_value_info(name, elem, None)
+
+
+class _Body:
+    """Enter a nested scope (a Loop/If graph) with its own layer of bindings and states."""
+
+    def __init__(self, c: Converter):
+        self.c = c
+
+    def __enter__(self) -> Scope:
+        c = self.c
+        self.saved = c.scope
+        c.scope = Scope()
+        c.env, c.state = c.env.new_child(), c.state.new_child()
+        return c.scope
+
+    def __exit__(self, *exc):
+        c = self.c
+        c.scope = self.saved
+        c.env, c.state = c.env.parents, c.state.parents
+
+
+def _output(c: Converter, scope: Scope, value: str, base: str) -> str:
+    """A graph output for ``value``: ONNX graph outputs must be made inside the graph."""
+    made = {o for n in scope.nodes for o in n.output}
+    if value in made:
+        return value
+    return c.op("Identity", [value], name=base)
+
+
+def _carried(c: Converter, members: list[TFNode]) -> list[Resource]:
+    """Resources created outside ``members`` and mutated inside; gradient TensorArrays first
+    created inside are created before the construct, so every iteration adds into one."""
+    names = {n.name for n in members}
+    out = []
+    for key, node in mutated(c.g, members):
+        if key[0] in names:
+            continue  # created inside: local to one iteration/branch
+        if key not in c.state:
+            fwd = c.resources.get(key[:-1])
+            if len(key) == 1 or fwd is None:
+                raise ConversionError(f"{node} uses a TensorArray/stack that is not created yet")
+            ensure_grad(c, fwd, key[-1])
+        out.append(c.resources[key])
+    return out
+
+
+def convert_loop(c: Converter, fprefix: tuple, members: list[TFNode]) -> None:
+    g, level = c.g, len(fprefix)
+    frame = fprefix[-1][1]
+    at = [n for n in members if len(n.ctx) == level]
+    merges = [n for n in at if g.is_loop_merge(n)]
+    conds = [n for n in at if n.op == "LoopCond"]
+    if len(conds) != 1:
+        raise ConversionError(f"while frame {frame!r} has {len(conds)} LoopCond nodes, not 1")
+    loopcond = conds[0]
+    switches = {n.inputs[0]: n for n in at if n.op in SWITCH and n.inputs[1] == f"{loopcond.name}:0"}
+    construct = {n.name for n in at if n.op in ENTER + EXIT + NEXT} | {loopcond.name}
+    construct |= {m.name for m in merges} | {s.name for s in switches.values()}
+
+    for n in at:
+        if n.op in ENTER:
+            c.env[f"{n.name}:0"] = c.x(n)
+    init, nxt = {}, {}
+    for m in merges:
+        for ref in m.inputs:
+            p = g.producer(ref)
+            if p.op in NEXT:
+                nxt[m.name] = p.inputs[0]
+            else:
+                init[m.name] = c.value(ref)
+    handles = [m for m in merges if isinstance(init[m.name], Resource)]
+    for m in handles:  # a handle that goes round the loop unchanged
+        c.env[f"{m.name}:0"] = init[m.name]
+        if f"{m.name}:0" in switches:
+            c.env[f"{switches[f'{m.name}:0'].name}:1"] = init[m.name]
+    merges = [m for m in merges if m not in handles]
+    carried = _carried(c, members)
+    flow_of = {}
+    for m in merges:  # TensorArray flows (incl. accumulators that start as ZerosLike(flow))
+        r = c.seq_of.get(init[m.name])
+        if r is None and flow_key(g, f"{m.name}:0") is not None:
+            r = c.resources.get(flow_key(g, f"{m.name}:0"))
+            if r is None:
+                raise ConversionError(f"{m} carries the flow of a TensorArray the converter has "
+                                      "not seen created")
+            init[m.name] = c.get_state(r)
+        flow_of[m.name] = r
+    extra = [r for r in carried if r not in flow_of.values()]
+
+    # the condition's own nodes (frame level, between the Merges and LoopCond)
+    cond_nodes = _ancestors(g, loopcond, at, construct)
+
+    def condition(values) -> str:
+        c.env = c.env.new_child()
+        for m, v in zip(merges, values):
+            c.env[f"{m.name}:0"] = v
+        c.convert_nodes(fprefix, cond_nodes)
+        out = c.x(loopcond)
+        c.env = c.env.parents
+        return out
+
+    cond_init = condition([init[m.name] for m in merges])
+    outer_states = [c.get_state(r) for r in extra]
+    with _Body(c) as body:
+        it, cin = c.fresh(f"{frame}/iteration"), c.fresh(f"{frame}/cond_in")
+        body.inputs += [helper.make_tensor_value_info(it, TensorProto.INT64, []),
+                        helper.make_tensor_value_info(cin, TensorProto.BOOL, [])]
+        for m in merges:
+            v = c.fresh(f"{m.name}:0")
+            body.inputs.append(_tensor_vi(c, v, init[m.name], m))
+            c.env[f"{m.name}:0"] = v
+            sw = switches.get(f"{m.name}:0")
+            if sw is not None:
+                c.env[f"{sw.name}:1"] = v
+            if flow_of[m.name] is not None:
+                c.set_state(flow_of[m.name], v)
+        for r, outer in zip(extra, outer_states):
+            v = c.fresh(f"{r.key[0]}/state")
+            body.inputs.append(helper.make_tensor_sequence_value_info(v, r.dtype, None))
+            c.set_state(r, v)
+        c.convert_nodes(fprefix, [n for n in members if n.name not in construct])
+        nexts = [c.get_state(flow_of[m.name]) if flow_of[m.name] is not None
+                 else c.value(nxt[m.name]) for m in merges]
+        states = [c.get_state(r) for r in extra]
+        cond_out = condition(nexts)
+        outs = [cond_out] + nexts + states
+        outs = [_output(c, body, v, f"{frame}/out") for v in outs]
+        body.outputs += [helper.make_tensor_value_info(outs[0], TensorProto.BOOL, [])]
+        body.outputs += [_tensor_vi(c, o, v, m) for o, v, m in zip(outs[1:], nexts, merges)]
+        body.outputs += [helper.make_tensor_sequence_value_info(o, r.dtype, None)
+                         for o, r in zip(outs[1 + len(merges):], extra)]
+        graph = body.graph(frame.replace("/", "_"))
+    results = c.op("Loop", ["", cond_init] + [init[m.name] for m in merges] + outer_states,
+                   n_out=len(merges) + len(extra), name=f"{frame}/Loop", body=graph)
+    results = [results] if isinstance(results, str) else results
+    final = dict(zip((m.name for m in merges), results))
+    for m in merges:
+        if flow_of[m.name] is not None:
+            c.set_state(flow_of[m.name], final[m.name])
+    for r, v in zip(extra, results[len(merges):]):
+        c.set_state(r, v)
+    for n in at:
+        if n.op in EXIT:
+            sw = g.producer(n.inputs[0])
+            if sw.op not in SWITCH or sw.inputs[0] not in {f"{m.name}:0" for m in merges} | {
+                    f"{m.name}:0" for m in handles}:
+                raise ConversionError(f"{n} does not leave the loop through its Switch")
+            mname = sw.inputs[0].split(":")[0]
+            c.env[f"{n.name}:0"] = final.get(mname) or c.env[f"{mname}:0"]
+
+
+def _ancestors(g, node: TFNode, at: list[TFNode], stop: set) -> list[TFNode]:
+    level = {n.name for n in at}
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        for p in g.deps(n):
+            if p.name in level and p.name not in stop and p.name not in seen:
+                seen.add(p.name)
+                todo.append(p)
+    return [n for n in at if n.name in seen]
+
+
+def convert_cond(c: Converter, prefix: tuple, pred: str, members: list[TFNode]) -> None:
+    g, level = c.g, len(prefix)
+    merges = [n for n in members if len(n.ctx) == level + 1 and n.ctx[level][2] is None]
+    carried = _carried(c, members)
+    branches = []
+    for k in (1, 0):
+        lvl = ("C", pred, k)
+        inner = [n for n in members if n.ctx[level] == lvl]
+        with _Body(c) as body:
+            c.convert_nodes(prefix + (lvl,), inner)
+            vals = []
+            for m in merges:
+                refs = [r for r in m.inputs if len(g.producer(r).output_ctx(int(r.split(":")[1])))
+                        > level and g.producer(r).output_ctx(int(r.split(":")[1]))[level] == lvl]
+                if len(refs) != 1:
+                    raise ConversionError(f"{m} has no single input from branch {k} of the cond "
+                                          f"on {pred!r}")
+                vals.append(c.value(refs[0]))
+            vals += [c.get_state(r) for r in carried]
+            outs = [_output(c, body, v, f"{pred}/branch{k}/out") for v in vals]
+            body.outputs += [_tensor_vi(c, o, v, m) for o, v, m in zip(outs, vals, merges)]
+            body.outputs += [helper.make_tensor_sequence_value_info(o, r.dtype, None)
+                             for o, r in zip(outs[len(merges):], carried)]
+            branches.append(body.graph(f"{pred.replace(':', '_').replace('/', '_')}_{k}"))
+    p = c.value(pred)
+    results = c.op("If", [p], n_out=len(merges) + len(carried), name=f"{merges[0].name}/If"
+                   if merges else None, then_branch=branches[0], else_branch=branches[1])
+    results = [results] if isinstance(results, str) else results
+    for m, v in zip(merges, results):
+        c.env[f"{m.name}:0"] = v
+        taken = [i for i, r in enumerate(m.inputs)
+                 if g.producer(r).output_ctx(int(r.split(":")[1]))[level] == ("C", pred, 1)]
+        c.env[f"{m.name}:1"] = c.op("Where", [p, c.const(taken[0], "int32"),
+                                              c.const(1 - taken[0], "int32")], name=m.name)
+    for r, v in zip(carried, results[len(merges):]):
+        c.set_state(r, v)

@@ -1,0 +1,439 @@
+"""The conversion driver: walks the TF graph context by context and calls one handler per op.
+
+A handler gets the converter ``c`` and the node ``n`` and returns the ONNX values of the node's
+outputs, in order (see :mod:`.ops` for the table). Values are ONNX tensor/sequence names, or
+:class:`Resource` objects for TF resource handles (TensorArrays, stacks). Every top-level while
+frame becomes an ONNX ``Loop`` and every v1 cond an ``If`` (:mod:`.control_flow`); TF's mutable
+resources become sequence values threaded through the graph in TF's execution order.
+"""
+from __future__ import annotations
+
+from collections import ChainMap
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from . import proto
+from .errors import ConversionError
+from .graph import Graph, TFNode, group_key, split_ref
+
+DEFAULT_OPSET = 18
+HANDLERS: dict = {}
+
+
+def handler(*ops):
+    """Register ``fn(c, n) -> list of output values`` for the TF ops ``ops``."""
+    def deco(fn):
+        for op in ops:
+            HANDLERS[op] = fn
+        return fn
+    return deco
+
+
+@dataclass(eq=False)
+class Resource:
+    """A TF resource (TensorArray, stack): its state is an ONNX sequence threaded in TF order."""
+    key: tuple
+    kind: str  # "tensor_array" or "stack"
+    dtype: int  # ONNX element type
+    fixed_size: bool = True
+    grads: dict = field(default_factory=dict)  # source -> Resource of its gradient TensorArray
+
+    def __repr__(self):
+        return f"{self.kind} {self.key[-1]!r}"
+
+
+class Scope:
+    """The nodes of one ONNX graph being built (the main graph or a Loop/If body)."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+
+    def graph(self, name: str) -> onnx.GraphProto:
+        return helper.make_graph(self.nodes, name, self.inputs, self.outputs)
+
+
+class Converter:
+    def __init__(self, graph: Graph, opset: int):
+        self.g, self.opset = graph, opset
+        self.env: ChainMap = ChainMap()  # "node:index" -> ONNX name or Resource
+        self.state: ChainMap = ChainMap()  # resource key -> ONNX name of its current sequence
+        self.resources: dict[tuple, Resource] = {}
+        self.seq_of: dict[str, Resource] = {}  # sequence value -> the resource it is a state of
+        self.scope = Scope()
+        self.initializers: list[onnx.TensorProto] = []
+        self.consts: dict[str, np.ndarray] = {}  # ONNX name -> value, for Const-fed inputs
+        self.domains: set[str] = set()
+        self._names: set[str] = set()
+        self.node: TFNode | None = None  # the node being converted (names what it emits)
+
+    # -- names and emission ------------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        name, k = base, 0
+        while name in self._names:
+            k += 1
+            name = f"{base}__{k}"
+        self._names.add(name)
+        return name
+
+    def op(self, op_type: str, inputs, n_out: int = 1, name: str | None = None,
+           domain: str = "", **attrs):
+        """Emit one node into the current scope; returns its output name(s)."""
+        base = name or (f"{self.node.name}/{op_type}" if self.node else op_type)
+        outs = [self.fresh(f"{base}:{i}") for i in range(n_out)]
+        self.scope.nodes.append(helper.make_node(op_type, [i or "" for i in inputs], outs,
+                                                 name=self.fresh(base), domain=domain, **attrs))
+        if domain:
+            self.domains.add(domain)
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value, dtype=None, name: str | None = None) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        nm = self.fresh(name or (f"{self.node.name}/const" if self.node else "const"))
+        self.initializers.append(numpy_helper.from_array(arr, nm))
+        self.consts[nm] = arr
+        return nm
+
+    def i64(self, *vals) -> str:
+        return self.const(np.array(vals, np.int64))
+
+    # -- reading a node's inputs and attributes ------------------------------------------------
+    def value(self, ref: str):
+        try:
+            return self.env[ref]
+        except KeyError:
+            raise ConversionError(f"tensor {ref!r} is read before it is made (unsupported "
+                                  "control-flow structure?)") from None
+
+    def x(self, n: TFNode, i: int = 0):
+        return self.value(n.inputs[i])
+
+    def const_input(self, n: TFNode, i: int, required: str | None = None):
+        """The value of input i when it is a constant of the graph, else None (or an error that
+        says why it must be one, when ``required`` names what it is for)."""
+        v = self.consts.get(self.x(n, i)) if isinstance(self.x(n, i), str) else None
+        if v is None and required:
+            raise ConversionError(f"{n}: input {i} ({n.inputs[i]}) must be a constant ({required})")
+        return v
+
+    def attr(self, n: TFNode, key: str, default=None):
+        a = n.attr.get(key)
+        return default if a is None else attr_value(a)
+
+    def onnx_type(self, n: TFNode, key: str = "T") -> int:
+        a = n.attr.get(key)
+        if a is None:
+            raise ConversionError(f"{n} has no attribute {key!r}")
+        return onnx_dtype(a.type, n)
+
+    # -- resources -------------------------------------------------------------------------
+    def resource(self, n: TFNode, i: int = 0) -> Resource:
+        r = self.x(n, i)
+        if not isinstance(r, Resource):
+            raise ConversionError(f"{n}: input {i} ({n.inputs[i]}) is not a TensorArray or stack "
+                                  "handle the converter made")
+        return r
+
+    def get_state(self, r: Resource) -> str:
+        return self.state[r.key]
+
+    def set_state(self, r: Resource, seq: str) -> str:
+        self.state[r.key] = seq
+        self.seq_of[seq] = r
+        return seq
+
+    def _flow_arithmetic(self, n: TFNode):
+        if n.op not in FLOW_OPS:
+            return None
+        rs = {self.seq_of[v] for v in (self.value(r) for r in n.inputs)
+              if isinstance(v, str) and v in self.seq_of}
+        if not rs:
+            return None
+        if len(rs) > 1:
+            raise ConversionError(f"{n} combines the flows of different TensorArrays")
+        return [self.get_state(rs.pop())]
+
+    # -- walking the graph -----------------------------------------------------------------
+    def convert_nodes(self, prefix: tuple, members: list[TFNode]) -> None:
+        """Convert ``members`` (all nodes whose context starts with ``prefix``), one level at a
+        time: nodes at this level by their handlers, each nested frame or cond as one unit."""
+        from . import control_flow
+
+        items: dict[object, list[TFNode]] = {}
+        for n in members:  # members come in the graph's topological order
+            key = n if len(n.ctx) == len(prefix) else group_key(n.ctx[len(prefix)])
+            items.setdefault(key, []).append(n)
+        item_of = {n.name: key for key, ns in items.items() for n in ns}
+        for key in _item_order(self.g, items, item_of):
+            if isinstance(key, TFNode):
+                self.convert_node(key)
+            elif key[0] == "F":
+                control_flow.convert_loop(self, prefix + (key,), items[key])
+            else:
+                control_flow.convert_cond(self, prefix, key[1], items[key])
+
+    def convert_node(self, n: TFNode) -> None:
+        fn = HANDLERS.get(n.op)
+        if fn is None:
+            raise ConversionError(f"no converter for TensorFlow op {n.op!r} (node {n.name!r})")
+        self.node = n
+        try:
+            outs = self._flow_arithmetic(n) or fn(self, n)
+        except ConversionError:
+            raise
+        except Exception as e:  # a handler bug or an input it cannot take: say where
+            raise ConversionError(f"converting {n}: {type(e).__name__}: {e}") from e
+        finally:
+            self.node = None
+        for i, v in enumerate(outs or ()):
+            if v is not None:
+                self.env[f"{n.name}:{i}"] = v
+
+
+def attr_value(a):
+    """An AttrValue as a Python value (str, int, float, bool, DataType int, shape list, ndarray,
+    function name, or a list of those)."""
+    kind = a.WhichOneof("value")
+    if kind == "list":
+        lst = a.list
+        for f in ("s", "i", "f", "b", "type", "shape", "tensor", "func"):
+            vals = getattr(lst, f)
+            if len(vals):
+                return [_scalar(f, v) for v in vals]
+        return []
+    return None if kind is None else _scalar(kind, getattr(a, kind))
+
+
+def _scalar(kind, v):
+    if kind == "s":
+        return v.decode("utf-8", "replace")
+    if kind == "shape":
+        return proto.shape_of(v)
+    if kind == "tensor":
+        return proto.tensor_to_numpy(v)
+    if kind == "func":
+        return v.name
+    return v
+
+
+def onnx_dtype(dt: int, n: TFNode) -> int:
+    info = proto.dtype_info(dt)
+    if info.onnx is None:
+        raise ConversionError(f"{n}: TensorFlow dtype {info.name} has no ONNX equivalent")
+    return info.onnx
+
+
+# tf.gradients treats TensorArray flows as float scalars: it sums flow gradients (AddN, and Add
+# in a loop's accumulator) and starts accumulators with ZerosLike(flow). Here a flow is the
+# array's state, which already holds every write, so each of these ops yields that state.
+FLOW_OPS = frozenset({"Add", "AddV2", "AddN", "ZerosLike", "OnesLike"})
+
+
+def _item_order(g: Graph, items: dict, item_of: dict) -> list:
+    """Items (nodes and nested constructs) in an order where each comes after what it reads."""
+    deps = {k: set() for k in items}
+    for k, ns in items.items():
+        for n in ns:
+            for p in g.deps(n):
+                pk = item_of.get(p.name)
+                if pk is not None and pk is not k:
+                    deps[k].add(pk)
+    order, done, keys = [], set(), list(items)
+    pos = {k: i for i, k in enumerate(keys)}
+    import heapq
+    users: dict = {k: [] for k in keys}
+    indeg = {k: len(d) for k, d in deps.items()}
+    for k, d in deps.items():
+        for p in d:
+            users[p].append(k)
+    ready = [pos[k] for k in keys if indeg[k] == 0]
+    heapq.heapify(ready)
+    while ready:
+        k = keys[heapq.heappop(ready)]
+        order.append(k)
+        done.add(k)
+        for u in users[k]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, pos[u])
+    if len(order) != len(keys):
+        raise ConversionError("control-flow constructs depend on each other in a cycle")
+    return order
+
+
+def _needed(g: Graph, outputs: list[str]) -> list[TFNode]:
+    """The nodes the outputs depend on (data and control edges), in TF order. A loop or cond is
+    converted whole, with everything it depends on: its side effects (stack pushes) count."""
+    seen: set[str] = set()
+    groups: set = set()
+    todo = [split_ref(o)[0] for o in outputs]
+    while todo:
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                n = g.nodes[name]
+                if n.ctx:
+                    groups.add(group_key(n.ctx[0]))
+                todo.extend(split_ref(r)[0] for r in n.inputs)
+                todo.extend(n.controls)
+        todo = [n.name for n in g.order
+                if n.name not in seen and n.ctx and group_key(n.ctx[0]) in groups]
+    return [n for n in g.order if n.name in seen]
+
+
+def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
+            name: str = "tf_graph") -> onnx.ModelProto:
+    """Convert a TensorFlow GraphDef (proto, bytes or path to a .pb/.pbtxt) to an ONNX model.
+
+    ``inputs``: tensor names ("x:0") that become graph inputs (default: every Placeholder the
+    outputs need); ``outputs``: tensor names to compute (required). Values keep their TF names
+    ("y:0"); frozen variables (Const nodes) become initializers named after their nodes.
+    """
+    from . import ops  # noqa: F401  (registers the handlers)
+
+    gd = proto.load_graph_def(graph_def) if isinstance(graph_def, (str, bytes)) or hasattr(
+        graph_def, "__fspath__") else graph_def
+    if not outputs:
+        raise ConversionError("outputs: name the tensors to convert, e.g. outputs=['y:0']")
+    outputs = [_ref(o) for o in ([outputs] if isinstance(outputs, str) else outputs)]
+    g = Graph(gd)
+    for o in outputs:
+        nm, idx = split_ref(o)
+        if nm not in g.nodes:
+            raise ConversionError(f"output {o!r}: the graph has no node {nm!r}")
+    c = Converter(g, opset or DEFAULT_OPSET)
+    feeds = [_ref(i) for i in ([inputs] if isinstance(inputs, str) else inputs or [])]
+    for ref in feeds:
+        nm, _ = split_ref(ref)
+        if nm not in g.nodes:
+            raise ConversionError(f"input {ref!r}: the graph has no node {nm!r}")
+        n = g.nodes[nm]
+        dt = n.attr.get("dtype") or n.attr.get("T")
+        if dt is None:
+            raise ConversionError(f"input {ref!r}: cannot tell the dtype of {n}")
+        shape = proto.shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
+        c.fresh(ref)
+        c.scope.inputs.append(helper.make_tensor_value_info(
+            ref, onnx_dtype(dt.type, n),
+            None if shape is None else [d if d is not None else f"{nm}_{k}"
+                                        for k, d in enumerate(shape)]))
+        c.env[ref] = ref
+    nodes = [n for n in _needed(g, outputs) if f"{n.name}:0" not in c.env]
+    c.convert_nodes((), nodes)
+    for o in outputs:
+        v = c.value(o)
+        if not isinstance(v, str) or v in c.seq_of:
+            raise ConversionError(f"output {o!r} is a TensorArray/stack handle or flow, not a tensor")
+        c.scope.nodes.append(helper.make_node("Identity", [v], [o], name=c.fresh(o + "/output")))
+        c.scope.outputs.append(helper.make_empty_tensor_value_info(o))
+    return _finish(c, name)
+
+
+def _ref(name: str) -> str:
+    return name if ":" in name else f"{name}:0"
+
+
+def _finish(c: Converter, name: str) -> onnx.ModelProto:
+    import onnx_ir as ir
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    from ...runtime import MAX_IR_VERSION
+
+    g = c.scope.graph(name)
+    g.initializer.extend(c.initializers)
+
+    imports = [helper.make_opsetid("", c.opset)]
+    imports += [helper.make_opsetid(d, 1) for d in sorted(c.domains)]
+    m = helper.make_model(g, opset_imports=imports, ir_version=min(10, MAX_IR_VERSION),
+                          producer_name="onnxgrad.converters.tensorflow")
+    model = ir.from_proto(m)
+    RemoveUnusedNodesPass()(model)
+    for init in list(model.graph.initializers.values()):
+        if not init.uses():
+            del model.graph.initializers[init.name]
+    m = ir.to_proto(model)
+    if "onnxgrad" in c.domains:
+        from ...rnn import attach_functions
+        m = attach_functions(m)
+    m = _infer(m, _tf_shapes(c))
+    known = {vi.name: vi for vi in list(m.graph.value_info) + list(m.graph.input)}
+    for out in m.graph.output:
+        vi = known.get(out.name)
+        if vi is None or vi.type.WhichOneof("value") != "tensor_type" or not \
+                vi.type.tensor_type.HasField("shape"):
+            raise ConversionError(f"output {out.name!r}: its rank cannot be inferred from the "
+                                  "graph (export the GraphDef with add_shapes=True, or name a "
+                                  "tensor of known rank)")
+        out.type.CopyFrom(vi.type)
+    onnx.checker.check_model(m)
+    return m
+
+
+def _tf_shapes(c: Converter) -> dict:
+    """ONNX name -> TF's static shape, for main-graph values of nodes that carry
+    ``_output_shapes`` (GraphDefs written with add_shapes=True)."""
+    out = {}
+    for n in c.g.nodes.values():
+        for i, shape in enumerate(c.attr(n, "_output_shapes") or ()):
+            v = c.env.get(f"{n.name}:{i}")
+            if isinstance(v, str) and shape is not None and v not in c.seq_of:
+                out.setdefault(v, shape)
+                out.setdefault(f"{n.name}:{i}", shape)  # graph outputs keep TF's names
+    return out
+
+
+def _infer(m: onnx.ModelProto, tf_shapes: dict, rounds: int = 3) -> onnx.ModelProto:
+    """ONNX shape inference, helped by TF's static shapes where ONNX finds none, and by ranks
+    for loop-carried values: a Loop body's inputs are declared without shapes (TF lets a loop
+    value's dims change between iterations), so each round gives them the rank of the value the
+    Loop starts from, with unknown dims."""
+    for _ in range(rounds):
+        m = onnx.shape_inference.infer_shapes(m)
+        g = m.graph
+        changed = False
+        for vi in list(g.value_info) + list(g.output):
+            shape = tf_shapes.get(vi.name)
+            tt = vi.type.tensor_type
+            if shape is not None and vi.type.WhichOneof("value") == "tensor_type" and \
+                    not tt.HasField("shape"):
+                tt.shape.SetInParent()  # a scalar's shape has no dims but must be present
+                for d in shape:
+                    dim = tt.shape.dim.add()
+                    if d is not None:
+                        dim.dim_value = d
+                changed = True
+        types = {vi.name: vi.type for vi in list(g.value_info) + list(g.input) + list(g.output)}
+        types |= {t.name: helper.make_tensor_type_proto(t.data_type, t.dims)
+                  for t in g.initializer}
+        if not (_loop_ranks(g, types) or changed):
+            break
+    return m
+
+
+def _loop_ranks(g: onnx.GraphProto, types: dict) -> bool:
+    changed = False
+    for node in g.node:
+        for a in node.attribute:
+            if a.type != onnx.AttributeProto.GRAPH:
+                continue
+            body = a.g
+            inner = types | {vi.name: vi.type for vi in list(body.value_info) + list(body.input)}
+            changed |= _loop_ranks(body, inner)
+            if node.op_type != "Loop":
+                continue
+            for vi, src in zip(body.input[2:], node.input[2:]):
+                t = types.get(src)
+                if (t is not None and t.WhichOneof("value") == "tensor_type"
+                        and t.tensor_type.HasField("shape")
+                        and not vi.type.tensor_type.HasField("shape")
+                        and vi.type.WhichOneof("value") == "tensor_type"):
+                    vi.type.tensor_type.shape.SetInParent()
+                    vi.type.tensor_type.shape.dim.extend(
+                        onnx.TensorShapeProto.Dimension() for _ in t.tensor_type.shape.dim)
+                    changed = True
+    return changed

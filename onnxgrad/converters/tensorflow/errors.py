@@ -1,0 +1,2 @@
+class ConversionError(ValueError):
+    """A TensorFlow graph that cannot be converted; the message names the node and the reason."""

@@ -1,0 +1,172 @@
+"""The TensorFlow graph as the converter sees it: nodes with parsed inputs, and the control-flow
+context of every node.
+
+TF1 control flow is flat: a while loop is the set of nodes between its ``Enter`` and ``Exit``
+nodes (its *frame*), a cond is the set of nodes fed by one predicate's ``Switch`` outputs. The
+converter turns each into one ONNX ``Loop`` or ``If``, so it first needs to know which nodes
+belong to which. A node's context is a tuple of levels from the outermost in:
+
+    ("F", frame_name)       inside while-loop frame ``frame_name``
+    ("C", pred, branch)     inside branch 0 (false) / 1 (true) of the cond on tensor ``pred``;
+                            branch None: the cond's ``Merge`` nodes (they close it)
+
+computed in one pass in topological order (TF's own ``ControlFlowInfo`` does the same for frames).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ConversionError
+
+
+@dataclass(eq=False)
+class TFNode:
+    name: str
+    op: str
+    inputs: list[str]  # data inputs as "node:index"
+    controls: list[str]  # control-input node names
+    attr: dict  # name -> AttrValue proto
+    ctx: tuple = ()
+    out_ctx: dict = field(default_factory=dict)  # output index -> context, where it differs
+
+    def __repr__(self):
+        return f"{self.op} node {self.name!r}"
+
+    def output_ctx(self, i: int) -> tuple:
+        return self.out_ctx.get(i, self.ctx)
+
+
+def split_ref(ref: str) -> tuple[str, int]:
+    name, _, idx = ref.partition(":")
+    return name, int(idx) if idx else 0
+
+
+def parse_input(s: str) -> tuple[str, bool]:
+    """A NodeDef input string -> ("node:index", is_control)."""
+    if s.startswith("^"):
+        return s[1:], True
+    name, idx = split_ref(s)
+    return f"{name}:{idx}", False
+
+
+LOOP_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration",
+                      "LoopCond"})
+
+
+class Graph:
+    def __init__(self, graph_def):
+        self.nodes: dict[str, TFNode] = {}
+        for nd in graph_def.node:
+            data, ctrl = [], []
+            for s in nd.input:
+                ref, is_ctrl = parse_input(s)
+                (ctrl if is_ctrl else data).append(split_ref(ref)[0] if is_ctrl else ref)
+            self.nodes[nd.name] = TFNode(nd.name, nd.op, data, ctrl, dict(nd.attr))
+        self.library = getattr(graph_def, "library", None)
+        for n in self.nodes.values():
+            for ref in n.inputs:
+                if split_ref(ref)[0] not in self.nodes:
+                    raise ConversionError(f"{n} reads {ref!r}, which no node of the graph makes")
+            for c in n.controls:
+                if c not in self.nodes:
+                    raise ConversionError(f"{n} has a control input from unknown node {c!r}")
+        self.order = self._topological()
+        self._contexts()
+
+    def producer(self, ref: str) -> TFNode:
+        return self.nodes[split_ref(ref)[0]]
+
+    def is_loop_merge(self, n: TFNode) -> bool:
+        return n.op in ("Merge", "RefMerge") and any(
+            self.producer(r).op in ("NextIteration", "RefNextIteration") for r in n.inputs)
+
+    def deps(self, n: TFNode):
+        """Producers of n's inputs (data and control), without the NextIteration back edges."""
+        loop_merge = self.is_loop_merge(n)
+        for ref in n.inputs:
+            p = self.producer(ref)
+            if not (loop_merge and p.op in ("NextIteration", "RefNextIteration")):
+                yield p
+        for c in n.controls:
+            yield self.nodes[c]
+
+    def _topological(self) -> list[TFNode]:
+        indeg = {n.name: 0 for n in self.nodes.values()}
+        users: dict[str, list[TFNode]] = {n.name: [] for n in self.nodes.values()}
+        for n in self.nodes.values():
+            for p in self.deps(n):
+                indeg[n.name] += 1
+                users[p.name].append(n)
+        ready = [n for n in self.nodes.values() if indeg[n.name] == 0]
+        order = []
+        while ready:
+            n = ready.pop()
+            order.append(n)
+            for u in users[n.name]:
+                indeg[u.name] -= 1
+                if indeg[u.name] == 0:
+                    ready.append(u)
+        if len(order) != len(self.nodes):
+            stuck = sorted(k for k, v in indeg.items() if v)[:5]
+            raise ConversionError(f"the graph has a cycle that is not a while loop (at {stuck})")
+        return order
+
+    def _is_loop_switch(self, n: TFNode) -> bool:
+        return self.producer(n.inputs[1]).op == "LoopCond"
+
+    def _contexts(self) -> None:
+        for n in self.order:
+            if n.op in ("Merge", "RefMerge") and not self.is_loop_merge(n):
+                n.ctx = self._merge_ctx(n)
+                n.out_ctx = {0: n.ctx[:-1], 1: n.ctx[:-1]}
+                continue
+            ctxs = [self.producer(r).output_ctx(split_ref(r)[1]) for r in n.inputs
+                    if not (self.is_loop_merge(n) and
+                            self.producer(r).op in ("NextIteration", "RefNextIteration"))]
+            ctxs += [self._control_ctx(self.nodes[c]) for c in n.controls]
+            ctx = _deepest(ctxs, n)
+            if n.op in ("Enter", "RefEnter"):
+                ctx = ctx + (("F", _s(n.attr["frame_name"])),)
+            n.ctx = ctx
+            if n.op in ("Exit", "RefExit"):
+                n.out_ctx = {0: ctx[:-1]}
+            elif n.op in ("Switch", "RefSwitch") and not self._is_loop_switch(n):
+                pred = n.inputs[1]
+                n.out_ctx = {k: ctx + (("C", pred, k),) for k in (0, 1)}
+
+    def _control_ctx(self, c: TFNode) -> tuple:
+        # a control edge from an Exit or a cond Merge leaves the construct, like its data output
+        return c.output_ctx(0) if c.op in ("Exit", "RefExit", "Merge", "RefMerge") else c.ctx
+
+    def _merge_ctx(self, n: TFNode) -> tuple:
+        ctxs = [self.producer(r).output_ctx(split_ref(r)[1]) for r in n.inputs]
+        base = [c for c in ctxs if c and c[-1][0] == "C"]
+        if not base:
+            raise ConversionError(f"{n} merges tensors that come from no cond branch")
+        # the branches' common level: the shortest branch context (nested conds close first)
+        c = min(base, key=len)
+        return c[:-1] + (("C", c[-1][1], None),)
+
+
+def _deepest(ctxs, n) -> tuple:
+    best = ()
+    for c in ctxs:
+        if len(c) > len(best):
+            best, c = c, best
+        if best[:len(c)] != c:
+            raise ConversionError(f"{n} mixes tensors of two different control-flow contexts "
+                                  f"({_show(c)} and {_show(best)})")
+    return best
+
+
+def _show(ctx) -> str:
+    return " > ".join(f"while {x[1]}" if x[0] == "F" else f"cond on {x[1]}" for x in ctx) or "top"
+
+
+def _s(attr) -> str:
+    return attr.s.decode()
+
+
+def group_key(level: tuple) -> tuple:
+    """Frames group by name; both branches of a cond (and its Merges) group by predicate."""
+    return level if level[0] == "F" else ("C", level[1])

@@ -1,0 +1,257 @@
+"""TensorArrays and stacks: TF resources as ONNX sequence values (DESIGN.md, "TensorArray = ONNX
+sequences").
+
+A handle becomes a :class:`Resource`; its contents are an ONNX sequence, the resource's *state*,
+which every op reads and replaces in TF's execution order (flow tensors and control edges give
+that order; a flow output is bound to the state it leaves behind). ``TensorArrayGradV3(handle,
+flow, source)`` is the gradient array ``<array>@<source>``: one per (array, source), its size
+frozen at the forward array's, elements zeros shaped like the forward's, and writes add up.
+Stacks (what tf.gradients uses to carry values from a forward while loop to the backward one)
+push with SequenceInsert and pop from the end.
+"""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from .core import Converter, Resource, handler
+from .graph import Graph, TFNode
+
+PASS = frozenset({"Enter", "RefEnter", "Identity", "Switch", "RefSwitch", "Merge", "RefMerge",
+                  "Exit", "RefExit"})
+GRAD_OPS = ("TensorArrayGradV3", "TensorArrayGradWithShape")
+MUTATING = frozenset({"TensorArrayWriteV3", "TensorArrayScatterV3", "TensorArraySplitV3",
+                      "StackPushV2", "StackPopV2", *GRAD_OPS})
+
+
+def static_key(g: Graph, ref: str) -> tuple:
+    """The resource a handle tensor refers to, traced back to the op that made it."""
+    p = g.producer(ref)
+    while p.op in PASS:
+        p = g.producer(p.inputs[0])
+    if p.op in GRAD_OPS:
+        return static_key(g, p.inputs[0]) + (p.attr["source"].s.decode(),)
+    return (p.name,)
+
+
+FLOW_OUT = {"TensorArrayV3": 1, "TensorArrayWriteV3": 0, "TensorArrayScatterV3": 0,
+            "TensorArraySplitV3": 0, "TensorArrayGradV3": 1, "TensorArrayGradWithShape": 1}
+
+
+def flow_key(g: Graph, ref: str, _seen=None) -> tuple | None:
+    """The resource whose flow ``ref`` is (through Enter/Merge/Add/... of flows), else None."""
+    from .core import FLOW_OPS
+    seen = set() if _seen is None else _seen
+    if ref in seen:
+        return None
+    seen.add(ref)
+    p = g.producer(ref)
+    if FLOW_OUT.get(p.op) == int(ref.split(":")[1]):
+        return static_key(g, p.inputs[0] if p.op != "TensorArrayV3" else ref) + (
+            (p.attr["source"].s.decode(),) if p.op in GRAD_OPS else ())
+    if p.op in PASS or p.op in FLOW_OPS or p.op in ("NextIteration", "RefNextIteration"):
+        for r in p.inputs:
+            k = flow_key(g, r, seen)
+            if k is not None:
+                return k
+    return None
+
+
+def mutated(g: Graph, members: list[TFNode]):
+    """(resource key, node) for each op in ``members`` that changes a resource."""
+    seen = {}
+    for n in members:
+        if n.op in MUTATING:
+            seen.setdefault(static_key(g, n.inputs[0]) + (
+                (n.attr["source"].s.decode(),) if n.op in GRAD_OPS else ()), n)
+    return list(seen.items())
+
+
+def _i64(c: Converter, idx: str) -> str:
+    from .ops import _i64 as cast
+    return cast(c, idx)
+
+
+# -- TensorArray ---------------------------------------------------------------------------------
+@handler("TensorArrayV3")
+def _tensor_array(c: Converter, n: TFNode):
+    dtype = c.onnx_type(n, "dtype")
+    size = c.const_input(n, 0)
+    shape = c.attr(n, "element_shape")
+    r = Resource((n.name,), "tensor_array", dtype)
+    c.resources[r.key] = r
+    full = shape is not None and all(d is not None for d in shape)
+    if size is not None and int(size) > 0 and full and not c.attr(n, "dynamic_size", False):
+        from .proto import dtype_info
+        zeros = c.const(np.zeros([int(size), *shape], dtype_info(n.attr["dtype"].type).np))
+        seq = c.op("SplitToSequence", [zeros], axis=0, keepdims=0)
+    else:  # unknown element shape: writes insert (TF loops write index t at step t)
+        r.fixed_size = False
+        seq = c.op("SequenceEmpty", [], dtype=dtype)
+    c.set_state(r, seq)
+    return [r, seq]
+
+
+def ensure_grad(c: Converter, fwd: Resource, source: str, prepend: str | None = None) -> Resource:
+    key = fwd.key + (source,)
+    if key in c.state:
+        return c.resources[key]
+    r = c.resources.setdefault(key, Resource(key, "tensor_array", fwd.dtype))
+    body_in, body_out = c.fresh("element"), c.fresh("zeros")
+    zero = helper.make_tensor("zero", fwd.dtype, [1], [0])
+    shape = c.fresh("shape")
+    nodes = [helper.make_node("Shape", [body_in], [shape])]
+    if prepend is not None:
+        full = c.fresh("shape")
+        nodes.append(helper.make_node("Concat", [prepend, shape], [full], axis=0))
+        shape = full
+    nodes.append(helper.make_node("ConstantOfShape", [shape], [body_out], value=zero))
+    body = helper.make_graph(nodes, "zeros_like", [
+        helper.make_tensor_value_info(body_in, fwd.dtype, None)],
+        [helper.make_tensor_value_info(body_out, fwd.dtype, None)])
+    c.set_state(r, c.op("SequenceMap", [c.get_state(fwd)], name=f"{key[0]}@{source}", body=body))
+    return r
+
+
+@handler(*GRAD_OPS)
+def _grad(c: Converter, n: TFNode):
+    fwd = c.resource(n)
+    prepend = _i64(c, c.x(n, 2)) if n.op == "TensorArrayGradWithShape" else None
+    r = ensure_grad(c, fwd, c.attr(n, "source"), prepend)
+    return [r, c.get_state(r)]
+
+
+def write(c: Converter, r: Resource, seq: str, idx: str, value: str) -> str:
+    """The sequence after writing ``value`` at ``idx`` (int64 scalar)."""
+    if len(r.key) > 1:  # a gradient array: writes add up
+        value = c.op("Add", [c.op("SequenceAt", [seq, idx]), value])
+    if len(r.key) > 1 or r.fixed_size:
+        seq = c.op("SequenceErase", [seq, idx])
+    return c.op("SequenceInsert", [seq, value, idx])
+
+
+@handler("TensorArrayWriteV3")
+def _write(c: Converter, n: TFNode):
+    r = c.resource(n)
+    return [c.set_state(r, write(c, r, c.get_state(r), _i64(c, c.x(n, 1)), c.x(n, 2)))]
+
+
+@handler("TensorArrayReadV3")
+def _read(c: Converter, n: TFNode):
+    return [c.op("SequenceAt", [c.get_state(c.resource(n)), c.x(n, 1)])]
+
+
+def _stack(c: Converter, seq: str) -> str:
+    return c.op("ConcatFromSequence", [seq], axis=0, new_axis=1)
+
+
+@handler("TensorArrayGatherV3")
+def _gather(c: Converter, n: TFNode):
+    return [c.op("Gather", [_stack(c, c.get_state(c.resource(n))), c.x(n, 1)], axis=0)]
+
+
+@handler("TensorArraySizeV3")
+def _size(c: Converter, n: TFNode):
+    return [c.op("Cast", [c.op("SequenceLength", [c.get_state(c.resource(n))])],
+                 to=TensorProto.INT32)]
+
+
+@handler("TensorArrayCloseV3", "StackCloseV2")
+def _close(c: Converter, n: TFNode):
+    return []
+
+
+def _is_iota(c: Converter, n: TFNode, i: int) -> bool:
+    """Input i is 0, 1, ..., k-1: a constant, or TF's Range(0, k, 1) (tf.TensorArray.unstack)."""
+    v = c.const_input(n, i)
+    if v is not None:
+        return v.ndim == 1 and np.array_equal(v, np.arange(len(v)))
+    p = c.g.producer(n.inputs[i])
+    if p.op != "Range":
+        return False
+    start, delta = (c.consts.get(c.value(p.inputs[j])) for j in (0, 2))
+    return start is not None and delta is not None and int(start) == 0 and int(delta) == 1
+
+
+def _replace_all(c: Converter, r: Resource, seq: str, new: str) -> str:
+    """Writing every element (in order): the new elements, added to the old for a gradient."""
+    if len(r.key) == 1:
+        return new
+    summed = c.op("Add", [_stack(c, seq), _stack(c, new)])
+    return c.op("SplitToSequence", [summed], axis=0, keepdims=0)
+
+
+@handler("TensorArrayScatterV3")
+def _scatter(c: Converter, n: TFNode):
+    r = c.resource(n)
+    seq, value = c.get_state(r), c.x(n, 2)
+    if _is_iota(c, n, 1):  # unstack
+        new = c.op("SplitToSequence", [value], axis=0, keepdims=0)
+        return [c.set_state(r, _replace_all(c, r, seq, new))]
+    # any other indices: one write per index, in a Loop
+    from .control_flow import _Body
+    idx = _i64(c, c.x(n, 1))
+    count = c.op("Shape", [idx], start=0, end=1)
+    with _Body(c) as body:
+        k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
+        body.inputs += [helper.make_tensor_value_info(k, TensorProto.INT64, []),
+                        helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
+                        helper.make_tensor_sequence_value_info(s, r.dtype, None)]
+        pos = c.op("Gather", [idx, k], axis=0)
+        out = write(c, r, s, pos, c.op("Gather", [value, k], axis=0))
+        cond_out = c.op("Identity", [cond])
+        body.outputs += [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
+                         helper.make_tensor_sequence_value_info(out, r.dtype, None)]
+        graph = body.graph("scatter")
+    m = c.op("Squeeze", [count, c.i64(0)])
+    return [c.set_state(r, c.op("Loop", [m, "", seq], body=graph))]
+
+
+@handler("TensorArraySplitV3")
+def _split(c: Converter, n: TFNode):
+    r = c.resource(n)
+    new = c.op("SplitToSequence", [c.x(n, 1), _i64(c, c.x(n, 2))], axis=0)
+    return [c.set_state(r, _replace_all(c, r, c.get_state(r), new))]
+
+
+@handler("TensorArrayConcatV3")
+def _concat(c: Converter, n: TFNode):
+    seq = c.get_state(c.resource(n))
+    first_dim = helper.make_graph(
+        [helper.make_node("Shape", ["e"], ["d"], start=0, end=1)], "first_dim",
+        [helper.make_tensor_value_info("e", c.onnx_type(n, "dtype"), None)],
+        [helper.make_tensor_value_info("d", TensorProto.INT64, [1])])
+    lengths = c.op("SequenceMap", [seq], body=first_dim)
+    return [c.op("ConcatFromSequence", [seq], axis=0, new_axis=0),
+            c.op("ConcatFromSequence", [lengths], axis=0, new_axis=0)]
+
+
+# -- stacks --------------------------------------------------------------------------------------
+@handler("StackV2")
+def _stack_v2(c: Converter, n: TFNode):
+    r = Resource((n.name,), "stack", c.onnx_type(n, "elem_type"))
+    c.resources[r.key] = r
+    c.set_state(r, c.op("SequenceEmpty", [], dtype=r.dtype))
+    return [r]
+
+
+@handler("StackPushV2")
+def _push(c: Converter, n: TFNode):
+    r, value = c.resource(n), c.x(n, 1)
+    if value in c.seq_of:
+        # tf.gradients also saves TensorArray flows; a flow is only an ordering token here (the
+        # array's state is threaded separately), so the stack keeps a placeholder scalar
+        from .proto import DTYPES
+        np_type = next(d.np for d in DTYPES.values() if d.onnx == r.dtype)
+        value = c.const(np.zeros((), np_type))
+    c.set_state(r, c.op("SequenceInsert", [c.get_state(r), value]))
+    return [c.x(n, 1)]
+
+
+@handler("StackPopV2")
+def _pop(c: Converter, n: TFNode):
+    r = c.resource(n)
+    seq, last = c.get_state(r), c.i64(-1)
+    value = c.op("SequenceAt", [seq, last])
+    c.set_state(r, c.op("SequenceErase", [seq, last]))
+    return [value]
