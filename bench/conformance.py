@@ -8,6 +8,8 @@ where the runtime allows). Prints pass / unsupported (NotDifferentiableError) / 
     python bench/conformance.py [--per-op N] [--op Resize ...] [--pass-list] [-v]
 
 --pass-list prints the names of the passing cases (tests/test_conformance.py pins that list).
+A few cases are checked in float32 (FLOAT32_CHECK) or excluded (EXCLUDED_CASES), each with the
+reason written beside it; excluded cases are counted in their own column.
 """
 from __future__ import annotations
 
@@ -38,6 +40,40 @@ ConvInteger StringNormalizer StringConcat StringSplit RegexFullMatch TfIdfVector
 NonMaxSuppression Optional OptionalGetElement OptionalHasElement
 """.split())
 
+# cases checked in float32 instead of float64, with why: their forward does not run in float64
+# (the check's float64 copy), so float64 central differences would measure float32 round-off
+FLOAT32_CHECK = {
+    # stash_type (float32 by default) keeps the forward's statistics in float32 even in the
+    # float64 copy: float64 differences are noise there (rel err ~0.4); in float32 they pass
+    "test_group_normalization_epsilon": "GroupNormalization-21 computes in its stash_type",
+    "test_group_normalization_example": "GroupNormalization-21 computes in its stash_type",
+    # onnxruntime's float64 Attention runs the function body, whose softmax over a fully masked
+    # row is NaN; the float32 kernel (and the cases' expected outputs) give 0 there, as the
+    # gradient rule does
+    "test_attention_23_boolmask_fullymasked_row_nan_robustness":
+        "float64 Attention gives NaN on fully masked rows",
+    "test_attention_23_fullymasked_qk_matmul_output_mode3_zero":
+        "float64 Attention gives NaN on fully masked rows",
+    "test_attention_24_fullymasked_qk_matmul_output_mode3_zero":
+        "float64 Attention gives NaN on fully masked rows",
+}
+
+# cases left out of pass / fail because the oracle itself disagrees with the runtimes, with why
+EXCLUDED_CASES = {
+    # onnx.reference (the float64 fallback: onnxruntime has no float64 MaxUnpool) scatters into
+    # the default output shape and pads it to output_shape; onnxruntime, and MaxPool's indices
+    # that MaxUnpool consumes, address the output_shape tensor itself. The rule follows
+    # onnxruntime (tests/test_rules_conv.py checks it against numpy)
+    "test_maxunpool_export_with_output_shape":
+        "onnx.reference's MaxUnpool with output_shape places values differently from onnxruntime",
+    # float16 inputs with softmax_precision=FLOAT and a fully masked row: the float64 copy still
+    # runs the softmax in float32 (differences are round-off), with softmax_precision=DOUBLE
+    # onnxruntime's float64 function body gives NaN on the masked row, and float16 differences
+    # are too coarse; tests/test_rules_vision.py checks fully masked rows against torch instead
+    "test_attention_24_qk_matmul_output_mode3_softmax_precision":
+        "no finite-difference oracle (float32 softmax in the float64 copy, NaN rows otherwise)",
+}
+
 
 @functools.lru_cache(maxsize=1)
 def all_cases() -> dict:
@@ -51,14 +87,24 @@ def _elem(vi):
     return t.tensor_type.elem_type if t.WhichOneof("value") == "tensor_type" else None
 
 
+# inputs held constant beyond what the schemas mark, with why
+FROZEN_INPUTS = {
+    # rois are region proposals: the rule gives X's gradient only, as torchvision's roi_align
+    # and Detectron's RoIAlign backward do (Y is piecewise smooth in rois, but no framework
+    # propagates into the proposals)
+    "RoiAlign": {1},
+}
+
+
 def _non_differentiable(node, opset):
-    """Input positions the op's schema marks NonDifferentiable (shapes, scales, indices ...)."""
+    """Input positions the op's schema marks NonDifferentiable (shapes, scales, indices ...),
+    and those FROZEN_INPUTS names."""
     try:
         schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
     except onnx.defs.SchemaError:
         return set()
     formal = list(schema.inputs)
-    out = set()
+    out = set(FROZEN_INPUTS.get(node.op_type, ()))
     for i in range(1, len(node.input)):  # input 0 is the data (AffineGrid's theta is mislabeled)
         p = formal[min(i, len(formal) - 1)] if formal else None
         if p is not None and p.differentiation_category == \
@@ -131,11 +177,15 @@ class _Timeout(Exception):
 
 
 def check_case(name: str, timeout: int = 60):
-    """('pass' | 'unsupported' | 'fail', detail) for one case."""
+    """('pass' | 'unsupported' | 'fail' | 'excluded', detail) for one case (FLOAT32_CHECK and
+    EXCLUDED_CASES above say which cases are treated differently, and why)."""
     import onnxgrad
     from onnxgrad.check import check_gradients
+    if name in EXCLUDED_CASES:
+        return "excluded", EXCLUDED_CASES[name]
     case = all_cases()[name]
     op, model, xs, ys, feeds = build(case)
+    dtype = "float32" if name in FLOAT32_CHECK else "float64"
     if not xs:
         return "unsupported", "no differentiable float input"
 
@@ -146,7 +196,7 @@ def check_case(name: str, timeout: int = 60):
     signal.alarm(timeout)
     try:
         report = check_gradients(model, ys, xs, feeds, max_elements=16, directions=2,
-                                 unconnected_gradients="zero")
+                                 unconnected_gradients="zero", dtype=dtype)
     except onnxgrad.NotDifferentiableError as e:
         return "unsupported", f"no rule: {e.op_type}"
     except _Timeout:
@@ -181,16 +231,16 @@ def main(argv=None) -> int:
             counts[status] += 1
             if status == "pass":
                 passing.append(name)
-            elif args.verbose or status == "fail":
+            elif args.verbose or status in ("fail", "excluded"):
                 notes.append(f"  {status:11s} {name}: {detail}")
         table[op] = counts
-    print(f"{'op':28s} {'pass':>5s} {'unsup':>5s} {'fail':>5s}")
+    print(f"{'op':28s} {'pass':>5s} {'unsup':>5s} {'fail':>5s} {'excl':>5s}")
     total = Counter()
     for op, c in table.items():
         total.update(c)
-        print(f"{op:28s} {c['pass']:5d} {c['unsupported']:5d} {c['fail']:5d}")
+        print(f"{op:28s} {c['pass']:5d} {c['unsupported']:5d} {c['fail']:5d} {c['excluded']:5d}")
     print(f"{'TOTAL (' + str(len(table)) + ' ops)':28s} {total['pass']:5d} "
-          f"{total['unsupported']:5d} {total['fail']:5d}")
+          f"{total['unsupported']:5d} {total['fail']:5d} {total['excluded']:5d}")
     print(f"ops fully passing: {sum(1 for c in table.values() if c['pass'] and not c['fail'] and not c['unsupported'])}"
           f"; {time.time() - t0:.0f} s")
     if notes:

@@ -103,15 +103,26 @@ def test_batch_norm_9_with_statistics_outputs_is_training():
     assert not rep.results[3].grad.any() and not rep.results[4].grad.any()
 
 
-def test_batch_norm_training_running_stats_carry_no_gradient():
-    m = op_model("BatchNormalization", bn_inputs(), n_out=3, opset=15, training_mode=1)
-    feeds = {k: rng(i).standard_normal((2, 3, 4, 5) if k == "x" else (3,)).astype(F)
-             for i, k in enumerate("xsbm")}
-    feeds["v"] = positive(3)
-    (gx, gs), _ = grads_of(m, ["y0"], ["x", "s"], feeds)
-    (gx3, gs3), _ = grads_of(m, ["y0", "y1", "y2"], ["x", "s"], feeds)
-    np.testing.assert_allclose(gx3, gx, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(gs3, gs, rtol=1e-6, atol=1e-7)
+@pytest.mark.parametrize("shape", [("N", 3), ("N", 3, 4, 5)])
+def test_batch_norm_training_running_stats(shape):
+    """running_mean = mean * momentum + mean_A(x) * (1 - momentum), and running_var likewise
+    with the biased batch variance: their gradients reach x, mean and var."""
+    m = op_model("BatchNormalization", bn_inputs(shape=shape), n_out=3, opset=15,
+                 training_mode=1, momentum=0.7)
+    feeds = {"x": rng().standard_normal((4,) + shape[1:]).astype(F), "v": positive(3)}
+    check(m, ["y0", "y1", "y2"], ["x", "s", "b", "m", "v"], feeds=feeds)
+    for y in ("y1", "y2"):  # each statistic on its own (the other's cotangent absent)
+        check(m, y, ["x", "m", "v"], feeds=feeds)
+    # numpy oracle: d/dmean, d/dvar are momentum; d running_var / dx = 0.3 * 2 (x - mu) / M
+    x = feeds["x"].astype(np.float64)
+    full = {**feeds, **{k: rng(i).standard_normal(3).astype(F) for i, k in enumerate("sbm")}}
+    (gx, gm, gv), _ = grads_of(m, ["y1", "y2"], ["x", "m", "v"], full)
+    axes = (0,) + tuple(range(2, x.ndim))
+    cnt = x.size / 3
+    mu = x.mean(axis=axes, keepdims=True)
+    np.testing.assert_allclose(gm, np.full(3, 0.7), rtol=1e-6)
+    np.testing.assert_allclose(gv, np.full(3, 0.7), rtol=1e-6)
+    np.testing.assert_allclose(gx, 0.3 * (1 + 2 * (x - mu)) / cnt, rtol=1e-4, atol=1e-6)
 
 
 def test_batch_norm_float16():

@@ -53,6 +53,26 @@ def test_resize_finite_differences(case):
     assert_gradients(m, "y", "x")
 
 
+def test_resize_scales_from_concat_of_constants():
+    """Exporters write scales as a Concat of Constants: the rule folds them (and y's spatial
+    size, which shape inference does not propagate here, follows floor(in * scale))."""
+    from onnx import TensorProto
+    c = [helper.make_node("Constant", [], [k], value=helper.make_tensor(k, TensorProto.FLOAT, [2], v))
+         for k, v in (("s1", [1, 1]), ("s2", [2, 1.5]))]
+    nodes = c + [helper.make_node("Concat", ["s1", "s2"], ["scales"], axis=0),
+                 helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear")]
+    m = make_model(nodes, {"x": (f, [1, 2, 4, 5])}, ["y"], opset=19)
+    rng = np.random.default_rng(0)
+    x, gy = rng.standard_normal((1, 2, 4, 5)), rng.standard_normal((1, 2, 8, 7))
+    assert_gradients(m, "y", "x")
+    _, want = _torch_grad(lambda t: F.interpolate(t, scale_factor=(2, 1.5), mode="bilinear",
+                                                  align_corners=False,
+                                                  recompute_scale_factor=False), x, gy)
+    (got,), _ = grads_of(onnxgrad.check.to_float64(m), "y", ["x"], {"x": x, "gy": gy},
+                         grad_ys=["gy"])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
+
+
 def _torch_grad(fn, x, gy):
     t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
     y = fn(t)
@@ -176,6 +196,35 @@ def test_attention_matches_torch_sdpa():
         np.testing.assert_allclose(a, t.grad.numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_attention_fully_masked_rows(dtype):
+    """A query row whose every key is masked: onnxruntime's kernel outputs 0 there and the
+    gradients through it are 0 (the function body alone would make every gradient NaN). Oracle:
+    torch autograd of attention written with that convention, in float64."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 2, 3, 8)) for _ in range(3))
+    mask = np.array([[False, False, False], [True, False, True], [True, True, True]])
+    gy = rng.standard_normal((1, 2, 3, 8))
+    m = op_model("Attention", {"q": (dtype, [1, 2, 3, 8]), "k": (dtype, [1, 2, 3, 8]),
+                               "v": (dtype, [1, 2, 3, 8])}, opset=23, inits={"mask": mask})
+    res = onnxgrad.gradients(m, "y", ["q", "k", "v"], grad_ys=["gy"])
+    from onnxgrad.runtime import session
+    feeds = {"q": q, "k": k, "v": v, "gy": gy}
+    sess = session(res.model)
+    y, *got = sess.run(["y", *res.grads], {n: a.astype(dtype) for n, a in feeds.items()})
+    ts = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    s = ts[0] @ ts[1].transpose(-1, -2) / np.sqrt(8)
+    live = torch.tensor(mask.any(-1, keepdims=True))
+    s = torch.where(torch.tensor(mask), s, torch.tensor(-np.inf, dtype=s.dtype))
+    p = torch.softmax(torch.where(live, s, torch.zeros_like(s)), -1) * live
+    (p @ ts[2]).backward(torch.tensor(gy))
+    tol = 2e-2 if dtype == np.float16 else 1e-4
+    np.testing.assert_allclose(y[0, :, 0].astype(np.float64), 0)  # the fully masked row
+    for a, t in zip(got, ts):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a.astype(np.float64), t.grad.numpy(), rtol=tol, atol=tol)
+
+
 def test_attention_causal_3d_inputs():
     m = op_model("Attention", {"q": (f, [2, 4, 12]), "k": (f, [2, 4, 12]), "v": (f, [2, 4, 12])},
                  opset=23, is_causal=1, q_num_heads=3, kv_num_heads=3)
@@ -211,6 +260,132 @@ def test_affine_grid_3d():
 
 
 def test_no_function_body_still_reports_not_differentiable():
-    m = op_model("GridSample", {"x": (f, [1, 1, 3, 3]), "grid": (f, [1, 2, 2, 2])}, opset=20)
-    with pytest.raises(onnxgrad.NotDifferentiableError, match="GridSample"):
+    m = op_model("DeformConv", {"x": (f, [1, 1, 3, 3]), "w": (f, [1, 1, 2, 2]),
+                                "offset": (f, [1, 8, 2, 2])}, opset=19, kernel_shape=[2, 2])
+    with pytest.raises(onnxgrad.NotDifferentiableError, match="DeformConv"):
         onnxgrad.gradients(m, "y", "x")
+
+
+# -- GridSample ---------------------------------------------------------------------------------
+def _grid_model(xshape, gshape, opset, **attrs):
+    return op_model("GridSample", {"x": (f, xshape), "grid": (f, gshape)}, opset=opset, **attrs)
+
+
+# the float64 finite differences run on GridSample-20 (onnx.reference, the fallback for float64
+# kernels, knows only its mode names); GridSample-16 is checked against torch. For cubic with
+# border padding the rule follows onnxruntime and PyTorch (each tap clamped), where
+# onnx.reference clamps the coordinate first
+@pytest.mark.parametrize("mode", ["linear", "nearest", "cubic"])
+@pytest.mark.parametrize("pad", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("ac", [0, 1])
+def test_grid_sample_finite_differences(mode, pad, ac):
+    m = _grid_model([2, 2, 4, 5], [2, 3, 2, 2], 20, mode=mode, padding_mode=pad,
+                    align_corners=ac)
+    rng = np.random.default_rng(3)
+    # grid points inside and outside [-1, 1]; nearest and the taps' floors have kinks at pixel
+    # borders, so the points keep away from them (finite differences would straddle one)
+    x = rng.standard_normal((2, 2, 4, 5))
+    grid = rng.uniform(-1.4, 1.4, (2, 3, 2, 2))
+    for k, size in enumerate([5, 4]):
+        c = (grid[..., k] + 1) * (size - 1) / 2 if ac else ((grid[..., k] + 1) * size - 1) / 2
+        frac = c - np.floor(c)
+        c = np.where(np.abs(frac - 0.5) > 0.4, np.floor(c) + 0.3, c)  # off integers and halves
+        grid[..., k] = 2 * c / (size - 1) - 1 if ac else (2 * c + 1) / size - 1
+    xs = ["x"] if mode == "nearest" else ["x", "grid"]
+    assert_gradients(m, "y", xs, {"x": x.astype(f), "grid": grid.astype(f)})
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("pad", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("ac", [False, True])
+@pytest.mark.parametrize("opset", [16, 20])
+def test_grid_sample_matches_torch(mode, pad, ac, opset):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 5, 6))
+    grid = rng.uniform(-1.3, 1.3, (2, 4, 3, 2))
+    gy = rng.standard_normal((2, 3, 4, 3))
+    onnx_mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode) if opset >= 20 else mode
+    m = _grid_model([2, 3, 5, 6], [2, 4, 3, 2], opset, mode=onnx_mode, padding_mode=pad,
+                    align_corners=int(ac))
+    tx = torch.tensor(x, requires_grad=True)
+    tg = torch.tensor(grid, requires_grad=True)
+    F.grid_sample(tx, tg, mode=mode, padding_mode=pad, align_corners=ac).backward(
+        torch.tensor(gy))
+    res = onnxgrad.gradients(m, "y", ["x", "grid"], grad_ys=["gy"])
+    from onnxgrad.runtime import session
+    gx, gg = session(res.model).run(res.grads, {"x": x.astype(f), "grid": grid.astype(f),
+                                                "gy": gy.astype(f)})
+    np.testing.assert_allclose(gx, tx.grad.numpy(), rtol=1e-4, atol=1e-4)
+    want = np.zeros_like(grid) if mode == "nearest" else tg.grad.numpy()
+    np.testing.assert_allclose(gg, want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("pad", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+def test_grid_sample_3d_matches_torch(mode, pad):
+    """GridSample-20 in 3-D (trilinear): torch's 5-D grid_sample."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 2, 3, 4, 5))
+    grid = rng.uniform(-1.2, 1.2, (2, 2, 3, 2, 3))
+    gy = rng.standard_normal((2, 2, 2, 3, 2))
+    m = _grid_model([2, 2, 3, 4, 5], [2, 2, 3, 2, 3], 20, mode=mode, padding_mode=pad)
+    tx = torch.tensor(x, requires_grad=True)
+    tg = torch.tensor(grid, requires_grad=True)
+    F.grid_sample(tx, tg, mode="bilinear" if mode == "linear" else mode, padding_mode=pad,
+                  align_corners=False).backward(torch.tensor(gy))
+    res = onnxgrad.gradients(m, "y", ["x", "grid"], grad_ys=["gy"])
+    from onnxgrad.runtime import run
+    gx, gg = run(res.model, {"x": x.astype(f), "grid": grid.astype(f), "gy": gy.astype(f)},
+                 outputs=res.grads)
+    np.testing.assert_allclose(gx, tx.grad.numpy(), rtol=1e-4, atol=1e-4)
+    want = np.zeros_like(grid) if mode == "nearest" else tg.grad.numpy()
+    np.testing.assert_allclose(gg, want, rtol=1e-3, atol=1e-3)
+
+
+def test_grid_sample_symbolic_shapes_and_float16():
+    """Batch and spatial dims symbolic; float16 X and grid (the scatter adds in float32)."""
+    h = np.float16
+    m = op_model("GridSample", {"x": (h, ["N", 2, "H", "W"]), "grid": (h, ["N", "h", "w", 2])},
+                 opset=20, mode="linear")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 2, 4, 3))
+    grid = rng.uniform(-1, 1, (1, 3, 2, 2))
+    gy = rng.standard_normal((1, 2, 3, 2))
+    res = onnxgrad.gradients(m, "y", ["x", "grid"], grad_ys=["gy"])
+    from onnxgrad.runtime import session
+    gx, gg = session(res.model).run(res.grads, {"x": x.astype(h), "grid": grid.astype(h),
+                                                "gy": gy.astype(h)})
+    tx, tg = torch.tensor(x, requires_grad=True), torch.tensor(grid, requires_grad=True)
+    F.grid_sample(tx, tg, align_corners=False).backward(torch.tensor(gy))
+    assert gx.dtype == h and gg.dtype == h
+    np.testing.assert_allclose(gx.astype(np.float64), tx.grad.numpy(), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(gg.astype(np.float64), tg.grad.numpy(), atol=5e-2, rtol=5e-2)
+
+
+# -- RoiAlign -----------------------------------------------------------------------------------
+ROIS = np.array([[0.3, 0.4, 3.6, 2.7], [1.2, 0.1, 4.4, 3.9], [-0.5, 2.0, 2.2, 5.5],
+                 [4.0, 3.5, 4.2, 3.6]], f)  # the last roi is tiny (an empty grid in half_pixel)
+
+
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("ctm", ["half_pixel", "output_half_pixel"])
+@pytest.mark.parametrize("sr", [0, 2])
+def test_roi_align_finite_differences(mode, ctm, sr):
+    """Every element of x probed (rois partly outside the image, sampling_ratio 0 giving a
+    different grid per roi); rois and batch_indices are constants (not differentiable)."""
+    m = op_model("RoiAlign", {"x": (f, [2, 3, 5, 6])}, opset=16,
+                 inits={"rois": ROIS, "bi": np.array([0, 1, 1, 0], np.int64)}, mode=mode,
+                 coordinate_transformation_mode=ctm, sampling_ratio=sr, output_height=2,
+                 output_width=3, spatial_scale=0.9)
+    rep = assert_gradients(m, "y", "x", max_elements=200)
+    assert rep.results[0].checked == 180
+
+
+def test_roi_align_10_symbolic_batch():
+    """RoiAlign-10 (output_half_pixel coordinates) with symbolic batch and roi counts."""
+    m = op_model("RoiAlign", {"x": (f, ["N", 2, 4, 5]), "rois": (f, ["R", 4])}, opset=10,
+                 inits={"bi": np.array([1, 0], np.int64)}, output_height=2, output_width=2)
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((2, 2, 4, 5)).astype(f), "rois": ROIS[:2]}
+    rep = assert_gradients(m, "y", "x", feeds, max_elements=100)
+    assert rep.results[0].checked == 80

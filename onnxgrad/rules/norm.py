@@ -79,6 +79,11 @@ def _chan(e, p, rank):
     return p if rank <= 2 else e.Unsqueeze(p, list(range(1, rank - 1)))
 
 
+def _dim1(e, x):
+    """x's channel count at run time (an int64 scalar)."""
+    return e.Gather(e.Shape(x), e.const(np.array(1, np.int64)))
+
+
 def _sum(e, t, axes):
     return e.reduce("ReduceSum", t, axes, keepdims=0)
 
@@ -89,11 +94,15 @@ def _batch_norm(n, g):
     """Inference: y = (x - mean) / sqrt(var + eps) * scale + B with the mean/var inputs, all five
     inputs differentiable. Training (training_mode=1 from opset 14; before it, a node with its
     optional statistics outputs, as onnxruntime runs it): the batch mean and biased variance over
-    all axes but 1 (as PyTorch's batch_norm); the running_mean / running_var (and saved
-    statistics) outputs carry no gradient (as TF's FusedBatchNormGrad ignores them). The batch
-    statistics are recomputed: BatchNormalization-9's saved_var is the inverse std on
-    onnxruntime but the variance in onnx.reference, so it cannot be reused safely."""
-    if g is None:
+    all axes but 1 (as PyTorch's batch_norm). The running statistics outputs are functions of
+    x too: running_mean = mean * momentum + mean_A(x) * (1 - momentum) and running_var =
+    var * momentum + var_A(x) * (1 - momentum) (biased, as onnxruntime and onnx.reference
+    compute it), so their gradients reach x, mean and var; BatchNormalization-9's saved
+    statistics carry none. The batch statistics are recomputed: BatchNormalization-9's saved_var
+    is the inverse std on onnxruntime but the variance in onnx.reference, so it cannot be reused
+    safely."""
+    g_rm, g_rv = _grad(n, 1), _grad(n, 2)
+    if g is None and g_rm is None and g_rv is None:
         return (None,) * 5
     e, x = n.e, n.x
     scale, bias, mean, var = n.ins[1:5]
@@ -107,11 +116,29 @@ def _batch_norm(n, g):
     else:  # BatchNormalization-9: the optional statistics outputs mean training mode
         training = any(_out(n, i) is not None for i in range(1, len(n.outs)))
     if training:
-        _, r, xh = _standardize(e, x, axes, eps)
-        gx = _std_backward(e, g * _chan(e, s, rank), xh, r, axes)
-        gs = _cast(e, _sum(e, g * xh, axes), scale.dtype)
-        gb = _cast(e, _sum(e, g, axes), bias.dtype)
-        return gx, gs, gb, None, None
+        mu, r, xh = _standardize(e, x, axes, eps)
+        gx = gs = gb = gm = gv = None
+        if g is not None:
+            gx = _std_backward(e, g * _chan(e, s, rank), xh, r, axes)
+            gs = _cast(e, _sum(e, g * xh, axes), scale.dtype)
+            gb = _cast(e, _sum(e, g, axes), bias.dtype)
+        if g_rm is not None or g_rv is not None:
+            momentum = n.attr("momentum", 0.9)
+            # d mean_A(x)/dx = 1/M, d var_A(x)/dx = 2 (x - mean_A x) / M, M the count over A
+            count = e.Cast(e.Div(e.Size(x), _dim1(e, x)), to=dt)
+            extra = None
+            if g_rm is not None:
+                extra = _chan(e, _cast(e, g_rm, dt), rank)
+                gm = _cast(e, g_rm * momentum, mean.dtype)
+            if g_rv is not None:
+                t = _chan(e, _cast(e, g_rv, dt), rank) * 2.0 * (x - mu)
+                extra = t if extra is None else extra + t
+                gv = _cast(e, g_rv * momentum, var.dtype)
+            extra = extra * (1.0 - momentum) / count
+            if g_rv is None:
+                extra = e.Expand(extra, e.Shape(x))
+            gx = extra if gx is None else gx + extra
+        return gx, gs, gb, gm, gv
     r = e.Reciprocal(e.Sqrt(_cast(e, var, dt) + eps))     # (C,)
     k = s * r
     gx = g * _chan(e, k, rank)

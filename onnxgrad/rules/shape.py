@@ -131,8 +131,10 @@ def _depth_to_space(n, g):
 
 
 @register("SpaceToDepth")
-def _space_to_depth(n, g):
-    return n.e.DepthToSpace(g, blocksize=n.attr("blocksize"), mode="DCR")
+def _space_to_depth(n, g):  # DepthToSpace of the same mode (CRD from opset 28) undoes it
+    mode = n.attr("mode", "DCR")
+    return n.e.DepthToSpace(g, blocksize=n.attr("blocksize"),
+                            mode=mode.decode() if isinstance(mode, bytes) else mode)
 
 
 @register("ReverseSequence")

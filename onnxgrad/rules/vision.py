@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import helper
 
 from ..registry import register
@@ -69,6 +71,8 @@ def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
     if use_scales:
         for a, s in zip(axes, scales.tolist()):
             full_s[a] = float(s)
+            if isinstance(xs[a], int):  # the spec's floor(in * scale); a static y overrides
+                out[a] = int(np.floor(xs[a] * np.float32(s)))
     elif sizes is not None and sizes.size > 0:
         policy = _s(n.attr("keep_aspect_ratio_policy", "stretch"))
         static = [xs[a] for a in axes]
@@ -124,12 +128,47 @@ _RESIZE_ATTRS = ("mode", "coordinate_transformation_mode", "cubic_coeff_a", "exc
                  "nearest_mode", "antialias", "extrapolation_value")
 
 
+def _folded(n, i, depth=8):
+    """Input i's value when it is a constant or computed from constants only (a Concat of
+    Constants, as exporters write Resize's scales): those few nodes are evaluated with
+    onnx.reference. None when any leaf is not constant."""
+    if i >= len(n.node.inputs):
+        return None
+    return _fold(n.node.inputs[i], depth)
+
+
+def _fold(v, depth):
+    if v is None or v.is_graph_input():
+        return None
+    if v.const_value is not None:
+        return v.const_value.numpy()
+    p = v.producer()
+    if p is None or depth <= 0 or p.domain not in ("", "ai.onnx") or any(
+            a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+            for a in p.attributes.values()) or p.op_type.startswith("Random"):
+        return None
+    feeds = {}
+    for x in p.inputs:
+        if x is not None:
+            val = _fold(x, depth - 1)
+            if val is None:
+                return None
+            feeds[x.name] = val
+    from onnx.reference import ReferenceEvaluator
+    node = ir.serde.serialize_node(p)
+    try:
+        outs = ReferenceEvaluator(node).run(None, feeds)
+    except Exception:  # noqa: BLE001  (not foldable: the rule reports what it lacks)
+        return None
+    return np.asarray(outs[list(p.outputs).index(v)])
+
+
 @register("Resize", since=11)
 def _resize(n, g):
     attrs = {k: _s(n.attr(k)) for k in _RESIZE_ATTRS}
     attrs["extrapolation_value"] = None  # the adjoint of the linear part
-    dx = _resize_grad(n, g, attrs.get("mode"), attrs, n.const(2), n.const(3), n.const(1),
-                      n.attr("axes"))
+    dx = _resize_grad(n, g, attrs.get("mode"), attrs, _folded(n, 2), _folded(n, 3),
+                      _folded(n, 1), n.attr("axes"))
     return (dx,) + (None,) * (len(n.ins) - 1)
 
 
@@ -138,7 +177,7 @@ def _resize10(n, g):  # Resize-10: asymmetric coordinates (as version_converter 
     mode = _s(n.attr("mode", "nearest"))
     attrs = {"mode": mode, "coordinate_transformation_mode": "asymmetric",
              "nearest_mode": "floor" if mode == "nearest" else None}
-    return _resize_grad(n, g, mode, attrs, n.const(1), None, None, None), None
+    return _resize_grad(n, g, mode, attrs, _folded(n, 1), None, None, None), None
 
 
 @register("Upsample")
@@ -148,7 +187,7 @@ def _upsample(n, g):
     attrs = {"mode": mode, "coordinate_transformation_mode": "asymmetric",
              "nearest_mode": "floor" if mode == "nearest" else None}
     scales = n.attr("scales")
-    scales = np.array(scales, np.float32) if scales is not None else n.const(1)
+    scales = np.array(scales, np.float32) if scales is not None else _folded(n, 1)
     dx = _resize_grad(n, g, mode, attrs, scales, None, None, None)
     return (dx,) + (None,) * (len(n.ins) - 1)
 
@@ -177,3 +216,286 @@ def _affine_grid(n, g):
 def _compress(n, g):
     axis = n.attr("axis")
     return _replay(n, g, lambda i: n.e.Compress(i, n.ins[1], axis=axis), add=False), None
+
+
+# -- sampling at fractional coordinates: GridSample, RoiAlign, DeformConv -------------------------
+_I64, _F32 = ir.DataType.INT64, ir.DataType.FLOAT
+_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+_A = -0.75  # GridSample's cubic coefficient (Keys)
+
+
+def _cubic(t):
+    """Keys' cubic weights of the taps at floor-1 .. floor+2 (t = c - floor(c)) and their
+    derivatives in t, as polynomials: [(w, dw)] * 4."""
+    s, u, v = t + 1.0, 1.0 - t, 2.0 - t
+
+    def far(z):  # |z| in [1, 2]
+        return ((z * _A - 5 * _A) * z + 8 * _A) * z - 4 * _A, (z * (3 * _A) - 10 * _A) * z + 8 * _A
+
+    def near(z):  # |z| in [0, 1]
+        return (z * (_A + 2) - (_A + 3)) * z * z + 1.0, (z * (3 * (_A + 2)) - 2 * (_A + 3)) * z
+
+    (w0, d0), (w1, d1), (w2, d2), (w3, d3) = far(s), near(t), near(u), far(v)
+    return [(w0, d0), (w1, d1), (w2, -d2), (w3, -d3)]
+
+
+def _reflect(e, c, lo, hi):
+    """c reflected at lo and hi until it lies in [lo, hi] (GridSample's reflection), and the
+    derivative of that map (+1 or -1)."""
+    rng = hi - lo
+    period = rng * 2.0
+    t = c - lo
+    m = t - e.Floor(t / period) * period
+    back = e.Greater(m, rng)
+    r = e.Where(back, period - m, m)
+    r = e.Where(e.Greater(rng, 0.0), r, e.zeros_like(r))  # an axis of one pixel
+    return lo + r, e.Where(back, e.const(-1.0, c.dtype), e.const(1.0, c.dtype))
+
+
+def _axis_taps(e, c, size, sizef, mode, padding, lo, hi):
+    """One axis of GridSample: the taps (int64 index, weight, d weight / dc) at pixel
+    coordinates c, after the spec's coordinate padding and with each tap's own padding (zeros:
+    a tap outside the axis weighs 0; border: clamped; reflection: reflected); and dc'/dc, the
+    derivative of the coordinate padding."""
+    one = e.const(1.0, c.dtype)
+    dfac = None
+    if mode == "nearest":
+        c = e.Round(c)  # half to even, as the spec and PyTorch
+    # border: each tap is clamped; for linear and nearest that equals the spec's clamping of
+    # the coordinate, for cubic it is what onnxruntime and PyTorch compute (onnx.reference
+    # clamps the coordinate first, so its cubic border values differ from theirs)
+    if padding == "reflection":
+        c, dfac = _reflect(e, c, lo, hi)
+    last = sizef - 1.0
+
+    def pad(i):  # float tap index -> (int64 index inside the axis, weight factor or None)
+        if padding == "zeros":
+            ok = e.Cast(e.And(e.GreaterOrEqual(i, 0.0), e.LessOrEqual(i, last)), to=c.dtype)
+            return e.Cast(e.Min(e.Max(i, 0.0), last), to=_I64), ok
+        if padding == "reflection":
+            i = _reflect(e, i, lo, hi)[0]
+        return e.Cast(e.Round(e.Min(e.Max(i, 0.0), last)), to=_I64), None
+
+    if mode == "nearest":
+        idx, ok = pad(c)
+        return [(idx, e.fill_like(c, 1) if ok is None else ok, None, None)], None
+    f = e.Floor(c)
+    t = c - f
+    if mode in ("linear", "bilinear"):
+        polys = [(f, one - t, -one), (f + 1.0, t, one)]
+    else:
+        polys = [(f + float(k - 1), w, dw) for k, (w, dw) in enumerate(_cubic(t))]
+    taps = []
+    for i, w, dw in polys:
+        idx, ok = pad(i)
+        taps.append((idx, w, dw, ok))
+    return taps, dfac
+
+
+def _combine(e, axis_taps, strides):
+    """Taps of all axes combined: [(flat index, weight, [d weight / dc_axis])] per combination."""
+    out = []
+    for combo in itertools.product(*axis_taps):
+        flat, ws = None, []
+        for (idx, w, _, ok), st in zip(combo, strides):
+            term = idx if st is None else idx * st
+            flat = term if flat is None else flat + term
+            ws.append(w if ok is None else w * ok)
+        weight = functools.reduce(lambda a, b: a * b, ws)
+        partial = []
+        for j, (_, _, dw, ok) in enumerate(combo):
+            if dw is None:  # nearest: piecewise constant
+                continue
+            p = dw if ok is None else dw * ok
+            for k, w in enumerate(ws):
+                if k != j:
+                    p = p * w
+            partial.append(p)
+        out.append((flat, weight, partial))
+    return out
+
+
+def _scatter_add(e, zeros, idx, upd, axis):
+    """ScatterElements(reduction="add") (opset 16); float16/bfloat16 add in float32, which
+    onnxruntime's CPU kernel requires."""
+    e.need(16)
+    dt = upd.dtype
+    if dt in _HALF:
+        r = e.ScatterElements(e.Cast(zeros, to=_F32), idx, e.Cast(upd, to=_F32), axis=axis,
+                              reduction="add")
+        return e.Cast(r, to=dt)
+    return e.ScatterElements(zeros, idx, upd, axis=axis, reduction="add")
+
+
+def _cast(e, v, dtype):
+    return v if v.dtype == dtype else e.Cast(v, to=dtype)
+
+
+@register("GridSample", since=16)
+def _grid_sample(n, g):
+    """Y[n, c, p] = sum over taps t of w_t(grid[n, p]) X[n, c, i_t(grid[n, p])]: each tap's
+    indices and weights are rebuilt from the grid (the spec's coordinate and tap padding, any
+    number of spatial axes). dX scatters g * w_t back to i_t (ScatterElements, reduction add);
+    dgrid = sum_c g * sum_t X[i_t] dw_t/dgrid (a GatherElements), zero for nearest."""
+    e, x, grid = n.e, n.x, n.ins[1]
+    mode = _s(n.attr("mode", "linear" if n.opset >= 20 else "bilinear"))
+    padding = _s(n.attr("padding_mode", "zeros"))
+    align = bool(n.attr("align_corners", 0))
+    rank = x.rank if x.rank is not None else grid.rank
+    if rank is None:
+        raise NotImplementedError(f"GridSample gradient at node {n.node.name!r}: the rank of "
+                                  "its inputs is unknown; run onnx shape inference first")
+    nd = rank - 2
+    dt = grid.dtype
+    shape = e.Shape(x)
+    sizes = [e.Gather(shape, e.const(np.array(2 + i, np.int64))) for i in range(nd)]
+    sizef = [e.Cast(s, to=dt) for s in sizes]
+    gf = e.Reshape(grid, [0, 1, -1, nd])                     # (N, 1, P, nd)
+    axis_taps, dfacs, scales = [], [], []
+    for i in range(nd):  # spatial axis i is grid component nd-1-i
+        gc = e.Squeeze(e.Slice(gf, [nd - 1 - i], [nd - i], [3]), [3])   # (N, 1, P)
+        if align:
+            c, scale, lo, hi = (gc + 1.0) * (sizef[i] - 1.0) * 0.5, (sizef[i] - 1.0) * 0.5, \
+                e.const(0.0, dt), sizef[i] - 1.0
+        else:
+            c, scale = ((gc + 1.0) * sizef[i] - 1.0) * 0.5, sizef[i] * 0.5
+            lo, hi = e.const(-0.5, dt), sizef[i] - 0.5
+        taps, dfac = _axis_taps(e, c, sizes[i], sizef[i], mode, padding, lo, hi)
+        axis_taps.append(taps)
+        dfacs.append(dfac)
+        scales.append(scale)
+    strides, acc = [None] * nd, None
+    for i in reversed(range(nd)):
+        strides[i] = acc
+        acc = sizes[i] if acc is None else acc * sizes[i]
+    combos = _combine(e, axis_taps, strides)
+    count = len(combos)
+    idx = e.Concat(*[c[0] for c in combos], axis=2)          # (N, 1, T*P)
+    w = e.Concat(*[c[1] for c in combos], axis=2)
+    xf = e.Reshape(x, [0, 0, -1])                            # (N, C, M)
+    idx = e.Expand(idx, e.Concat(e.Shape(x, end=2), e.Shape(idx, start=2), axis=0))
+    g3 = e.Tile(e.Reshape(g, [0, 0, -1]), [1, 1, count])     # (N, C, T*P)
+    dx = None
+    if n.wants(n.node.inputs[0]):
+        dx = _scatter_add(e, e.zeros_like(xf), idx, g3 * _cast(e, w, g.dtype), 2)
+        dx = e.Reshape(dx, shape)
+    dgrid = None
+    if n.wants(n.node.inputs[1]):
+        if mode == "nearest":
+            dgrid = e.zeros_like(grid)
+        else:
+            h = _cast(e, e.reduce("ReduceSum", g3 * e.GatherElements(xf, idx, axis=2), [1]), dt)
+            parts = []
+            for i in reversed(range(nd)):  # grid component k is spatial axis nd-1-k
+                p = e.Concat(*[c[2][i] for c in combos], axis=2)          # (N, 1, T*P)
+                d = e.reduce("ReduceSum", e.Reshape(h * p, [0, count, -1]), [1])  # (N, 1, P)
+                d = d * scales[i]
+                if dfacs[i] is not None:
+                    d = d * dfacs[i]
+                parts.append(e.Unsqueeze(d, [3]))
+            dgrid = e.Reshape(e.Concat(*parts, axis=3), e.Shape(grid))
+    return dx, dgrid
+
+
+# -- RoiAlign ------------------------------------------------------------------------------------
+def _roi_axis(e, c, size):
+    """RoiAlign's bilinear taps along one axis at sample coordinates c (the spec's clamping):
+    (in range, [(int64 index, weight)] * 2)."""
+    ok = e.And(e.GreaterOrEqual(c, -1.0), e.LessOrEqual(c, size))
+    c0 = e.Max(c, 0.0)
+    f = e.Floor(c0)
+    top = e.GreaterOrEqual(f, size - 1.0)
+    lo = e.Where(top, e.Expand(size - 1.0, e.Shape(f)), f)
+    hi = e.Where(top, lo, f + 1.0)
+    frac = e.Where(top, e.zeros_like(f), c0 - f)
+    return ok, [(e.Cast(lo, to=_I64), 1.0 - frac), (e.Cast(hi, to=_I64), frac)]
+
+
+def _roi_samples(e, start, size, bins, grid, dt):
+    """Sample coordinates [R, bins, G] of one axis (G the largest per-roi grid) and the mask
+    of the samples that exist for each roi (i < grid[r])."""
+    b = size / float(bins)                                   # bin size [R]
+    gmax = e.Cast(e.reduce("ReduceMax", grid, [0], keepdims=0), to=_I64)
+    i = e.Cast(e.Range(e.const(np.array(0, np.int64)), gmax, e.const(np.array(1, np.int64))),
+               to=dt)                                        # [G]
+    r3 = lambda t: e.Unsqueeze(t, [1, 2])                    # noqa: E731  [R] -> [R, 1, 1]
+    p = e.const(np.arange(bins, dtype=np.float64).reshape(1, -1, 1), dt)
+    safe = e.Max(grid, 1.0)
+    c = r3(start) + p * r3(b) + (e.Unsqueeze(i, [0, 1]) + 0.5) * r3(b / safe)
+    return c, e.Less(e.Unsqueeze(i, [0, 1]), r3(grid))
+
+
+@register("RoiAlign", since=10)
+def _roi_align(n, g):
+    """Y[r, c, ph, pw] averages (or takes the max of) bilinear samples of X[batch[r], c] on a
+    grid in each bin. The samples' taps and weights are rebuilt from rois (the spec's clamping,
+    sampling_ratio 0 meaning ceil(roi size / bins) per roi: samples up to the largest grid, the
+    others masked); dX scatters g times each tap's weight (avg) or to the tap of each bin's
+    maximum (max) with ScatterElements add. rois and batch_indices get no gradient."""
+    e, x = n.e, n.x
+    rois, batch = n.ins[1], n.ins[2]
+    dt = x.dtype
+    mode = _s(n.attr("mode", "avg"))
+    half = _s(n.attr("coordinate_transformation_mode", "half_pixel")) == "half_pixel" \
+        if n.opset >= 16 else False
+    oh, ow = int(n.attr("output_height", 1)), int(n.attr("output_width", 1))
+    sr = int(n.attr("sampling_ratio", 0))
+    scale = float(n.attr("spatial_scale", 1.0))
+    shape = e.Shape(x)
+    hw = [e.Cast(e.Gather(shape, e.const(np.array(i, np.int64))), to=dt) for i in (2, 3)]
+    hw_i = [e.Gather(shape, e.const(np.array(i, np.int64))) for i in (2, 3)]
+    r = _cast(e, rois, dt)
+    col = lambda k: e.Squeeze(e.Slice(r, [k], [k + 1], [1]), [1]) * scale - (0.5 if half else 0.0)  # noqa: E731,E501
+    x1, y1, x2, y2 = (col(k) for k in range(4))
+    rw, rh = x2 - x1, y2 - y1
+    if not half:
+        rw, rh = e.Max(rw, 1.0), e.Max(rh, 1.0)
+    if sr > 0:
+        gh = gw = e.Expand(e.const(float(sr), dt), e.Shape(rw))
+    else:
+        gh, gw = e.Ceil(rh / float(oh)), e.Ceil(rw / float(ow))
+    cy, my = _roi_samples(e, y1, rh, oh, gh, dt)             # [R, oh, Gh]
+    cx, mx = _roi_samples(e, x1, rw, ow, gw, dt)             # [R, ow, Gw]
+    oky, ty = _roi_axis(e, cy, hw[0])
+    okx, tx = _roi_axis(e, cx, hw[1])
+    y5 = lambda t: e.Unsqueeze(t, [3, 4])                    # noqa: E731  -> [R, oh, Gh, 1, 1]
+    x5 = lambda t: e.Unsqueeze(t, [1, 2])                    # noqa: E731  -> [R, 1, 1, ow, Gw]
+    exists = e.And(y5(my), x5(mx))                           # the samples of each roi's grid
+    inside = e.Cast(e.And(y5(oky), x5(okx)), to=dt)
+    base = e.Unsqueeze(e.Cast(batch, to=_I64) * (hw_i[0] * hw_i[1]), [1, 2, 3, 4])
+    taps = [(base + y5(iy) * hw_i[1] + x5(ix), y5(wy) * x5(wx) * inside)
+            for iy, wy in ty for ix, wx in tx]               # 4 x ([R, oh, Gh, ow, Gw])
+    xt = e.Reshape(e.Transpose(x, perm=[1, 0, 2, 3]), [0, -1])    # [C, N*H*W]
+    g6 = e.Unsqueeze(g, [3, 5])                              # [R, C, oh, 1, ow, 1]
+    perm = [1, 0, 2, 3, 4, 5]
+    if mode == "avg":
+        count = e.Unsqueeze(e.Max(gh * gw, 1.0), [1, 2, 3, 4])
+        idx = e.Concat(*[e.Reshape(i, [1, -1]) for i, _ in taps], axis=1)
+        upd = e.Concat(*[e.Reshape(e.Transpose(g6 * e.Unsqueeze(
+            w * e.Cast(exists, to=dt) / count, [1]), perm=perm), e.Concat(
+                e.Shape(xt, end=1), [-1], axis=0)) for _, w in taps], axis=1)
+    else:  # max: the tap w * X of each bin's largest product, first in (iy, ix, tap) order
+        idx7 = e.Concat(*[e.Unsqueeze(i, [5]) for i, _ in taps], axis=5)    # [R,oh,Gh,ow,Gw,4]
+        w7 = e.Concat(*[e.Unsqueeze(w, [5]) for _, w in taps], axis=5)
+        vals = e.Gather(xt, e.Reshape(idx7, [-1]), axis=1)                  # [C, K]
+        vals = e.Reshape(vals, e.Concat(e.Shape(xt, end=1), e.Shape(idx7), axis=0))
+        vals = vals * e.Unsqueeze(w7, [0])                                  # [C,R,oh,Gh,ow,Gw,4]
+        ex7 = e.Unsqueeze(e.Unsqueeze(exists, [5]), [0])
+        vals = e.Where(ex7, vals, e.const(-np.inf, dt))
+        flat = e.Reshape(e.Transpose(vals, perm=[1, 0, 2, 4, 3, 5, 6]), [0, 0, oh, ow, -1])
+        am = e.ArgMax(flat, axis=-1, keepdims=1)
+        hit = e.Equal(e.Range(e.const(np.array(0, np.int64)),
+                              e.Squeeze(e.Shape(flat, start=-1), [0]),
+                              e.const(np.array(1, np.int64))), am)
+        sel = e.Cast(hit, to=dt) * e.Unsqueeze(g, [4])                      # [R,C,oh,ow,S]
+        sel = e.Reshape(sel, e.Concat(e.Shape(g), e.Shape(idx7, start=2, end=3),
+                                      e.Shape(idx7, start=4), axis=0))     # [R,C,oh,ow,Gh,Gw,4]
+        sel = e.Transpose(sel, perm=[1, 0, 2, 4, 3, 5, 6]) * e.Unsqueeze(w7, [0])
+        sel = sel * e.Cast(ex7, to=dt)
+        upd = e.Reshape(sel, e.Concat(e.Shape(xt, end=1), [-1], axis=0))
+        idx = e.Reshape(idx7, [1, -1])
+    idx = e.Expand(idx, e.Concat(e.Shape(xt, end=1), e.Shape(idx, start=1), axis=0))
+    dxt = _scatter_add(e, e.zeros_like(xt), idx, upd, 1)
+    dx = e.Transpose(e.Reshape(dxt, e.Concat(e.Shape(x, start=1, end=2), e.Shape(x, end=1),
+                                             e.Shape(x, start=2), axis=0)), perm=[1, 0, 2, 3])
+    return dx, None, None

@@ -1,0 +1,62 @@
+"""Gradient rule: Attention (opset 23+), through its ONNX function body with fully masked rows
+made safe.
+
+The body adds the mask as -inf and takes a Softmax; a row whose every score is -inf (a fully
+masked query) gives NaN there, and its NaN would spread through the sums of the backward pass
+into every gradient of K and V. onnxruntime's Attention kernel (and the ONNX test cases' expected
+outputs) give 0 for such a row instead, so the expansion differentiated here computes
+``P = Softmax(where(live, s, 0)) * live``, ``live`` meaning the row has a finite score: the same
+values on every other row, 0 on fully masked ones, and zero gradients through them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from ..errors import NotDifferentiableError
+from ..registry import register
+from .function import _expand, _function_proto
+
+
+def _safe_softmax(e, sm):
+    """Rewire Softmax node ``sm`` (not yet in the graph) to read safe scores; returns the
+    masked probabilities that replace its output."""
+    s = e.wrap(sm.inputs[0])
+    a = sm.attributes.get("axis")
+    axis = -1 if a is None else int(a.value)
+    finite = e.Cast(e.Not(e.IsInf(s, detect_positive=0)), to=ir.DataType.FLOAT)
+    live = e.Greater(e.reduce("ReduceMax", finite, [axis], keepdims=1),
+                     e.const(np.array(0, np.float32)))
+    sm.replace_input_with(0, e.Where(live, s, e.zeros_like(s)).value)
+    return live
+
+
+@register("Attention", since=23)
+def _attention(n, g):
+    fp = _function_proto(n)
+    if fp is None:
+        raise NotDifferentiableError(n.node.op_type, n.node.domain, n.opset, n.node.name, [])
+    e = n.e
+    clones, outs = _expand(n, fp)
+    nodes, swap = [], {}
+    for k, c in enumerate(clones):
+        for i, v in enumerate(c.inputs):
+            if v in swap:
+                c.replace_input_with(i, swap[v])
+        start = len(e.nodes)
+        live = _safe_softmax(e, c) if c.op_type == "Softmax" else None
+        nodes.extend(e.nodes[start:])
+        e.graph.append(c)
+        e.nodes.append(c)
+        nodes.append(c)
+        if live is not None:
+            start = len(e.nodes)
+            p = e.wrap(c.outputs[0])
+            swap[c.outputs[0]] = (p * e.Cast(live, to=p.dtype)).value
+            nodes.extend(e.nodes[start:])
+    outs = [swap.get(o, o) if o is not None else None for o in outs]
+    seeds = {o: gi for o, gi in zip(outs, n.gs) if o is not None and gi is not None}
+    xs = [v for v in n.node.inputs if v is not None and n.wants(v)]
+    view = ir.GraphView(inputs=[], outputs=[], nodes=nodes)
+    got = dict(zip(xs, n.differentiate(view, seeds, xs, e)))
+    return tuple(got.get(v) if v is not None else None for v in n.node.inputs)
