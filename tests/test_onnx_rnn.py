@@ -442,18 +442,22 @@ def test_onnx_node_case_gradients(name):
     fd_check(op, feeds, attrs, rng, seq_lens=seq)
 
 
-def test_sequence_lens_not_full_or_not_constant():
+def test_sequence_lens_full_constant_takes_the_plain_path():
+    """A constant sequence_lens equal to T everywhere needs no masking (cuDNN's cell, and an RNN
+    reads its reserve_space off Y); other lengths are checked against torch's packed sequences
+    in test_rnn_seqlens.py."""
     rng = np.random.default_rng(8)
-    feeds = rand_feeds("LSTM", rng)
-    model = onnx_rnn_model("LSTM", feeds, seq_lens=[T, T - 1, T])
-    with pytest.raises(NotImplementedError, match=r"sequence_lens=\[4, 3, 4\].*variable-length"):
-        onnxgrad.gradients(model, "Y", "X")
-    m = onnx_rnn_model("GRU", rand_feeds("GRU", rng), seq_lens=[T] * B)
-    m.graph.input.append(helper.make_tensor_value_info("sequence_lens", TP.INT32, [B]))
-    del m.graph.initializer[:]
-    with pytest.raises(NotImplementedError, match="not a constant"):
-        onnxgrad.gradients(m, "Y", "W")
-    onnxgrad.gradients(onnx_rnn_model("RNN", rand_feeds("RNN", rng), seq_lens=[T] * B), "Y", "X")
+    res = onnxgrad.gradients(onnx_rnn_model("LSTM", rand_feeds("LSTM", rng), seq_lens=[T] * B),
+                             "Y", "X")
+    ops = {n.op_type for n in res.model.graph.node}
+    assert "CudnnRNNBackpropV2" in ops and "OnnxRNN" not in ops
+    res = onnxgrad.gradients(onnx_rnn_model("LSTM", rand_feeds("LSTM", rng),
+                                            seq_lens=[T, T - 1, T]), "Y", "X")
+    assert any(n.op_type == "OnnxRNNBackprop" and n.overload.endswith(".seq")
+               for n in res.model.graph.node)
+    res = onnxgrad.gradients(onnx_rnn_model("RNN", rand_feeds("RNN", rng), seq_lens=[T] * B),
+                             "Y", "X")
+    assert not any(n.op_type in ("CudnnRNNV2", "OnnxRNN") for n in res.model.graph.node)
 
 
 def test_unsupported_attributes_are_named():

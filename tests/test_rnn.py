@@ -333,10 +333,14 @@ def test_rule_needs_is_training():
 
 
 def test_attach_errors_and_idempotence():
-    with pytest.raises(NotImplementedError, match="dropout"):
-        rnn_model("CudnnRNNV2", "lstm", 2, UNI, dropout=0.5)
-    rnn_model("CudnnRNNV2", "lstm", 1, UNI, dropout=0.5)  # no dropout with one layer (as cuDNN)
-    rnn_model("CudnnRNNV2", "lstm", 2, UNI, dropout=0.5, is_training=0)  # inference: no dropout
+    key = lambda m: m.graph.node[0].overload  # noqa: E731
+    assert key(rnn_model("CudnnRNNV2", "lstm", 2, UNI, dropout=0.5)).endswith(".L2.drop")
+    # no dropout with one layer (as cuDNN), nor in inference
+    assert key(rnn_model("CudnnRNNV2", "lstm", 1, UNI, dropout=0.5)).endswith(".L1")
+    assert key(rnn_model("CudnnRNNV2", "lstm", 2, UNI, dropout=0.5, is_training=0)).endswith(
+        ".L2")
+    with pytest.raises(ValueError, match=r"dropout=1\.0 must be in \[0, 1\)"):
+        rnn_model("CudnnRNNV2", "lstm", 2, UNI, dropout=1.0)
     with pytest.raises(NotImplementedError, match="num_proj"):
         rnn_model("CudnnRNNV2", "lstm", 1, UNI, num_proj=3)
     with pytest.raises(ValueError, match="input_size == num_units"):

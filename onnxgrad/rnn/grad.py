@@ -38,3 +38,53 @@ def _cudnn_rnn(n, g):
     return tuple(r.with_shape(x.shape) for r, x in zip(res, n.ins[:4]))
 
 from . import onnx_rnn as _onnx_rnn  # noqa: E402,F401  (ai.onnx LSTM, GRU, RNN)
+
+
+# -- the params ops: CanonicalToParams and ParamsToCanonical are each other's gradient ----------
+from .params_ops import ATTRS as _PARAMS_ATTRS  # noqa: E402
+from .params_ops import node_counts as _node_counts  # noqa: E402
+
+_TRANSPOSE = {"CudnnRNNCanonicalToParams": "CudnnRNNParamsToCanonical",
+              "CudnnRNNCanonicalToParamsV2": "CudnnRNNParamsToCanonicalV2",
+              "CudnnRNNParamsToCanonical": "CudnnRNNCanonicalToParams",
+              "CudnnRNNParamsToCanonicalV2": "CudnnRNNCanonicalToParamsV2"}
+
+
+def _params_attrs(n):
+    op = n.node.op_type
+    attrs = {k: n.attr(k, d) for k, d in _PARAMS_ATTRS[op].items()}
+    nw, nb = _node_counts(op, attrs, len(n.node.inputs), len(n.node.outputs),
+                          f"{op} {n.node.name!r}: ")
+    if op.endswith("V2"):
+        attrs.update(num_params_weights=nw, num_params_biases=nb)
+    else:
+        attrs["num_params"] = nw
+    return attrs, nw, nb
+
+
+@register(["CudnnRNNCanonicalToParams", "CudnnRNNCanonicalToParamsV2"], domain=DOMAIN)
+def _canonical_to_params(n, g):
+    """d weights/biases: ParamsToCanonical of d params, reshaped to each input's shape."""
+    e = n.e
+    attrs, nw, nb = _params_attrs(n)
+    lists = n.ins[3:]
+    dt = lists[0].dtype
+    outs = e.op(_TRANSPOSE[n.node.op_type], *n.ins[:3], g, _outputs=nw + nb, _domain=DOMAIN,
+                _dtype=[dt] * (nw + nb), **attrs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    outs[0].value.producer().overload = n.node.overload
+    return (None, None, None) + tuple(e.Reshape(o, e.Shape(x)).with_shape(x.shape)
+                                      for o, x in zip(outs, lists))
+
+
+@register(["CudnnRNNParamsToCanonical", "CudnnRNNParamsToCanonicalV2"], domain=DOMAIN)
+def _params_to_canonical(n, g):
+    """d params: CanonicalToParams of the cotangents (zeros for outputs without one)."""
+    e = n.e
+    attrs, nw, nb = _params_attrs(n)
+    dt = n.ins[3].dtype
+    gs = [n.gs[i] if n.gs[i] is not None else e.fill_like(n.outs[i], 0, dt)
+          for i in range(nw + nb)]
+    res = e.op(_TRANSPOSE[n.node.op_type], *n.ins[:3], *gs, _domain=DOMAIN, _dtype=dt, **attrs)
+    res.value.producer().overload = n.node.overload
+    return None, None, None, res.with_shape(n.ins[3].shape)

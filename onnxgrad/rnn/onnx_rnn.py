@@ -16,10 +16,19 @@ cuDNN's bidirectional; "reverse" runs the forward direction on the time-reversed
   states, which is the node's own output Y (rearranged); LSTM and GRU save gate activations that
   Y does not hold, so the forward op is run once more in the gradient graph.
 
+* ``sequence_lens`` (variable-length batches; a run-time input or a constant that is not the
+  sequence length everywhere): the ``.seq`` variant of OnnxRNN/OnnxRNNBackprop, which takes
+  sequence_lens as its last input and masks each step (``t < sequence_lens[b]``): a padded step
+  carries h and c unchanged and outputs 0 (onnxruntime's semantics; the reverse direction starts
+  at step sequence_lens[b] - 1). "reverse" then reverses each batch entry's valid steps
+  (ReverseSequence) instead of the whole time axis, and an RNN's forward is recomputed (its Y is
+  0 at padded steps, not the carried state). A sequence_lens that is a constant equal to the
+  static sequence length everywhere is ignored (the plain path). Entries must be in [1, T].
+
 Supported: every direction, layout 0 and 1, initial_h / initial_c given or absent, B given or
-absent, clip, linear_before_reset 0 and 1, peepholes, default activations (and RNN's Relu).
-Not supported (NotImplementedError naming the node): other activations, input_forget=1, and a
-sequence_lens that is not a constant equal to the (static) sequence length everywhere.
+absent, clip, linear_before_reset 0 and 1, peepholes, default activations (and RNN's Relu),
+sequence_lens absent, constant or computed at run time.
+Not supported (NotImplementedError naming the node): other activations and input_forget=1.
 """
 from __future__ import annotations
 
@@ -42,8 +51,7 @@ def _fail(n, what):
     node = n.node
     raise NotImplementedError(
         f"onnxgrad has no gradient for {node.op_type} node {node.name!r} with {what}; supported: "
-        "default activations (RNN: Tanh or Relu), input_forget=0, and sequence_lens absent or a "
-        "constant equal to the sequence length for every batch entry")
+        "default activations (RNN: Tanh or Relu) and input_forget=0")
 
 
 def _mode(n, op):
@@ -61,15 +69,15 @@ def _mode(n, op):
     return op.lower()
 
 
-def _check_seq_lens(n, T):
+def _seq_lens(n, T):
+    """The node's sequence_lens when it needs masking; None when absent or a constant equal to
+    the static sequence length everywhere."""
     if n.input(4) is None:
-        return
+        return None
     lens = n.const(4)
-    if lens is None:
-        _fail(n, "a sequence_lens that is not a constant (variable-length batches)")
-    if not isinstance(T, int) or np.any(np.asarray(lens) != T):
-        _fail(n, f"sequence_lens={np.asarray(lens).tolist()} that is not the sequence length "
-                 f"{T} everywhere (variable-length batches)")
+    if lens is not None and isinstance(T, int) and np.all(np.asarray(lens) == T):
+        return None
+    return n.input(4)
 
 
 def _flip(e, x):
@@ -107,18 +115,23 @@ def _onnx_rnn(n, g):
     h0 = n.input(5)
     c0 = n.input(6) if lstm else None
     P = n.input(7) if lstm else None
-    variant = Variant(lbr, clip is not None, P is not None)
+    xs = X.shape
+    T = (xs[1] if layout else xs[0]) if xs is not None and len(xs) == 3 else None
+    lens = _seq_lens(n, T)
+    variant = Variant(lbr, clip is not None, P is not None, seq=lens is not None)
     e.need(15 if variant.clip else 13)  # CastLike for the clip bound; the bodies need 13
     dt = X.dtype
     G = len(_PERM[op])
 
     # -- inputs in cuDNN's time-major form -------------------------------------------------
-    xs = X.shape
-    T = (xs[1] if layout else xs[0]) if xs is not None and len(xs) == 3 else None
-    _check_seq_lens(n, T)
     x = e.Transpose(X, perm=[1, 0, 2]) if layout else X
+    if lens is not None:
+        lens64 = e.Cast(lens, to=ir.DataType.INT64)
+        flip = lambda v: e.ReverseSequence(v, lens64, batch_axis=1, time_axis=0)  # noqa: E731
+    else:
+        flip = lambda v: _flip(e, v)  # noqa: E731
     if direction == "reverse":
-        x = _flip(e, x)
+        x = flip(x)
     sx = e.Shape(x)
     H = e.Slice(e.Shape(R), [2], [3])
     state_shape = e.Concat(e.const(np.array([nd], np.int64)), e.Slice(sx, [1], [2]), H, axis=0)
@@ -148,20 +161,21 @@ def _onnx_rnn(n, g):
         dy = e.Reshape(e.Transpose(gY, perm=[1, 0, 2, 3] if layout else [0, 2, 1, 3]),
                        [0, 0, -1])
         if direction == "reverse":
-            dy = _flip(e, dy)
+            dy = flip(dy)
     dhn = _zeros(e, state_shape, dt) if gYh is None else state(gYh)
     dcn = (_zeros(e, state_shape, dt) if gYc is None else state(gYc)) if lstm else dhn
 
     # -- forward (recomputed unless its outputs are what backward needs) and backward -------
     cudnn_dir = "bidirectional" if nd == 2 else "unidirectional"
     key = overload_key(mode, cudnn_dir, "linear_input", 1, variant)
-    ex = variant != Variant()
+    ex = variant.onnx_options
     attrs = dict(rnn_mode=mode, direction=cudnn_dir)
     if ex:
         attrs.update(linear_before_reset=lbr, **({"clip": float(clip)} if variant.clip else {}))
     Y = n.outs[0] if n.outs else None
-    fwd_ins = [x, h, c, params] + ([P] if variant.peep else [])
-    if mode.startswith("rnn") and not variant.clip and Y is not None:
+    ex_ins = ([P] if variant.peep else []) if lens is None else [P, lens]
+    fwd_ins = [x, h, c, params] + ex_ins
+    if mode.startswith("rnn") and not variant.clip and not variant.seq and Y is not None:
         # the reserve_space of an RNN is its hidden states: Y as [nd, T, B, H], flattened
         ys = e.Transpose(Y, perm=[2, 1, 0, 3] if layout else [1, 0, 2, 3])
         if direction == "reverse":
@@ -178,7 +192,7 @@ def _onnx_rnn(n, g):
         reserve = fwd[3]
     bwd_ins = [x, h, c, params, fwd[0], fwd[1], fwd[2], dy, dhn, dcn, reserve]
     if ex:
-        bwd_ins += [P] if variant.peep else []
+        bwd_ins += ex_ins
     else:
         bwd_ins.append(host)
     n_out = 5 if variant.peep else 4
@@ -189,7 +203,7 @@ def _onnx_rnn(n, g):
 
     # -- back to the node's shapes ---------------------------------------------------------
     if direction == "reverse":
-        dx = _flip(e, dx)
+        dx = flip(dx)
     if layout:
         dx = e.Transpose(dx, perm=[1, 0, 2])
     dB = None

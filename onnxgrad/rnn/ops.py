@@ -61,11 +61,31 @@ CudnnRNN's without host_reserved (resp. CudnnRNNBackprop's plus ``peepholes_back
 Attributes: rnn_mode, input_mode, direction, ``linear_before_reset`` (1: cuDNN's GRU; 0: ONNX's
 default, h~ = tanh(W_h x + b_Wh + R_h (r * h) + b_Rh)), ``clip`` (0: none; else ONNX's clip,
 bounding every gate pre-activation to [-clip, clip], as onnxruntime does; needs opset 15).
-The overload key gets ``.lbr0``, ``.clip``, ``.peep`` suffixes.
+With ``sequence_lens`` (int32 [batch], ONNX's per-batch lengths; the inputs are then
+``..., peepholes (may be ""), sequence_lens``), step t of batch entry b is computed only when
+t < sequence_lens[b]: a padded step carries h and c unchanged (so the reserve_space rows' c_t and
+h_t are the carried states) and outputs 0; the backward passes dh, dc through padded steps.
+The overload key gets ``.lbr0``, ``.clip``, ``.peep``, ``.seq`` suffixes.
 
-Dropout is not implemented yet: a forward op with dropout > 0, is_training and num_layers > 1
-(or a backward op with dropout > 0 and num_layers > 1) is rejected by :func:`attach_functions`
-with NotImplementedError. (cuDNN applies no dropout to a single-layer model.)
+**Dropout** (forward ops with dropout > 0, is_training and num_layers >= 2, and backward ops
+with dropout > 0 and num_layers >= 2; overload suffix ``.drop``, ai.onnx opset >= 15): as cuDNN,
+the input of layers 2..L (the output of the layer below, both directions together) is
+multiplied by a mask of 0 (dropped) and 1 / (1 - dropout) (kept); nothing else is dropped, and a
+one-layer model or inference is unchanged (dropout = 0 builds exactly the function without it).
+The masks ``[num_layers - 1, seq_length, batch, num_dirs * num_units]`` are **appended to
+reserve_space** after the rows above (flattened, in input's dtype); the backward op reads them
+from there and never recomputes them. Generator (deterministic; see
+:func:`onnxgrad.rnn.reference.dropout_mask`): element k of the masks (row-major flat index) is
+kept when ``dropout_hash(k, seed, seed2) >= int64(float32(dropout) * float32(2**31 - 1))``, a
+counter-based hash in int64 Mod/Mul/Add modulo the prime 2**31 - 1 (onnxruntime's RandomUniform
+is not used: its generator advances on every run, so two runs of one model would differ). The
+same seeds give the same masks on every run (unlike TF, where the dropout state advances per
+step and seed = seed2 = 0 means a random seed): feed different seeds per step for fresh masks.
+Counters wrap modulo 2**31 - 1 (masks longer than that repeat).
+
+**Params ops** (CudnnRNNParamsSize, CudnnRNNParamsToCanonical[V2], CudnnRNNCanonicalToParams[V2]):
+see :mod:`onnxgrad.rnn.params_ops`. :func:`op_signature` gives any op's TF signature (input and
+output names in order, attributes with defaults, list lengths) for converters.
 """
 from __future__ import annotations
 
@@ -75,6 +95,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .params_ops import ATTRS as PARAMS_ATTRS
+from .params_ops import PARAMS_OPS
 from .params import INPUT_MODES, RNN_MODES, layout_coefficients, num_dirs, num_gates, \
     resolve_input_mode
 from .reference import RESERVE_WIDTH
@@ -103,26 +125,41 @@ BACKWARD_OUTPUTS = ["input_backprop", "input_h_backprop", "input_c_backprop", "p
 
 
 class Variant(tuple):
-    """The ONNX cell options cuDNN lacks: GRU linear_before_reset=0, clip on the gate
-    pre-activations, LSTM peepholes. ``Variant()`` is cuDNN's cell."""
+    """What changes a body's structure beyond (rnn_mode, direction, input_mode, num_layers):
+    the ONNX cell options cuDNN lacks (GRU linear_before_reset=0, clip on the gate
+    pre-activations, LSTM peepholes, per-batch ``sequence_lens``; OnnxRNN* only) and dropout
+    between layers (CudnnRNN* only). ``Variant()`` is cuDNN's cell without dropout."""
 
-    def __new__(cls, lbr: int = 1, clip: bool = False, peep: bool = False):
-        return super().__new__(cls, (int(lbr), bool(clip), bool(peep)))
+    def __new__(cls, lbr: int = 1, clip: bool = False, peep: bool = False, drop: bool = False,
+                seq: bool = False):
+        return super().__new__(cls, (int(lbr), bool(clip), bool(peep), bool(drop), bool(seq)))
 
     lbr = property(lambda self: self[0])
     clip = property(lambda self: self[1])
     peep = property(lambda self: self[2])
+    drop = property(lambda self: self[3])
+    seq = property(lambda self: self[4])
+
+    def _replace_drop(self, drop: bool = False) -> "Variant":
+        return Variant(self.lbr, self.clip, self.peep, drop, self.seq)
+
+    @property
+    def onnx_options(self) -> bool:
+        """Whether it uses an ONNX cell option (only OnnxRNN / OnnxRNNBackprop have them)."""
+        return not self.lbr or self.clip or self.peep or self.seq
 
     def suffix(self) -> str:
         return ("" if self.lbr else ".lbr0") + (".clip" if self.clip else "") + \
-            (".peep" if self.peep else "")
+            (".peep" if self.peep else "") + (".drop" if self.drop else "") + \
+            (".seq" if self.seq else "")
 
     @classmethod
     def parse(cls, parts) -> "Variant":
-        bad = set(parts) - {"lbr0", "clip", "peep"}
+        bad = set(parts) - {"lbr0", "clip", "peep", "drop", "seq"}
         if bad:
             raise ValueError(f"unknown variant flags {sorted(bad)}")
-        return cls(0 if "lbr0" in parts else 1, "clip" in parts, "peep" in parts)
+        return cls(0 if "lbr0" in parts else 1, "clip" in parts, "peep" in parts,
+                   "drop" in parts, "seq" in parts)
 
 
 CUDNN_CELL = Variant()
@@ -133,13 +170,19 @@ def reserve_width(rnn_mode: str, variant: Variant = CUDNN_CELL) -> int:
     return RESERVE_WIDTH[rnn_mode] + (num_gates(rnn_mode) if variant.clip else 0)
 
 
+def _ex_inputs(variant: Variant) -> list[str]:
+    if variant.seq:  # positional: peepholes is "" when absent
+        return ["peepholes", "sequence_lens"]
+    return ["peepholes"] if variant.peep else []
+
+
 def op_inputs(op_type: str, variant: Variant = CUDNN_CELL) -> list[str]:
     if op_type in FORWARD_OPS:
         return list(FORWARD_INPUTS)
     if op_type == "OnnxRNN":
-        return FORWARD_INPUTS + (["peepholes"] if variant.peep else [])
+        return FORWARD_INPUTS + _ex_inputs(variant)
     if op_type == "OnnxRNNBackprop":
-        return BACKWARD_INPUTS + (["peepholes"] if variant.peep else [])
+        return BACKWARD_INPUTS + _ex_inputs(variant)
     return BACKWARD_INPUTS + (["host_reserved"] if op_type.endswith("V2") else [])
 
 
@@ -199,6 +242,22 @@ class _B:
         node.attribute.append(ref)
         self.nodes.append(node)
         return self.op("CastLike", node.output[0], like)
+
+    def attr_int(self, attr: str) -> str:
+        """The int attribute ``attr`` of the function (a reference), as an int64 scalar."""
+        node = helper.make_node("Constant", [], [self.fresh("attr_" + attr)])
+        node.attribute.append(onnx.AttributeProto(name="value_int", ref_attr_name=attr,
+                                                  type=onnx.AttributeProto.INT))
+        self.nodes.append(node)
+        return node.output[0]
+
+    def attr_float(self, attr: str) -> str:
+        """The float attribute ``attr`` of the function (a reference), as a float32 scalar."""
+        node = helper.make_node("Constant", [], [self.fresh("attr_" + attr)])
+        node.attribute.append(onnx.AttributeProto(name="value_float", ref_attr_name=attr,
+                                                  type=onnx.AttributeProto.FLOAT))
+        self.nodes.append(node)
+        return node.output[0]
 
     def sub(self, tag):
         return _B(self.counter, self.opset, tag)
@@ -342,6 +401,9 @@ def _fwd_cell(b: _B, cl: _Cell, RhT, bh, peep):
     lstm = rnn_mode == "lstm"
     h, xp = b.fresh("h"), b.fresh("xp")
     c = b.fresh("c") if lstm else None
+    valid = b.fresh("valid") if v.seq else None  # bool [B, 1]: t < sequence_lens[b]
+    keep = (lambda new, old: b.Where(valid, new, old)) if v.seq else \
+        (lambda new, old: new)  # noqa: E731  padded steps carry the state unchanged
     masks = []
     if lstm:
         g = b.Add(xp, b.Add(b.MatMul(h, RhT), bh))
@@ -356,6 +418,8 @@ def _fwd_cell(b: _B, cl: _Cell, RhT, bh, peep):
             go = b.Add(go, b.Mul(peep[1], c2))
         o = b.Sigmoid(cl.clip(b, go, masks))
         h2 = b.Mul(o, b.Tanh(c2))
+        y = h2
+        h2, c2 = keep(h2, h), keep(c2, c)
         row = b.Concat(i, f, cc, o, c2, *masks, h2, axis=1)
     elif rnn_mode == "gru":
         xr, xz, xn = _split(b, xp, cl.splits, 3)
@@ -375,13 +439,18 @@ def _fwd_cell(b: _B, cl: _Cell, RhT, bh, peep):
             pn = b.Add(xn, b.Add(b.MatMul(saved, RhT_n), bh_n))
         n = b.Tanh(cl.clip(b, pn, masks))
         h2 = b.Add(n, b.Mul(z, b.Sub(h, n)))
+        y = h2
+        h2 = keep(h2, h)
         row = b.Concat(r, z, n, saved, *masks, h2, axis=1)
     else:
         p = cl.clip(b, b.Add(xp, b.Add(b.MatMul(h, RhT), bh)), masks)
         h2 = b.Relu(p) if rnn_mode == "rnn_relu" else b.Tanh(p)
+        y = h2
+        h2 = keep(h2, h)
         row = b.Concat(*masks, h2, axis=1) if masks else b.Identity(h2)
-    ins = [h] + ([c] if lstm else []) + [xp]
-    outs = [h2] + ([c2] if lstm else []) + [row, b.Identity(h2)]
+    ins = [h] + ([c] if lstm else []) + [xp] + ([valid] if v.seq else [])
+    y = b.Where(valid, y, cl.zero) if v.seq else b.Identity(h2)  # ONNX: Y is 0 past the end
+    outs = [h2] + ([c2] if lstm else []) + [row, y]
     return _graph(b, "cell", ins, outs)
 
 
@@ -401,6 +470,41 @@ def _peepholes(b, dm, idx):
     return tuple(b.Slice(P, dm.mul(k, dm.H), dm.mul(k + 1, dm.H), b.ints(0)) for k in range(3))
 
 
+#: the modulus of the dropout hash (a prime; every product below stays under 2**63)
+DROPOUT_MODULUS = 2**31 - 1
+
+
+def _valid_steps(b: _B, dm: _Dims) -> str:
+    """bool [T, B, 1]: t < sequence_lens[b] (ONNX's per-batch lengths)."""
+    steps = b.Range(b.scalar_int(0), b.Squeeze(dm.T, b.ints(0)), b.scalar_int(1))
+    lens = b.Cast("sequence_lens", to=onnx.TensorProto.INT64)
+    return b.Unsqueeze(b.Less(b.Unsqueeze(steps, b.ints(1)), b.Unsqueeze(lens, b.ints(0))),
+                       b.ints(2))
+
+
+def _dropout_masks(b: _B, dm: _Dims, cl, L: int, nd: int, x: str) -> str:
+    """[L - 1, T, B, nd * H] in x's dtype: 0 (dropped) or 1 / (1 - dropout) (kept), for the
+    inputs of layers 2..L. The generator is :func:`onnxgrad.rnn.reference.dropout_mask`: a
+    counter-based hash of (flat index, seed, seed2) in int64 arithmetic modulo 2**31 - 1."""
+    shape = b.Concat(b.ints(L - 1), dm.T, dm.B, dm.mul(nd, dm.H), axis=0)
+    idx = b.Range(b.scalar_int(0), b.ReduceProd(shape, keepdims=0), b.scalar_int(1))
+    m = b.scalar_int(DROPOUT_MODULUS)
+    a, s2 = b.Mod(b.attr_int("seed"), m), b.Mod(b.attr_int("seed2"), m)
+    one_i = b.scalar_int(1)
+    mix = lambda v, k, c: b.Mod(b.Add(b.Mul(v, b.scalar_int(k)), c), m)  # noqa: E731
+    sq = lambda v, c: b.Mod(b.Add(b.Mul(v, v), c), m)  # noqa: E731
+    h = b.Add(b.Mod(idx, m), one_i)
+    h = sq(mix(h, 48271, a), s2)
+    h = sq(mix(h, 16807, b.Add(a, one_i)), b.Add(s2, one_i))
+    h = mix(h, 48271, a)
+    p32 = b.attr_float("dropout")
+    thr = b.Cast(b.Mul(p32, b.op("Constant", value=numpy_helper.from_array(
+        np.array(DROPOUT_MODULUS, np.float32)))), to=onnx.TensorProto.INT64)
+    p = b.CastLike(p32, x)
+    scale = b.Div(cl.one, b.Sub(cl.one, p))
+    return b.Reshape(b.Where(b.GreaterOrEqual(h, thr), scale, cl.zero), shape)
+
+
 def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_CELL):
     x, h0, c0, params = FORWARD_INPUTS
     lstm = rnn_mode == "lstm"
@@ -408,9 +512,13 @@ def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_C
     dm = _Dims(b, x, h0, nd)
     w = _Weights(b, dm, params, rnn_mode, L, direction, input_mode)
     cl = _Cell(b, x, dm.H, rnn_mode, variant)
+    valid = _valid_steps(b, dm) if variant.seq else None
+    drop = _dropout_masks(b, dm, cl, L, nd, x) if variant.drop else None
     layer_in = x
     hn, cn, rows = [], [], []
     for layer in range(L):
+        if drop is not None and layer > 0:  # cuDNN: dropout on the input of layers 2..L
+            layer_in = b.Mul(layer_in, b.Gather(drop, b.scalar_int(layer - 1), axis=0))
         outs = []
         for d in range(nd):
             idx = b.scalar_int(layer * nd + d)
@@ -426,8 +534,10 @@ def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_C
             peep = _peepholes(b, dm, idx) if variant.peep else None
             body = _fwd_cell(b.sub(f"l{layer}d{d}/"), cl, RhT, bh, peep)
             states = [b.Gather(h0, idx, axis=0)] + ([b.Gather(c0, idx, axis=0)] if lstm else [])
-            res = b.op("Scan", *states, xp, n_out=len(states) + 2, body=body, num_scan_inputs=1,
-                       scan_input_directions=[d], scan_output_directions=[d, d])
+            seqs = [xp] + ([valid] if variant.seq else [])
+            res = b.op("Scan", *states, *seqs, n_out=len(states) + 2, body=body,
+                       num_scan_inputs=len(seqs), scan_input_directions=[d] * len(seqs),
+                       scan_output_directions=[d, d])
             hn.append(res[0])
             if lstm:
                 cn.append(res[1])
@@ -441,7 +551,11 @@ def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_C
         b.Identity(stack(cn), out="output_c")
     else:
         b.Mul(cl.zero, cl.one, out="output_c")
-    b.Reshape(stack(rows), b.ints(-1), out="reserve_space")
+    if drop is None:
+        b.Reshape(stack(rows), b.ints(-1), out="reserve_space")
+    else:  # the masks follow the rows (see the layout above)
+        b.Concat(b.Reshape(stack(rows), b.ints(-1)), b.Reshape(drop, b.ints(-1)), axis=0,
+                 out="reserve_space")
     if v2:
         b.op("Constant", out="host_reserved", value=numpy_helper.from_array(
             _host_reserved(rnn_mode, direction, input_mode, L)))
@@ -457,7 +571,14 @@ def _bwd_cell(b: _B, cl: _Cell, Rh, peep):
     dh_c, dy, row, hp = b.fresh("dh"), b.fresh("dy"), b.fresh("row"), b.fresh("hp")
     dc_c = b.fresh("dc") if lstm else None
     cp = b.fresh("cp") if lstm else None
-    dh = b.Add(dy, dh_c)
+    dh_in, dc_in = dh_c, dc_c
+    valid = b.fresh("valid") if v.seq else None
+    if v.seq:  # a padded step passes dh, dc through unchanged and has no output
+        dh_tot = b.Add(b.Where(valid, dy, cl.zero), dh_c)
+        dh = b.Where(valid, dh_tot, cl.zero)
+        dc_c = b.Where(valid, dc_c, cl.zero) if lstm else None
+    else:
+        dh = b.Add(dy, dh_c)
     sig_d = lambda s: b.Mul(s, b.Sub(one, s))  # noqa: E731  sigmoid' from its output
     tanh_d = lambda t: b.Sub(one, b.Mul(t, t))  # noqa: E731
     k = reserve_width(rnn_mode, v)
@@ -506,7 +627,11 @@ def _bwd_cell(b: _B, cl: _Cell, Rh, peep):
             dp = b.Mul(dh, tanh_d(h))
         dp = m(dp, 0)
         dhp, states, outs = b.MatMul(dp, Rh), [], [dp]
-    ins = [dh_c] + ([dc_c] if lstm else []) + [dy, row, hp] + ([cp] if lstm else [])
+    if v.seq:
+        dhp = b.Where(valid, dhp, dh_tot)
+        states = [b.Where(valid, st, dc_in) for st in states]
+    ins = [dh_in] + ([dc_in] if lstm else []) + [dy, row, hp] + ([cp] if lstm else []) + \
+        ([valid] if v.seq else [])
     return _graph(b, "cell_grad", ins, [dhp] + states + outs)
 
 
@@ -532,13 +657,23 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
     cl = _Cell(b, x, H, rnn_mode, variant)
     k = reserve_width(rnn_mode, variant)
     width, first = dm.mul(k, H), b.ints(L * nd)
+    reserve, drop = "reserve_space", None
+    if variant.drop:  # [rows | dropout masks [L - 1, T, B, nd * H]]; both reshapes check sizes
+        n_rows = b.ReduceProd(b.Concat(first, dm.T, dm.B, width, axis=0), keepdims=1)
+        reserve = b.Slice("reserve_space", b.ints(0), n_rows, b.ints(0))
+        drop = b.op("Reshape", b.Slice("reserve_space", n_rows, b.ints(_INT_MAX), b.ints(0)),
+                    b.Concat(b.ints(L - 1), dm.T, dm.B, dm.mul(nd, H), axis=0),
+                    name="reserve_space_has_no_dropout_masks_of_this_configuration_"
+                         "is_the_forward_op_is_training_with_the_same_dropout")
     if v2:  # a host_reserved of another configuration makes the Reshape below fail, by name;
         # in two dims, so that onnxruntime's ReshapeFusion cannot turn the check into a -1
         bad = _check_host_reserved(b, rnn_mode, direction, input_mode, L)
         width, first = b.Add(width, bad), b.Add(first, bad)
-    R = b.op("Reshape", "reserve_space", b.Concat(first, dm.T, dm.B, width, axis=0),
+    R = b.op("Reshape", reserve, b.Concat(first, dm.T, dm.B, width, axis=0),
              name="reserve_space_does_not_match_this_configuration_or_the_forward_op_"
                   "host_reserved")
+    valid = _valid_steps(b, dm) if variant.seq else None
+    layer_mask = lambda layer: b.Gather(drop, b.scalar_int(layer - 1), axis=0)  # noqa: E731
     negH = b.Neg(H)
     rows = [b.Gather(R, b.scalar_int(i), axis=0) for i in range(L * nd)]
     hseq = [b.Slice(r, negH, b.ints(_INT_MAX), b.ints(2)) for r in rows]
@@ -551,6 +686,8 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
         else:
             below = hseq[(layer - 1) * nd:layer * nd]
             layer_in = below[0] if nd == 1 else b.Concat(*below, axis=2)
+            if drop is not None:
+                layer_in = b.Mul(layer_in, layer_mask(layer))
         dxs = []
         for d in range(nd):
             idx = layer * nd + d
@@ -574,6 +711,8 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
                 cprev = shifted(cs, b.Gather(c0, sidx, axis=0))
                 scan_in.append(cprev)
                 states.append(b.Gather("output_c_backprop", sidx, axis=0))
+            if variant.seq:
+                scan_in.append(valid)
             n_scan_out = 2 if gru else 1
             peep = _peepholes(b, dm, sidx) if variant.peep else None
             cell_R = _gru_split_rh(b, dm, Rh, bh, False)[:2] if lbr0 else Rh
@@ -614,6 +753,8 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
             else:
                 dxs.append(b.MatMul(dgx, Wx))
         dY = dxs[0] if nd == 1 else b.Add(*dxs)
+        if drop is not None and layer > 0:
+            dY = b.Mul(dY, layer_mask(layer))
     b.Identity(dY, out="input_backprop")
     stack = lambda vs: b.Concat(*[b.Unsqueeze(v, b.ints(0)) for v in vs], axis=0)  # noqa: E731
     b.Identity(stack(dh0s), out="input_h_backprop")
@@ -645,9 +786,16 @@ def make_function(op_type: str, rnn_mode: str = "lstm", direction: str = "unidir
     if opset < MIN_OPSET:
         raise ValueError(f"the CudnnRNN function bodies need ai.onnx opset >= {MIN_OPSET}, "
                          f"got {opset}")
-    if variant != CUDNN_CELL and op_type not in EX_OPS:
+    if variant.onnx_options and op_type not in EX_OPS:
         raise ValueError(f"{op_type} has cuDNN's cell only; {variant.suffix()!r} needs "
                          f"{' / '.join(EX_OPS)}")
+    if variant.drop and (op_type in EX_OPS or num_layers < 2):
+        raise ValueError(f"dropout applies between layers of {' / '.join(FORWARD_OPS)} and "
+                         f"their backward ops only (num_layers >= 2), not to {op_type} with "
+                         f"{num_layers} layer(s)")
+    if variant.drop and opset < 15:
+        raise ValueError(f"dropout in {op_type} needs ai.onnx opset >= 15 (CastLike), got "
+                         f"{opset}")
     if variant.clip and opset < 15:
         raise ValueError(f"clip in {op_type} needs ai.onnx opset >= 15 (CastLike), got {opset}")
     if not variant.lbr and rnn_mode != "gru":
@@ -721,7 +869,8 @@ def _variant_of(node: onnx.NodeProto, a: dict) -> Variant:
         return CUDNN_CELL
     pos = 4 if node.op_type == "OnnxRNN" else len(BACKWARD_INPUTS)
     peep = len(node.input) > pos and bool(node.input[pos])
-    return Variant(a["linear_before_reset"], a["clip"] > 0, peep)
+    seq = len(node.input) > pos + 1 and bool(node.input[pos + 1])
+    return Variant(a["linear_before_reset"], a["clip"] > 0, peep, seq=seq)
 
 
 def node_config(node: onnx.NodeProto, dims: dict | None = None, with_variant: bool = False):
@@ -742,7 +891,7 @@ def node_config(node: onnx.NodeProto, dims: dict | None = None, with_variant: bo
     hs = dims.get(node.input[1]) if len(node.input) > 1 else None
     if node.overload:
         key_mode, key_dir, key_in, layers, key_variant = parse_overload(node.overload, True)
-        if (key_mode, key_dir, key_variant) != (rnn_mode, direction, variant):
+        if (key_mode, key_dir, key_variant._replace_drop()) != (rnn_mode, direction, variant):
             raise ValueError(f"{node.op_type} {node.name!r}: overload {node.overload!r} does not "
                              f"match rnn_mode={rnn_mode!r}, direction={direction!r}"
                              + (f", cell options {variant.suffix()!r}" if ex else ""))
@@ -761,9 +910,16 @@ def node_config(node: onnx.NodeProto, dims: dict | None = None, with_variant: bo
         input_size = xs[2] if xs and len(xs) == 3 else None
         num_units = hs[2] if len(hs) == 3 else None
         input_mode = resolve_input_mode(a["input_mode"], input_size, num_units)
-    if a.get("dropout", 0) > 0 and layers > 1 and (not fwd or a["is_training"]):
-        raise NotImplementedError(f"{node.op_type} {node.name!r}: dropout={a['dropout']} between "
-                                  "layers is not implemented yet in onnxgrad's CudnnRNN functions")
+    drop = a.get("dropout", 0) > 0 and layers > 1 and (not fwd or bool(a["is_training"]))
+    if node.overload and key_variant.drop != drop:
+        raise ValueError(f"{node.op_type} {node.name!r}: overload {node.overload!r} does not "
+                         f"match dropout={a.get('dropout', 0)}"
+                         + ("" if not fwd else f", is_training={a['is_training']}")
+                         + f" with {layers} layer(s)")
+    if drop and not 0 < a["dropout"] < 1:
+        raise ValueError(f"{node.op_type} {node.name!r}: dropout={a['dropout']} must be in "
+                         "[0, 1)")
+    variant = Variant(*variant[:3], drop=drop, seq=variant.seq)
     cfg = (rnn_mode, direction, input_mode, layers)
     return cfg + (variant,) if with_variant else cfg
 
@@ -809,10 +965,12 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     model carries the matching FunctionProtos and imports the ``onnxgrad`` opset (version 1).
     A backward node reading the reserve_space of a forward node with other attributes or
     another configuration is a ValueError."""
+    from . import params_ops
     m = onnx.ModelProto()
     m.CopyFrom(model)
     nodes = [n for n in _walk(m.graph) if n.domain == DOMAIN and n.op_type in OPS]
-    if not nodes:
+    pnodes = [n for n in _walk(m.graph) if n.domain == DOMAIN and n.op_type in PARAMS_OPS]
+    if not nodes and not pnodes:
         return m
     opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None or opset < MIN_OPSET:
@@ -828,6 +986,13 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
         if (DOMAIN, n.op_type, n.overload) not in have:
             m.functions.append(make_function(n.op_type, *cfg[:4], opset=opset, variant=cfg[4]))
             have.add((DOMAIN, n.op_type, n.overload))
+    for n in pnodes:
+        key, kw = params_ops.node_config(n, _attrs(n, {k: v for k, v in params_ops.ATTRS[
+            n.op_type].items() if v is not None}))
+        n.overload = key
+        if (DOMAIN, n.op_type, key) not in have:
+            m.functions.append(params_ops.make_params_function(n.op_type, opset=opset, **kw))
+            have.add((DOMAIN, n.op_type, key))
     _check_pairs(m, nodes, cfgs)
     if not any(o.domain == DOMAIN for o in m.opset_import):
         m.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
@@ -837,10 +1002,46 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def make_node(op_type: str, inputs, outputs, **attrs) -> onnx.NodeProto:
     """A NodeProto of one of the ops in the onnxgrad domain (attributes as TF names them)."""
-    if op_type not in OPS:
-        raise ValueError(f"{op_type!r} is not one of {', '.join(OPS)}")
+    if op_type not in OPS + PARAMS_OPS:
+        raise ValueError(f"{op_type!r} is not one of {', '.join(OPS + PARAMS_OPS)}")
     return helper.make_node(op_type, inputs, outputs, domain=DOMAIN, **attrs)
 
 
-__all__ = ["attach_functions", "make_function", "make_node", "node_config", "overload_key",
+#: TensorFlow's CudnnRNN ops that map one to one onto this domain's ops (same names)
+TF_OPS = FORWARD_OPS + BACKWARD_OPS + PARAMS_OPS
+
+
+def op_signature(op_type: str) -> dict:
+    """TensorFlow's signature of one op of the family, as this domain implements it, for
+    converters: ``{"inputs": [...], "outputs": [...], "attributes": {name: default or None
+    (required)}, "variadic": {list name: count attribute(s)}}``. Names and order are TF's; a list
+    (variadic) input or output appears once by name (``weights``, ``biases``) and is passed as
+    that many consecutive node inputs/outputs. TF's type attributes are not ONNX attributes
+    (tensor types carry them), except CudnnRNNParamsSize's ``T`` and ``S``, which hold ONNX
+    TensorProto data types. ``is_training`` is an int (0/1)."""
+    if op_type in PARAMS_OPS:
+        ins = ["num_layers", "num_units", "input_size"]
+        if op_type == "CudnnRNNParamsSize":
+            io = (ins, ["params_size"])
+        elif op_type.startswith("CudnnRNNParamsToCanonical"):
+            io = (ins + ["params"], ["weights", "biases"])
+        else:
+            io = (ins + ["weights", "biases"], ["params"])
+        var = {}
+        if op_type != "CudnnRNNParamsSize":
+            var = ({"weights": "num_params_weights", "biases": "num_params_biases"}
+                   if op_type.endswith("V2") else {"weights": "num_params",
+                                                   "biases": "num_params"})
+        return {"inputs": io[0], "outputs": io[1], "attributes": dict(PARAMS_ATTRS[op_type]),
+                "variadic": var}
+    if op_type not in TF_OPS:
+        raise ValueError(f"{op_type!r} is not one of {', '.join(TF_OPS)}")
+    attrs = dict(FORWARD_ATTR_DEFAULTS if op_type in FORWARD_OPS else ATTR_DEFAULTS)
+    attrs.pop("num_proj")  # TF has it on CudnnRNNV3 only (the functions accept 0)
+    return {"inputs": op_inputs(op_type), "outputs": op_outputs(op_type), "attributes": attrs,
+            "variadic": {}}
+
+
+__all__ = ["attach_functions", "op_signature", "TF_OPS", "PARAMS_OPS", "make_function",
+           "make_node", "node_config", "overload_key",
            "DOMAIN", "OPS", "FORWARD_OPS", "BACKWARD_OPS", "EX_OPS", "Variant"]

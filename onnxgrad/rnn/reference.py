@@ -16,6 +16,44 @@ from .params import num_dirs, num_gates, per_layer, resolve_input_mode
 RESERVE_WIDTH = {"lstm": 6, "gru": 5, "rnn_relu": 1, "rnn_tanh": 1}
 
 
+#: the modulus of the dropout hash (a prime; every intermediate product stays under 2**63)
+DROPOUT_MODULUS = 2**31 - 1
+
+
+def dropout_hash(idx, seed: int = 0, seed2: int = 0) -> np.ndarray:
+    """The counter-based generator of the dropout masks: int64 values in [0, 2**31 - 1) from
+    int64 counters ``idx``, in int64 arithmetic modulo m = 2**31 - 1 (Python's sign convention:
+    results are >= 0), exactly as the ONNX bodies compute it with Mod/Mul/Add::
+
+        a, b = seed mod m, seed2 mod m
+        x = idx mod m + 1
+        x = ((x * 48271 + a) mod m)^2 + b  mod m
+        x = ((x * 16807 + a + 1) mod m)^2 + b + 1  mod m
+        x = (x * 48271 + a) mod m
+    """
+    m = np.int64(DROPOUT_MODULUS)
+    a, b = np.int64(seed % DROPOUT_MODULUS), np.int64(seed2 % DROPOUT_MODULUS)
+    x = np.asarray(idx, np.int64) % m + 1
+    x = (x * 48271 + a) % m
+    x = (x * x + b) % m
+    x = (x * 16807 + a + 1) % m
+    x = (x * x + b + 1) % m
+    return (x * 48271 + a) % m
+
+
+def dropout_mask(shape, dropout: float, seed: int = 0, seed2: int = 0, dtype=np.float32):
+    """The dropout masks of CudnnRNN/V2 (is_training, num_layers L >= 2), shape
+    ``[L - 1, seq_length, batch, num_dirs * num_units]``: element k (row-major flat index) is
+    kept, as 1 / (1 - dropout) in dtype, when dropout_hash(k, seed, seed2) >=
+    int64(float32(dropout) * float32(2**31 - 1)), else 0."""
+    p32 = np.float32(dropout)
+    thr = np.int64(p32 * np.float32(DROPOUT_MODULUS))
+    keep = dropout_hash(np.arange(int(np.prod(shape)), dtype=np.int64), seed, seed2) >= thr
+    one = np.asarray(1, dtype)
+    scale = one / (one - np.asarray(p32, dtype))
+    return np.where(keep, scale, np.asarray(0, dtype)).astype(dtype).reshape(shape)
+
+
 def _sigmoid(x):
     return 1 / (1 + np.exp(-x))
 
@@ -57,9 +95,11 @@ def _cell_forward(rnn_mode, xp, h, c, Rh, bh):
 
 
 def rnn_forward(x, h0, c0, params, rnn_mode="lstm", direction="unidirectional",
-                input_mode="linear_input"):
+                input_mode="linear_input", dropout_mask=None):
     """(output, output_h, output_c, reserve_space), computed in x's dtype. c0 may be None for
-    modes other than lstm; output_c is then a zero scalar (TF's shape for non-LSTM)."""
+    modes other than lstm; output_c is then a zero scalar (TF's shape for non-LSTM).
+    ``dropout_mask`` [L - 1, T, B, nd * H] multiplies the input of layers 2..L (cuDNN's
+    dropout) and is appended to reserve_space (the layout of :mod:`onnxgrad.rnn.ops`)."""
     x, h0, params = np.asarray(x), np.asarray(h0), np.asarray(params)
     nd, L, H, I, input_mode = _config(x, h0, rnn_mode, direction, input_mode)
     c0 = np.zeros_like(h0) if c0 is None or rnn_mode != "lstm" else np.asarray(c0)
@@ -68,6 +108,8 @@ def rnn_forward(x, h0, c0, params, rnn_mode="lstm", direction="unidirectional",
     layer_in = x
     hn, cn, reserve = [], [], []
     for layer in range(L):
+        if dropout_mask is not None and layer > 0:
+            layer_in = layer_in * dropout_mask[layer - 1]
         outs = []
         for d in range(nd):
             Wx, Rh, bx, bh = blocks[(layer, d)]
@@ -84,8 +126,11 @@ def rnn_forward(x, h0, c0, params, rnn_mode="lstm", direction="unidirectional",
                            np.zeros((0, h.shape[0], RESERVE_WIDTH[rnn_mode] * H), x.dtype))
         layer_in = np.concatenate(outs, axis=2)
     output_c = np.stack(cn) if rnn_mode == "lstm" else np.zeros((), x.dtype)
+    reserve = np.stack(reserve).astype(x.dtype).reshape(-1)
+    if dropout_mask is not None:
+        reserve = np.concatenate([reserve, np.asarray(dropout_mask, x.dtype).reshape(-1)])
     return (layer_in.astype(x.dtype), np.stack(hn).astype(x.dtype), output_c.astype(x.dtype),
-            np.stack(reserve).astype(x.dtype).reshape(-1))
+            reserve)
 
 
 def _cell_backward(rnn_mode, dh, dc, row, hp, cp, Rh):
@@ -115,16 +160,19 @@ def _cell_backward(rnn_mode, dh, dc, row, hp, cp, Rh):
 
 def rnn_backward(x, h0, c0, params, output_backprop, output_h_backprop, output_c_backprop,
                  reserve_space, rnn_mode="lstm", direction="unidirectional",
-                 input_mode="linear_input"):
+                 input_mode="linear_input", dropout_mask=None):
     """(input_backprop, input_h_backprop, input_c_backprop, params_backprop) from the
-    forward's reserve_space; nothing of the forward is recomputed. None cotangents are zeros."""
+    forward's reserve_space; nothing of the forward is recomputed. None cotangents are zeros.
+    ``dropout_mask``: the forward's (given explicitly; reserve_space's trailing copy is not
+    read)."""
     x, h0, params = np.asarray(x), np.asarray(h0), np.asarray(params)
     nd, L, H, I, input_mode = _config(x, h0, rnn_mode, direction, input_mode)
     lstm = rnn_mode == "lstm"
     c0 = np.zeros_like(h0) if c0 is None or not lstm else np.asarray(c0)
     T, B, G = x.shape[0], x.shape[1], num_gates(rnn_mode)
     K = RESERVE_WIDTH[rnn_mode] * H
-    R = np.asarray(reserve_space).reshape(L * nd, T, B, K)
+    n_rows = L * nd * T * B * K
+    R = np.asarray(reserve_space)[:n_rows].reshape(L * nd, T, B, K)
     dy = np.zeros((T, B, nd * H), x.dtype) if output_backprop is None else output_backprop
     dhn = np.zeros_like(h0) if output_h_backprop is None else output_h_backprop
     dcn = np.zeros_like(h0) if output_c_backprop is None or not lstm else output_c_backprop
@@ -136,6 +184,8 @@ def rnn_backward(x, h0, c0, params, output_backprop, output_h_backprop, output_c
             layer_in = x
         else:
             layer_in = np.concatenate([R[(layer - 1) * nd + d][..., -H:] for d in range(nd)], 2)
+            if dropout_mask is not None:
+                layer_in = layer_in * dropout_mask[layer - 1]
         dx = np.zeros(layer_in.shape, np.result_type(layer_in, dy))
         for d in range(nd):
             idx = layer * nd + d
@@ -159,7 +209,7 @@ def rnn_backward(x, h0, c0, params, output_backprop, output_h_backprop, output_c
             grads[(layer, d)] = (dWx, np.einsum("tbg,tbh->gh", dgh, hprev),
                                  dgx.sum((0, 1)), dgh.sum((0, 1)))
             dx += dgx.reshape(T, B, G, H).sum(2) if Wx is None else dgx @ Wx
-        dy = dx
+        dy = dx if dropout_mask is None or layer == 0 else dx * dropout_mask[layer - 1]
     weights, biases = [], []
     for layer in range(L):
         for d in range(nd):
