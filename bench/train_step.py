@@ -19,7 +19,9 @@ side's alone; a run's rate is the median of ``--repeat`` timed windows of ``--st
 keeps drifting load on a shared machine from favouring one side.
 Both sides use the same number of threads (the cores this process may use). Also measured: the
 peak float32 GEMM rate of this machine (onnxruntime MatMul 1024x1024 @ 1024x1024), and the MLP
-row's achieved GFLOP/s as a fraction of it. Ratios > 1 mean onnxgrad is faster.
+row's achieved GFLOP/s as a fraction of it. Ratios > 1 mean onnxgrad is faster. At 1 thread the
+ratio of the two sides' rates by thread CPU time is shown too: both run every kernel on the
+calling thread then, so that ratio leaves out the time other processes held the core.
 """
 from __future__ import annotations
 
@@ -208,19 +210,24 @@ def run_side(row, side, steps, warmup, repeat, device, threads, profile=None):
         sync = torch.cuda.synchronize if dev == "cuda" else None
     for i in range(warmup):
         step(i)
-    rates = []
+    rates, cpu_rates = [], []
     k = warmup
     for _ in range(repeat):
         if sync:
             sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             step(k)
             k += 1
         if sync:
             sync()
         rates.append(steps / (time.perf_counter() - t0))
+        cpu_rates.append(steps / (time.thread_time() - c0))
     out = {"steps_per_s": statistics.median(rates), "rates": rates,
+           # at 1 thread both sides run every kernel on this thread: its CPU time leaves out
+           # the time other processes held the core (a shared machine), wall time does not
+           "cpu_steps_per_s": statistics.median(cpu_rates) if threads == 1 and
+           device == "cpu" else None,
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "base_rss_mb": base}
     if side == "onnxgrad" and profile:
@@ -361,10 +368,15 @@ def main(argv=None):
                     runs[side].append(spawn(row, side, args, t))
             ours, ref = ({"steps_per_s": statistics.median(r["steps_per_s"] for r in rs),
                           "rounds": [r["steps_per_s"] for r in rs],
+                          "cpu_steps_per_s": (statistics.median(r["cpu_steps_per_s"] for r in rs)
+                                              if rs[0].get("cpu_steps_per_s") else None),
                           "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
                           "base_rss_mb": min(r["base_rss_mb"] for r in rs)}
                          for rs in runs.values())
             ratio = ours["steps_per_s"] / ref["steps_per_s"]
+            cpu_ratio = (ours["cpu_steps_per_s"] / ref["cpu_steps_per_s"]
+                         if ours["cpu_steps_per_s"] and ref["cpu_steps_per_s"] else None)
+            shown = f"{ratio:.2f}" + (f" (CPU time {cpu_ratio:.2f})" if cpu_ratio else "")
             frac = ""
             if row == "mlp":
                 gf = SPECS[row]()["flops"] * ours["steps_per_s"] / 1e9
@@ -372,11 +384,12 @@ def main(argv=None):
                 frac = (f"ours {gf:.1f} ({gf / peak[t]:.0%}); torch {gft:.1f} "
                         f"({gft / peak[t]:.0%})")
             print(f"| {row} | {t} | {ours['steps_per_s']:.2f} | {ref['steps_per_s']:.2f} | "
-                  f"{ratio:.2f} | {ours['peak_rss_mb']:.0f} "
+                  f"{shown} | {ours['peak_rss_mb']:.0f} "
                   f"(+{ours['peak_rss_mb'] - ours['base_rss_mb']:.0f}) | "
                   f"{ref['peak_rss_mb']:.0f} (+{ref['peak_rss_mb'] - ref['base_rss_mb']:.0f}) | "
                   f"{frac} |", flush=True)
-            results["rows"][f"{row}/{t}"] = {"onnxgrad": ours, "torch": ref, "ratio": ratio}
+            results["rows"][f"{row}/{t}"] = {"onnxgrad": ours, "torch": ref, "ratio": ratio,
+                                             "cpu_time_ratio": cpu_ratio}
     if args.profile is not None:
         t = args.threads[0]
         for row in args.profile or args.rows:

@@ -7,7 +7,8 @@ being taken, 1 for the first (PyTorch's ``state["step"]`` after its increment). 
 hyper-parameter arithmetic (bias corrections, lr * weight_decay) is done in float64 and cast to
 the parameter's dtype once, as PyTorch does with its Python-float scalars.
 
-    SGD    d = g + wd p;  b = d (first step) | momentum b + (1 - dampening) d;
+    SGD    d = g + wd p;  b = d (first step) | momentum b + (1 - dampening) d  (one expression,
+           b mom_t + d damp_t with (mom_t, damp_t) = (0, 1) on the first step: no Where);
            d = d + momentum b (nesterov) | b;  p = p - lr d
     Adam   g = g + wd p;  m = lerp(m, g, 1 - beta1);  v = beta2 v + (1 - beta2) g g;
            p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
@@ -143,6 +144,16 @@ class SGD(Optimizer):
             raise ValueError(f"invalid SGD hyper-parameters: {self}")
         self.slots = ("momentum_buffer",) if self.momentum != 0 else ()
 
+    def _scalars(self, b, sc, T):
+        """The momentum and (1 - dampening) as T scalars, (0, 1) on the first step; made once
+        per step and dtype, in float64 and cast once (the same T values as T constants)."""
+        def make():
+            first = sc.memo("first", lambda: b.op("Equal", sc.step, b.const(1, np.int64)))
+            mom = b.op("Where", first, sc.f64(0.0), sc.f64(self.momentum))
+            damp = b.op("Where", first, sc.f64(1.0), sc.f64(1.0 - self.dampening))
+            return sc.cast(mom, T), sc.cast(damp, T)
+        return sc.memo(("sgd", T), make)
+
     def update(self, b, s):
         T, sc = s.dtype, s.scalars
         d = s.grad
@@ -150,14 +161,12 @@ class SGD(Optimizer):
             d = b.op("Add", d, b.op("Mul", s.param, b.const(self.weight_decay, _np(T))))
         new_state = {}
         if self.momentum != 0:
-            buf = s.state["momentum_buffer"]
-            mom = b.op("Mul", buf, b.const(self.momentum, _np(T)))
-            scaled = d if self.dampening == 0 else b.op("Mul", d, b.const(1 - self.dampening,
-                                                                           _np(T)))
-            later = b.op("Add", mom, scaled)
-            first = sc.memo("first", lambda: b.op("Equal", sc.step,
-                                                  b.const(1, np.int64)))
-            buf = b.op("Where", first, d, later)
+            # buf = d on the first step, momentum buf + (1 - dampening) d later: one expression
+            # buf * mom_t + d * damp_t with scalars that are (0, 1) on the first step, so no
+            # full-size select (Where) runs; buf * 0 + d * 1 is d exactly for a finite buf
+            mom_t, damp_t = self._scalars(b, sc, T)
+            scaled = d if self.dampening == 0 else b.op("Mul", d, damp_t)
+            buf = b.op("Add", b.op("Mul", s.state["momentum_buffer"], mom_t), scaled)
             new_state["momentum_buffer"] = buf
             d = b.op("Add", d, b.op("Mul", buf, b.const(self.momentum, _np(T)))) \
                 if self.nesterov else buf
