@@ -7,8 +7,9 @@ particular ops: rules live in ``onnxgrad.rules`` and are found through the regis
 from __future__ import annotations
 
 import difflib
-import gc
 import enum
+import gc
+import json
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +35,11 @@ class AggregationMethod(str, enum.Enum):
     ADD_N = "add_n"
     TREE = "tree"
     ACCUMULATE_N = "accumulate_n"
+
+
+# tensors a model marks as held constant (TensorFlow's StopGradient, kept by the converter): a
+# JSON list of names under this metadata_props key, honoured like stop_gradients
+STOP_GRADIENTS_KEY = "onnxgrad.stop_gradients"
 
 
 @dataclass
@@ -90,6 +96,8 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     y_vals = [_resolve(values, n, "ys") for n in ys]
     x_vals = [_resolve(values, n, "xs") for n in xs]
     stop = {_resolve(values, n, "stop_gradients") for n in _names(stop_gradients or [], "stop")}
+    stop |= {values[n] for n in json.loads(irm.metadata_props.get(STOP_GRADIENTS_KEY, "[]"))
+             if n in values}
     scope = _unique_scope(graph, name)
     e = Emitter(graph, scope, opset)
 

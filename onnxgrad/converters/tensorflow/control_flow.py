@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 from .core import Converter, Resource, Scope, onnx_dtype
 from .errors import ConversionError
 from .graph import TFNode
-from .resources import ensure_grad, flow_key, mutated
+from .resources import MUTATING, ensure_grad, flow_key, mutated
 
 ENTER, EXIT = ("Enter", "RefEnter"), ("Exit", "RefExit")
 NEXT, SWITCH = ("NextIteration", "RefNextIteration"), ("Switch", "RefSwitch")
@@ -190,13 +190,52 @@ def _ancestors(g, node: TFNode, at: list[TFNode], stop: set) -> list[TFNode]:
     return [n for n in at if n.name in seen]
 
 
-def convert_cond(c: Converter, prefix: tuple, pred: str, members: list[TFNode]) -> None:
+def split_cond(g, prefix: tuple, members: list[TFNode]) -> list[list[TFNode]]:
+    """A cond's nodes as one or more Ifs. TF1 builds a cond's gradient inside the forward cond's
+    context: the backward nodes of a branch read the forward branch's values *and* the gradient
+    of the cond's outputs, so one If for all would depend on itself. Each Merge (output) gets
+    the branch nodes it needs (forward values are recomputed where a later If needs them);
+    nodes that change a resource (stack pushes) run once: Merges that share one are kept in one
+    If."""
+    level = len(prefix)
+    names = {n.name: n for n in members}
+    merges = [n for n in members if len(n.ctx) == level + 1 and n.ctx[level][2] is None]
+    roots = merges + [n for n in members if n.op in MUTATING]
+    closure = {}
+    for r in roots:
+        seen, todo = {r.name}, [r]
+        while todo:
+            for p in g.deps(todo.pop()):
+                if p.name in names and p.name not in seen:
+                    seen.add(p.name)
+                    todo.append(p)
+        closure[r.name] = seen
+    parent = {r.name: r.name for r in roots}
+
+    def find(a):
+        while parent[a] != a:
+            a = parent[a]
+        return a
+    for n in members:  # a resource change inside several closures: those Ifs become one
+        if n.op in MUTATING:
+            owners = [r.name for r in roots if n.name in closure[r.name]]
+            for o in owners[1:]:
+                parent[find(o)] = find(owners[0])
+    parts: dict[str, set] = {}
+    for r in roots:
+        parts.setdefault(find(r.name), set()).update(closure[r.name])
+    return [[n for n in members if n.name in part] for part in parts.values()] or [members]
+
+
+def convert_cond(c: Converter, prefix: tuple, key: tuple, members: list[TFNode]) -> None:
+    """One cond: ``key`` is (predicate tensor, part) (see Graph._split_conds)."""
     g, level = c.g, len(prefix)
+    pred = key[0]
     merges = [n for n in members if len(n.ctx) == level + 1 and n.ctx[level][2] is None]
     carried = _carried(c, members)
     branches = []
     for k in (1, 0):
-        lvl = ("C", pred, k)
+        lvl = ("C", key, k)
         inner = [n for n in members if n.ctx[level] == lvl]
         with _Body(c) as body:
             c.convert_nodes(prefix + (lvl,), inner)
@@ -221,7 +260,7 @@ def convert_cond(c: Converter, prefix: tuple, pred: str, members: list[TFNode]) 
     for m, v in zip(merges, results):
         c.env[f"{m.name}:0"] = v
         taken = [i for i, r in enumerate(m.inputs)
-                 if g.producer(r).output_ctx(int(r.split(":")[1]))[level] == ("C", pred, 1)]
+                 if g.producer(r).output_ctx(int(r.split(":")[1]))[level] == ("C", key, 1)]
         c.env[f"{m.name}:1"] = c.op("Where", [p, c.const(taken[0], "int32"),
                                               c.const(1 - taken[0], "int32")], name=m.name)
     for r, v in zip(carried, results[len(merges):]):

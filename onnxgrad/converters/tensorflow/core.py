@@ -8,6 +8,8 @@ resources become sequence values threaded through the graph in TF's execution or
 """
 from __future__ import annotations
 
+import os
+import json
 from collections import ChainMap
 from dataclasses import dataclass, field
 
@@ -39,7 +41,7 @@ class Resource:
     kind: str  # "tensor_array" or "stack"
     dtype: int  # ONNX element type
     fixed_size: bool = True
-    grads: dict = field(default_factory=dict)  # source -> Resource of its gradient TensorArray
+    unwritten: tuple | None = None  # (empty state, size) of an array made without shapes
 
     def __repr__(self):
         return f"{self.kind} {self.key[-1]!r}"
@@ -69,6 +71,7 @@ class Converter:
         self.consts: dict[str, np.ndarray] = {}  # ONNX name -> value, for Const-fed inputs
         self.domains: set[str] = set()
         self._names: set[str] = set()
+        self.stop_gradients: list[str] = []  # outputs of StopGradient (see ops._stop_gradient)
         self.node: TFNode | None = None  # the node being converted (names what it emits)
 
     # -- names and emission ------------------------------------------------------------------
@@ -163,11 +166,19 @@ class Converter:
         time: nodes at this level by their handlers, each nested frame or cond as one unit."""
         from . import control_flow
 
-        items: dict[object, list[TFNode]] = {}
+        groups: dict[object, list[TFNode]] = {}
         for n in members:  # members come in the graph's topological order
             key = n if len(n.ctx) == len(prefix) else group_key(n.ctx[len(prefix)])
-            items.setdefault(key, []).append(n)
-        item_of = {n.name: key for key, ns in items.items() for n in ns}
+            groups.setdefault(key, []).append(n)
+        items, item_of = {}, {}
+        for key, ns in groups.items():
+            parts = control_flow.split_cond(self.g, prefix, ns) if isinstance(
+                key, tuple) and key[0] == "C" else [ns]
+            for k, part in enumerate(parts):
+                ikey = key if len(parts) == 1 else key + (k,)
+                items[ikey] = part
+                for n in part:
+                    item_of.setdefault(n.name, ikey)
         for key in _item_order(self.g, items, item_of):
             if isinstance(key, TFNode):
                 self.convert_node(key)
@@ -178,9 +189,13 @@ class Converter:
 
     def convert_node(self, n: TFNode) -> None:
         fn = HANDLERS.get(n.op)
+        if fn is None and self.g.library is not None:  # a call of a library function
+            from .functions import call_handler, is_function
+            fn = call_handler if is_function(self, n.op) else None
         if fn is None:
             raise ConversionError(f"no converter for TensorFlow op {n.op!r} (node {n.name!r})")
         self.node = n
+        first_node, first_init = len(self.scope.nodes), len(self.initializers)
         try:
             outs = self._flow_arithmetic(n) or fn(self, n)
         except ConversionError:
@@ -191,7 +206,30 @@ class Converter:
             self.node = None
         for i, v in enumerate(outs or ()):
             if v is not None:
-                self.env[f"{n.name}:{i}"] = v
+                self.env[f"{n.name}:{i}"] = self._rename(v, f"{n.name}:{i}", first_node,
+                                                         first_init)
+
+    def _rename(self, v, name: str, first_node: int, first_init: int):
+        """Give the value a node made its TF tensor name ("dense/MatMul:0", "w:0"), so that
+        users find TF's tensors (and frozen weights) under the names they know."""
+        if not isinstance(v, str) or v in self.seq_of or name in self._names:
+            return v
+        made = [nd for nd in self.scope.nodes[first_node:] if v in nd.output]
+        inits = [t for t in self.initializers[first_init:] if t.name == v]
+        if not made and not inits:
+            return v  # a value made earlier (an identity): it keeps its own name
+        for nd in self.scope.nodes[first_node:]:
+            for lst in (nd.output, nd.input):
+                for k, x in enumerate(lst):
+                    if x == v:
+                        lst[k] = name
+        for t in inits:
+            t.name = name
+        if v in self.consts:
+            self.consts[name] = self.consts.pop(v)
+        self.stop_gradients = [name if x == v else x for x in self.stop_gradients]
+        self._names.add(name)
+        return name
 
 
 def attr_value(a):
@@ -237,10 +275,11 @@ def _item_order(g: Graph, items: dict, item_of: dict) -> list:
     """Items (nodes and nested constructs) in an order where each comes after what it reads."""
     deps = {k: set() for k in items}
     for k, ns in items.items():
+        inside = {n.name for n in ns}
         for n in ns:
             for p in g.deps(n):
                 pk = item_of.get(p.name)
-                if pk is not None and pk is not k:
+                if pk is not None and p.name not in inside:
                     deps[k].add(pk)
     order, done, keys = [], set(), list(items)
     pos = {k: i for i, k in enumerate(keys)}
@@ -266,41 +305,65 @@ def _item_order(g: Graph, items: dict, item_of: dict) -> list:
 
 
 def _needed(g: Graph, outputs: list[str]) -> list[TFNode]:
-    """The nodes the outputs depend on (data and control edges), in TF order. A loop or cond is
-    converted whole, with everything it depends on: its side effects (stack pushes) count."""
-    seen: set[str] = set()
-    groups: set = set()
-    todo = [split_ref(o)[0] for o in outputs]
-    while todo:
+    """The nodes the outputs depend on, in TF order: data and control edges, plus the ops that
+    change a TensorArray or stack that a needed node reads (a push has no consumers, but the
+    pop that returns its value does). So the forward part of a graph that also holds
+    tf.gradients' machinery converts without the pushes that only the backward loop reads."""
+    from .resources import GRAD_OPS, MUTATING, static_key
+
+    def reach(todo, seen):
         while todo:
             name = todo.pop()
             if name not in seen:
                 seen.add(name)
                 n = g.nodes[name]
-                if n.ctx:
-                    groups.add(group_key(n.ctx[0]))
                 todo.extend(split_ref(r)[0] for r in n.inputs)
                 todo.extend(n.controls)
-        todo = [n.name for n in g.order
-                if n.name not in seen and n.ctx and group_key(n.ctx[0]) in groups]
-    return [n for n in g.order if n.name in seen]
+
+    def key(n):
+        try:
+            k = static_key(g, n.inputs[0]) if n.inputs else None
+        except (KeyError, IndexError):
+            return None
+        return k + (n.attr["source"].s.decode(),) if n.op in GRAD_OPS else k
+
+    seen: set[str] = set()
+    reach([split_ref(o)[0] for o in outputs], seen)
+    mutators = [n for n in g.order if n.op in MUTATING]
+    while True:
+        used = {key(g.nodes[s]) for s in seen if g.nodes[s].op.startswith(("TensorArray", "Stack"))}
+        more = [n.name for n in mutators if n.name not in seen and key(n) in used]
+        if not more:
+            return [n for n in g.order if n.name in seen]
+        reach(more, seen)
 
 
 def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
-            name: str = "tf_graph") -> onnx.ModelProto:
-    """Convert a TensorFlow GraphDef (proto, bytes or path to a .pb/.pbtxt) to an ONNX model.
+            name: str = "tf_graph", signature: str | None = None) -> onnx.ModelProto:
+    """Convert a TensorFlow GraphDef (proto, bytes or path to a .pb/.pbtxt) or a SavedModel
+    directory to an ONNX model.
 
     ``inputs``: tensor names ("x:0") that become graph inputs (default: every Placeholder the
-    outputs need); ``outputs``: tensor names to compute (required). Values keep their TF names
-    ("y:0"); frozen variables (Const nodes) become initializers named after their nodes.
+    outputs need); ``outputs``: tensor names to compute (required for a GraphDef). Values keep
+    their TF names ("y:0"); frozen variables (Const nodes) become initializers named after their
+    nodes. A SavedModel (:mod:`.savedmodel`, needs TensorFlow) is frozen first; its
+    ``signature`` (default "serving_default") gives the default inputs and outputs, which may
+    also be named by the signature's keys.
     """
-    from . import ops  # noqa: F401  (registers the handlers)
+    from . import functions, ops, tensor_list  # noqa: F401  (register the handlers)
 
+    if not isinstance(graph_def, bytes) and isinstance(graph_def, (str, os.PathLike)) and \
+            os.path.isdir(graph_def):
+        from .savedmodel import load_saved_model
+        graph_def, inputs, outputs = load_saved_model(graph_def, inputs, outputs, signature)
+    elif signature is not None:
+        raise ConversionError("signature: only a SavedModel directory has signatures")
     gd = proto.load_graph_def(graph_def) if isinstance(graph_def, (str, bytes)) or hasattr(
         graph_def, "__fspath__") else graph_def
     if not outputs:
         raise ConversionError("outputs: name the tensors to convert, e.g. outputs=['y:0']")
-    outputs = [_ref(o) for o in ([outputs] if isinstance(outputs, str) else outputs)]
+    outputs = list(dict.fromkeys(  # a tensor named twice is one output
+        _ref(o) for o in ([outputs] if isinstance(outputs, str) else outputs)))
     g = Graph(gd)
     for o in outputs:
         nm, idx = split_ref(o)
@@ -323,6 +386,8 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
             None if shape is None else [d if d is not None else f"{nm}_{k}"
                                         for k, d in enumerate(shape)]))
         c.env[ref] = ref
+    for o in outputs:  # output names are the TF names: keep them free for the outputs
+        c.fresh(o)
     nodes = [n for n in _needed(g, outputs) if f"{n.name}:0" not in c.env]
     c.convert_nodes((), nodes)
     for o in outputs:
@@ -357,6 +422,11 @@ def _finish(c: Converter, name: str) -> onnx.ModelProto:
         if not init.uses():
             del model.graph.initializers[init.name]
     m = ir.to_proto(model)
+    live = {o for nd in _all_nodes(m.graph) for o in nd.output}
+    stops = [v for v in c.stop_gradients if v in live]
+    if stops:
+        from ...autodiff import STOP_GRADIENTS_KEY
+        m.metadata_props.add(key=STOP_GRADIENTS_KEY, value=json.dumps(stops))
     if "onnxgrad" in c.domains:
         from ...rnn import attach_functions
         m = attach_functions(m)
@@ -372,6 +442,14 @@ def _finish(c: Converter, name: str) -> onnx.ModelProto:
         out.type.CopyFrom(vi.type)
     onnx.checker.check_model(m)
     return m
+
+
+def _all_nodes(g: onnx.GraphProto):
+    for nd in g.node:
+        yield nd
+        for a in nd.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(a.g)
 
 
 def _tf_shapes(c: Converter) -> dict:

@@ -14,6 +14,7 @@ computed in one pass in topological order (TF's own ``ControlFlowInfo`` does the
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from .errors import ConversionError
@@ -62,6 +63,14 @@ class Graph:
                 ref, is_ctrl = parse_input(s)
                 (ctrl if is_ctrl else data).append(split_ref(ref)[0] if is_ctrl else ref)
             self.nodes[nd.name] = TFNode(nd.name, nd.op, data, ctrl, dict(nd.attr))
+        # tf.gradients' ControlTriggers (b_sync) only order pops against other loop work in TF's
+        # executor; here stacks are threaded as values, and their edges would tie a backward
+        # loop's cond to the nested loop it waits on, so they are dropped
+        triggers = {k for k, n in self.nodes.items() if n.op == "ControlTrigger"}
+        for n in self.nodes.values():
+            n.controls = [c for c in n.controls if c not in triggers]
+            if n.op == "ControlTrigger":
+                n.inputs, n.controls = [], []
         self.library = getattr(graph_def, "library", None)
         for n in self.nodes.values():
             for ref in n.inputs:
@@ -72,6 +81,7 @@ class Graph:
                     raise ConversionError(f"{n} has a control input from unknown node {c!r}")
         self.order = self._topological()
         self._contexts()
+        self._split_conds()
 
     def producer(self, ref: str) -> TFNode:
         return self.nodes[split_ref(ref)[0]]
@@ -97,15 +107,19 @@ class Graph:
             for p in self.deps(n):
                 indeg[n.name] += 1
                 users[p.name].append(n)
-        ready = [n for n in self.nodes.values() if indeg[n.name] == 0]
+        # ties go to the GraphDef's order (creation order, as TF's executor tends to run them)
+        pos = {name: i for i, name in enumerate(self.nodes)}
+        ready = [pos[n.name] for n in self.nodes.values() if indeg[n.name] == 0]
+        heapq.heapify(ready)
+        by_pos = list(self.nodes.values())
         order = []
         while ready:
-            n = ready.pop()
+            n = by_pos[heapq.heappop(ready)]
             order.append(n)
             for u in users[n.name]:
                 indeg[u.name] -= 1
                 if indeg[u.name] == 0:
-                    ready.append(u)
+                    heapq.heappush(ready, pos[u.name])
         if len(order) != len(self.nodes):
             stuck = sorted(k for k, v in indeg.items() if v)[:5]
             raise ConversionError(f"the graph has a cycle that is not a while loop (at {stuck})")
@@ -123,7 +137,10 @@ class Graph:
             ctxs = [self.producer(r).output_ctx(split_ref(r)[1]) for r in n.inputs
                     if not (self.is_loop_merge(n) and
                             self.producer(r).op in ("NextIteration", "RefNextIteration"))]
-            ctxs += [self._control_ctx(self.nodes[c]) for c in n.controls]
+            if n.op not in ("NextIteration", "RefNextIteration"):
+                # (a NextIteration may wait on a stack push inside a cond in the loop body; it
+                # still belongs to its loop, not to that cond)
+                ctxs += [self._control_ctx(self.nodes[c]) for c in n.controls]
             ctx = _deepest(ctxs, n)
             if n.op in ("Enter", "RefEnter"):
                 ctx = ctx + (("F", _s(n.attr["frame_name"])),)
@@ -137,6 +154,48 @@ class Graph:
     def _control_ctx(self, c: TFNode) -> tuple:
         # a control edge from an Exit or a cond Merge leaves the construct, like its data output
         return c.output_ctx(0) if c.op in ("Exit", "RefExit", "Merge", "RefMerge") else c.ctx
+
+    def _split_conds(self) -> None:
+        """Conds are found by predicate, but one predicate can drive several conds (tf.gradients
+        builds a cond's gradient on the same predicate, and it reads the forward cond's
+        outputs): split each predicate's nodes into connected parts, one cond (If) each."""
+        parent: dict = {}
+
+        def find(a):
+            while parent.setdefault(a, a) != a:
+                parent[a] = parent[parent[a]]
+                a = parent[a]
+            return a
+
+        def elems(n: TFNode, ref: str | None = None):
+            ctx = n.ctx if ref is None else n.output_ctx(split_ref(ref)[1])
+            return [(j, lvl[1]) for j, lvl in enumerate(ctx) if lvl[0] == "C"]
+
+        for n in self.order:
+            mine = elems(n)
+            if not mine:
+                continue
+            refs = [(r, self.producer(r)) for r in n.inputs] + [
+                (None, self.nodes[c]) for c in n.controls]
+            for ref, p in refs:
+                theirs = dict(elems(p, ref))
+                for j, pred in mine:
+                    same = theirs.get(j) == pred and p.output_ctx(
+                        split_ref(ref)[1] if ref else 0)[:j] == n.ctx[:j]
+                    if same:
+                        src = (f"{p.name}:{split_ref(ref)[1]}" if p.op in ("Switch", "RefSwitch")
+                               and ref else p.name, j)
+                        parent[find((n.name, j))] = find(src)
+
+        def relabel(ctx, who):
+            return tuple((lvl[0], (lvl[1], find((who, j))[0]), lvl[2]) if lvl[0] == "C" else lvl
+                         for j, lvl in enumerate(ctx))
+
+        for n in self.order:
+            if any(lvl[0] == "C" for lvl in n.ctx):
+                n.ctx = relabel(n.ctx, n.name)
+            n.out_ctx = {i: relabel(c, f"{n.name}:{i}" if n.op in ("Switch", "RefSwitch")
+                                    else n.name) for i, c in n.out_ctx.items()}
 
     def _merge_ctx(self, n: TFNode) -> tuple:
         ctxs = [self.producer(r).output_ctx(split_ref(r)[1]) for r in n.inputs]

@@ -88,6 +88,7 @@ def _tensor_array(c: Converter, n: TFNode):
     else:  # unknown element shape: writes insert (TF loops write index t at step t)
         r.fixed_size = False
         seq = c.op("SequenceEmpty", [], dtype=dtype)
+        r.unwritten = (seq, c.x(n, 0))  # (the empty state, the size), see _scatter
     c.set_state(r, seq)
     return [r, seq]
 
@@ -177,8 +178,12 @@ def _replace_all(c: Converter, r: Resource, seq: str, new: str) -> str:
     """Writing every element (in order): the new elements, added to the old for a gradient."""
     if len(r.key) == 1:
         return new
-    summed = c.op("Add", [_stack(c, seq), _stack(c, new)])
-    return c.op("SplitToSequence", [summed], axis=0, keepdims=0)
+    a, b, out = c.fresh("a"), c.fresh("b"), c.fresh("sum")
+    add = helper.make_graph([helper.make_node("Add", [a, b], [out])], "add", [
+        helper.make_tensor_value_info(a, r.dtype, None),
+        helper.make_tensor_value_info(b, r.dtype, None)],
+        [helper.make_tensor_value_info(out, r.dtype, None)])
+    return c.op("SequenceMap", [seq, new], body=add)  # elements may differ in shape
 
 
 @handler("TensorArrayScatterV3")
@@ -191,6 +196,20 @@ def _scatter(c: Converter, n: TFNode):
     # any other indices: one write per index, in a Loop
     from .control_flow import _Body
     idx = _i64(c, c.x(n, 1))
+    if r.unwritten is not None and r.unwritten[0] == seq:
+        # the first writes into an array of unknown element shape: make its `size` elements
+        # first, zeros shaped like the rows written, so writes at any index replace
+        size = c.op("Reshape", [_i64(c, r.unwritten[1]), c.i64(1)])
+        shape = c.op("Concat", [size, c.op("Shape", [value], start=1)], axis=0)
+        zero = c.const(0, helper.tensor_dtype_to_np_dtype(r.dtype))
+        seq = c.op("SplitToSequence", [c.op("Expand", [zero, shape])], axis=0, keepdims=0)
+        r.fixed_size = True
+    const = c.const_input(n, 1)
+    if const is not None and const.size <= 64:  # unrolled: plain ops, which onnxgrad differentiates
+        for k, i in enumerate(const.reshape(-1).tolist()):
+            row = c.op("Gather", [value, c.const(k, np.int64)], axis=0)
+            seq = write(c, r, seq, c.const(i, np.int64), row)
+        return [c.set_state(r, seq)]
     count = c.op("Shape", [idx], start=0, end=1)
     with _Body(c) as body:
         k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
