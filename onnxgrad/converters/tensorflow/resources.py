@@ -123,7 +123,7 @@ def _grad(c: Converter, n: TFNode):
 
 
 def write(c: Converter, r: Resource, seq: str, idx: str, value: str) -> str:
-    """The sequence after writing ``value`` at ``idx`` (int64 scalar)."""
+    """The sequence after writing ``value`` at ``idx`` (an int32 or int64 scalar)."""
     if len(r.key) > 1:  # a gradient array: writes add up
         value = c.op("Add", [c.op("SequenceAt", [seq, idx]), value])
     if len(r.key) > 1 or r.fixed_size:
@@ -134,7 +134,8 @@ def write(c: Converter, r: Resource, seq: str, idx: str, value: str) -> str:
 @handler("TensorArrayWriteV3")
 def _write(c: Converter, n: TFNode):
     r = c.resource(n)
-    return [c.set_state(r, write(c, r, c.get_state(r), _i64(c, c.x(n, 1)), c.x(n, 2)))]
+    # (sequence positions may be int32, TF's index type: no Cast per write)
+    return [c.set_state(r, write(c, r, c.get_state(r), c.x(n, 1), c.x(n, 2)))]
 
 
 @handler("TensorArrayReadV3")
