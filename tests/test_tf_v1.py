@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tf_util import check_conversion, names, ort_run, tf, tf1_graph, tf_run
+from tf_util import check_conversion, control_flow, names, ort_run, tf, tf1_graph, tf_run
 
 import onnxgrad
 from onnxgrad.converters.tensorflow import ConversionError, convert
@@ -21,7 +21,7 @@ def both_routes(graph, y, xs, feeds, stop_gradients=None, unconnected="none", **
     """Route 1: TF's tf.gradients graph, converted. Route 2: the forward graph converted, then
     differentiated by onnxgrad. Both must equal TF's numbers."""
     forward = graph.as_graph_def(add_shapes=True)
-    with graph.as_default():
+    with control_flow(v2=False), graph.as_default():
         gs = tf.gradients(y, xs, stop_gradients=stop_gradients,
                           unconnected_gradients=unconnected)
     fetch = [y] + [g for g in gs if g is not None]

@@ -2,6 +2,7 @@
 convert it, run the ONNX model on onnxruntime and compare."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -21,16 +22,25 @@ def ort_run(model, feeds: dict, outputs: list[str]) -> list:
     return s.run(outputs, {k: np.asarray(v) for k, v in feeds.items()})
 
 
+@contextlib.contextmanager
+def control_flow(v2: bool = False):
+    """TF's control-flow version for graphs built (and differentiated) inside the block; TF's
+    global setting is restored after, so eager/TF2 tests in the same process are unaffected."""
+    from tensorflow.python.ops import control_flow_util
+
+    was = control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = v2
+    try:
+        yield
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = was
+
+
 def tf1_graph(build, control_flow_v2: bool = False):
-    """Call ``build()`` inside a fresh TF1 graph (v1 control flow unless asked otherwise); returns
-    (graph, whatever build returned)."""
-    tf.compat.v1.disable_eager_execution()
-    if control_flow_v2:
-        tf.compat.v1.enable_control_flow_v2()
-    else:
-        tf.compat.v1.disable_control_flow_v2()
+    """Call ``build()`` inside a fresh graph (TF1 graph mode, v1 control flow unless asked
+    otherwise); returns (graph, whatever build returned)."""
     g = tf.Graph()
-    with g.as_default():
+    with control_flow(control_flow_v2), g.as_default():
         out = build()
     return g, out
 

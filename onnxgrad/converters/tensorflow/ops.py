@@ -1,8 +1,13 @@
-"""One small handler per TensorFlow op (the table). ``c`` is the :class:`~.convert.Converter`,
-``n`` the node; a handler returns the ONNX values of the node's outputs in order.
+"""One small handler per TensorFlow op (the table): structure, elementwise, reduction and shape
+ops here, neural-network ops (conv, pool, batch norm, losses and their gradients) in
+:mod:`.nn_ops`. ``c`` is the :class:`~.core.Converter`, ``n`` the node; a handler returns the ONNX
+values of the node's outputs in TF's output order. An op without a handler is an error naming the
+op and its node (:meth:`~.core.Converter.convert_node`), never a custom op.
 
 TF keeps int32 shapes and indices; ONNX wants int64 for shapes, axes and repeats, so handlers
-cast where ONNX needs it and otherwise keep TF's dtypes unchanged.
+cast where ONNX needs it and otherwise keep TF's dtypes unchanged. Shape arithmetic on constants
+(the shapes of frozen weights, fully known static shapes) is folded, so that ONNX shape
+inference can read it.
 """
 from __future__ import annotations
 
@@ -12,20 +17,19 @@ from onnx import TensorProto, helper
 from . import control_flow, resources  # noqa: F401  (their handlers register on import)
 from .core import Converter, handler, onnx_dtype
 from .errors import ConversionError
-from .graph import TFNode
+from .graph import TFNode, split_ref
+from .proto import dtype_info
 
 I64 = TensorProto.INT64
+BIG = np.iinfo(np.int64).max
 
 
+# -- helpers -----------------------------------------------------------------------------------
 def _i64(c: Converter, v: str) -> str:
     """v as int64 (ONNX's type for shapes, axes, repeats); folded when v is a constant, so that
     ONNX shape inference can read it."""
     k = c.consts.get(v)
     return c.op("Cast", [v], to=I64) if k is None else c.const(k.astype(np.int64))
-
-
-def _axes(c: Converter, n: TFNode, i: int) -> str:
-    return _i64(c, c.x(n, i))
 
 
 def _vec64(c: Converter, n: TFNode, i: int) -> str:
@@ -36,8 +40,72 @@ def _vec64(c: Converter, n: TFNode, i: int) -> str:
     return c.op("Reshape", [_i64(c, c.x(n, i)), c.i64(-1)])
 
 
+def _shape_arg(c: Converter, n: TFNode, i: int) -> str:
+    """Input i, a shape vector, as int64; reshaped to its static length when computed, so that
+    ONNX infers the rank of what it shapes (Reshape, Expand)."""
+    v = _i64(c, c.x(n, i))
+    s = _static_shape(c, n.inputs[i])
+    if v in c.consts or s is None or len(s) != 1 or s[0] is None:
+        return v
+    return c.op("Reshape", [v, c.i64(s[0])])
+
+
 def _const_axis(c: Converter, n: TFNode, i: int, what="axis") -> int:
     return int(c.const_input(n, i, required=what))
+
+
+def _np(n: TFNode, key: str = "T"):
+    return dtype_info(n.attr[key].type).np
+
+
+def _is_float(n: TFNode, key: str = "T") -> bool:
+    return np.issubdtype(np.dtype(_np(n, key)), np.floating) or \
+        dtype_info(n.attr[key].type).name in ("DT_HALF", "DT_BFLOAT16")
+
+
+def _k(c: Converter, n: TFNode, value, key: str = "T") -> str:
+    """A scalar constant of the node's dtype ``key``."""
+    return c.const(value, _np(n, key))
+
+
+def _static_shape(c: Converter, ref: str):
+    """TF's static shape of tensor ``ref`` (a list, None for unknown dims) or None: from the
+    producer's ``_output_shapes`` (add_shapes=True) or from a constant's value."""
+    v = c.value(ref)
+    if isinstance(v, str) and v in c.consts:
+        return list(c.consts[v].shape)
+    name, k = split_ref(ref)
+    shapes = c.attr(c.g.nodes[name], "_output_shapes")
+    return shapes[k] if shapes and k < len(shapes) else None
+
+
+def _rank(c: Converter, n: TFNode, i: int, required: str | None = None):
+    s = _static_shape(c, n.inputs[i])
+    if s is None and required:
+        raise ConversionError(f"{n}: the rank of input {i} ({n.inputs[i]}) must be known "
+                              f"statically ({required}; export with add_shapes=True)")
+    return None if s is None else len(s)
+
+
+def _fold(c: Converter, n: TFNode, fn, *idx):
+    """fn(*numpy values of inputs idx) as a constant when all those inputs are constants."""
+    vals = [c.const_input(n, i) for i in idx]
+    return None if any(v is None for v in vals) else c.const(np.asarray(fn(*vals)))
+
+
+def _zeros(c: Converter, shape: str, dtype) -> str:
+    """Zeros of the given (int64) shape."""
+    return c.op("Expand", [c.const(0, dtype), shape])
+
+
+def _where(c: Converter, mask: np.ndarray, a, b):
+    """Elementwise ``mask ? a : b`` over vectors that are numpy arrays or ONNX values."""
+    if not mask.any():
+        return b
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return np.where(mask, a, b)
+    a, b = (c.const(v) if isinstance(v, np.ndarray) else v for v in (a, b))
+    return c.op("Where", [c.const(mask), a, b])
 
 
 # -- structure ---------------------------------------------------------------------------------
@@ -58,8 +126,17 @@ def _placeholder(c, n):
     return [ref]
 
 
-@handler("PlaceholderWithDefault", "Identity", "StopGradient", "Snapshot", "PreventGradient",
-         "CheckNumerics", "EnsureShape", "RefIdentity")
+@handler("StopGradient", "PreventGradient")
+def _stop_gradient(c, n):
+    """Identity, listed in the model's metadata (STOP_GRADIENTS_KEY) so that onnxgrad.gradients
+    holds it constant, as tf.gradients does."""
+    y = c.op("Identity", [c.x(n)])
+    c.stop_gradients.append(y)
+    return [y]
+
+
+@handler("PlaceholderWithDefault", "Identity", "Snapshot",
+         "CheckNumerics", "EnsureShape", "RefIdentity", "DebugGradientIdentity")
 def _identity(c, n):
     return [c.x(n)]
 
@@ -89,12 +166,36 @@ SAME = {  # TF op -> ONNX op with the same inputs and numpy broadcasting
     "Neg": "Neg", "Abs": "Abs", "Sqrt": "Sqrt", "Sin": "Sin", "Cos": "Cos", "Tan": "Tan",
     "Floor": "Floor", "Ceil": "Ceil", "Erf": "Erf", "Reciprocal": "Reciprocal", "Inv": "Reciprocal",
     "Sign": "Sign", "Softplus": "Softplus", "Softsign": "Softsign", "Elu": "Elu", "Selu": "Selu",
-    "Round": "Round", "IsNan": "IsNaN", "Asin": "Asin", "Acos": "Acos", "Atan": "Atan",
-    "Sinh": "Sinh", "Cosh": "Cosh", "Asinh": "Asinh", "Acosh": "Acosh", "Atanh": "Atanh",
-    "SelectV2": "Where", "MatrixDeterminant": "Det",
+    "Rint": "Round", "Round": "Round", "IsNan": "IsNaN", "Asin": "Asin", "Acos": "Acos",
+    "Atan": "Atan", "Sinh": "Sinh", "Cosh": "Cosh", "Asinh": "Asinh", "Acosh": "Acosh",
+    "Atanh": "Atanh", "SelectV2": "Where", "MatrixDeterminant": "Det", "Einsum": "Einsum",
+    "BitwiseAnd": "BitwiseAnd", "BitwiseOr": "BitwiseOr", "BitwiseXor": "BitwiseXor",
 }
+
+
+NP_FOLD = {"Add": np.add, "AddV2": np.add, "Sub": np.subtract, "Mul": np.multiply,
+           "Maximum": np.maximum, "Minimum": np.minimum, "FloorMod": np.mod,
+           "FloorDiv": np.floor_divide, "Neg": np.negative}
+
+
+def _fold_int(c, n):
+    """Integer arithmetic on constants (shape and axis arithmetic) folds."""
+    fn = NP_FOLD.get(n.op)
+    if fn is None or "T" not in n.attr or _is_float(n):
+        return None
+    return _fold(c, n, lambda *v: fn(*v).astype(v[0].dtype), *range(len(n.inputs)))
+
+
+def _same(c, n, onnx_op):
+    y = _fold_int(c, n)
+    if y is not None:
+        return [y]
+    attrs = {"equation": c.attr(n, "equation")} if n.op == "Einsum" else {}
+    return [c.op(onnx_op, [c.x(n, i) for i in range(len(n.inputs))], **attrs)]
+
+
 for _tf, _onnx in SAME.items():
-    handler(_tf)(lambda c, n, _o=_onnx: [c.op(_o, [c.x(n, i) for i in range(len(n.inputs))])])
+    handler(_tf)(lambda c, n, _o=_onnx: _same(c, n, _o))
 
 
 @handler("Rsqrt")
@@ -118,28 +219,66 @@ def _not_equal(c, n):
     return [c.op("Not", [c.op("Equal", [c.x(n, 0), c.x(n, 1)])])]
 
 
-@handler("Relu6")
-def _relu6(c, n):
-    return [c.op("Clip", [c.x(n), c.const(0, _np(n)), c.const(6, _np(n))])]
+@handler("LogicalXor")
+def _xor(c, n):
+    return [c.op("Xor", [c.x(n, 0), c.x(n, 1)])]
 
 
-@handler("LeakyRelu")
-def _leaky(c, n):
-    return [c.op("LeakyRelu", [c.x(n)], alpha=float(c.attr(n, "alpha", 0.2)))]
+@handler("IsInf")
+def _is_inf(c, n):
+    return [c.op("IsInf", [c.x(n)])]
+
+
+@handler("IsFinite")
+def _is_finite(c, n):
+    x = c.x(n)
+    return [c.op("Not", [c.op("Or", [c.op("IsNaN", [x]), c.op("IsInf", [x])])])]
+
+
+@handler("Log1p")
+def _log1p(c, n):  # log(u) * x / (u - 1) with u = 1 + x: exact to rounding for small x
+    x = c.x(n)
+    u = c.op("Add", [x, _k(c, n, 1)])
+    d = c.op("Sub", [u, _k(c, n, 1)])
+    return [c.op("Where", [c.op("Equal", [d, _k(c, n, 0)]), x,
+                           c.op("Div", [c.op("Mul", [c.op("Log", [u]), x]), d])])]
+
+
+@handler("Expm1")
+def _expm1(c, n):  # (u - 1) * x / log(u) with u = exp(x) (Kahan)
+    x = c.x(n)
+    u = c.op("Exp", [x])
+    um1, lu = c.op("Sub", [u, _k(c, n, 1)]), c.op("Log", [u])
+    small = c.op("Equal", [um1, _k(c, n, 0)])
+    big = c.op("Equal", [lu, x])  # inf, or where the correction changes nothing
+    exact = c.op("Div", [c.op("Mul", [um1, x]), lu])
+    return [c.op("Where", [small, x, c.op("Where", [big, um1, exact])])]
+
+
+def _x_is_zero(c, n, y):
+    """0 where x == 0, else y (Xlogy, Xdivy, Xlog1py)."""
+    x = c.x(n, 0)
+    zero = _k(c, n, 0)
+    return c.op("Where", [c.op("Equal", [x, zero]), zero, y])
+
+
+@handler("Xlogy")
+def _xlogy(c, n):
+    return [_x_is_zero(c, n, c.op("Mul", [c.x(n, 0), c.op("Log", [c.x(n, 1)])]))]
+
+
+@handler("Xdivy")
+def _xdivy(c, n):
+    return [_x_is_zero(c, n, c.op("Div", [c.x(n, 0), c.x(n, 1)]))]
 
 
 @handler("FloorDiv")
 def _floordiv(c, n):
+    y = _fold_int(c, n)
+    if y is not None:
+        return [y]
     q = c.op("Div", [c.x(n, 0), c.x(n, 1)])
     return [c.op("Floor", [q]) if _is_float(n) else _floor_int(c, n, q)]
-
-
-@handler("FloorMod")
-def _floormod(c, n):
-    a, b = c.x(n, 0), c.x(n, 1)
-    if not _is_float(n):
-        return [c.op("Mod", [a, b], fmod=0)]  # integer Mod takes the divisor's sign, like TF
-    return [c.op("Sub", [a, c.op("Mul", [c.op("Floor", [c.op("Div", [a, b])]), b])])]
 
 
 def _floor_int(c, n, q):
@@ -147,18 +286,43 @@ def _floor_int(c, n, q):
     # the division is inexact
     a, b = c.x(n, 0), c.x(n, 1)
     inexact = c.op("Not", [c.op("Equal", [c.op("Mul", [q, b]), a])])
-    neg = c.op("Xor", [c.op("Less", [a, c.const(0, _np(n))]), c.op("Less", [b, c.const(0, _np(n))])])
-    fix = c.op("Cast", [c.op("And", [inexact, neg])], to=onnx_dtype(n.attr["T"].type, n))
+    zero = _k(c, n, 0)
+    neg = c.op("Xor", [c.op("Less", [a, zero]), c.op("Less", [b, zero])])
+    fix = c.op("Cast", [c.op("And", [inexact, neg])], to=c.onnx_type(n))
     return c.op("Sub", [q, fix])
 
 
-def _np(n: TFNode, key: str = "T"):
-    from .proto import dtype_info
-    return dtype_info(n.attr[key].type).np
+@handler("TruncateDiv")
+def _truncate_div(c, n):
+    q = c.op("Div", [c.x(n, 0), c.x(n, 1)])  # integer Div truncates already
+    if not _is_float(n):
+        return [q]
+    return [c.op("Mul", [c.op("Sign", [q]), c.op("Floor", [c.op("Abs", [q])])])]
 
 
-def _is_float(n: TFNode) -> bool:
-    return np.issubdtype(_np(n), np.floating) or _np(n) in (np.float16,)
+@handler("Mod", "TruncateMod")
+def _mod(c, n):  # C's fmod / %: the result takes the dividend's sign
+    return [c.op("Mod", [c.x(n, 0), c.x(n, 1)], fmod=1)]
+
+
+@handler("FloorMod")
+def _floormod(c, n):
+    y = _fold_int(c, n)
+    if y is not None:
+        return [y]
+    a, b = c.x(n, 0), c.x(n, 1)
+    if not _is_float(n):
+        return [c.op("Mod", [a, b], fmod=0)]  # integer Mod takes the divisor's sign, like TF
+    m = c.op("Mod", [a, b], fmod=1)  # TF: fmod, plus b where it is nonzero and signs differ
+    zero = _k(c, n, 0)
+    fix = c.op("And", [c.op("Not", [c.op("Equal", [m, zero])]),
+                       c.op("Xor", [c.op("Less", [m, zero]), c.op("Less", [b, zero])])])
+    return [c.op("Where", [fix, c.op("Add", [m, b]), m])]
+
+
+@handler("ClipByValue")
+def _clip(c, n):  # bounds may be tensors that broadcast: Max/Min rather than Clip
+    return [c.op("Min", [c.op("Max", [c.x(n, 0), c.x(n, 1)]), c.x(n, 2)])]
 
 
 @handler("AddN")
@@ -169,31 +333,25 @@ def _add_n(c, n):
 
 @handler("Cast")
 def _cast(c, n):
+    k = c.const_input(n, 0)
+    if k is not None and k.dtype.kind in "iub" and k.size <= 64:
+        return [c.const(k.astype(dtype_info(n.attr["DstT"].type).np))]
     return [c.op("Cast", [c.x(n)], to=onnx_dtype(n.attr["DstT"].type, n))]
 
 
 @handler("Select")
 def _select(c, n):
-    cond = c.x(n, 0)
+    cond, a = c.x(n, 0), c.x(n, 1)
     # TF1 Select with a vector condition picks whole rows: make it broadcast over the rest
-    rank_t = c.op("Size", [c.op("Shape", [c.x(n, 1)])])
-    pad = c.op("Sub", [rank_t, c.op("Size", [c.op("Shape", [cond])])])
-    ones = c.op("ConstantOfShape", [c.op("Reshape", [pad, c.i64(1)])],
-                value=helper.make_tensor("one", I64, [1], [1]))
+    rc, ra = _rank(c, n, 0), _rank(c, n, 1)
+    if rc is not None and ra is not None:
+        if rc != ra:
+            cond = c.op("Unsqueeze", [cond, c.i64(*range(rc, ra))])
+        return [c.op("Where", [cond, a, c.x(n, 2)])]
+    pad = c.op("Sub", [c.op("Size", [c.op("Shape", [a])]), c.op("Size", [c.op("Shape", [cond])])])
+    ones = c.op("Expand", [c.i64(1), c.op("Reshape", [pad, c.i64(1)])])
     shape = c.op("Concat", [c.op("Shape", [cond]), ones], axis=0)
-    return [c.op("Where", [c.op("Reshape", [cond, shape]), c.x(n, 1), c.x(n, 2)])]
-
-
-@handler("BiasAdd", "BiasAddV1")
-def _bias_add(c, n):
-    if c.attr(n, "data_format", "NHWC") == "NCHW":
-        rank = c.op("Size", [c.op("Shape", [c.x(n, 0)])])
-        ones = c.op("ConstantOfShape", [c.op("Reshape", [c.op("Sub", [rank, c.i64(2)]),
-                                                         c.i64(1)])],
-                    value=helper.make_tensor("one", I64, [1], [1]))
-        b = c.op("Reshape", [c.x(n, 1), c.op("Concat", [c.i64(-1), ones], axis=0)])
-        return [c.op("Add", [c.x(n, 0), b])]
-    return [c.op("Add", [c.x(n, 0), c.x(n, 1)])]
+    return [c.op("Where", [c.op("Reshape", [cond, shape]), a, c.x(n, 2)])]
 
 
 # -- linear algebra ----------------------------------------------------------------------------
@@ -201,36 +359,53 @@ def _bias_add(c, n):
 def _matmul(c, n):
     a, b = c.x(n, 0), c.x(n, 1)
     ta, tb = c.attr(n, "transpose_a", False), c.attr(n, "transpose_b", False)
-    if _is_float(n):
+    if _np(n) in (np.float32, np.float64):  # Gemm: 2-D, float (what ORT's CPU Gemm takes)
         return [c.op("Gemm", [a, b], transA=int(ta), transB=int(tb))]
     a = c.op("Transpose", [a], perm=[1, 0]) if ta else a
     b = c.op("Transpose", [b], perm=[1, 0]) if tb else b
     return [c.op("MatMul", [a, b])]
 
 
+def _swap_last(c, n, i):
+    r = _rank(c, n, i)
+    if r is None:
+        return c.op("Einsum", [c.x(n, i)], equation="...ij->...ji")
+    return c.op("Transpose", [c.x(n, i)], perm=[*range(r - 2), r - 1, r - 2])
+
+
 @handler("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 def _batch_matmul(c, n):
-    a, b = c.x(n, 0), c.x(n, 1)
-    a = c.op("Einsum", [a], equation="...ij->...ji") if c.attr(n, "adj_x", False) else a
-    b = c.op("Einsum", [b], equation="...ij->...ji") if c.attr(n, "adj_y", False) else b
-    return [c.op("MatMul", [a, b])]
+    a = _swap_last(c, n, 0) if c.attr(n, "adj_x", False) else c.x(n, 0)
+    b = _swap_last(c, n, 1) if c.attr(n, "adj_y", False) else c.x(n, 1)
+    y = c.op("MatMul", [a, b])
+    if n.op == "BatchMatMulV3" and n.attr["Tout"].type != n.attr["Ta"].type:
+        y = c.op("Cast", [y], to=c.onnx_type(n, "Tout"))
+    return [y]
 
 
 # -- reductions --------------------------------------------------------------------------------
 REDUCE = {"Sum": "ReduceSum", "Mean": "ReduceMean", "Max": "ReduceMax", "Min": "ReduceMin",
-          "Prod": "ReduceProd", "All": "ReduceMin", "Any": "ReduceMax"}
+          "Prod": "ReduceProd", "All": "ReduceMin", "Any": "ReduceMax",
+          "EuclideanNorm": "ReduceL2"}
+NP_REDUCE = {"Sum": np.sum, "Prod": np.prod, "Max": np.max, "Min": np.min}
 
 
 def _reduce(c, n, onnx_op):
+    keep = int(c.attr(n, "keep_dims", False))
+    if n.op in NP_REDUCE and not _is_float(n):  # shape arithmetic (Prod of a shape) folds
+        y = _fold(c, n, lambda x, a: NP_REDUCE[n.op](x, axis=tuple(np.reshape(a, -1)),
+                                                     keepdims=bool(keep)).astype(x.dtype), 0, 1)
+        if y is not None:
+            return [y]
     x = c.x(n, 0)
     boolean = n.op in ("All", "Any")
     if boolean:
         x = c.op("Cast", [x], to=TensorProto.INT32)
-    keep = int(c.attr(n, "keep_dims", False))
     if _reduces_all(c, n):  # no axes: ONNX then knows the result's rank
         y = c.op(onnx_op, [x], keepdims=keep)
     else:
-        y = c.op(onnx_op, [x, _vec64(c, n, 1)], keepdims=keep, noop_with_empty_axes=0)
+        # TF reduces nothing over an empty axes vector (tf.gradients' BroadcastGradientArgs)
+        y = c.op(onnx_op, [x, _vec64(c, n, 1)], keepdims=keep, noop_with_empty_axes=1)
     return [c.op("Cast", [y], to=TensorProto.BOOL) if boolean else y]
 
 
@@ -250,9 +425,42 @@ for _tf, _onnx in REDUCE.items():
 @handler("ArgMax", "ArgMin")
 def _arg(c, n):
     axis = _const_axis(c, n, 1)
-    y = c.op(n.op, [c.x(n, 0)], axis=axis, keepdims=0)
+    y = c.op(n.op, [c.x(n, 0)], axis=axis, keepdims=0, select_last_index=0)
     out = onnx_dtype(n.attr["output_type"].type, n) if "output_type" in n.attr else I64
     return [y if out == I64 else c.op("Cast", [y], to=out)]
+
+
+@handler("Cumsum")
+def _cumsum(c, n):
+    return [c.op("CumSum", [c.x(n, 0), c.x(n, 1)], exclusive=int(c.attr(n, "exclusive", False)),
+                 reverse=int(c.attr(n, "reverse", False)))]
+
+
+@handler("Cumprod")
+def _cumprod(c, n):
+    """No ONNX op: y[i] = prod over j of (x[j] where j <= i (or <, >=, >) else 1), with i and j
+    on two axes (O(L^2) for an axis of length L)."""
+    r = _rank(c, n, 0, required="Cumprod")
+    a = _const_axis(c, n, 1) % r
+    x = c.x(n, 0)
+    length = c.op("Gather", [c.op("Shape", [x]), c.i64(a)])
+    iota = c.op("Range", [c.i64(0), length, c.i64(1)])
+    i, j = c.op("Unsqueeze", [iota, c.i64(1)]), c.op("Unsqueeze", [iota, c.i64(0)])
+    rev, excl = c.attr(n, "reverse", False), c.attr(n, "exclusive", False)
+    cmp = {(0, 0): "LessOrEqual", (0, 1): "Less", (1, 0): "GreaterOrEqual", (1, 1): "Greater"}
+    mask = c.op(cmp[int(rev), int(excl)], [j, i])
+    if r - a - 1:
+        mask = c.op("Unsqueeze", [mask, c.i64(*range(2, r - a + 1))])
+    pairs = c.op("Where", [mask, c.op("Unsqueeze", [x, c.i64(a)]), _k(c, n, 1)])
+    return [c.op("ReduceProd", [pairs, c.i64(a + 1)], keepdims=0)]
+
+
+@handler("TopKV2")
+def _top_k(c, n):
+    k = c.op("Reshape", [_i64(c, c.x(n, 1)), c.i64(1)])
+    v, i = c.op("TopK", [c.x(n, 0), k], n_out=2, axis=-1, largest=1, sorted=1)
+    return [v, c.op("Cast", [i], to=c.onnx_type(n, "index_type") if "index_type" in n.attr
+                    else TensorProto.INT32)]
 
 
 # -- shapes ------------------------------------------------------------------------------------
@@ -261,14 +469,24 @@ def _out_type(c, n, v, key="out_type"):
     return v if t == I64 else c.op("Cast", [v], to=t)
 
 
+def _shape_of(c, n, i):
+    """Shape of input i; a constant when TF knows it fully (a frozen weight's, a placeholder's
+    without None dims): TF checks fed and computed tensors against their static shapes."""
+    s = _static_shape(c, n.inputs[i])
+    if s is not None and None not in s:
+        t = _np(n, "out_type") if "out_type" in n.attr else np.int32
+        return c.const(np.array(s, t))
+    return _out_type(c, n, c.op("Shape", [c.x(n, i)]))
+
+
 @handler("Shape")
 def _shape(c, n):
-    return [_out_type(c, n, c.op("Shape", [c.x(n)]))]
+    return [_shape_of(c, n, 0)]
 
 
 @handler("ShapeN")
 def _shape_n(c, n):
-    return [_out_type(c, n, c.op("Shape", [c.x(n, i)])) for i in range(len(n.inputs))]
+    return [_shape_of(c, n, i) for i in range(len(n.inputs))]
 
 
 @handler("Size")
@@ -277,13 +495,16 @@ def _size(c, n):
 
 
 @handler("Rank")
-def _rank(c, n):
+def _rank_op(c, n):
+    r = _rank(c, n, 0)
+    if r is not None:
+        return [c.const(r, np.int32)]
     return [c.op("Cast", [c.op("Size", [c.op("Shape", [c.x(n)])])], to=TensorProto.INT32)]
 
 
 @handler("Reshape")
 def _reshape(c, n):
-    return [c.op("Reshape", [c.x(n, 0), _i64(c, c.x(n, 1))])]
+    return [c.op("Reshape", [c.x(n, 0), _shape_arg(c, n, 1)])]
 
 
 @handler("Squeeze")
@@ -297,16 +518,47 @@ def _expand_dims(c, n):
     return [c.op("Unsqueeze", [c.x(n, 0), _vec64(c, n, 1)])]
 
 
-@handler("Transpose")
+@handler("Transpose", "ConjugateTranspose")
 def _transpose(c, n):
-    perm = c.const_input(n, 1, required="the permutation")
-    return [c.op("Transpose", [c.x(n, 0)], perm=[int(p) for p in perm])]
+    perm = c.const_input(n, 1)
+    if perm is not None:
+        return [c.op("Transpose", [c.x(n, 0)], perm=[int(p) for p in perm])]
+    return [_transpose_dynamic(c, n)]
+
+
+def _transpose_dynamic(c, n):
+    """y[i] = x[i[inv(perm)]]: GatherND over the grid of output indices (rank must be known)."""
+    r = _rank(c, n, 0, required="Transpose with a computed permutation")
+    x, perm = c.x(n, 0), _i64(c, c.x(n, 1))
+    out_shape = c.op("Gather", [c.op("Shape", [x]), perm])
+    zero, one = c.const(0, np.int64), c.const(1, np.int64)
+    grids = []
+    for k in range(r):  # index along output axis k, broadcast to the output shape
+        idx = c.op("Range", [zero, c.op("Gather", [out_shape, c.const(k, np.int64)]), one])
+        shape = [1] * r
+        shape[k] = -1
+        grids.append(c.op("Expand", [c.op("Reshape", [idx, c.i64(*shape)]), out_shape]))
+    grid = c.op("Concat", [c.op("Unsqueeze", [g, c.i64(-1)]) for g in grids], axis=-1)
+    inv = c.op("ScatterElements", [c.i64(*[0] * r), perm, c.i64(*range(r))])
+    return c.op("GatherND", [x, c.op("Gather", [grid, inv], axis=-1)])
+
+
+@handler("InvertPermutation")
+def _invert_permutation(c, n):
+    y = _fold(c, n, lambda p: np.argsort(p).astype(p.dtype), 0)
+    if y is not None:
+        return [y]
+    p = c.x(n)
+    r = c.op("Range", [c.const(0, _np(n)), c.op("Cast", [c.op("Size", [p])], to=c.onnx_type(n)),
+                       c.const(1, _np(n))])
+    return [c.op("ScatterElements", [r, _i64(c, p), r])]
 
 
 @handler("ConcatV2")
 def _concat(c, n):
     k = len(n.inputs) - 1
-    return [c.op("Concat", [c.x(n, i) for i in range(k)], axis=_const_axis(c, n, k))]
+    y = _fold(c, n, lambda *v: np.concatenate(v[:-1], axis=int(v[-1])), *range(k + 1))
+    return [y or c.op("Concat", [c.x(n, i) for i in range(k)], axis=_const_axis(c, n, k))]
 
 
 @handler("Concat")
@@ -315,12 +567,40 @@ def _concat_v1(c, n):
                  axis=_const_axis(c, n, 0))]
 
 
+@handler("ConcatOffset")
+def _concat_offset(c, n):
+    """(axis, shape_0..shape_k-1) -> the offset of each input in the concatenation: zeros but
+    the sum of the earlier inputs' sizes along the axis."""
+    k = len(n.inputs) - 1
+    vals = [c.const_input(n, i) for i in range(k + 1)]
+    if all(v is not None for v in vals):
+        shapes = vals[1:]
+        axis = int(vals[0]) % len(shapes[0])
+        offs = np.cumsum([0] + [int(v[axis]) for v in shapes[:-1]])
+        return [c.const(np.where(np.arange(len(v)) == axis, o, 0).astype(v.dtype))
+                for v, o in zip(shapes, offs)]
+    axis, shapes = c.x(n, 0), [c.x(n, i) for i in range(1, k + 1)]
+    t = c.onnx_type(n, "shape_type") if "shape_type" in n.attr else TensorProto.INT32
+    iota = c.op("Range", [c.const(0, np.int32), c.op("Cast", [c.op("Size", [shapes[0]])],
+                                                     to=TensorProto.INT32), c.const(1, np.int32)])
+    at_axis = c.op("Cast", [c.op("Equal", [iota, axis])], to=t)  # one-hot of the axis
+    outs, total = [], None
+    for s in shapes:
+        outs.append(c.op("Mul", [at_axis, total]) if total else c.op("Sub", [at_axis, at_axis]))
+        size = c.op("Cast", [c.op("Gather", [s, axis])], to=t)
+        total = size if total is None else c.op("Add", [total, size])
+    return outs
+
+
 @handler("Pack")
 def _pack(c, n):
     axis = c.attr(n, "axis", 0)
+    k = len(n.inputs)
+    y = _fold(c, n, lambda *v: np.stack(v, axis=axis), *range(k))
+    if y is not None:
+        return [y]
     ax = c.i64(axis)
-    return [c.op("Concat", [c.op("Unsqueeze", [c.x(n, i), ax]) for i in range(len(n.inputs))],
-                 axis=axis)]
+    return [c.op("Concat", [c.op("Unsqueeze", [c.x(n, i), ax]) for i in range(k)], axis=axis)]
 
 
 @handler("Unpack")
@@ -342,18 +622,46 @@ def _split(c, n):
 @handler("SplitV")
 def _split_v(c, n):
     num, axis = c.attr(n, "num_split"), _const_axis(c, n, 2)
-    sizes = c.const_input(n, 1)
-    if sizes is not None and (sizes < 0).any():
-        raise ConversionError(f"{n}: size_splits with -1 is not supported")
     if num == 1:
         return [c.x(n, 0)]
-    out = c.op("Split", [c.x(n, 0), _i64(c, c.x(n, 1))], n_out=num, axis=axis)
-    return out
+    sizes = c.const_input(n, 1)
+    if sizes is not None and (sizes < 0).any():  # one -1: the rest of the axis
+        s = _static_shape(c, n.inputs[0])
+        if s is None or s[axis] is None:
+            sizes = None
+        else:
+            sizes = np.where(sizes < 0, s[axis] - sizes[sizes >= 0].sum(), sizes)
+    if sizes is None and c.const_input(n, 1) is not None:
+        raise ConversionError(f"{n}: size_splits with -1 needs the axis' size known statically")
+    split = c.const(sizes.astype(np.int64)) if sizes is not None else _i64(c, c.x(n, 1))
+    return c.op("Split", [c.x(n, 0), split], n_out=num, axis=axis)
+
+
+@handler("ListDiff")
+def _list_diff(c, n):
+    """(x, y) -> (the values of x not in y, in order; their positions in x)."""
+    k = c.const_input(n, 0), c.const_input(n, 1)
+    if k[0] is not None and k[1] is not None:
+        keep = ~np.isin(k[0], k[1])
+        return [c.const(k[0][keep]), c.const(np.flatnonzero(keep).astype(_np(n, "out_idx")))]
+    x, y = c.x(n, 0), c.x(n, 1)
+    hit = c.op("Cast", [c.op("Equal", [c.op("Unsqueeze", [x, c.i64(1)]),
+                                       c.op("Unsqueeze", [y, c.i64(0)])])], to=TensorProto.INT32)
+    keep = c.op("Not", [c.op("Cast", [c.op("ReduceMax", [hit, c.i64(1)], keepdims=0)],
+                             to=TensorProto.BOOL)])
+    pos = c.op("Range", [c.const(0, _np(n, "out_idx")), c.op("Cast", [c.op("Size", [x])],
+                         to=c.onnx_type(n, "out_idx")), c.const(1, _np(n, "out_idx"))])
+    return [c.op("Compress", [x, keep], axis=0), c.op("Compress", [pos, keep], axis=0)]
 
 
 @handler("Fill")
 def _fill(c, n):
-    return [c.op("Expand", [c.x(n, 1), _i64(c, c.x(n, 0))])]
+    return [c.op("Expand", [c.x(n, 1), _shape_arg(c, n, 0)])]
+
+
+@handler("BroadcastTo")
+def _broadcast_to(c, n):
+    return [c.op("Expand", [c.x(n, 0), _shape_arg(c, n, 1)])]
 
 
 @handler("ZerosLike", "OnesLike")
@@ -364,7 +672,9 @@ def _zeros_like(c, n):
 
 @handler("Range")
 def _range(c, n):
-    return [c.op("Range", [c.x(n, 0), c.x(n, 1), c.x(n, 2)])]
+    y = None if _is_float(n, "Tidx") else _fold(
+        c, n, lambda a, b, d: np.arange(a, b, d).astype(np.result_type(a, b, d)), 0, 1, 2)
+    return [y or c.op("Range", [c.x(n, 0), c.x(n, 1), c.x(n, 2)])]
 
 
 @handler("Tile")
@@ -372,11 +682,61 @@ def _tile(c, n):
     return [c.op("Tile", [c.x(n, 0), _i64(c, c.x(n, 1))])]
 
 
+@handler("Pad", "PadV2", "MirrorPad")
+def _pad(c, n):
+    mode = c.attr(n, "mode", "CONSTANT").lower()
+    if mode == "symmetric":
+        return [_pad_symmetric(c, n)]
+    p = c.const_input(n, 1)
+    pads = c.const(p.T.reshape(-1).astype(np.int64)) if p is not None else c.op(
+        "Reshape", [c.op("Transpose", [_i64(c, c.x(n, 1))], perm=[1, 0]), c.i64(-1)])
+    value = [c.x(n, 2)] if n.op == "PadV2" else []
+    return [c.op("Pad", [c.x(n, 0), pads] + value, mode=mode)]
+
+
+def _pad_symmetric(c, n):
+    """MirrorPad SYMMETRIC (the edge repeated): concatenate reversed slices per axis."""
+    y = c.x(n, 0)
+    for axis, (lo, hi) in enumerate(c.const_input(n, 1, required="SYMMETRIC paddings")):
+        lo, hi = int(lo), int(hi)
+        parts = [_flip_slice(c, y, axis, lo - 1, -BIG)] if lo else []
+        parts.append(y)
+        parts += [_flip_slice(c, y, axis, -1, -hi - 1)] if hi else []
+        y = c.op("Concat", parts, axis=axis) if len(parts) > 1 else y
+    return y
+
+
+def _flip_slice(c, x, axis, start, end):
+    return c.op("Slice", [x, c.i64(start), c.i64(end), c.i64(axis), c.i64(-1)])
+
+
+@handler("ReverseV2")
+def _reverse_v2(c, n):
+    axes = c.const_input(n, 1, required="the axes to reverse")
+    return [_reverse(c, c.x(n), [int(a) for a in np.reshape(axes, -1)])]
+
+
+@handler("Reverse")
+def _reverse_v1(c, n):
+    dims = c.const_input(n, 1, required="the dims to reverse")
+    return [_reverse(c, c.x(n), [i for i, d in enumerate(dims) if d])]
+
+
+def _reverse(c, x, axes):
+    if not axes:
+        return x
+    k = len(axes)
+    return c.op("Slice", [x, c.i64(*[-1] * k), c.i64(*[-BIG] * k), c.i64(*axes), c.i64(*[-1] * k)])
+
+
+# -- gathers and scatters ----------------------------------------------------------------------
 @handler("GatherV2")
 def _gather(c, n):
     if c.attr(n, "batch_dims", 0):
         raise ConversionError(f"{n}: batch_dims != 0 is not supported")
-    return [c.op("Gather", [c.x(n, 0), c.x(n, 1)], axis=_const_axis(c, n, 2))]
+    axis = _const_axis(c, n, 2)
+    y = _fold(c, n, lambda p, i, a: np.take(p, i, axis=int(a)), 0, 1, 2)
+    return [y or c.op("Gather", [c.x(n, 0), c.x(n, 1)], axis=axis)]
 
 
 @handler("Gather")
@@ -384,18 +744,203 @@ def _gather_v1(c, n):
     return [c.op("Gather", [c.x(n, 0), c.x(n, 1)], axis=0)]
 
 
+@handler("GatherNd")
+def _gather_nd(c, n):
+    return [c.op("GatherND", [c.x(n, 0), _i64(c, c.x(n, 1))])]
+
+
+@handler("ScatterNd")
+def _scatter_nd(c, n):  # (indices, updates, shape): duplicates add up
+    zeros = _zeros(c, _shape_arg(c, n, 2), _np(n))
+    return [c.op("ScatterND", [zeros, _i64(c, c.x(n, 0)), c.x(n, 1)], reduction="add")]
+
+
+TENSOR_SCATTER = {"TensorScatterUpdate": "none", "TensorScatterAdd": "add",
+                  "TensorScatterSub": "add", "TensorScatterMax": "max", "TensorScatterMin": "min"}
+
+
+@handler(*TENSOR_SCATTER)
+def _tensor_scatter(c, n):
+    upd = c.op("Neg", [c.x(n, 2)]) if n.op == "TensorScatterSub" else c.x(n, 2)
+    return [c.op("ScatterND", [c.x(n, 0), _i64(c, c.x(n, 1)), upd],
+                 reduction=TENSOR_SCATTER[n.op])]
+
+
+SEGMENT = {"UnsortedSegmentSum": ("add", 0), "UnsortedSegmentProd": ("mul", 1),
+           "UnsortedSegmentMax": ("max", "lowest"), "UnsortedSegmentMin": ("min", "highest")}
+
+
+@handler(*SEGMENT)
+def _unsorted_segment(c, n):
+    """(data, ids, num): out[ids[i], ...] (+)= data[i, ...], out's other rows TF's identity
+    for the reduction (0, 1, the dtype's lowest/highest)."""
+    red, init = SEGMENT[n.op]
+    dt = np.dtype(_np(n))
+    if isinstance(init, str):
+        info = np.finfo(dt) if dt.kind == "f" else np.iinfo(dt)
+        init = info.min if init == "lowest" else info.max
+    data, ids = c.x(n, 0), _i64(c, c.x(n, 1))
+    tail = _shape_after(c, data, ids)
+    shape = c.op("Concat", [c.op("Reshape", [_i64(c, c.x(n, 2)), c.i64(1)]), tail], axis=0)
+    flat_ids = c.op("Reshape", [ids, c.i64(-1, 1)])
+    flat = c.op("Reshape", [data, c.op("Concat", [c.i64(-1), tail], axis=0)])
+    return [c.op("ScatterND", [c.op("Expand", [c.const(init, dt), shape]), flat_ids, flat],
+                 reduction=red)]
+
+
+def _shape_after(c, data, ids):
+    """data's shape after the leading dims that ``ids`` covers (int64 vector)."""
+    rank_ids = c.op("Shape", [c.op("Shape", [ids])])
+    return c.op("Slice", [c.op("Shape", [data]), rank_ids, c.i64(BIG)])
+
+
+@handler("DynamicStitch", "ParallelDynamicStitch")
+def _dynamic_stitch(c, n):
+    """(indices_0..k-1, data_0..k-1): merged[indices_m[i]] = data_m[i] (later m win)."""
+    k = len(n.inputs) // 2
+    if all(c.const_input(n, i) is not None for i in range(2 * k)):
+        vals = [c.const_input(n, i) for i in range(2 * k)]
+        tail = vals[k].shape[vals[0].ndim:]
+        out = np.zeros((max(int(v.max(initial=-1)) for v in vals[:k]) + 1,) + tail, vals[k].dtype)
+        for idx, d in zip(vals[:k], vals[k:]):
+            out[idx.reshape(-1)] = d.reshape((-1,) + tail)
+        return [c.const(out)]
+    ids = [_i64(c, c.x(n, i)) for i in range(k)]
+    tail = _shape_after(c, c.x(n, k), ids[0])
+    flat_ids = c.op("Concat", [c.op("Reshape", [i, c.i64(-1)]) for i in ids], axis=0)
+    rows = c.op("Concat", [c.i64(-1), tail], axis=0)
+    flat = c.op("Concat", [c.op("Reshape", [c.x(n, k + m), rows]) for m in range(k)], axis=0)
+    size = c.op("Add", [c.op("ReduceMax", [flat_ids], keepdims=1), c.i64(1)])
+    zeros = _zeros(c, c.op("Concat", [size, tail], axis=0), _np(n))
+    return [c.op("ScatterND", [zeros, c.op("Unsqueeze", [flat_ids, c.i64(-1)]), flat])]
+
+
+@handler("OneHot")
+def _one_hot(c, n):
+    """(indices, depth, on, off): compare with Range(depth) (out-of-range indices: all off)."""
+    idx, axis = c.x(n, 0), c.attr(n, "axis", -1)
+    depth = c.op("Range", [c.const(0, _np(n, "TI")), c.op("Cast", [c.x(n, 1)],
+                                                          to=c.onnx_type(n, "TI")),
+                           c.const(1, _np(n, "TI"))])
+    y = c.op("Where", [c.op("Equal", [c.op("Unsqueeze", [idx, c.i64(-1)]), depth]),
+                       c.x(n, 2), c.x(n, 3)])
+    if axis == -1:
+        return [y]
+    r = _rank(c, n, 0, required="OneHot with an axis") + 1
+    perm = list(range(r - 1))
+    perm.insert(axis, r - 1)
+    return [c.op("Transpose", [y], perm=perm)]
+
+
+@handler("Where")
+def _where_op(c, n):  # the coordinates of the true (nonzero) elements, one row each
+    return [c.op("Transpose", [c.op("NonZero", [c.x(n)])], perm=[1, 0])]
+
+
+# -- slices ------------------------------------------------------------------------------------
 @handler("Slice")
 def _slice(c, n):
     begin, size = _i64(c, c.x(n, 1)), _i64(c, c.x(n, 2))
-    big = c.i64(np.iinfo(np.int64).max)
-    # size -1 means "to the end"
-    end = c.op("Where", [c.op("Less", [size, c.i64(0)]), big, c.op("Add", [begin, size])])
+    b, s = c.consts.get(begin), c.consts.get(size)
+    if b is not None and s is not None:
+        end = c.const(np.where(s < 0, BIG, b + s))
+    else:  # size -1 means "to the end"
+        end = c.op("Where", [c.op("Less", [size, c.i64(0)]), c.i64(BIG),
+                             c.op("Add", [begin, size])])
     return [c.op("Slice", [c.x(n, 0), begin, end])]
 
 
 @handler("StridedSlice")
 def _strided_slice(c, n):
-    return [_slice_like(c, n, c.x(n, 0), 1)]
+    y = _fold(c, n, lambda *v: _strided_slice_np(c, n, *v), 0, 1, 2, 3)
+    return [y or _slice_like(c, n, c.x(n, 0), 1)]
+
+
+def _strided_slice_np(c, n, x, b, e, s):
+    spec = _SliceSpec(c, n, s)
+    idx: list = [np.newaxis if k in spec.new else slice(None) for k in range(len(s))]
+    for k, _, sk in spec.sliced:
+        bk = None if spec.mask("begin", k) else int(b[k])
+        ek = None if spec.mask("end", k) else int(e[k])
+        idx[k] = int(b[k]) if spec.mask("shrink_axis", k) else slice(bk, ek, int(sk))
+    if spec.ellipsis is not None:
+        idx[spec.ellipsis] = Ellipsis
+    return np.asarray(x[tuple(idx)])
+
+
+class _SliceSpec:
+    """StridedSlice's sparse spec resolved without knowing the input's rank: an entry before
+    the ellipsis (or with none) slices input axis 0, 1, ..., one after it axis ..., -2, -1;
+    a new axis lands at output position p (from the front) or p < 0 (from the back)."""
+
+    def __init__(self, c, n, strides):
+        self.masks = {m: c.attr(n, m, 0) for m in ("begin_mask", "end_mask", "ellipsis_mask",
+                                                   "new_axis_mask", "shrink_axis_mask")}
+        ell, k = self.masks["ellipsis_mask"], len(strides)
+        self.ellipsis = (ell & -ell).bit_length() - 1 if ell else None
+        e = k if self.ellipsis is None else self.ellipsis
+        self.sliced, self.new = [], {}  # sliced: (spec index, input axis, stride)
+        ax = pos = 0
+        for i in range(e):  # before the ellipsis: counted from the front
+            if self.mask("new_axis", i):
+                self.new[i] = pos
+                pos += 1
+            else:
+                self.sliced.append((i, ax, int(strides[i])))
+                ax += 1
+                pos += not self.mask("shrink_axis", i)
+        ax = pos = 0
+        for i in reversed(range(e + 1, k)):  # after it: from the back
+            if self.mask("new_axis", i):
+                pos -= 1
+                self.new[i] = pos
+            else:
+                ax -= 1
+                self.sliced.append((i, ax, int(strides[i])))
+                pos -= not self.mask("shrink_axis", i)
+        self.sliced.sort()
+
+    def mask(self, kind: str, i: int) -> bool:
+        return bool(self.masks[kind + "_mask"] >> i & 1)
+
+
+def _slice_like(c, n, x, first: int) -> str:
+    """x sliced like node n's StridedSlice with (begin, end, strides) at inputs first..first+2;
+    begin and end may be computed at run time, strides must be constants."""
+    spec = _SliceSpec(c, n, c.const_input(n, first + 2, required="StridedSlice strides"))
+    if spec.sliced:
+        pos = np.array([i for i, _, _ in spec.sliced])
+        shrink = np.array([spec.mask("shrink_axis", i) for i in pos])
+        steps = np.where(shrink, 1, [s for _, _, s in spec.sliced])
+        fwd = steps > 0
+        begin, end = (_gathered(c, n, first + j, pos) for j in (0, 1))
+        if shrink.any():  # one element: [b, b + 1), or [-1, end)
+            if isinstance(begin, np.ndarray):
+                after = np.where(begin == -1, BIG, begin + 1)
+            else:
+                after = c.op("Where", [c.op("Equal", [begin, c.i64(-1)]), c.i64(BIG),
+                                       c.op("Add", [begin, c.i64(1)])])
+            end = _where(c, shrink, after, end)
+        bm = np.array([spec.mask("begin", i) for i in pos]) & ~shrink
+        em = np.array([spec.mask("end", i) for i in pos]) & ~shrink
+        begin = _where(c, bm, np.where(fwd, 0, BIG), begin)
+        end = _where(c, em, np.where(fwd, BIG, -BIG), end)
+        begin, end = (c.const(v) if isinstance(v, np.ndarray) else v for v in (begin, end))
+        x = c.op("Slice", [x, begin, end, c.i64(*[a for _, a, _ in spec.sliced]),
+                           c.const(steps.astype(np.int64))])
+        squeeze = [a for i, a, _ in spec.sliced if spec.mask("shrink_axis", i)]
+        x = c.op("Squeeze", [x, c.i64(*squeeze)]) if squeeze else x
+    if spec.new:
+        x = c.op("Unsqueeze", [x, c.i64(*spec.new.values())])
+    return x
+
+
+def _gathered(c, n, i, pos):
+    """Entries ``pos`` of the int vector input i: numpy when constant, else an ONNX value."""
+    k = c.const_input(n, i)
+    if k is not None:
+        return np.asarray(k, np.int64)[pos]
+    return c.op("Gather", [_i64(c, c.x(n, i)), c.const(pos.astype(np.int64))])
 
 
 @handler("StridedSliceGrad")
@@ -406,67 +951,39 @@ def _strided_slice_grad(c, n):  # (shape, begin, end, strides, dy): dy scattered
     index = c.op("Reshape", [c.op("Range", [zero, c.op("Squeeze", [count]), one]), shape])
     where = c.op("Unsqueeze", [c.op("Reshape", [_slice_like(c, n, index, 1), c.i64(-1)]),
                                c.i64(-1)])
-    dy = c.x(n, 4)
-    zeros = c.op("Expand", [c.const(0, _np(n, "T") if "T" in n.attr else np.float32), count])
-    flat = c.op("ScatterND", [zeros, where, c.op("Reshape", [dy, c.i64(-1)])])
+    zeros = _zeros(c, count, _np(n))
+    flat = c.op("ScatterND", [zeros, where, c.op("Reshape", [c.x(n, 4), c.i64(-1)])])
     return [c.op("Reshape", [flat, shape])]
 
 
-def _slice_like(c, n, x, first: int) -> str:
-    """x sliced like node n's StridedSlice with bounds at inputs first..first+2."""
-    begin, end, strides = (c.const_input(n, i, required="StridedSlice bounds")
-                           for i in (first, first + 1, first + 2))
-    m = {k: c.attr(n, k, 0) for k in ("begin_mask", "end_mask", "ellipsis_mask",
-                                      "new_axis_mask", "shrink_axis_mask")}
-    if m["ellipsis_mask"] or m["new_axis_mask"]:
-        raise ConversionError(f"{n}: ellipsis_mask/new_axis_mask are not supported")
-    big = np.iinfo(np.int64).max
-    starts, ends, axes, steps, squeeze = [], [], [], [], []
-    for i, (b, e, s) in enumerate(zip(begin, end, strides)):
-        b, e, s = int(b), int(e), int(s)
-        if m["shrink_axis_mask"] >> i & 1:
-            e, squeeze = (b + 1 if b != -1 else big), squeeze + [i]
-        else:
-            if m["begin_mask"] >> i & 1:
-                b = 0 if s > 0 else big
-            if m["end_mask"] >> i & 1:
-                e = big if s > 0 else -big
-        starts.append(b), ends.append(e), axes.append(i), steps.append(s)
-    y = c.op("Slice", [x, c.i64(*starts), c.i64(*ends), c.i64(*axes), c.i64(*steps)])
-    return c.op("Squeeze", [y, c.i64(*squeeze)]) if squeeze else y
+@handler("BroadcastGradientArgs")
+def _broadcast_gradient_args(c, n):
+    """(s0, s1) -> the axes each input's gradient is summed over: none when the shapes are equal,
+    else every axis where the input's (left-padded with 1s) shape is 1."""
+    y = [_fold(c, n, lambda a, b, j=j: _bga_np(a, b)[j], 0, 1) for j in (0, 1)]
+    if y[0] is not None:
+        return y
+    s = [_i64(c, c.x(n, i)) for i in (0, 1)]
+    lens = [c.op("Shape", [v]) for v in s]
+    r = c.op("Max", lens)
+    padded = [c.op("Concat", [c.op("Expand", [c.i64(1), c.op("Sub", [r, ln])]), v], axis=0)
+              for v, ln in zip(s, lens)]
+    same = c.op("And", [c.op("Equal", [lens[0], lens[1]]), c.op("Cast", [c.op("ReduceMin", [
+        c.op("Cast", [c.op("Equal", padded)], to=TensorProto.INT32)], keepdims=1)],
+        to=TensorProto.BOOL)])
+    axes = c.op("Range", [c.const(0, _np(n)), c.op("Cast", [c.op("Squeeze", [r])],
+                                                       to=c.onnx_type(n)), c.const(1, _np(n))])
+    return [c.op("Compress", [axes, c.op("And", [c.op("Equal", [p, c.i64(1)]),
+                                                  c.op("Not", [same])])], axis=0)
+            for p in padded]
 
 
-# -- neural-network ops ------------------------------------------------------------------------
-@handler("Softmax", "LogSoftmax")
-def _softmax(c, n):
-    return [c.op(n.op, [c.x(n)], axis=-1)]
+def _bga_np(a, b):
+    if a.shape == b.shape and (a == b).all():
+        return [np.zeros(0, a.dtype)] * 2
+    r = max(len(a), len(b))
+    pad = [np.concatenate([np.ones(r - len(v), v.dtype), v]) for v in (a, b)]
+    return [np.flatnonzero(p == 1).astype(a.dtype) for p in pad]
 
 
-# -- gradient ops tf.gradients emits -------------------------------------------------------------
-@handler("TanhGrad")
-def _tanh_grad(c, n):  # (y, dy) -> dy * (1 - y^2)
-    y, dy = c.x(n, 0), c.x(n, 1)
-    return [c.op("Mul", [dy, c.op("Sub", [c.const(1, _np(n)), c.op("Mul", [y, y])])])]
-
-
-@handler("SigmoidGrad")
-def _sigmoid_grad(c, n):  # (y, dy) -> dy * y * (1 - y)
-    y, dy = c.x(n, 0), c.x(n, 1)
-    return [c.op("Mul", [dy, c.op("Mul", [y, c.op("Sub", [c.const(1, _np(n)), y])])])]
-
-
-@handler("ReluGrad")
-def _relu_grad(c, n):  # (dy, x) -> dy where x > 0
-    dy, x = c.x(n, 0), c.x(n, 1)
-    return [c.op("Where", [c.op("Greater", [x, c.const(0, _np(n))]), dy, c.const(0, _np(n))])]
-
-
-@handler("BiasAddGrad")
-def _bias_add_grad(c, n):
-    dy = c.x(n)
-    if c.attr(n, "data_format", "NHWC") == "NCHW":
-        flat = c.op("Reshape", [c.op("Einsum", [dy], equation="ij...->ji..."), c.i64(0, -1)])
-        return [c.op("ReduceSum", [flat, c.i64(1)], keepdims=0)]
-    flat = c.op("Reshape", [dy, c.op("Concat", [c.i64(-1), c.op("Shape", [dy], start=-1)],
-                                     axis=0)])
-    return [c.op("ReduceSum", [flat, c.i64(0)], keepdims=0)]
+from . import nn_ops  # noqa: E402,F401  (neural-network ops register on import)

@@ -1,0 +1,456 @@
+"""Neural-network ops: convolutions, pooling, batch norm, activations, losses, and the gradient
+ops tf.gradients emits for them (Conv2DBackpropInput/Filter, MaxPoolGrad, ReluGrad, ...).
+
+ONNX convolutions and pools are channels-first (NCHW, weights OIHW); TF's default is channels-last
+(NHWC, filters HWIO), so channels-last nodes transpose in and out. Padding: TF's SAME puts the odd
+pixel at the end, ONNX's ``auto_pad=SAME_UPPER``; the gradients compute explicit pads from the
+forward op's static spatial sizes (TF knows them whenever the graph was built with shapes).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .core import handler
+from .errors import ConversionError
+from .ops import _i64, _k, _np, _rank, _static_shape
+
+
+# -- layouts and conv geometry ------------------------------------------------------------------
+def _channels_last(c, n) -> bool:
+    return not c.attr(n, "data_format", "NHWC").startswith("NC")
+
+
+def _spatial(c, n, vals) -> list[int]:
+    """The spatial entries of a per-dimension attribute given in the node's data format."""
+    return [int(v) for v in (vals[1:-1] if _channels_last(c, n) else vals[2:])]
+
+
+def _to_cf(c, n, x, r):  # channels-last -> channels-first
+    return c.op("Transpose", [x], perm=[0, r - 1, *range(1, r - 1)]) if _channels_last(c, n) else x
+
+
+def _from_cf(c, n, y, r):
+    return c.op("Transpose", [y], perm=[0, *range(2, r), 1]) if _channels_last(c, n) else y
+
+
+def _oihw(c, w, r):  # TF filter [*k, in, out] -> ONNX weight [out, in, *k]
+    return c.op("Transpose", [w], perm=[r - 1, r - 2, *range(r - 2)])
+
+
+class _Geom:
+    """Strides, dilations and padding of a conv/pool node over its spatial dims."""
+
+    def __init__(self, c, n, r, kernel=None):
+        self.padding = c.attr(n, "padding")
+        self.strides = _spatial(c, n, c.attr(n, "strides"))
+        self.dilations = _spatial(c, n, c.attr(n, "dilations", [1] * r))
+        self.kernel = kernel
+        self.explicit = None
+        if self.padding == "EXPLICIT":
+            p = np.reshape(c.attr(n, "explicit_paddings"), (-1, 2))
+            p = p[1:-1] if _channels_last(c, n) else p[2:]
+            self.explicit = [(int(a), int(b)) for a, b in p]
+
+    def attrs(self, dilations=True, size=None) -> dict:
+        """Attributes of the forward ONNX Conv/Pool (over spatial input sizes ``size``, needed
+        for SAME with dilations: onnxruntime pads those only explicitly)."""
+        a = {"strides": self.strides}
+        if dilations:
+            a["dilations"] = self.dilations
+        if self.padding == "SAME" and dilations and set(self.dilations) != {1}:
+            if size is None or None in size:
+                raise ConversionError("SAME padding with dilations needs the input's spatial "
+                                      "sizes known statically")
+            b, e, _, _ = self.pads(size)
+            a["pads"] = b + e
+        elif self.padding == "SAME":
+            a["auto_pad"] = "SAME_UPPER"
+        elif self.explicit:
+            a["pads"] = [b for b, _ in self.explicit] + [e for _, e in self.explicit]
+        return a
+
+    def pads(self, size: list[int]):
+        """(begins, ends, forward output sizes, output_padding that gives ``size`` back) for the
+        forward op over input sizes ``size``."""
+        begins, ends, outs, extra = [], [], [], []
+        for i, (n_in, k, s, d) in enumerate(zip(size, self.kernel, self.strides, self.dilations)):
+            eff = (k - 1) * d + 1
+            if self.padding == "SAME":
+                out = -(-n_in // s)
+                total = max((out - 1) * s + eff - n_in, 0)
+                b, e = total // 2, total - total // 2
+            else:
+                b, e = self.explicit[i] if self.explicit else (0, 0)
+                out = (n_in + b + e - eff) // s + 1
+            begins.append(b), ends.append(e), outs.append(out)
+            extra.append(n_in - ((out - 1) * s + eff - b - e))
+        return begins, ends, outs, extra
+
+
+def _known(c, n, i, what, spatial=False) -> list:
+    """A shape vector that conv gradients need statically (all of it, or its spatial part):
+    constant input i (input_sizes, filter_sizes), or else the node's own output shape."""
+    k = c.const_input(n, i)
+    if k is None:
+        k = (c.attr(n, "_output_shapes") or [None])[0]
+    part = None if k is None else (_spatial(c, n, k) if spatial else list(k))
+    if part is None or None in part:
+        raise ConversionError(f"{n}: {what} must be known statically (export the graph with "
+                              "add_shapes=True)")
+    return [int(d) for d in part]
+
+
+def _input_sizes(c, n, ref) -> list[int]:
+    """The spatial sizes of the forward op's input ``ref``."""
+    s = _static_shape(c, ref)
+    size = None if s is None else _spatial(c, n, s)
+    if size is None or None in size:
+        raise ConversionError(f"{n}: the spatial sizes of {ref} must be known statically")
+    return size
+
+
+def _filter_shape(c, n, ref) -> list[int]:
+    s = _static_shape(c, ref)
+    if s is None or None in s:
+        raise ConversionError(f"{n}: the filter's shape must be known statically")
+    return [int(d) for d in s]
+
+
+# -- convolutions --------------------------------------------------------------------------------
+CONV = {"Conv2D": 4, "Conv3D": 5, "DepthwiseConv2dNative": 4}
+
+
+@handler(*CONV)
+def _conv(c, n):
+    r = CONV[n.op]
+    w, group = _weight(c, n, n.inputs[1], r)
+    g = _Geom(c, n, r)
+    size = None
+    if g.padding == "SAME" and set(g.dilations) != {1}:
+        g.kernel = _filter_shape(c, n, n.inputs[1])[:r - 2]
+        size = _input_sizes(c, n, n.inputs[0])
+    y = c.op("Conv", [_to_cf(c, n, c.x(n, 0), r), w], group=group, **g.attrs(size=size))
+    return [_from_cf(c, n, y, r)]
+
+
+def _weight(c, n, ref, r):
+    """The ONNX weight of node n's filter and the group count (depthwise: one per channel)."""
+    w = c.value(ref)
+    if "Depthwise" not in n.op:
+        return _oihw(c, w, r), 1
+    kh, kw, cin, m = _filter_shape(c, n, ref)
+    return _oihw(c, c.op("Reshape", [w, c.i64(kh, kw, 1, cin * m)]), r), cin
+
+
+BACKPROP_INPUT = {"Conv2DBackpropInput": 4, "Conv3DBackpropInputV2": 5,
+                  "DepthwiseConv2dNativeBackpropInput": 4}
+
+
+@handler(*BACKPROP_INPUT)
+def _conv_backprop_input(c, n):
+    """(input_sizes, filter, dy) -> dx: the transposed convolution, padded like the forward."""
+    r = BACKPROP_INPUT[n.op]
+    w, group = _weight(c, n, n.inputs[1], r)
+    kernel = _filter_shape(c, n, n.inputs[1])[:r - 2]
+    g = _Geom(c, n, r, kernel)
+    b, e, _, extra = g.pads(_known(c, n, 0, "the input's spatial sizes", spatial=True))
+    y = c.op("ConvTranspose", [_to_cf(c, n, c.x(n, 2), r), w], group=group, strides=g.strides,
+             dilations=g.dilations, pads=b + e, output_padding=extra)
+    return [_from_cf(c, n, y, r)]
+
+
+BACKPROP_FILTER = {"Conv2DBackpropFilter": 4, "Conv3DBackpropFilterV2": 5,
+                   "DepthwiseConv2dNativeBackpropFilter": 4}
+
+
+@handler(*BACKPROP_FILTER)
+def _conv_backprop_filter(c, n):
+    """(x, filter_sizes, dy) -> dfilter: a convolution of x (channels as the batch) with dy
+    (batch as the channels) whose stride is the forward dilation and dilation the forward
+    stride, cut to the kernel size."""
+    r = BACKPROP_FILTER[n.op]
+    fshape = _known(c, n, 1, "the filter's shape")
+    kernel, cin, cout = fshape[:r - 2], fshape[r - 2], fshape[r - 1]
+    g = _Geom(c, n, r, kernel)
+    size = _input_sizes(c, n, n.inputs[0])
+    b, e, _, _ = g.pads(size)
+    perm = [r - 1, 0, *range(1, r - 1)] if _channels_last(c, n) else [1, 0, *range(2, r)]
+    x = c.op("Transpose", [c.x(n, 0)], perm=perm)  # [C, N, *spatial]
+    dy = c.op("Transpose", [c.x(n, 2)], perm=perm)  # [O, N, *out]
+    group = 1
+    if "Depthwise" in n.op:  # channel c of x pairs with dy's channels c*M .. c*M+M-1
+        x = c.op("Reshape", [x, c.i64(1, -1, *size)])
+        group = cin
+    y = c.op("Conv", [x, dy], group=group, strides=g.dilations, dilations=g.strides, pads=b + e)
+    y = c.op("Slice", [y, c.i64(*[0] * (r - 2)), c.i64(*kernel), c.i64(*range(2, r))])
+    if "Depthwise" in n.op:
+        y = c.op("Reshape", [y, c.i64(cin, cout, *kernel)])
+    return [c.op("Transpose", [y], perm=[*range(2, r), 0, 1])]
+
+
+# -- pooling -------------------------------------------------------------------------------------
+POOL = {"MaxPool": ("MaxPool", 4), "MaxPool3D": ("MaxPool", 5), "MaxPoolV2": ("MaxPool", 4),
+        "AvgPool": ("AveragePool", 4), "AvgPool3D": ("AveragePool", 5)}
+
+
+def _ksize(c, n, i=None):
+    k = c.attr(n, "ksize") if i is None else c.const_input(n, i, required="ksize")
+    return _spatial(c, n, list(k))
+
+
+@handler(*POOL)
+def _pool(c, n):
+    op, r = POOL[n.op]
+    y, _ = _run_pool(c, n, op, r, c.x(n))
+    return [y]
+
+
+def _run_pool(c, n, op, r, x, indices=False):
+    v2 = n.op.endswith("V2")
+    g = _Geom(c, n, r)
+    if v2:
+        g.strides = _spatial(c, n, list(c.const_input(n, 2, required="strides")))
+    out = c.op(op, [_to_cf(c, n, x, r)], n_out=1 + indices, kernel_shape=_ksize(c, n, 1 if v2
+                                                                               else None),
+               **g.attrs(dilations=False))
+    y, idx = (out, None) if not indices else out
+    return _from_cf(c, n, y, r), idx
+
+
+MAX_POOL_GRAD = {"MaxPoolGrad": 4, "MaxPool3DGrad": 5, "MaxPoolGradV2": 4}
+
+
+@handler(*MAX_POOL_GRAD)
+def _max_pool_grad(c, n):
+    """(x, y, dy) -> dx: dy added onto the position of each window's maximum (MaxPool's
+    indices count over the whole channels-first tensor)."""
+    r = MAX_POOL_GRAD[n.op]
+    x = _to_cf(c, n, c.x(n, 0), r)
+    g = _Geom(c, n, r)
+    if n.op.endswith("V2"):
+        g.strides = _spatial(c, n, list(c.const_input(n, 4, required="strides")))
+    _, idx = c.op("MaxPool", [x], n_out=2, kernel_shape=_ksize(
+        c, n, 3 if n.op.endswith("V2") else None), **g.attrs(dilations=False))
+    flat = c.op("Reshape", [x, c.i64(-1)])
+    dy = c.op("Reshape", [_to_cf(c, n, c.x(n, 2), r), c.i64(-1)])
+    zeros = c.op("Expand", [_k(c, n, 0), c.op("Shape", [flat])])
+    dx = c.op("ScatterElements", [zeros, c.op("Reshape", [idx, c.i64(-1)]), dy], reduction="add")
+    return [_from_cf(c, n, c.op("Reshape", [dx, c.op("Shape", [x])]), r)]
+
+
+AVG_POOL_GRAD = {"AvgPoolGrad": 4, "AvgPool3DGrad": 5}
+
+
+@handler(*AVG_POOL_GRAD)
+def _avg_pool_grad(c, n):
+    """(input_shape, dy) -> dx: dy over each window's count of real (unpadded) pixels, spread
+    back by a transposed convolution with a kernel of ones, one channel at a time."""
+    r = AVG_POOL_GRAD[n.op]
+    kernel = _ksize(c, n)
+    g = _Geom(c, n, r, kernel)
+    g.dilations = [1] * (r - 2)
+    size = _known(c, n, 0, "the input's spatial sizes", spatial=True)
+    b, e, outs, extra = g.pads(size)
+    count = np.ones((), np.float64)
+    for ax, (o, k, s, bb, n_in) in enumerate(zip(outs, kernel, g.strides, b, size)):
+        lo = np.arange(o) * s - bb
+        cnt = np.minimum(lo + k, n_in) - np.maximum(lo, 0)
+        count = np.multiply.outer(count, cnt)
+    dy = _to_cf(c, n, c.x(n, 1), r)
+    per = c.op("Div", [c.op("Reshape", [dy, c.i64(-1, 1, *[0] * (r - 2))]),
+                       c.const(count.astype(_np(n)))])
+    ones = c.const(np.ones([1, 1, *kernel], _np(n)))
+    dx = c.op("ConvTranspose", [per, ones], strides=g.strides, pads=b + e, output_padding=extra)
+    shape = c.op("Concat", [c.op("Shape", [dy], end=2), c.i64(*size)], axis=0)
+    return [_from_cf(c, n, c.op("Reshape", [dx, shape]), r)]
+
+
+# -- normalization -------------------------------------------------------------------------------
+@handler("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
+def _fused_batch_norm(c, n):
+    """(x, scale, offset, mean, variance) -> y, batch mean, batch variance, reserves. Training
+    mode normalizes with the batch's statistics and returns the (unbiased) batch variance."""
+    x = c.x(n, 0)
+    r = _rank(c, n, 0) or 4
+    axis = r - 1 if _channels_last(c, n) else 1
+    eps = _k(c, n, c.attr(n, "epsilon", 1e-4), "U")
+
+    def chan(v):  # a per-channel vector broadcast against x
+        return v if axis == r - 1 else c.op("Unsqueeze", [v, c.i64(*range(1, r - 1))])
+
+    scale, offset, mean, var = (c.x(n, i) for i in range(1, 5))
+    if c.attr(n, "is_training", True):
+        axes = c.i64(*[a for a in range(r) if a != axis])
+        mean_b = c.op("ReduceMean", [x, axes], keepdims=0)
+        d = c.op("Sub", [x, chan(mean_b)])
+        var_b = c.op("ReduceMean", [c.op("Mul", [d, d]), axes], keepdims=0)
+        m = c.op("Cast", [c.op("Div", [c.op("Size", [x]), c.op("Gather", [c.op("Shape", [x]),
+                                                                         c.i64(axis)])])],
+                 to=c.onnx_type(n, "U"))
+        one = _k(c, n, 1, "U")
+        unbiased = c.op("Div", [c.op("Mul", [var_b, m]),
+                                c.op("Max", [c.op("Sub", [m, one]), one])])
+        f = float(c.attr(n, "exponential_avg_factor", 1.0))
+        out_mean, out_var = mean_b, unbiased
+        if f != 1.0:
+            out_mean, out_var = (c.op("Add", [c.op("Mul", [old, _k(c, n, 1 - f, "U")]),
+                                              c.op("Mul", [new, _k(c, n, f, "U")])])
+                                 for old, new in ((mean, mean_b), (var, unbiased)))
+        mean, var = mean_b, var_b
+    else:
+        out_mean, out_var = mean, var
+    inv = c.op("Div", [scale, c.op("Sqrt", [c.op("Add", [var, eps])])])
+    y = c.op("Add", [c.op("Mul", [c.op("Sub", [x, chan(mean)]), chan(inv)]), chan(offset)])
+    # the reserve outputs: copies (each output its own value, which the driver names)
+    outs = [y, out_mean, out_var] + [c.op("Identity", [v]) for v in (mean, var)]
+    return outs + [c.op("Identity", [mean])] if n.op == "FusedBatchNormV3" else outs
+
+
+# -- activations ---------------------------------------------------------------------------------
+@handler("Relu6")
+def _relu6(c, n):
+    return [c.op("Clip", [c.x(n), _k(c, n, 0), _k(c, n, 6)])]
+
+
+@handler("LeakyRelu")
+def _leaky(c, n):
+    return [c.op("LeakyRelu", [c.x(n)], alpha=float(c.attr(n, "alpha", 0.2)))]
+
+
+@handler("Softmax", "LogSoftmax")
+def _softmax(c, n):
+    return [c.op(n.op, [c.x(n)], axis=-1)]
+
+
+@handler("BiasAdd", "BiasAddV1")
+def _bias_add(c, n):
+    b = c.x(n, 1)
+    if c.attr(n, "data_format", "NHWC") == "NCHW":
+        r = _rank(c, n, 0, required="BiasAdd NCHW")
+        b = c.op("Unsqueeze", [b, c.i64(*range(1, r - 1))])
+    return [c.op("Add", [c.x(n, 0), b])]
+
+
+@handler("BiasAddGrad")
+def _bias_add_grad(c, n):
+    r = _rank(c, n, 0, required="BiasAddGrad")
+    keep = 1 if c.attr(n, "data_format", "NHWC") == "NCHW" else r - 1
+    return [c.op("ReduceSum", [c.x(n), c.i64(*[a for a in range(r) if a != keep])], keepdims=0)]
+
+
+@handler("L2Loss")
+def _l2_loss(c, n):
+    x = c.x(n)
+    return [c.op("Div", [c.op("ReduceSum", [c.op("Mul", [x, x])], keepdims=0), _k(c, n, 2)])]
+
+
+# -- elementwise gradients (tf.gradients' *Grad ops) ---------------------------------------------
+def _grad(*ops):
+    """Register ``fn(c, n, a, b) -> value`` for gradient ops with two inputs (a, b)."""
+    def deco(fn):
+        return handler(*ops)(lambda c, n: [fn(c, n, c.x(n, 0), c.x(n, 1))])
+    return deco
+
+
+def _mul(c, *xs):
+    y = xs[0]
+    for x in xs[1:]:
+        y = c.op("Mul", [y, x])
+    return y
+
+
+def _pick(c, n, cond, a, b=None):
+    return c.op("Where", [cond, a, _k(c, n, 0) if b is None else b])
+
+
+@_grad("TanhGrad")
+def _tanh_grad(c, n, y, dy):  # dy * (1 - y^2)
+    return _mul(c, dy, c.op("Sub", [_k(c, n, 1), _mul(c, y, y)]))
+
+
+@_grad("SigmoidGrad")
+def _sigmoid_grad(c, n, y, dy):  # dy * y * (1 - y)
+    return _mul(c, dy, y, c.op("Sub", [_k(c, n, 1), y]))
+
+
+@_grad("RsqrtGrad")
+def _rsqrt_grad(c, n, y, dy):  # -dy * y^3 / 2
+    return _mul(c, dy, y, y, y, _k(c, n, -0.5))
+
+
+@_grad("SqrtGrad")
+def _sqrt_grad(c, n, y, dy):  # dy / (2 y)
+    return c.op("Div", [_mul(c, dy, _k(c, n, 0.5)), y])
+
+
+@_grad("ReciprocalGrad", "InvGrad")
+def _reciprocal_grad(c, n, y, dy):  # -dy * y^2
+    return c.op("Neg", [_mul(c, dy, y, y)])
+
+
+@_grad("ReluGrad")
+def _relu_grad(c, n, dy, x):
+    return _pick(c, n, c.op("Greater", [x, _k(c, n, 0)]), dy)
+
+
+@_grad("Relu6Grad")
+def _relu6_grad(c, n, dy, x):
+    inside = c.op("And", [c.op("Greater", [x, _k(c, n, 0)]), c.op("Less", [x, _k(c, n, 6)])])
+    return _pick(c, n, inside, dy)
+
+
+@_grad("LeakyReluGrad")
+def _leaky_relu_grad(c, n, dy, x):
+    alpha = _k(c, n, c.attr(n, "alpha", 0.2))
+    return _pick(c, n, c.op("Greater", [x, _k(c, n, 0)]), dy, _mul(c, dy, alpha))
+
+
+@_grad("EluGrad")
+def _elu_grad(c, n, dy, y):  # y > 0: dy, else dy * (y + 1)
+    return _pick(c, n, c.op("Greater", [y, _k(c, n, 0)]), dy,
+                 _mul(c, dy, c.op("Add", [y, _k(c, n, 1)])))
+
+
+SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+@_grad("SeluGrad")
+def _selu_grad(c, n, dy, y):  # y > 0: dy * scale, else dy * (y + scale * alpha)
+    return _pick(c, n, c.op("Greater", [y, _k(c, n, 0)]), _mul(c, dy, _k(c, n, SELU_SCALE)),
+                 _mul(c, dy, c.op("Add", [y, _k(c, n, SELU_SCALE * SELU_ALPHA)])))
+
+
+@_grad("SoftplusGrad")
+def _softplus_grad(c, n, dy, x):
+    return _mul(c, dy, c.op("Sigmoid", [x]))
+
+
+@_grad("SoftsignGrad")
+def _softsign_grad(c, n, dy, x):  # dy / (1 + |x|)^2
+    d = c.op("Add", [c.op("Abs", [x]), _k(c, n, 1)])
+    return c.op("Div", [dy, _mul(c, d, d)])
+
+
+# -- losses --------------------------------------------------------------------------------------
+@handler("SoftmaxCrossEntropyWithLogits")
+def _softmax_xent(c, n):
+    """(logits, labels) -> (loss = -sum(labels * log_softmax), backprop = softmax - labels)."""
+    logits, labels = c.x(n, 0), c.x(n, 1)
+    logp = c.op("LogSoftmax", [logits], axis=-1)
+    loss = c.op("Neg", [c.op("ReduceSum", [_mul(c, labels, logp), c.i64(-1)], keepdims=0)])
+    return [loss, c.op("Sub", [c.op("Softmax", [logits], axis=-1), labels])]
+
+
+@handler("SparseSoftmaxCrossEntropyWithLogits")
+def _sparse_softmax_xent(c, n):
+    """(logits, class ids) -> (loss = -log_softmax[id], backprop = softmax - one_hot(id))."""
+    logits, ids = c.x(n, 0), _i64(c, c.x(n, 1))
+    logp = c.op("LogSoftmax", [logits], axis=-1)
+    col = c.op("Unsqueeze", [ids, c.i64(-1)])
+    loss = c.op("Neg", [c.op("Squeeze", [c.op("GatherElements", [logp, col], axis=-1),
+                                         c.i64(-1)])])
+    depth = c.op("Squeeze", [c.op("Shape", [logits], start=-1)])
+    classes = c.op("Range", [c.const(0, np.int64), depth, c.const(1, np.int64)])
+    one_hot = c.op("Cast", [c.op("Equal", [col, classes])], to=c.onnx_type(n))
+    return [loss, c.op("Sub", [c.op("Softmax", [logits], axis=-1), one_hot])]
+
