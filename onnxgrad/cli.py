@@ -7,6 +7,8 @@
     onnxgrad ops [--markdown]
     onnxgrad train / export-train-step ...   (see onnxgrad/training/cli.py)
     onnxgrad lower MODEL -o OUT              (see onnxgrad/lower.py)
+    onnxgrad convert GRAPH.pb|SAVEDMODEL_DIR -o MODEL.onnx [--inputs x:0 ..] [--outputs y:0 ..]
+                     [--opset N] [--signature NAME]   (TensorFlow -> ONNX)
     onnxgrad --version
 
 Exit status: 0 on success, 1 when ``check`` finds a gradient that does not match, 2 on an error
@@ -92,6 +94,27 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List the ops with gradient rules and their opset ranges.")
     o.add_argument("--markdown", action="store_true", help="as a markdown table")
     o.set_defaults(func=_cmd_ops)
+
+    v = sub.add_parser("convert", help="convert a TensorFlow GraphDef or SavedModel to ONNX",
+                       description="Convert a frozen TensorFlow GraphDef (.pb, .pbtxt) or a "
+                       "SavedModel directory to an ONNX model (TF1 and TF2 control flow, "
+                       "TensorArrays/TensorLists). A SavedModel needs TensorFlow "
+                       "(pip install 'onnxgrad[tensorflow]') to freeze its variables.")
+    v.add_argument("source", metavar="GRAPH.pb|SAVEDMODEL_DIR",
+                   help="a GraphDef file or a SavedModel directory")
+    v.add_argument("-o", "--output", required=True, metavar="MODEL.onnx",
+                   help="where to write the ONNX model")
+    names(v, "--inputs", "tensors that become model inputs, e.g. x:0 (default: the Placeholders "
+                         "the outputs need; for a SavedModel, the signature's inputs)",
+          required=False)
+    names(v, "--outputs", "tensors to compute, e.g. y:0 (required for a GraphDef; for a "
+                          "SavedModel, default the signature's outputs, which may also be named "
+                          "by their signature keys)", required=False)
+    v.add_argument("--opset", type=int, default=None, metavar="N",
+                   help="ONNX opset of the model (default 18)")
+    v.add_argument("--signature", default=None, metavar="NAME",
+                   help="the SavedModel signature to convert (default serving_default)")
+    v.set_defaults(func=_cmd_convert)
 
     from .lower import add_lower_parser
     add_lower_parser(sub)
@@ -194,6 +217,37 @@ def _cmd_check(args, out) -> int:
     bad = [r.name for r in report.results if not r.ok]
     print(f"MISMATCH: {', '.join(bad)}", file=out)
     return 1
+
+
+def _cmd_convert(args, out) -> int:
+    from .converters.tensorflow import convert
+    from .runtime import save_model
+
+    src = args.source
+    if not os.path.exists(src):
+        raise UsageError(f"{src}: no such file or directory")
+    saved_model = os.path.isdir(src)
+    if saved_model and not any(os.path.exists(os.path.join(src, f))
+                               for f in ("saved_model.pb", "saved_model.pbtxt")):
+        raise UsageError(f"{src}: a directory without saved_model.pb, not a SavedModel")
+    if not saved_model:
+        if args.signature is not None:
+            raise UsageError("--signature: only a SavedModel directory has signatures")
+        if not args.outputs:
+            raise UsageError("--outputs: name the tensors to convert (e.g. --outputs y:0); a "
+                             "GraphDef has no signature to take them from")
+    if args.opset is not None and not 7 <= args.opset <= 30:
+        raise UsageError(f"--opset: {args.opset} is not an ONNX opset this converter writes")
+    model = convert(src, inputs=args.inputs, outputs=args.outputs, opset=args.opset,
+                    **({"signature": args.signature} if saved_model else {}))
+    try:
+        save_model(model, args.output)
+    except OSError as exc:
+        raise UsageError(f"{args.output}: cannot write ({exc.strerror or exc})") from None
+    ins = ", ".join(i.name for i in model.graph.input)
+    outs = ", ".join(o.name for o in model.graph.output)
+    print(f"wrote {args.output} (inputs: {ins or 'none'}; outputs: {outs})", file=out)
+    return 0
 
 
 def ops_table(markdown: bool = False) -> str:

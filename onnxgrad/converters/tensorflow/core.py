@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import json
 from collections import ChainMap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -156,6 +156,9 @@ class Converter:
               if isinstance(v, str) and v in self.seq_of}
         if not rs:
             return None
+        if any(r.kind == "tensor_list" for r in rs):  # TF2 TensorLists are values, not flows
+            from .tensor_list import list_arithmetic
+            return list_arithmetic(self, n)
         if len(rs) > 1:
             raise ConversionError(f"{n} combines the flows of different TensorArrays")
         return [self.get_state(rs.pop())]
@@ -204,10 +207,16 @@ class Converter:
             raise ConversionError(f"converting {n}: {type(e).__name__}: {e}") from e
         finally:
             self.node = None
-        for i, v in enumerate(outs or ()):
-            if v is not None:
-                self.env[f"{n.name}:{i}"] = self._rename(v, f"{n.name}:{i}", first_node,
-                                                         first_init)
+        outs, named = list(outs or ()), set()
+        for i, v in enumerate(outs):
+            if v is None:
+                continue
+            if v not in named:  # (a value returned at two positions is renamed once)
+                new = self._rename(v, f"{n.name}:{i}", first_node, first_init)
+                outs = [new if o == v else o for o in outs]
+                named.add(new)
+                v = new
+            self.env[f"{n.name}:{i}"] = v
 
     def _rename(self, v, name: str, first_node: int, first_init: int):
         """Give the value a node made its TF tensor name ("dense/MatMul:0", "w:0"), so that
@@ -350,7 +359,7 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
     ``signature`` (default "serving_default") gives the default inputs and outputs, which may
     also be named by the signature's keys.
     """
-    from . import functions, ops, tensor_list  # noqa: F401  (register the handlers)
+    from . import cudnn_rnn, functions, ops, tensor_list  # noqa: F401  (register the handlers)
 
     if not isinstance(graph_def, bytes) and isinstance(graph_def, (str, os.PathLike)) and \
             os.path.isdir(graph_def):

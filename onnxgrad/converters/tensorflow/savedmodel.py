@@ -1,0 +1,147 @@
+"""SavedModel directories -> a frozen GraphDef for the converter (needs TensorFlow).
+
+A SavedModel keeps its weights in variables, which the graph reads through resource handles;
+ONNX wants them as constants. Freezing uses TensorFlow itself: ``tf.saved_model.load``, the
+signature's concrete function, and ``convert_variables_to_constants_v2`` with TF2 control flow
+kept functional (While/If with function bodies, which :mod:`.functions` converts). TensorFlow is
+an optional dependency (``pip install 'onnxgrad[tensorflow]'``); a GraphDef ``.pb`` converts
+without it.
+
+The signature (default ``serving_default``) gives the default inputs and outputs; either can also
+be named by the signature's keys (``keras_tensor``, ``output_0``) instead of tensor names. The
+ONNX model's inputs and outputs keep the frozen graph's tensor names (``keras_tensor:0``,
+``Identity:0``): :func:`signature_names` maps keys to them.
+"""
+from __future__ import annotations
+
+import os
+
+from .errors import ConversionError
+
+DEFAULT_SIGNATURE = "serving_default"
+INSTALL_HINT = "pip install 'onnxgrad[tensorflow]'"
+
+
+class TensorFlowMissingError(ConversionError):
+    """TensorFlow is needed (to freeze a SavedModel's variables) but is not installed."""
+
+
+def import_tensorflow():
+    """TensorFlow, or an error that says it is missing and how to install it."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        import tensorflow as tf
+    except ImportError as e:
+        raise TensorFlowMissingError(
+            "converting a SavedModel needs TensorFlow, to freeze its variables into constants, "
+            f"and TensorFlow is not installed ({e}); install it with: {INSTALL_HINT} "
+            "(a frozen GraphDef .pb converts without it)") from None
+    return tf
+
+
+def is_saved_model(path) -> bool:
+    return isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, f)) for f in ("saved_model.pb", "saved_model.pbtxt"))
+
+
+def freeze(path, signature: str | None = None):
+    """Freeze signature ``signature`` of the SavedModel at ``path``. Returns (GraphDef as bytes,
+    {input key: tensor name}, {output key: tensor name}), keys in the signature's order.
+
+    Freezing runs in TF's eager mode, also in a process that switched it off (TF1-style code).
+    The last result is kept per directory state, so converting one SavedModel again (other
+    outputs, say) does not freeze it again."""
+    if not is_saved_model(path):
+        raise ConversionError(f"{os.fspath(path)}: not a SavedModel directory (no saved_model.pb)")
+    tf = import_tensorflow()
+    sig = signature or DEFAULT_SIGNATURE
+    key = (os.path.realpath(path), sig, _state(path))
+    if key not in _FROZEN:
+        _FROZEN.clear()  # keep one: a frozen graph may be large
+        with _eager_mode():
+            _FROZEN[key] = _freeze(tf, path, sig)
+    return _FROZEN[key]
+
+
+_FROZEN: dict = {}
+
+
+def _state(path) -> tuple:
+    """What changes when a SavedModel directory is rewritten: its files' sizes and times."""
+    out = []
+    for root, _, files in os.walk(path):
+        for f in sorted(files):
+            st = os.stat(os.path.join(root, f))
+            out.append((os.path.relpath(os.path.join(root, f), path), st.st_size, st.st_mtime_ns))
+    return tuple(sorted(out))
+
+
+def _freeze(tf, path, sig: str):
+    from tensorflow.python.framework.convert_to_constants import (
+        convert_variables_to_constants_v2,
+    )
+
+    try:
+        loaded = tf.saved_model.load(os.fspath(path))
+    except Exception as e:  # noqa: BLE001  (TF raises many kinds for a bad directory)
+        raise ConversionError(f"{os.fspath(path)}: TensorFlow cannot load this SavedModel "
+                              f"({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
+    sigs = getattr(loaded, "signatures", {}) or {}
+    if sig not in sigs:
+        have = ", ".join(map(repr, sigs)) or "none"
+        raise ConversionError(f"{os.fspath(path)}: no signature {sig!r} (the SavedModel has: "
+                              f"{have})")
+    fn = sigs[sig]
+    try:
+        frozen = convert_variables_to_constants_v2(fn, lower_control_flow=False)
+    except Exception as e:  # noqa: BLE001
+        raise ConversionError(
+            f"{os.fspath(path)}: TensorFlow cannot freeze signature {sig!r} into constants "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0]}); a graph that assigns "
+            "variables (a layer's random-seed state, for one) cannot be frozen") from None
+    specs = fn.structured_input_signature[1] or {}
+    in_keys = sorted(specs)  # TF flattens a dict by sorted key
+    ins = [t for t in frozen.inputs if t.dtype != tf.resource]
+    if len(ins) != len(in_keys):
+        in_keys = [t.name.split(":")[0] for t in ins]
+    out_struct = fn.structured_outputs
+    out_keys = sorted(out_struct) if isinstance(out_struct, dict) else [
+        f"output_{i}" for i in range(len(frozen.outputs))]
+    inputs = dict(zip(in_keys, (t.name for t in ins)))
+    outputs = dict(zip(out_keys, (t.name for t in frozen.outputs)))
+    gd = frozen.graph.as_graph_def(add_shapes=True)
+    return gd.SerializeToString(), inputs, outputs
+
+
+def _eager_mode():
+    """TF's eager mode for the duration (freezing needs it), also in a process that switched it
+    off for TF1-style graph code."""
+    try:
+        from tensorflow.python.eager import context
+        return context.eager_mode()
+    except (ImportError, AttributeError):  # pragma: no cover  (a TF without it: as it is)
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def signature_names(path, signature: str | None = None) -> tuple[dict, dict]:
+    """({input key: tensor name}, {output key: tensor name}) of a SavedModel's signature."""
+    _, ins, outs = freeze(path, signature)
+    return ins, outs
+
+
+def load_saved_model(path, inputs=None, outputs=None, signature: str | None = None):
+    """(GraphDef, input names, output names) for :func:`.core.convert`: the frozen signature,
+    with names given as signature keys turned into tensor names and defaults filled in."""
+    from .proto import load_graph_def
+
+    gd_bytes, sig_in, sig_out = freeze(path, signature)
+
+    def resolve(names, table):
+        if names is None:
+            return list(table.values())
+        names = [names] if isinstance(names, str) else list(names)
+        return [table.get(nm, nm) for nm in names]
+
+    return load_graph_def(gd_bytes), resolve(inputs, sig_in), resolve(outputs, sig_out)
+
