@@ -241,6 +241,59 @@ def test_conv_versus_torch(nsp, groups, stride, padding, dilation, symbolic):
         x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups))
 
 
+# ungrouped 1-D and 2-D convolutions with static shapes take dW as one Gemm per kernel tap (up
+# to 49 taps); (x shape, kernel, strides, pads, dilations, per-tap)
+PER_TAP = {
+    "3x3-pad": ((2, 3, 8, 7), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], True),
+    "stride-dil-asym": ((2, 3, 9, 8), (3, 2), [2, 3], [1, 0, 2, 1], [2, 1], True),
+    "stride-over-kernel": ((1, 2, 8, 7), (2, 2), [3, 3], [0, 1, 0, 0], [1, 1], True),
+    "pads-over-kernel": ((1, 2, 4, 4), (2, 2), [1, 1], [3, 0, 1, 2], [1, 1], True),
+    "1x1-stride": ((2, 4, 6, 5), (1, 1), [2, 2], [0, 0, 0, 0], [1, 1], True),
+    "7x7": ((1, 2, 9, 9), (7, 7), [2, 2], [3, 3, 3, 3], [1, 1], True),
+    "1d": ((2, 3, 11), (3,), [2], [2, 1], [2], True),
+    "7x8-fallback": ((1, 2, 9, 10), (7, 8), [1, 1], [0, 0, 0, 0], [1, 1], False),
+}
+
+
+@pytest.mark.parametrize("case", list(PER_TAP))
+def test_conv_weight_gradient_per_tap_versus_torch(case):
+    """The per-tap weight gradient (strided slices of the padded input, one Gemm each) against
+    torch autograd, and by finite differences; kernels over 49 taps keep the Conv form."""
+    import torch.nn.functional as F
+    xs, k, s, p, d, per_tap = PER_TAP[case]
+    nsp = len(k)
+    feeds = {"x": rnd(xs), "w": rnd((5, xs[1], *k), 1), "b": rnd((5,), 2)}
+    m = model_of("Conv", feeds, strides=s, pads=p, dilations=d)
+    res = onnxgrad.gradients(m, "y", ["w"])
+    gemms = sum(n.op_type == "Gemm" for n in res.model.graph.node)
+    assert gemms == (int(np.prod(k)) if per_tap else 0)
+    torch_pad = [v for i in reversed(range(nsp)) for v in (p[i], p[nsp + i])]
+    versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: tconv(nsp)(
+        F.pad(x, torch_pad), w, b, stride=s, dilation=d))
+    fd(m, feeds)
+
+
+def test_conv_transpose_weight_gradient_per_tap():
+    """ConvTranspose's dW takes the same per-tap form (g is the long side)."""
+    import torch.nn.functional as F
+    feeds = {"x": rnd((2, 3, 4, 5)), "w": rnd((3, 4, 3, 2), 1)}
+    m = model_of("ConvTranspose", feeds, strides=[2, 1], pads=[1, 0, 0, 1], dilations=[1, 2],
+                 output_padding=[1, 0])
+    res = onnxgrad.gradients(m, "y", ["w"])
+    assert sum(n.op_type == "Gemm" for n in res.model.graph.node) == 6
+    versus_torch(m, feeds, ["x", "w"], lambda x, w: F.conv_transpose2d(
+        x, w, stride=(2, 1), padding=0, output_padding=(1, 0), dilation=(1, 2))[..., 1:, :-1])
+    fd(m, feeds)
+
+
+def test_conv_per_tap_second_order_versus_torch():
+    feeds = {"x": rnd((2, 3, 7, 6)), "w": rnd((4, 3, 3, 2), 1), "b": rnd((4,), 2)}
+    m = model_of("Conv", feeds, strides=[2, 1], pads=[1, 1, 0, 1], dilations=[1, 2])
+    import torch.nn.functional as F
+    second_order_versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: F.conv2d(
+        F.pad(x, (1, 1, 1, 0)), w, b, stride=(2, 1), dilation=(1, 2)))
+
+
 def test_conv_float16_matches_float32():
     feeds, attrs = conv_feeds("2d-group")
     grads = []

@@ -1,5 +1,6 @@
-"""Gradients of Resize, Upsample, Compress and of ops differentiated through their ONNX function
-bodies (Attention, RotaryEmbedding, AffineGrid): finite differences and torch autograd."""
+"""Gradients of Resize, Upsample, Compress, GridSample, RoiAlign, DeformConv and of ops
+differentiated through their ONNX function bodies (Attention, RotaryEmbedding, AffineGrid): finite
+differences, torch autograd and the runtimes' own kernels."""
 import numpy as np
 import onnx
 import pytest
@@ -259,10 +260,19 @@ def test_affine_grid_3d():
     assert_gradients(m, "y", "theta")
 
 
-def test_no_function_body_still_reports_not_differentiable():
-    m = op_model("DeformConv", {"x": (f, [1, 1, 3, 3]), "w": (f, [1, 1, 2, 2]),
-                                "offset": (f, [1, 8, 2, 2])}, opset=19, kernel_shape=[2, 2])
-    with pytest.raises(onnxgrad.NotDifferentiableError, match="DeformConv"):
+def test_no_rule_still_reports_not_differentiable():
+    """An op with neither a rule nor a function body (a custom-domain op here) on the path from y
+    to x raises NotDifferentiableError naming it, its domain and the path."""
+    from onnx import TensorProto
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Blur", ["r"], ["y"], domain="onnxgrad.test")]
+    g = helper.make_graph(nodes, "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19),
+                                            helper.make_opsetid("onnxgrad.test", 1)], ir_version=10)
+    onnx.checker.check_model(m, full_check=True)
+    with pytest.raises(onnxgrad.NotDifferentiableError, match=r"'Blur'.*onnxgrad\.test.*-> r ->"):
         onnxgrad.gradients(m, "y", "x")
 
 
@@ -389,3 +399,201 @@ def test_roi_align_10_symbolic_batch():
     feeds = {"x": rng.standard_normal((2, 2, 4, 5)).astype(f), "rois": ROIS[:2]}
     rep = assert_gradients(m, "y", "x", feeds, max_elements=100)
     assert rep.results[0].checked == 80
+
+
+# -- DeformConv ---------------------------------------------------------------------------------
+def _deform_case(n=2, c=4, h=5, w=6, oc=4, k=(2, 3), s=(1, 1), d=(1, 1), p=(0, 0, 0, 0),
+                 group=1, og=1, mask=False, bias=False, seed=0, dtype=f, batch=None):
+    """A DeformConv model, its differentiable inputs and feeds. Offsets reach past the image
+    borders (zero padding) and keep their fractional parts away from 0: the bilinear weights
+    have kinks at integer coordinates, which central differences must not straddle."""
+    from util import rand
+    oh = (h + p[0] + p[2] - ((k[0] - 1) * d[0] + 1)) // s[0] + 1
+    ow = (w + p[1] + p[3] - ((k[1] - 1) * d[1] + 1)) // s[1] + 1
+    nk = k[0] * k[1]
+    nb = n if batch is None else batch
+    shapes = {"x": [nb, c, h, w], "w": [oc, c // group, *k], "offset": [nb, og * nk * 2, oh, ow]}
+    rng = np.random.default_rng(seed)
+    feeds = {"x": rng.standard_normal((n, c, h, w)), "w": rng.standard_normal((oc, c // group, *k)),
+             "offset": rand((n, og * nk * 2, oh, ow), -1.8, 1.8, away=(-1, 0, 1), gap=0.08,
+                            seed=seed, dtype=np.float64)}
+    names = ["x", "w", "offset"]
+    if bias or mask:
+        names.append("b" if bias else "")
+        if bias:
+            shapes["b"] = [oc]
+            feeds["b"] = rng.standard_normal(oc)
+    if mask:
+        names.append("mask")
+        shapes["mask"] = [nb, og * nk, oh, ow]
+        feeds["mask"] = rng.uniform(-1, 1, (n, og * nk, oh, ow))
+    node = helper.make_node("DeformConv", names, ["y"], kernel_shape=list(k), strides=list(s),
+                            dilations=list(d), pads=list(p), group=group, offset_group=og)
+    m = make_model([node], {k_: (dtype, v) for k_, v in shapes.items()}, ["y"], opset=19)
+    return m, list(shapes), {k_: v.astype(dtype) for k_, v in feeds.items()}
+
+
+DEFORM = {
+    "default": dict(),
+    "strides-pads-dilations": dict(h=7, w=8, s=(2, 1), p=(1, 0, 1, 2), d=(1, 2)),
+    "stride-2-pads": dict(h=6, w=6, k=(3, 3), s=(2, 2), p=(1, 1, 1, 1)),
+    "group-2": dict(group=2, oc=6),
+    "offset-group-2": dict(og=2),
+    "mask": dict(mask=True),
+    "bias": dict(bias=True),
+    "group-2-offset-group-2-mask-bias": dict(group=2, og=2, mask=True, bias=True),
+    "group-2-offset-group-4-mask": dict(c=4, group=2, og=4, mask=True, k=(2, 2)),
+    "1x1-kernel": dict(k=(1, 1), bias=True),
+}
+
+
+@pytest.mark.parametrize("case", DEFORM.values(), ids=DEFORM.keys())
+def test_deform_conv_finite_differences(case):
+    """float64 finite differences of onnxruntime's DeformConv kernel, every input (x, w, offset,
+    b, mask) probed; the same gradient graph in float32 on onnxruntime."""
+    m, xs, feeds = _deform_case(**case)
+    rep = assert_gradients(m, "y", xs, feeds, max_elements=64)
+    assert {r.name for r in rep.results} == set(xs)
+
+
+@pytest.mark.parametrize("case", DEFORM.values(), ids=DEFORM.keys())
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_deform_conv_sampling_matches_runtimes(case, dtype):
+    """The sampling the rule rebuilds (taps, weights, zero padding, offset and mask layout,
+    groups), contracted with W, reproduces onnxruntime's DeformConv kernel and onnx.reference's
+    DeformConv (a GridSample per kernel tap and output pixel)."""
+    import onnx_ir as ir
+    from onnxgrad.emitter import Emitter
+    from onnxgrad.rules.vision import deform_conv_2d
+    from onnxgrad.runtime import session
+    m, xs, feeds = _deform_case(**case, dtype=dtype)
+    node = m.graph.node[0]
+    attrs = {a.name: list(a.ints) if a.ints else a.i for a in node.attribute}
+    model = ir.serde.deserialize_model(m)
+    graph = model.graph
+    for n_ in list(graph):
+        graph.remove(n_)
+    graph.outputs.clear()
+    e = Emitter(graph, "rebuilt", 19)
+    ins = {v.name: e.wrap(v) for v in graph.inputs}
+    y = deform_conv_2d(e, ins["x"], ins["w"], ins["offset"], ins.get("b"), ins.get("mask"),
+                       kernel=attrs["kernel_shape"], strides=attrs["strides"],
+                       dilations=attrs["dilations"], pads=attrs["pads"], group=attrs["group"],
+                       offset_group=attrs["offset_group"])
+    graph.outputs.append(y.value)
+    rebuilt = onnx.shape_inference.infer_shapes(ir.serde.serialize_model(model), strict_mode=True)
+    onnx.checker.check_model(rebuilt, full_check=True)
+    assert "DeformConv" not in {n_.op_type for n_ in rebuilt.graph.node}
+    (got,) = session(rebuilt).run(None, feeds)
+    (want,) = session(m).run(None, feeds)
+    from onnx.reference import ReferenceEvaluator
+    (ref,) = ReferenceEvaluator(m).run(None, feeds)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    # onnx.reference goes through normalized GridSample coordinates, float32-accurate only
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_deform_conv_zero_offsets_match_torch_conv2d():
+    """With zero offsets and no mask DeformConv is Conv: dX, dW and dB equal torch autograd's
+    conv2d gradients (strides, pads, dilations, groups)."""
+    cfg = dict(n=2, c=4, h=7, w=6, oc=6, k=(3, 2), s=(2, 1), p=(1, 0, 2, 1), d=(1, 2), group=2,
+               bias=True)
+    m, xs, feeds = _deform_case(**cfg, dtype=np.float64)
+    feeds["offset"] = np.zeros_like(feeds["offset"])
+    rng = np.random.default_rng(4)
+    tx, tw, tb = (torch.tensor(feeds[k], requires_grad=True) for k in ("x", "w", "b"))
+    # torch pads symmetrically: pad x by hand for the asymmetric pads
+    xp = F.pad(tx, (0, 1, 1, 2))
+    y = F.conv2d(xp, tw, tb, stride=(2, 1), dilation=(1, 2), groups=2)
+    gy = rng.standard_normal(tuple(y.shape))
+    y.backward(torch.tensor(gy))
+    got, _ = grads_of(m, "y", ["x", "w", "b"], {**feeds, "gy": gy}, grad_ys=["gy"])
+    for a, t in zip(got, (tx, tw, tb)):
+        np.testing.assert_allclose(a, t.grad.numpy(), rtol=1e-10, atol=1e-10)
+
+
+def test_deform_conv_symbolic_batch_runs_for_two_batch_sizes():
+    for n in (1, 3):
+        m, xs, feeds = _deform_case(n=n, batch="N", group=2, og=2, mask=True, bias=True, seed=n)
+        assert m.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"
+        assert_gradients(m, "y", xs, feeds, max_elements=32)
+
+
+def test_deform_conv_second_order():
+    """The gradient graph (GatherElements, ScatterElements, MatMul, Floor ...) is differentiable
+    again: d(<dW, V>)/d(x, offset, mask) by finite differences."""
+    m, xs, feeds = _deform_case(n=1, c=2, h=4, w=4, oc=2, k=(2, 2), mask=True, bias=True)
+    res = onnxgrad.gradients(m, "y", ["w", "x"])
+    nodes = [helper.make_node("Mul", [res.grads[0], "v"], ["p0"]),
+             helper.make_node("Mul", [res.grads[1], res.grads[1]], ["p1"]),
+             helper.make_node("ReduceSum", ["p0"], ["s0"], keepdims=0),
+             helper.make_node("ReduceSum", ["p1"], ["s1"], keepdims=0),
+             helper.make_node("Add", ["s0", "s1"], ["z"])]
+    g = res.model.graph
+    g.node.extend(nodes)
+    g.input.append(helper.make_tensor_value_info("v", onnx.TensorProto.FLOAT, [2, 2, 2, 2]))
+    g.output.append(helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, []))
+    feeds["v"] = np.random.default_rng(9).standard_normal((2, 2, 2, 2)).astype(f)
+    assert_gradients(res.model, "z", ["x", "offset", "mask", "w"], feeds, max_elements=32)
+
+
+def test_deform_conv_float16():
+    """float16 inputs: the gradient graph runs in float16 (the scatter adds in float32) and
+    agrees with the float64 gradient of the same graph."""
+    from onnxgrad.runtime import session
+    got = {}
+    for dtype in (np.float64, np.float16):
+        m, xs, feeds = _deform_case(group=2, og=2, mask=True, bias=True, dtype=dtype)
+        gy = np.random.default_rng(2).standard_normal((2, 4, 4, 4)).astype(dtype)
+        res = onnxgrad.gradients(m, "y", xs, grad_ys=["gy"])
+        try:
+            outs = session(res.model).run(res.grads, {**feeds, "gy": gy})
+        except Exception:  # noqa: BLE001  no float16 DeformConv kernel for the forward
+            from onnxgrad.runtime import run
+            outs = run(res.model, {**feeds, "gy": gy}, outputs=res.grads, prefer="reference")
+        got[dtype] = outs
+    for name, a, b in zip(xs, got[np.float16], got[np.float64]):
+        assert a.dtype == np.float16, name
+        scale = max(1.0, float(np.abs(b).max()))
+        np.testing.assert_allclose(a.astype(np.float64), b, rtol=2e-2, atol=2e-2 * scale,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("pads", [[0, 0, 0, 0], [1, 1, 1, 1]])
+def test_deform_conv_offset_gradient_on_kinks_is_right_sided(pads):
+    """Offsets of 0 put every sample on integer coordinates, where bilinear sampling (and the
+    zero padding at the border) has kinks: the inputs of the ONNX backend cases, which the
+    conformance sweep checks with the offset held constant. There d offset is the right-sided
+    derivative (floor(c) is the lower tap, as in torchvision's deform_conv2d), checked here with
+    one-sided differences of onnxruntime's float64 DeformConv; the outputs match the cases'."""
+    from onnxgrad.runtime import session
+    d = np.float64
+    x = np.arange(9, dtype=d).reshape(1, 1, 3, 3)
+    o = 4 if pads[0] else 2
+    offset = np.zeros((1, 8, o, o), d)
+    offset[0, 0, 0, 0] = 0.5
+    offset[0, 5, 0, 1] = -0.1
+    mask = np.ones((1, 4, o, o), d)
+    mask[0, 2, 1, 1] = 0.2
+    ins = {"x": (d, [1, 1, 3, 3]), "w": (d, [1, 1, 2, 2]), "offset": (d, [1, 8, o, o]),
+           "b": (d, [1]), "mask": (d, [1, 4, o, o])}
+    m = op_model("DeformConv", ins, opset=19, kernel_shape=[2, 2], pads=pads)
+    feeds = {"x": x, "w": np.ones((1, 1, 2, 2), d), "offset": offset, "b": np.ones(1, d),
+             "mask": mask}
+    fwd = session(m)
+    y = fwd.run(None, feeds)[0]
+    if not pads[0]:
+        np.testing.assert_allclose(y[0, 0], [[10.5, 12.9], [21.0, 19.4]], rtol=1e-12)
+    gy = np.random.default_rng(0).standard_normal(y.shape)
+    res = onnxgrad.gradients(m, "y", ["offset"], grad_ys=["gy"])
+    (got,) = session(res.model).run(res.grads, {**feeds, "gy": gy})
+    eps = 1e-7
+    want, left = np.zeros_like(offset), np.zeros_like(offset)
+    for i in np.ndindex(offset.shape):
+        for sign, out in ((1, want), (-1, left)):
+            shifted = offset.copy()
+            shifted[i] += sign * eps
+            out[i] = sign * ((fwd.run(None, {**feeds, "offset": shifted})[0] - y) * gy).sum() / eps
+    assert (np.abs(want - left) > 1e-3).sum() > 10  # the kinks are there
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

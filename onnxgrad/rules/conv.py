@@ -6,11 +6,14 @@ onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
 
 - Conv: dx is a ConvTranspose of g with W (same strides, dilations, group); with unit strides a
   Conv of g with W flipped in space and its channel axes swapped, which onnxruntime runs faster.
-  dW is a Conv of x with g as the kernel in which the images are the channels summed over
-  (strides and dilations trade places); for 1-D and 2-D convolutions the channels become one more
-  spatial axis in front (one large GEMM instead of one thin GEMM per channel: about 2x faster in
-  onnxruntime, measured), for 3-D ones and depthwise kernels they become the batch. db is a
-  ReduceSum of g.
+  dW of an ungrouped 1-D or 2-D convolution with static geometry (up to 49 kernel taps) is one
+  Gemm per tap: g [Co, N*O] times the strided slice of the padded x [C, N*O] that the tap sees,
+  transposed (1.2x to 3x faster than the Conv form below on ResNet-sized layers in onnxruntime,
+  one thread, measured). Otherwise dW is a Conv of x with g as the kernel in which the images are
+  the channels summed over (strides and dilations trade places); for 1-D and 2-D convolutions the
+  channels become one more spatial axis in front (one large GEMM instead of one thin GEMM per
+  channel: about 2x faster in onnxruntime, measured), for 3-D ones and depthwise kernels they
+  become the batch. db is a ReduceSum of g.
 - ConvTranspose: dx is the forward Conv of g with W; dW the same image/channel-swapped Conv with
   g as the image and x as the kernel; db a ReduceSum.
 - AveragePool and LpPool: the adjoint of summing each window (a ConvTranspose with a ones kernel,
@@ -46,6 +49,7 @@ rule follows the spec.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -56,6 +60,7 @@ from ..registry import register
 INT64 = ir.DataType.INT64
 _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 END = np.iinfo(np.int64).max
+_MAX_TAPS = 49  # kernels up to 7x7 get the per-tap weight gradient (one Gemm per tap)
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -240,6 +245,8 @@ class _Geo:
         e, zero = self.e, [0] * self.nsp
         if self.mode == "static":
             inp, pb, pe = self._crop(inp), self.b, [max(x, 0) for x in self.end]
+            if group == 1 and self.nsp <= 2 and math.prod(self.k) <= _MAX_TAPS:
+                return self._weight_by_taps(inp, gy, pb, pe)
         elif self.mode == "loose":
             pb, pe = self.b, [max(h, 0) for h in self.hi]
         else:
@@ -260,6 +267,34 @@ class _Geo:
         if self.mode == "loose" and any(h - lo >= d for h, lo, d in zip(self.hi, self.lo, self.d)):
             r = e.Slice(r, zero, self.k, self.axes)
         return r
+
+    def _weight_by_taps(self, inp, gy, pb, pe):
+        """dW of an ungrouped 1-D or 2-D window op, one Gemm per kernel tap: with the long side
+        padded to exactly s*(O-1) + d*(k-1) + 1, tap a sees the strided slice starting at a*d,
+        and dW[:, :, a] = gy [Co, N*O] times that slice [C, N*O] transposed. Each Gemm is one
+        large MLAS GEMM (inner size N*O); onnxruntime runs the channels-as-spatial Conv of
+        :meth:`weight` 1.2x to 3x slower on ResNet-sized layers (measured, one thread)."""
+        e = self.e
+        perm = [1, 0, *self.axes]
+        t = e.Transpose(inp, perm=perm)                            # [C, N, *L]
+        if any(pb) or any(pe):
+            t = e.Pad(t, [0, 0, *pb, 0, 0, *pe])
+        gt = e.Reshape(e.Transpose(gy, perm=perm), [0, -1])        # [Co, N*O]
+        reach = [di * (ki - 1) for ki, di in zip(self.k, self.d)]
+        steps = None if all(si == 1 for si in self.s) else self.s
+        taps = []
+        for tap in itertools.product(*[range(ki) for ki in self.k]):
+            starts = [a * di for a, di in zip(tap, self.d)]
+            ends = [st - r if st < r else END for st, r in zip(starts, reach)]
+            if steps is None and all(st == 0 for st in starts) and all(x == END for x in ends):
+                cut = t                                            # a 1x1 kernel
+            else:
+                cut = e.Slice(t, starts, ends, self.axes, steps)   # [C, N, *O]
+            taps.append(e.Gemm(gt, e.Reshape(cut, [0, -1]), transB=1))  # [Co, C]
+        if len(taps) == 1:
+            return e.Reshape(taps[0], [0, 0, *self.k])
+        r = e.Concat(*[e.Unsqueeze(t_, [2]) for t_ in taps], axis=2)   # [Co, C, K]
+        return e.Reshape(r, [0, 0, *self.k])
 
     def _stack(self, t, group, cg):
         """[N, group*cg, *L] -> [1, group*N, cg, *L] with channel j*N + n = t[n, j*cg + c]."""

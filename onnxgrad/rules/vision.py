@@ -499,3 +499,138 @@ def _roi_align(n, g):
     dx = e.Transpose(e.Reshape(dxt, e.Concat(e.Shape(x, start=1, end=2), e.Shape(x, end=1),
                                              e.Shape(x, start=2), axis=0)), perm=[1, 0, 2, 3])
     return dx, None, None
+
+
+# -- DeformConv ----------------------------------------------------------------------------------
+def _deform_attrs(n, w):
+    """(kh, kw), strides, dilations, pads, group, offset_group of a 2-D DeformConv."""
+    k = n.attr("kernel_shape")
+    if k is None and w.shape is not None and len(w.shape) == 4 and all(
+            isinstance(i, int) for i in w.shape[2:]):
+        k = list(w.shape[2:])
+    ranks = {v.rank for v in (n.x, w) if v is not None and v.rank is not None}
+    if k is None or len(k) != 2 or ranks - {4}:
+        raise NotImplementedError(f"DeformConv gradient at node {n.node.name!r}: only 2-D "
+                                  "DeformConv with a known kernel shape (kernel_shape or a static "
+                                  "W) is supported")
+    ints = lambda name, d: [int(i) for i in (n.attr(name) or d)]  # noqa: E731
+    return ([int(i) for i in k], ints("strides", [1, 1]), ints("dilations", [1, 1]),
+            ints("pads", [0, 0, 0, 0]), int(n.attr("group", 1)), int(n.attr("offset_group", 1)))
+
+
+def _deform_sample(e, x, offset, kernel, strides, dilations, pads, og):
+    """The bilinear samples of a 2-D DeformConv, rebuilt from offset like GridSample's taps
+    (pixel coordinates, zero padding per tap): x [N, C, H, W] regrouped as xf [N, OG, C/OG, H*W];
+    the taps' flat indices idx [N, OG, C/OG, T*K*P] (T = 4 taps, K = kh*kw, P = oh*ow), weights
+    wt and d wt / d(h, w) [N, OG, 1, T*K*P]; the samples S [N, OG, C/OG, K*P] (without mask)."""
+    dt = x.dtype
+    (kh, kw), (sh, sw), (dh, dw), (pt, pl) = kernel, strides, dilations, pads[:2]
+    sx, so = e.Shape(x), e.Shape(offset)
+    one = e.const(np.array(1, np.int64))
+    zero = e.const(np.array(0, np.int64))
+    at = lambda s, i: e.Gather(s, e.const(np.array(i, np.int64)))  # noqa: E731
+    height, width, oh, ow = at(sx, 2), at(sx, 3), at(so, 2), at(so, 3)
+    grid = e.Concat(e.Reshape(oh, [1]), e.Reshape(ow, [1]), axis=0)
+    rows = e.Cast(e.Range(zero, oh, one), to=dt) * float(sh) - float(pt)      # [oh]
+    cols = e.Cast(e.Range(zero, ow, one), to=dt) * float(sw) - float(pl)      # [ow]
+    rows = e.Reshape(e.Expand(e.Unsqueeze(rows, [1]), grid), [1, 1, -1])      # [1, 1, P]
+    cols = e.Reshape(e.Expand(e.Unsqueeze(cols, [0]), grid), [1, 1, -1])
+    base_h = rows + e.const((np.arange(kh) * dh).reshape(kh, 1, 1), dt)     # [kh, 1, P]
+    base_w = cols + e.const((np.arange(kw) * dw).reshape(1, kw, 1), dt)     # [1, kw, P]
+    off = e.Reshape(offset, [0, og, kh, kw, 2, -1])                         # [N, OG, kh, kw, 2, P]
+    comp = lambda i: e.Squeeze(e.Slice(off, [i], [i + 1], [4]), [4])       # noqa: E731
+    to5 = lambda c: e.Reshape(c, [0, 0, 1, kh * kw, -1])                    # noqa: E731
+    ch, cw = to5(comp(0) + base_h), to5(comp(1) + base_w)                   # [N, OG, 1, K, P]
+    taps = [_axis_taps(e, c, size, e.Cast(size, to=dt), "linear", "zeros", None, None)[0]
+            for c, size in ((ch, height), (cw, width))]
+    combos = _combine(e, taps, [width, None])
+    flat = lambda k: e.Reshape(e.Concat(*k, axis=2), [0, 0, 1, -1])         # noqa: E731
+    idx = flat([c[0] for c in combos])                                       # [N, OG, 1, T*K*P]
+    wt = flat([c[1] for c in combos])
+    dwt = [flat([c[2][i] for c in combos]) for i in range(2)]
+    hw = e.Reshape(height * width, [1])
+    xf = e.Reshape(x, e.Concat([0, og, -1], hw, axis=0))                    # [N, OG, C/OG, H*W]
+    idx = e.Expand(idx, e.Concat(e.Shape(xf, end=3), e.Shape(idx, start=3), axis=0))
+    return xf, idx, wt, dwt, len(combos)
+
+
+def _deform_columns(e, xf, idx, wt, count):
+    """The taps' values X[idx] and the samples S = sum over taps of wt * X[idx]."""
+    taken = e.GatherElements(xf, idx, axis=3)                                # [N, OG, Cg, T*K*P]
+    s = e.reduce("ReduceSum", e.Reshape(taken * wt, [0, 0, 0, count, -1]), [3], keepdims=0)
+    return taken, s
+
+
+def deform_conv_2d(e, x, w, offset, b=None, mask=None, *, kernel, strides=(1, 1),
+                   dilations=(1, 1), pads=(0, 0, 0, 0), group=1, offset_group=1):
+    """DeformConv's forward written with the same sampling as its gradient (standard ops): the
+    columns mask * S contracted with W. Used by the tests to hold the rebuilt sampling against
+    the runtimes' DeformConv."""
+    xf, idx, wt, _, count = _deform_sample(e, x, offset, kernel, strides, dilations, pads,
+                                           offset_group)
+    _, s = _deform_columns(e, xf, idx, wt, count)
+    cols = s if mask is None else s * e.Reshape(mask, [0, offset_group, 1, -1])
+    p = e.Reshape(e.Mul(e.Shape(offset, start=2, end=3), e.Shape(offset, start=3, end=4)), [1])
+    cols = e.Reshape(cols, e.Concat([0, group, -1], p, axis=0))             # [N, G, Cgg*K, P]
+    wg = e.Reshape(w, [0, -1])
+    wg = e.Reshape(wg, e.Concat([group, -1], e.Shape(wg, start=1), axis=0))  # [G, OCg, Cgg*K]
+    y = e.MatMul(wg, cols)                                                   # [N, G, OCg, P]
+    y = e.Reshape(y, e.Concat(e.Shape(offset, end=1), e.Shape(w, end=1),
+                              e.Shape(offset, start=2), axis=0))
+    return y if b is None else y + e.Reshape(b, [1, -1, 1, 1])
+
+
+@register("DeformConv", since=19)
+def _deform_conv(n, g):
+    """Y[n, o, p] = B[o] + sum over the input channels c of o's group and the kernel taps k of
+    W[o, c, k] * mask[n, k, p] * S[n, c, k, p], S the bilinear sample of X[n, c] at the kernel
+    position moved by offset[n, k, p] (offset and mask per offset group). The samples are rebuilt
+    from offset as GridSample's taps (pixel coordinates, zero padding per tap); then, with the
+    columns mask * S: dW = g . columns^T (one MatMul over batch and positions), d columns =
+    W^T . g, d mask = sum over c of d columns * S, dX a ScatterElements(add) of d S times each
+    tap's weight, d offset = sum over c and taps of d S * X[tap] * d weight / d position,
+    dB = sum of g."""
+    e, x, w, offset = n.e, n.x, n.ins[1], n.ins[2]
+    b, mask = n.input(3), n.input(4)
+    kernel, strides, dilations, pads, group, og = _deform_attrs(n, w)
+    nk = kernel[0] * kernel[1]
+    want = [n.wants(v) for v in n.node.inputs] + [False] * (5 - len(n.node.inputs))
+    xf, idx, wt, dwt, count = _deform_sample(e, x, offset, kernel, strides, dilations, pads, og)
+    gwt = _cast(e, wt, g.dtype)
+    need_taken = want[1] or want[2] or want[4]
+    taken, s = _deform_columns(e, xf, idx, wt, count) if need_taken else (None, None)
+    m = None if mask is None else e.Reshape(mask, [0, og, 1, -1])           # [N, OG, 1, K*P]
+    p = e.Reshape(e.Mul(e.Shape(offset, start=2, end=3), e.Shape(offset, start=3, end=4)), [1])
+    grouped = lambda t: e.Reshape(t, e.Concat([0, group, -1], p, axis=0))   # noqa: E731
+    gg = grouped(g)                                                          # [N, G, OCg, P]
+    wg = e.Reshape(w, [0, -1])
+    wg = e.Reshape(wg, e.Concat([group, -1], e.Shape(wg, start=1), axis=0))  # [G, OCg, Cgg*K]
+    dw = None
+    if want[1]:
+        cols = grouped(s if m is None else s * m)                           # [N, G, Cgg*K, P]
+        lhs = e.Reshape(e.Transpose(gg, perm=[1, 2, 0, 3]), [0, 0, -1])     # [G, OCg, N*P]
+        rhs = e.Reshape(e.Transpose(cols, perm=[1, 0, 3, 2]),
+                        e.Concat([group, -1], e.Shape(cols, start=2, end=3), axis=0))
+        dw = e.Reshape(e.MatMul(lhs, rhs), e.Shape(w))                      # [G, OCg, Cgg*K]
+    dx = doff = dmask = None
+    if want[0] or want[2] or want[4]:
+        dcols = e.MatMul(e.Transpose(wg, perm=[0, 2, 1]), gg)               # [N, G, Cgg*K, P]
+        dcols = e.Reshape(dcols, e.Concat(e.Shape(xf, end=3), [-1], axis=0))  # [N, OG, Cg, K*P]
+        if want[4] and mask is not None:
+            dmask = e.Reshape(e.reduce("ReduceSum", dcols * s, [2]), e.Shape(mask))
+        ds = dcols if m is None else dcols * m
+        dst = e.Tile(ds, [1, 1, 1, count])                                  # [N, OG, Cg, T*K*P]
+        if want[0]:
+            dx = _scatter_add(e, e.zeros_like(xf), idx, dst * gwt, 3)
+            dx = e.Reshape(dx, e.Shape(x))
+        if want[2]:
+            h = _cast(e, e.reduce("ReduceSum", dst * taken, [2]), offset.dtype)  # [N,OG,1,TKP]
+            parts = []
+            for d in dwt:  # the h and w components
+                t = e.reduce("ReduceSum", e.Reshape(h * d, [0, 0, count, -1]), [2])
+                parts.append(e.Reshape(t, e.Concat([0, og, nk, 1], p, axis=0)))
+            doff = e.Reshape(e.Concat(*parts, axis=3), e.Shape(offset))
+    db = None
+    if b is not None and want[3]:
+        db = e.reduce("ReduceSum", g, [0, 2, 3], keepdims=0)
+    return dx, dw, doff, db, dmask
