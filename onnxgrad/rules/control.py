@@ -241,6 +241,9 @@ def _scan(n, g):
     out_dirs = n.attr("scan_output_directions") or [0] * nso
     b_sin, b_xin = list(body.inputs[:ns]), list(body.inputs[ns:])
     b_sout, b_yout = list(body.outputs[:ns]), list(body.outputs[ns:])
+    for v, outer in zip(b_sin + b_xin, node.inputs):  # function bodies may leave them untyped
+        if v.type is None and outer is not None and isinstance(outer.type, ir.TensorType):
+            v.type = ir.TensorType(outer.dtype)
     caps = _caps(n)
     carried = [j for j in range(ns) if float_value(b_sin[j])]
     want_x = [i for i in range(m) if float_value(node.inputs[ns + i]) and n.wants(node.inputs[ns + i])]
