@@ -147,6 +147,17 @@ def test_scatter_gather_concat_split_with_stop_gradient():
     both_routes(g, y, [x, z], {"x:0": rand(4, 3), "z:0": rand(5, 3)})
 
 
+def test_scatter_with_run_time_indices():
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [3, 2], name="x")
+        idx = tf.compat.v1.placeholder(tf.int32, [3], name="idx")
+        a = tf.TensorArray(tf.float32, size=4, clear_after_read=False).scatter(idx, x * 3.0)
+        return tf.identity(a.read(0) + a.read(3) * 2.0, name="y")
+    g, y = tf1_graph(build)
+    for order in ([0, 3, 1], [3, 2, 0]):
+        check_conversion(g, [y], {"x:0": rand(3, 2), "idx:0": np.array(order, np.int32)})
+
+
 def test_stop_gradients_and_unconnected():
     # the tf.gradients docstring example: a = 0; b = 2a; gradients(a + b, [a, b], stop=[a, b])
     def build():

@@ -48,6 +48,22 @@ class _Body:
         c.env, c.state = c.env.parents, c.state.parents
 
 
+def seq_loop(c: Converter, count: str, seq: str, elem: int, step, name: str) -> str:
+    """An ONNX Loop run ``count`` times over sequence ``seq`` (element type ``elem``):
+    ``step(k, s)`` emits one iteration (k the int64 iteration number) and returns the next s."""
+    with _Body(c) as body:
+        k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
+        body.inputs += [helper.make_tensor_value_info(k, TensorProto.INT64, []),
+                        helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
+                        helper.make_tensor_sequence_value_info(s, elem, None)]
+        out = step(k, s)
+        cond_out = c.op("Identity", [cond])
+        body.outputs += [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
+                         helper.make_tensor_sequence_value_info(out, elem, None)]
+        graph = body.graph(name)
+    return c.op("Loop", [count, "", seq], body=graph)
+
+
 def _output(c: Converter, scope: Scope, value: str, base: str) -> str:
     """A graph output for ``value``: ONNX graph outputs must be made inside the graph."""
     made = {o for n in scope.nodes for o in n.output}

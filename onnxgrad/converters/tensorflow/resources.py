@@ -195,7 +195,7 @@ def _scatter(c: Converter, n: TFNode):
         new = c.op("SplitToSequence", [value], axis=0, keepdims=0)
         return [c.set_state(r, _replace_all(c, r, seq, new))]
     # any other indices: one write per index, in a Loop
-    from .control_flow import _Body
+    from .control_flow import seq_loop
     idx = _i64(c, c.x(n, 1))
     if r.unwritten is not None and r.unwritten[0] == seq:
         # the first writes into an array of unknown element shape: make its `size` elements
@@ -212,19 +212,10 @@ def _scatter(c: Converter, n: TFNode):
             seq = write(c, r, seq, c.const(i, np.int64), row)
         return [c.set_state(r, seq)]
     count = c.op("Shape", [idx], start=0, end=1)
-    with _Body(c) as body:
-        k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
-        body.inputs += [helper.make_tensor_value_info(k, TensorProto.INT64, []),
-                        helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
-                        helper.make_tensor_sequence_value_info(s, r.dtype, None)]
-        pos = c.op("Gather", [idx, k], axis=0)
-        out = write(c, r, s, pos, c.op("Gather", [value, k], axis=0))
-        cond_out = c.op("Identity", [cond])
-        body.outputs += [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
-                         helper.make_tensor_sequence_value_info(out, r.dtype, None)]
-        graph = body.graph("scatter")
     m = c.op("Squeeze", [count, c.i64(0)])
-    return [c.set_state(r, c.op("Loop", [m, "", seq], body=graph))]
+    return [c.set_state(r, seq_loop(c, m, seq, r.dtype, lambda k, s: write(
+        c, r, s, c.op("Gather", [idx, k], axis=0), c.op("Gather", [value, k], axis=0)),
+        "scatter"))]
 
 
 @handler("TensorArraySplitV3")

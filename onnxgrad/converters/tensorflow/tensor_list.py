@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
+from .control_flow import seq_loop
 from .core import Converter, Resource, handler
 from .errors import ConversionError
 from .graph import TFNode
@@ -123,23 +124,12 @@ def _set(c: Converter, seq: str, idx: str, value: str, grow: bool | None = None)
 
 
 def _pad(c: Converter, seq: str, idx: str, value: str) -> str:
-    from .control_flow import _Body
     elem = elem_type(c, seq)
     count = c.op("Max", [c.op("Sub", [c.op("Add", [idx, c.const(1, np.int64)]),
                                       c.op("SequenceLength", [seq])]), c.const(0, np.int64)])
     zero = c.op("ConstantOfShape", [c.op("Shape", [value])],
                 value=helper.make_tensor("zero", elem, [1], [0]))
-    with _Body(c) as body:
-        k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
-        body.inputs += [helper.make_tensor_value_info(k, I64, []),
-                        helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
-                        helper.make_tensor_sequence_value_info(s, elem, None)]
-        out = c.op("SequenceInsert", [s, zero])
-        cond_out = c.op("Identity", [cond])
-        body.outputs += [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
-                         helper.make_tensor_sequence_value_info(out, elem, None)]
-        graph = body.graph("grow")
-    return c.op("Loop", [count, "", seq], body=graph)
+    return seq_loop(c, count, seq, elem, lambda k, s: c.op("SequenceInsert", [s, zero]), "grow")
 
 
 def _zeros_seq(c: Converter, n: TFNode, count: str, shape) -> str:
@@ -154,20 +144,10 @@ def _zeros_seq(c: Converter, n: TFNode, count: str, shape) -> str:
         return c.op("SplitToSequence", [zeros], axis=0, keepdims=0)
     # a count or shape known only at run time (a count maybe 0): a Loop that appends one zero
     # element per iteration
-    from .control_flow import _Body
     zero = c.const(np.zeros(shape, np_t)) if isinstance(shape, list) else c.op(
         "ConstantOfShape", [shape], value=helper.make_tensor("zero", dtype, [1], [0]))
-    with _Body(c) as body:
-        it, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
-        body.inputs += [helper.make_tensor_value_info(it, I64, []),
-                        helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
-                        helper.make_tensor_sequence_value_info(s, dtype, None)]
-        out = c.op("SequenceInsert", [s, zero])
-        cond_out = c.op("Identity", [cond])
-        body.outputs += [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
-                         helper.make_tensor_sequence_value_info(out, dtype, None)]
-        graph = body.graph("reserve")
-    return c.op("Loop", [count, "", c.op("SequenceEmpty", [], dtype=dtype)], body=graph)
+    return seq_loop(c, count, c.op("SequenceEmpty", [], dtype=dtype), dtype,
+                    lambda k, s: c.op("SequenceInsert", [s, zero]), "reserve")
 
 
 # -- making lists ------------------------------------------------------------------------------
