@@ -84,6 +84,21 @@ EXCLUDED_CASES = {
     # are too coarse; tests/test_rules_vision.py checks fully masked rows against torch instead
     "test_attention_24_qk_matmul_output_mode3_softmax_precision":
         "no finite-difference oracle (float32 softmax in the float64 copy, NaN rows otherwise)",
+    # example inputs exactly where the op is not differentiable: central differences average two
+    # one-sided slopes there (or see a jump, or an infinite slope); the rules are checked off
+    # these points in tests/test_rules_*.py
+    **{f"test_{case}": f"input at {where}" for case, where in (
+        ("acosh_example", "x = 1 (infinite slope)"),
+        ("elu_example", "x = 0 (slopes 1 and alpha)"),
+        ("selu_example", "x = 0 (slopes gamma and gamma * alpha)"),
+        ("leakyrelu_example", "x = 0 (slopes 1 and alpha)"),
+        ("thresholdedrelu_example", "x = alpha = 2 (a jump)"),
+        ("floor_example", "x = 2 (a jump)"),
+        ("round", "x = k + 0.5 (jumps)"),
+        ("sign", "x = 0 (a jump)"),
+        ("reduce_min_default_axes_keepdims_example", "tied minima"),
+        ("l2normalization_axis_0", "a zero-norm slice (0 / 0)"),
+        ("pow", "negative bases with fractional exponents (NaN)"))},
 }
 
 
