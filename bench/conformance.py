@@ -63,7 +63,9 @@ FLOAT32_CHECK = {
        for op, vs in (("gru", ("defaults", "bidirectional", "reverse", "seq_length",
                                "with_initial_bias")),
                       ("lstm", ("defaults", "bidirectional", "reverse", "with_initial_bias",
-                                "with_peepholes")))
+                                "with_peepholes")),
+                      ("simple_rnn", ("defaults", "bidirectional", "reverse",
+                                      "with_initial_bias")), ("rnn", ("seq_length",)))
        for v in vs},
     # onnxruntime has no float64 MeanVarianceNormalization; onnx.reference runs the schema's
     # function body, whose epsilon Constant is float32 (a type error on float64 inputs)

@@ -116,13 +116,14 @@ def without_forward(model, outputs, dtype=TP.DOUBLE):
     gradient graph reads (an RNN's Y) become graph inputs."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
-    fwd = next(n for n in m.graph.node if n.name == "rnn")
-    m.graph.node.remove(fwd)
-    used = {i for n in m.graph.node for i in n.input}
-    declared = {v.name: v for v in [*m.graph.output, *m.graph.value_info]}
-    m.graph.input.extend(onnx.ValueInfoProto.FromString(declared[o].SerializeToString())
-                         if o in declared else helper.make_tensor_value_info(o, dtype, None)
-                         for o in fwd.output if o in used)
+    fwd = next((n for n in m.graph.node if n.name == "rnn"), None)
+    if fwd is not None:  # LSTM/GRU and clipped RNN nodes are replaced by the family's forward op
+        m.graph.node.remove(fwd)
+        used = {i for n in m.graph.node for i in n.input}
+        declared = {v.name: v for v in [*m.graph.output, *m.graph.value_info]}
+        m.graph.input.extend(onnx.ValueInfoProto.FromString(declared[o].SerializeToString())
+                             if o in declared else helper.make_tensor_value_info(o, dtype, None)
+                             for o in fwd.output if o in used)
     outs = [o for o in m.graph.output if o.name in outputs]
     del m.graph.output[:]
     m.graph.output.extend(outs)
@@ -223,10 +224,52 @@ def test_finite_differences(op, attrs, kw):
                        ["CudnnRNNV2", "CudnnRNNBackpropV2"])
 
 
+REPLACE_CASES = [
+    ("LSTM", dict(), dict()),
+    ("LSTM", dict(direction="reverse", layout=1), dict(peep=True)),
+    ("LSTM", dict(direction="bidirectional", clip=0.9), dict(init=False, bias=False)),
+    ("GRU", dict(linear_before_reset=0, direction="reverse"), dict()),
+    ("GRU", dict(linear_before_reset=1, direction="bidirectional", layout=1), dict()),
+    ("RNN", dict(direction="bidirectional", clip=0.5), dict()),
+]
+
+
+@pytest.mark.parametrize("op,attrs,kw", REPLACE_CASES)
+def test_forward_node_is_replaced(op, attrs, kw):
+    """The gradient of an LSTM/GRU node (and of a clipped RNN) puts the family's forward op in
+    place of the node, so the forward runs once: the gradient model has no ai.onnx RNN node
+    left, and its Y, Y_h[, Y_c] (under the node's names, graph outputs included, float64 on
+    onnxruntime) are ONNX's outputs; a node the outputs feed reads the new values."""
+    rng = np.random.default_rng(11)
+    nd = 2 if attrs.get("direction") == "bidirectional" else 1
+    feeds = rand_feeds(op, rng, np.float64, nd, attrs.get("layout", 0), **kw, scale=1.0)
+    model = onnx_rnn_model(op, feeds, **attrs)
+    outs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
+    g = model.graph  # a consumer of Y_h, as a second graph output
+    g.node.append(helper.make_node("Neg", ["Y_h"], ["negYh"]))
+    g.output.append(helper.make_tensor_value_info("negYh", TP.DOUBLE, None))
+    res = onnxgrad.gradients(model, outs + ["negYh"], list(feeds),
+                             grad_ys=["g_" + o for o in outs + ["negYh"]])
+    onnx.checker.check_model(res.model, full_check=True)
+    assert not [n for n in res.model.graph.node if n.op_type in G and n.domain == ""]
+    fwd_op = [n.op_type for n in res.model.graph.node if n.op_type in ("CudnnRNNV2", "OnnxRNN")]
+    assert len(fwd_op) == 1
+    ref = onnx_rnn_np(op, feeds["X"], feeds["W"], feeds["R"], **_np_kwargs(feeds, attrs))
+    cot = {"g_" + o: rng.standard_normal(v.shape) for o, v in zip(outs, ref)}
+    cot["g_negYh"] = rng.standard_normal(ref[1].shape)
+    got = session(res.model).run(outs + ["negYh"], {**feeds, **cot})
+    # clip is a float attribute: the bound is float32's nearest to it
+    tol = dict(rtol=1e-6, atol=1e-7) if "clip" in attrs else dict(rtol=1e-10, atol=1e-12)
+    for name, a, w in zip(outs + ["negYh"], got, list(ref) + [-ref[1]]):
+        np.testing.assert_allclose(a, w, err_msg=name, **tol)
+
+
 # -- against torch autograd ----------------------------------------------------------------------
 def run_gradients(res, fwd_model, feeds, cot, fwd_vals=None):
-    """res.grads on onnxruntime. float64: ONNX's LSTM/GRU/RNN nodes (no float64 kernels in
-    onnxruntime) are evaluated by onnx.reference and fed in; everything else runs on onnxruntime."""
+    """res.grads on onnxruntime. float64: ONNX's LSTM/GRU/RNN nodes left in the gradient model
+    (no float64 kernels in onnxruntime; LSTM and GRU nodes are replaced by the onnxgrad forward
+    op, an RNN without clip stays) are evaluated by onnx.reference and fed in; everything else
+    runs on onnxruntime."""
     if feeds[next(iter(feeds))].dtype != np.float64:
         return session(res.model).run(res.grads, {**feeds, **cot})
     from onnx.reference import ReferenceEvaluator
@@ -243,7 +286,7 @@ def run_gradients(res, fwd_model, feeds, cot, fwd_vals=None):
     keep = [o for o in m.graph.output if o.name in res.grads]
     del m.graph.output[:]
     m.graph.output.extend(keep)
-    extra = {k: v for k, v in vals.items() if k in used}
+    extra = {k: v for k, v in vals.items() if k in used and k in names}
     return session(m).run(res.grads, {**feeds, **cot, **extra})
 
 

@@ -148,6 +148,12 @@ def test_sequence_lens_at_run_time_matches_torch_packed(op, mode, direction):
     cot = {"g_" + o: c for o, c in zip(outs, cot_onnx)}
     got = dict(zip(names, session(run).run(res.grads, {**feeds, **cot,
                                                        "sequence_lens": LENS})))
+    # the node was replaced by OnnxRNN: the gradient model's own Y, Y_h[, Y_c] (float64) are
+    # torch's packed outputs too
+    fwd = session(res.model).run(outs, {**feeds, **cot, "sequence_lens": LENS})
+    for g_, t_ in zip(fwd, outs_t):
+        want = t_[:, dirs] if t_.ndim == 4 else t_[dirs]
+        np.testing.assert_allclose(g_, want, rtol=1e-9, atol=1e-11)
     tw = onnx_weights(m, op, 0, grad=True)
     tol = dict(rtol=1e-9, atol=1e-11)
     np.testing.assert_allclose(got["X"], grads_t["X"], **tol)

@@ -2,19 +2,24 @@
 
 The rule rearranges the node's W, R and B (ONNX gate order i, o, f, c for LSTM and z, r, h for GRU;
 one [num_directions, ...] tensor each) into cuDNN's flat params buffer with standard ops (Reshape,
-Gather of the gate blocks, Concat), runs the forward op of the family inside the gradient graph to
-get reserve_space, then its backward op, and maps params_backprop back to the shapes of W, R and
-B (the inverse gather). A one-layer ONNX node is num_layers=1; direction "bidirectional" is
-cuDNN's bidirectional; "reverse" runs the forward direction on the time-reversed sequence.
+Gather of the gate blocks, Concat), **replaces the node by the forward op of the family** (which
+also returns the reserve_space that backward reads; its output, output_h and output_c, put back
+into ONNX's layout, take over the node's outputs: their uses, graph outputs and names), so the
+forward runs once, then emits the backward op and maps params_backprop back to the shapes of W,
+R and B (the inverse gather). A one-layer ONNX node is num_layers=1; direction "bidirectional" is
+cuDNN's bidirectional; "reverse" runs the forward direction on the time-reversed sequence. The
+gradient model thus has no ai.onnx LSTM/GRU node left (it runs in float64 and with layout=1 on
+onnxruntime, whose kernels have neither); the rule returns its gradients by value
+(``Grads(captured=...)``), the node being gone.
 
 * cuDNN's cell (LSTM without peepholes, GRU with linear_before_reset=1, RNN Tanh/Relu; no clip):
   CudnnRNNV2 -> CudnnRNNBackpropV2.
 * The cell options cuDNN lacks (GRU linear_before_reset=0, LSTM peepholes P, clip): the same
   pair with those options, ``onnxgrad.OnnxRNN`` -> ``onnxgrad.OnnxRNNBackprop`` (same params
   layout and bodies, see :mod:`onnxgrad.rnn.ops`).
-* RNN without clip needs no forward recompute: its reserve_space is the sequence of hidden
-  states, which is the node's own output Y (rearranged); LSTM and GRU save gate activations that
-  Y does not hold, so the forward op is run once more in the gradient graph.
+* RNN without clip keeps its node: its reserve_space is the sequence of hidden states, which is
+  the node's own output Y (rearranged); LSTM and GRU save gate activations that Y does not hold,
+  so their node (and a clipped or masked RNN's) is replaced as above.
 
 * ``sequence_lens`` (variable-length batches; a run-time input or a constant that is not the
   sequence length everywhere): the ``.seq`` variant of OnnxRNN/OnnxRNNBackprop, which takes
@@ -35,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..registry import register
+from ..registry import Grads, register
 from .ops import DOMAIN, Variant, _host_reserved, overload_key
 
 _INT_MIN, _INT_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
@@ -95,6 +100,33 @@ def _zeros(e, shape, dtype):
                 _dtype=dtype)
 
 
+def _replace_node(e, f, scratch, node, fwd, lstm, nd, layout, direction, flip):
+    """Put the family's forward op (built by ``f`` in ``scratch``) in place of the ONNX node:
+    its outputs in ONNX's form (Y [T, nd, B, H] or layout 1's [B, T, nd, H]; Y_h, Y_c
+    [nd, B, H] or [B, nd, H]) take over the node's outputs (uses, graph outputs, names, types),
+    the scratch nodes move in front of the node, and the node goes."""
+    y = fwd[0]
+    if direction == "reverse":
+        y = flip(f, y)
+    y = f.Reshape(y, [0, 0, nd, -1])  # [T, B, nd * H] -> [T, B, nd, H]
+    new = [f.Transpose(y, perm=[1, 0, 2, 3] if layout else [0, 2, 1, 3]),
+           f.Transpose(fwd[1], perm=[1, 0, 2]) if layout else fwd[1]]
+    if lstm:
+        new.append(f.Transpose(fwd[2], perm=[1, 0, 2]) if layout else fwd[2])
+    graph = node.graph
+    for old, v in zip(node.outputs, new):
+        if not old.uses() and not old.is_graph_output():
+            continue
+        name = old.name
+        old.name = e.unique(f"{name}__replaced")
+        old.replace_all_uses_with(v.value, replace_graph_outputs=True)
+        v.value.name, v.value.type, v.value.shape = name, old.type, old.shape
+    nodes = list(scratch)
+    scratch.remove(nodes)
+    graph.insert_before(node, nodes)
+    graph.remove(node, safe=True)
+
+
 @register(["LSTM", "GRU", "RNN"], since=7)
 def _onnx_rnn(n, g):
     op = n.node.op_type
@@ -123,34 +155,81 @@ def _onnx_rnn(n, g):
     dt = X.dtype
     G = len(_PERM[op])
 
-    # -- inputs in cuDNN's time-major form -------------------------------------------------
-    x = e.Transpose(X, perm=[1, 0, 2]) if layout else X
-    if lens is not None:
-        lens64 = e.Cast(lens, to=ir.DataType.INT64)
-        flip = lambda v: e.ReverseSequence(v, lens64, batch_axis=1, time_axis=0)  # noqa: E731
+    # The forward op of the family replaces the node itself (it returns Y, Y_h, Y_c and the
+    # reserve_space that backward reads), so the forward runs once. Its inputs and the op are
+    # built in a scratch graph and moved in front of the node; the node's outputs are rewired.
+    # An RNN without clip or sequence_lens keeps its node: its Y is its reserve_space.
+    # (layout 1 is replaced too: onnxruntime's RNN kernel refuses it)
+    reuse_y = mode.startswith("rnn") and not variant.clip and not variant.seq and not layout and \
+        bool(n.outs) and n.outs[0] is not None and bool(n.outs[0].name)  # (Y may be omitted)
+    node = n.node
+    replace = not reuse_y and node.graph is not None
+    if replace:
+        scratch = ir.Graph([], [], nodes=[], name="scratch")
+        f = e.child(scratch, (e.prefix[:-5] if e.prefix.endswith("_grad") else e.prefix) + "_fwd")
+        f._consts = {}  # the cached constants may sit after the node
     else:
-        flip = lambda v: _flip(e, v)  # noqa: E731
+        f = e
+
+    # -- inputs in cuDNN's time-major form -------------------------------------------------
+    x = f.Transpose(X, perm=[1, 0, 2]) if layout else X
+    lens64 = f.Cast(lens, to=ir.DataType.INT64) if lens is not None else None
+
+    def flip(em, v):
+        if lens64 is not None:
+            return em.ReverseSequence(v, lens64, batch_axis=1, time_axis=0)
+        return _flip(em, v)
+
     if direction == "reverse":
-        x = flip(x)
-    sx = e.Shape(x)
-    H = e.Slice(e.Shape(R), [2], [3])
-    state_shape = e.Concat(e.const(np.array([nd], np.int64)), e.Slice(sx, [1], [2]), H, axis=0)
+        x = flip(f, x)
+    sx = f.Shape(x)
+    H = f.Slice(f.Shape(R), [2], [3])
+    state_shape = f.Concat(f.const(np.array([nd], np.int64)), f.Slice(sx, [1], [2]), H, axis=0)
 
-    def state(v):
+    def state(em, v):
         if v is None:
-            return _zeros(e, state_shape, dt)
-        return e.Transpose(v, perm=[1, 0, 2]) if layout else v
+            return _zeros(em, state_shape, dt)
+        return em.Transpose(v, perm=[1, 0, 2]) if layout else v
 
-    h = state(h0)
-    c = state(c0) if lstm else h
+    h = state(f, h0)
+    c = state(f, c0) if lstm else h
     perm = _PERM[op]
-    weights = e.Concat(_gates(e, W, perm, nd), _gates(e, R, perm, nd), axis=1)
+    weights = f.Concat(_gates(f, W, perm, nd), _gates(f, R, perm, nd), axis=1)
     if Bias is None:  # nd * 2 * G * H zeros = 2 * Size(R) / H
-        biases = _zeros(e, e.Div(e.Reshape(e.Mul(e.Size(R), e.const(np.array(2, np.int64))),
+        biases = _zeros(f, f.Div(f.Reshape(f.Mul(f.Size(R), f.const(np.array(2, np.int64))),
                                            [1]), H), dt)
     else:
-        biases = _gates(e, Bias, perm + [G + p for p in perm], nd)
-    params = e.Concat(e.Reshape(weights, [-1]), e.Reshape(biases, [-1]), axis=0)
+        biases = _gates(f, Bias, perm + [G + p for p in perm], nd)
+    params = f.Concat(f.Reshape(weights, [-1]), f.Reshape(biases, [-1]), axis=0)
+
+    # -- forward: the family's op in place of the node (or, for an RNN, its own Y) -----------
+    cudnn_dir = "bidirectional" if nd == 2 else "unidirectional"
+    key = overload_key(mode, cudnn_dir, "linear_input", 1, variant)
+    ex = variant.onnx_options
+    attrs = dict(rnn_mode=mode, direction=cudnn_dir)
+    if ex:
+        attrs.update(linear_before_reset=lbr, **({"clip": float(clip)} if variant.clip else {}))
+    ex_ins = ([P] if variant.peep else []) if lens is None else [P, lens]
+    if reuse_y:
+        # the reserve_space of an RNN is its hidden states: Y as [nd, T, B, H], flattened
+        Y = n.outs[0]
+        ys = e.Transpose(Y, perm=[2, 1, 0, 3] if layout else [1, 0, 2, 3])
+        if direction == "reverse":
+            ys = e.Slice(ys, [-1], [_INT_MIN], [1], [-1])
+        reserve = e.Reshape(ys, [-1])
+        fwd = [x, h, c, reserve]  # output/output_h/output_c: the body does not read them
+        host = e.const(_host_reserved(mode, cudnn_dir, "linear_input", 1))
+    else:
+        n_out = 4 if ex else 5
+        fwd = f.op("OnnxRNN" if ex else "CudnnRNNV2", x, h, c, params, *ex_ins,
+                   _outputs=n_out, _domain=DOMAIN, _dtype=[dt] * 4 + [ir.DataType.INT8],
+                   **attrs)
+        fwd[0].value.producer().overload = key
+        host = None if ex else fwd[4]
+        reserve = fwd[3]
+        if replace:
+            node_inputs = list(node.inputs)  # the node goes: its gradients go by value
+            _replace_node(e, f, scratch, node, fwd, lstm, nd, layout, direction, flip)
 
     # -- cotangents in cuDNN's form --------------------------------------------------------
     gY, gYh = n.gs[0], n.gs[1] if len(n.gs) > 1 else None
@@ -161,35 +240,11 @@ def _onnx_rnn(n, g):
         dy = e.Reshape(e.Transpose(gY, perm=[1, 0, 2, 3] if layout else [0, 2, 1, 3]),
                        [0, 0, -1])
         if direction == "reverse":
-            dy = flip(dy)
-    dhn = _zeros(e, state_shape, dt) if gYh is None else state(gYh)
-    dcn = (_zeros(e, state_shape, dt) if gYc is None else state(gYc)) if lstm else dhn
+            dy = flip(e, dy)
+    dhn = _zeros(e, state_shape, dt) if gYh is None else state(e, gYh)
+    dcn = (_zeros(e, state_shape, dt) if gYc is None else state(e, gYc)) if lstm else dhn
 
-    # -- forward (recomputed unless its outputs are what backward needs) and backward -------
-    cudnn_dir = "bidirectional" if nd == 2 else "unidirectional"
-    key = overload_key(mode, cudnn_dir, "linear_input", 1, variant)
-    ex = variant.onnx_options
-    attrs = dict(rnn_mode=mode, direction=cudnn_dir)
-    if ex:
-        attrs.update(linear_before_reset=lbr, **({"clip": float(clip)} if variant.clip else {}))
-    Y = n.outs[0] if n.outs else None
-    ex_ins = ([P] if variant.peep else []) if lens is None else [P, lens]
-    fwd_ins = [x, h, c, params] + ex_ins
-    if mode.startswith("rnn") and not variant.clip and not variant.seq and Y is not None:
-        # the reserve_space of an RNN is its hidden states: Y as [nd, T, B, H], flattened
-        ys = e.Transpose(Y, perm=[2, 1, 0, 3] if layout else [1, 0, 2, 3])
-        if direction == "reverse":
-            ys = e.Slice(ys, [-1], [_INT_MIN], [1], [-1])
-        reserve = e.Reshape(ys, [-1])
-        fwd = [x, h, c, reserve]  # output/output_h/output_c: the body does not read them
-        host = e.const(_host_reserved(mode, cudnn_dir, "linear_input", 1))
-    else:
-        n_out = 4 if ex else 5
-        fwd = e.op("OnnxRNN" if ex else "CudnnRNNV2", *fwd_ins, _outputs=n_out, _domain=DOMAIN,
-                   _dtype=[dt] * 4 + [ir.DataType.INT8], **attrs)
-        fwd[0].value.producer().overload = key
-        host = None if ex else fwd[4]
-        reserve = fwd[3]
+    # -- backward ---------------------------------------------------------------------------
     bwd_ins = [x, h, c, params, fwd[0], fwd[1], fwd[2], dy, dhn, dcn, reserve]
     if ex:
         bwd_ins += ex_ins
@@ -203,7 +258,7 @@ def _onnx_rnn(n, g):
 
     # -- back to the node's shapes ---------------------------------------------------------
     if direction == "reverse":
-        dx = flip(dx)
+        dx = flip(e, dx)
     if layout:
         dx = e.Transpose(dx, perm=[1, 0, 2])
     dB = None
@@ -225,4 +280,11 @@ def _onnx_rnn(n, g):
     if lstm:
         grads.append(None if c0 is None else unstate(dc0).with_shape(c0.shape))
         grads.append(None if P is None else res[4].with_shape(P.shape))
-    return tuple(grads[:len(n.ins)])
+    grads = tuple(grads[:len(n.ins)])
+    if not replace:
+        return grads
+    by_value: dict = {}
+    for v, gv in zip(node_inputs, grads):
+        if v is not None and gv is not None:
+            by_value[v] = e.Add(by_value[v], gv) if v in by_value else gv
+    return Grads((), by_value)

@@ -25,7 +25,10 @@ users see is always op_type "CudnnRNN"/... in domain "onnxgrad". :func:`attach_f
 overloads (num_layers from input_h's static first dim) and adds the functions and the opset import.
 Everything else is read from shapes at run time (seq_length, batch, input_size, num_units may be
 symbolic). The bodies use standard ai.onnx ops only (Scan over time, Slice/Reshape of params,
-MatMul, Sigmoid, Tanh, Relu, Split, Concat), at the model's ai.onnx opset (13 or newer).
+MatMul, Gemm, Sigmoid, Tanh, Relu, Split, Concat), at the model's ai.onnx opset (13 or newer).
+Per step they do the recurrent matmul (one Gemm, the input projection of all steps with both
+biases (LSTM, RNN) made before the Scan by one MatMul) and the elementwise gates; the backward
+accumulates the weight gradients after its Scan with one MatMul each over all steps.
 
 **reserve_space layout** (1-D, dtype of input): the flattening of a tensor
 ``[num_layers * num_dirs, seq_length, batch, K * num_units]`` (index layer * num_dirs + dir; time
@@ -394,9 +397,11 @@ class _Cell:
         return b.Clip(pre, self.negc, self.c)
 
 
-def _fwd_cell(b: _B, cl: _Cell, RhT, bh, peep):
-    """Scan body: (h[, c], xp_t) -> (h'[, c'], row, h'). ``RhT`` is (RhT_rz, RhT_n, bh_rz, bh_n)
-    for GRU with linear_before_reset=0; ``peep`` (Pi, Po, Pf) or None."""
+def _fwd_cell(b: _B, cl: _Cell, Rh, bh, peep):
+    """Scan body: (h[, c], xp_t) -> (h'[, c'], row, h'). ``Rh`` [GH, H] (multiplied transposed,
+    by Gemm's transB); for GRU with linear_before_reset=0, (Rh_rz, Rh_n, bh_rz, bh_n). For LSTM
+    and RNN, xp_t holds both biases: the gates are one Gemm, xp_t + h Rh^T; ``peep`` (Pi, Po,
+    Pf) or None."""
     rnn_mode, v = cl.mode, cl.v
     lstm = rnn_mode == "lstm"
     h, xp = b.fresh("h"), b.fresh("xp")
@@ -406,7 +411,7 @@ def _fwd_cell(b: _B, cl: _Cell, RhT, bh, peep):
         (lambda new, old: new)  # noqa: E731  padded steps carry the state unchanged
     masks = []
     if lstm:
-        g = b.Add(xp, b.Add(b.MatMul(h, RhT), bh))
+        g = b.Gemm(h, Rh, xp, transB=1)
         gi, gf, gc, go = _split(b, g, cl.splits, 4)
         if peep:
             gi, gf = b.Add(gi, b.Mul(peep[0], c)), b.Add(gf, b.Mul(peep[2], c))
@@ -424,11 +429,11 @@ def _fwd_cell(b: _B, cl: _Cell, RhT, bh, peep):
     elif rnn_mode == "gru":
         xr, xz, xn = _split(b, xp, cl.splits, 3)
         if v.lbr:
-            hr, hz, hn = _split(b, b.Add(b.MatMul(h, RhT), bh), cl.splits, 3)
+            hr, hz, hn = _split(b, b.Gemm(h, Rh, bh, transB=1), cl.splits, 3)
         else:
-            RhT_rz, RhT_n, bh_rz, bh_n = RhT
-            hr, hz = _split(b, b.Add(b.MatMul(h, RhT_rz), bh_rz), b.Slice(cl.splits, b.ints(0),
-                                                                            b.ints(2)), 2)
+            Rh_rz, Rh_n, bh_rz, bh_n = Rh
+            hr, hz = _split(b, b.Gemm(h, Rh_rz, bh_rz, transB=1), b.Slice(
+                cl.splits, b.ints(0), b.ints(2)), 2)
         r = b.Sigmoid(cl.clip(b, b.Add(xr, hr), masks))
         z = b.Sigmoid(cl.clip(b, b.Add(xz, hz), masks))
         if v.lbr:
@@ -436,14 +441,14 @@ def _fwd_cell(b: _B, cl: _Cell, RhT, bh, peep):
             pn = b.Add(xn, b.Mul(r, hn))
         else:
             saved = b.Mul(r, h)  # r * h_{t-1}: what R_h multiplies
-            pn = b.Add(xn, b.Add(b.MatMul(saved, RhT_n), bh_n))
+            pn = b.Add(xn, b.Gemm(saved, Rh_n, bh_n, transB=1))
         n = b.Tanh(cl.clip(b, pn, masks))
         h2 = b.Add(n, b.Mul(z, b.Sub(h, n)))
         y = h2
         h2 = keep(h2, h)
         row = b.Concat(r, z, n, saved, *masks, h2, axis=1)
     else:
-        p = cl.clip(b, b.Add(xp, b.Add(b.MatMul(h, RhT), bh)), masks)
+        p = cl.clip(b, b.Gemm(h, Rh, xp, transB=1), masks)
         h2 = b.Relu(p) if rnn_mode == "rnn_relu" else b.Tanh(p)
         y = h2
         h2 = keep(h2, h)
@@ -523,16 +528,16 @@ def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_C
         for d in range(nd):
             idx = b.scalar_int(layer * nd + d)
             Wx, Rh, bx, bh = w.get(layer, d)
+            if rnn_mode != "gru":  # both biases go in with the input projection
+                bx = b.Add(bx, bh)
             if Wx is None:
                 xp = b.Add(b.Concat(*[layer_in] * G, axis=2), bx)
             else:
                 xp = b.Add(b.MatMul(layer_in, b.Transpose(Wx)), bx)
             if rnn_mode == "gru" and not variant.lbr:
-                RhT = _gru_split_rh(b, dm, Rh, bh, transpose=True)
-            else:
-                RhT = b.Transpose(Rh)
+                Rh = _gru_split_rh(b, dm, Rh, bh, transpose=False)
             peep = _peepholes(b, dm, idx) if variant.peep else None
-            body = _fwd_cell(b.sub(f"l{layer}d{d}/"), cl, RhT, bh, peep)
+            body = _fwd_cell(b.sub(f"l{layer}d{d}/"), cl, Rh, bh, peep)
             states = [b.Gather(h0, idx, axis=0)] + ([b.Gather(c0, idx, axis=0)] if lstm else [])
             seqs = [xp] + ([valid] if variant.seq else [])
             res = b.op("Scan", *states, *seqs, n_out=len(states) + 2, body=body,
@@ -545,7 +550,8 @@ def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_C
             outs.append(res[-1])
         layer_in = outs[0] if nd == 1 else b.Concat(*outs, axis=2)
     b.Identity(layer_in, out="output")
-    stack = lambda vs: b.Concat(*[b.Unsqueeze(v, b.ints(0)) for v in vs], axis=0)  # noqa: E731
+    stack = lambda vs: b.Unsqueeze(vs[0], b.ints(0)) if len(vs) == 1 else \
+        b.Concat(*[b.Unsqueeze(v, b.ints(0)) for v in vs], axis=0)  # noqa: E731
     b.Identity(stack(hn), out="output_h")
     if lstm:
         b.Identity(stack(cn), out="output_c")
@@ -727,21 +733,27 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
             dgx = res[len(states)]
             dgh = res[-1]
             flat = lambda v, width: b.Reshape(v, b.Concat(minus1, width, axis=0))  # noqa: E731
-            dgx2, dgh2 = flat(dgx, w.GH), flat(dgh, w.GH)
-            dWx = None if Wx is None else b.MatMul(b.Transpose(dgx2), flat(layer_in,
-                                                                             w.in_dim(layer)))
+            dgx2 = flat(dgx, w.GH)
+            dgh2 = dgx2 if dgh == dgx else flat(dgh, w.GH)
+
+            def wgrad(dg2, v, width):
+                """dg2^T @ v, v [T, B, width] flattened: v^T is made explicitly (3-D Transpose
+                and Reshape: onnxruntime's MatMul with a transposed A, which it would fuse a 2-D
+                Transpose into, is much slower) and is the smaller operand to transpose."""
+                vT = b.Reshape(b.Transpose(v, perm=[2, 0, 1]), b.Concat(width, minus1, axis=0))
+                return b.Transpose(b.MatMul(vT, dg2))
+
+            dWx = None if Wx is None else wgrad(dgx2, layer_in, w.in_dim(layer))
             if lbr0:  # rows r, z multiply h_{t-1}; rows h multiply r * h_{t-1} (saved)
                 H2 = dm.mul(2, H)
                 rh = b.Slice(rows[idx], dm.mul(3, H), dm.mul(4, H), b.ints(2))
-                dRh = b.Concat(
-                    b.MatMul(b.Transpose(b.Slice(dgh2, b.ints(0), H2, b.ints(1))),
-                             flat(hprev, H)),
-                    b.MatMul(b.Transpose(b.Slice(dgh2, H2, w.GH, b.ints(1))), flat(rh, H)),
-                    axis=0)
+                dRh = b.Concat(wgrad(b.Slice(dgh2, b.ints(0), H2, b.ints(1)), hprev, H),
+                               wgrad(b.Slice(dgh2, H2, w.GH, b.ints(1)), rh, H), axis=0)
             else:
-                dRh = b.MatMul(b.Transpose(dgh2), flat(hprev, H))
-            grads[(layer, d)] = (dWx, dRh, b.ReduceSum(dgx2, b.ints(0), keepdims=0),
-                                 b.ReduceSum(dgh2, b.ints(0), keepdims=0))
+                dRh = wgrad(dgh2, hprev, H)
+            dbx = b.ReduceSum(dgx2, b.ints(0), keepdims=0)
+            dbh = dbx if dgh2 == dgx2 else b.ReduceSum(dgh2, b.ints(0), keepdims=0)
+            grads[(layer, d)] = (dWx, dRh, dbx, dbh)
             if peep:  # ONNX order i, o, f
                 sl = lambda v, j: b.Slice(v, dm.mul(j, H), dm.mul(j + 1, H), b.ints(2))  # noqa
                 red = lambda v: b.ReduceSum(v, b.ints(0, 1), keepdims=0)  # noqa: E731
@@ -756,7 +768,8 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
         if drop is not None and layer > 0:
             dY = b.Mul(dY, layer_mask(layer))
     b.Identity(dY, out="input_backprop")
-    stack = lambda vs: b.Concat(*[b.Unsqueeze(v, b.ints(0)) for v in vs], axis=0)  # noqa: E731
+    stack = lambda vs: b.Unsqueeze(vs[0], b.ints(0)) if len(vs) == 1 else \
+        b.Concat(*[b.Unsqueeze(v, b.ints(0)) for v in vs], axis=0)  # noqa: E731
     b.Identity(stack(dh0s), out="input_h_backprop")
     if lstm:
         b.Identity(stack(dc0s), out="input_c_backprop")
