@@ -15,7 +15,9 @@ running statistics are not differentiated, as torch does not either), run for ev
 output; onnxruntime at its default optimisation level. Torch: eager ``y = m(x)``,
 ``autograd.grad((y * cot).sum(), [x] + parameters)``. Both sides use the same thread count. The
 two sides alternate ``--rounds`` times, ``--repeat`` timed calls each after a warm-up; each side's
-figure is the median of all its calls. Ratio = ours / torch (<= 1.0 is the goal).
+figure is the median of all its calls. Ratio = ours / torch (<= 1.0 is the goal), by wall-clock
+time and by the calling thread's CPU time (time.thread_time; at 1 thread both sides run every kernel
+on the calling thread, so it leaves out the time other jobs held the core).
 """
 from __future__ import annotations
 
@@ -98,12 +100,14 @@ def _torch(module, names, inputs):
 
 
 def _time(fn, n):
-    out = []
+    """(wall, thread CPU) seconds of each of n calls."""
+    wall, cpu = [], []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
-        out.append(time.perf_counter() - t0)
-    return out
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - t0)
+    return wall, cpu
 
 
 def profile_summary(path, top=15):
@@ -141,20 +145,27 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     rows = _rows()
     print(f"threads {args.threads}; median of {args.rounds} x {args.repeat} calls per side\n")
-    print("| row | build s | grad-graph nodes | ours ms | torch ms | ours / torch |")
-    print("|---|---|---|---|---|---|")
+    print("| row | build s | grad-graph nodes | ours ms | torch ms | ours / torch "
+          "| ours CPU ms | torch CPU ms | CPU ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     profiles = {}
     for name in args.rows:
         module, names, inputs = rows[name]
         ours, build, n_nodes, _ = _ours(module, names, inputs, args.threads)
         theirs = _torch(module, names, inputs)
         ours(), theirs(), ours(), theirs()  # warm-up
-        t_ours, t_torch = [], []
+        t_ours, t_torch, c_ours, c_torch = [], [], [], []
         for _ in range(args.rounds):
-            t_ours += _time(ours, args.repeat)
-            t_torch += _time(theirs, args.repeat)
+            w, c = _time(ours, args.repeat)
+            t_ours += w
+            c_ours += c
+            w, c = _time(theirs, args.repeat)
+            t_torch += w
+            c_torch += c
         a, b = statistics.median(t_ours) * 1e3, statistics.median(t_torch) * 1e3
-        print(f"| {name} | {build:.2f} | {n_nodes} | {a:.1f} | {b:.1f} | {a / b:.2f} |", flush=True)
+        ca, cb = statistics.median(c_ours) * 1e3, statistics.median(c_torch) * 1e3
+        print(f"| {name} | {build:.2f} | {n_nodes} | {a:.1f} | {b:.1f} | {a / b:.2f} "
+              f"| {ca:.1f} | {cb:.1f} | {ca / cb:.2f} |", flush=True)
         if args.profile:
             prefix = f"/tmp/onnxgrad_backward_{name}"
             for old in glob.glob(prefix + "*.json"):

@@ -23,7 +23,9 @@ MATMUL_SHAPES = [
     ([4], [4]),                  # dot product
     ([3, 4], [4, 5]),
     ([2, 1, 3, 4], [5, 4, 2]),   # batch broadcasting both ways
-    ([2, 3, 4], [4, 5]),         # batched @ matrix (flattened GEMM for dB)
+    ([2, 3, 4], [4, 5]),         # batched @ matrix (flattened GEMM for dB: a transposed)
+    ([2, 3, 5], [5, 2]),         # the same with g narrower than a (g transposed)
+    (["N", 3, 5], [5, 2]),
     ([2, 3, 4], [4]),            # batched @ vector
     ([4], [2, 4, 3]),            # vector @ batched
     ([3, 4], [2, 4, 5]),         # matrix @ batched
@@ -39,6 +41,16 @@ MATMUL_SHAPES = [
 def test_matmul(sa, sb):
     m = op_model("MatMul", {"a": (np.float32, sa), "b": (np.float32, sb)}, opset=13)
     assert_gradients(m, "y", ["a", "b"], feeds=_feeds({"a": sa, "b": sb}))
+
+
+def test_matmul_weight_grad_avoids_gemm_trans_a():
+    """x[..., K] @ W: dW is a plain MatMul of an explicitly transposed operand (MLAS's transA
+    is slow), never a Gemm with transA."""
+    for sb in ([5, 2], [5, 8]):
+        m = op_model("MatMul", {"a": (np.float32, ["N", 3, 5]), "b": (np.float32, sb)})
+        res = onnxgrad.gradients(m, "y", ["b"])
+        assert not [n for n in res.model.graph.node if n.op_type == "Gemm"]
+        assert "Transpose" in {n.op_type for n in res.model.graph.node}
 
 
 def test_matmul_symbolic_broadcast_at_run_time():

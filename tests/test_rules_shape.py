@@ -258,6 +258,9 @@ GATHERS = [  # x shape, indices, axis
     ([2, 3, 4], [[1, 1], [2, -1], [0, 3]], -1),
     ([4, 3], 2, 0),                                # scalar index
     ([2, 4, 3], -2, -2),
+    (["N", 3], 1, 0),                              # scalar index on a symbolic axis
+    (["N", 3], -1, 0),
+    ([2, "M", 3], 0, 1),
     ([3, 4], [], 1),                               # nothing gathered
 ]
 
@@ -268,6 +271,14 @@ def test_gather(shape, indices, axis, opset):
     m = op_model("Gather", {"x": (F32, shape)}, inits={"i": np.array(indices, I64)}, axis=axis,
                  opset=opset)
     check(m)
+
+
+def test_gather_scalar_index_is_a_pad():
+    """A constant scalar index (q, k, v = qkv[0], qkv[1], qkv[2]): g is padded back into place,
+    no zeros-and-ScatterND (x of unknown rank: the attention in test_real_models)."""
+    m = op_model("Gather", {"x": (F32, ["N", 4, 2])}, inits={"i": np.array(-2, I64)}, axis=1)
+    ops = {n.op_type for n in onnxgrad.gradients(m, "y", "x").model.graph.node}
+    assert "Pad" in ops and "ScatterND" not in ops
 
 
 def test_gather_int32_indices_symbolic_rows():
@@ -419,6 +430,12 @@ def test_second_order_through_gather_axis1():
     nodes = [helper.make_node("Gather", ["x", "i"], ["t"], axis=1),
              helper.make_node("Mul", ["t", "t"], ["y"])]
     second_order(nodes, [2, 3], {"i": np.array([1, -1, 1], I64)}, rnd(2, 3))
+
+
+def test_second_order_through_scalar_gather():
+    nodes = [helper.make_node("Gather", ["x", "i"], ["t"], axis=1),
+             helper.make_node("Mul", ["t", "t"], ["y"])]
+    second_order(nodes, ["N", 3], {"i": np.array(-1, I64)}, rnd(2, 3))
 
 
 @pytest.mark.parametrize("steps", [None, [-2]])

@@ -233,6 +233,11 @@ def _tile(n, g):
 def _gather(n, g):
     e, x, idx = n.e, n.x, n.ins[1]
     a = _axis(x, n.attr("axis", 0))
+    k = n.const(1)
+    if k is not None and np.ndim(k) == 0 and g.dtype not in HALF:
+        # one constant slice (q, k, v = qkv[0], qkv[1], qkv[2]): g zero-padded back into place,
+        # one pass, instead of zeros of x's shape and a ScatterND (2.5x the time on 6 MB)
+        return _pad_back(n, x, a, int(k), g), None
     if a == 0:  # the embedding case: whole rows, no per-element indices
         return _scatter_add(n, "ScatterND", x, e.Unsqueeze(_i64(n, idx), [-1]), g), None
     # idx's dims (in the middle of g) made one, then each element of g scattered along axis a
@@ -242,6 +247,32 @@ def _gather(n, g):
     i = e.Reshape(idx, [-1])
     i = e.Expand(e.Unsqueeze(i, trailing) if trailing else i, e.Shape(t))
     return _scatter_add(n, "ScatterElements", x, i, t, axis=a), None
+
+
+def _pad_back(n, x, a, k, g):
+    """The gradient of Gather(x, k, axis=a) for a constant scalar k: g put back at x[..., k, ...]
+    with zeros on either side."""
+    e = n.e
+    d = x.shape[a] if x.shape is not None else None
+    if isinstance(d, int):
+        k = k % d
+        before, after = e.const(np.array([k], np.int64)), e.const(np.array([d - 1 - k], np.int64))
+    else:
+        dim = e.Slice(e.Shape(x), [a], [a + 1])
+        if k < 0:    # k counts from the end
+            before, after = e.Add(dim, [k]), e.const(np.array([-k - 1], np.int64))
+        else:
+            before, after = e.const(np.array([k], np.int64)), e.Sub(dim, [k + 1])
+    if x.rank is not None:
+        mid, tail = [0] * (x.rank - 1), [0] * (x.rank - a - 1)
+    else:  # zeros for the other axes, from the rank at run time
+        rank = e.Shape(e.Shape(x))
+        i64 = ir.tensor(np.array([0], np.int64))
+        mid = e.ConstantOfShape(e.Sub(rank, [1]), value=i64)
+        tail = e.ConstantOfShape(e.Sub(rank, [a + 1]), value=i64)
+    parts = [[0] * a, before, mid, after, tail]
+    pads = e.Concat(*[p for p in parts if not isinstance(p, list) or p], axis=0)
+    return e.Pad(e.Unsqueeze(g, [a]), pads)
 
 
 @register("GatherElements")
