@@ -70,6 +70,10 @@ FLOAT32_CHECK = {
     # onnxruntime has no float64 MeanVarianceNormalization; onnx.reference runs the schema's
     # function body, whose epsilon Constant is float32 (a type error on float64 inputs)
     "test_mvn": "no float64 MeanVarianceNormalization in onnxruntime or onnx.reference",
+    # onnxruntime's float64 Shrink rounds through float32 (Shrink(-2 + 1e-6) + 2 - 1e-6 is
+    # -4.6e-8), which the 1e-6 steps of the float64 check cannot survive
+    **{f"test_shrink_{v}": "onnxruntime's float64 Shrink computes in float32"
+       for v in ("hard", "soft")},
 }
 
 # cases left out of pass / fail because the oracle itself disagrees with the runtimes, with why
