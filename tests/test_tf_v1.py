@@ -158,6 +158,29 @@ def test_scatter_with_run_time_indices():
         check_conversion(g, [y], {"x:0": rand(3, 2), "idx:0": np.array(order, np.int32)})
 
 
+def test_tensor_array_grad_arrays():
+    # TensorArrayGradV3: one array per (array, source), zeros shaped like the forward's elements,
+    # writes add up; TensorArrayGradWithShape prepends a shape to the elements
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [3, 2], name="x")
+        ta = tf.TensorArray(tf.float32, size=3).unstack(x)
+        g1, f1 = tf.raw_ops.TensorArrayGradV3(handle=ta.handle, flow_in=ta.flow, source="s")
+        f1 = tf.raw_ops.TensorArrayWriteV3(handle=g1, index=1, value=x[0], flow_in=f1)
+        g2, f2 = tf.raw_ops.TensorArrayGradV3(handle=ta.handle, flow_in=f1, source="s")
+        f2 = tf.raw_ops.TensorArrayWriteV3(handle=g2, index=1, value=x[2], flow_in=f2)
+        g3, f3 = tf.raw_ops.TensorArrayGradWithShape(handle=ta.handle, flow_in=f2,
+                                                     shape_to_prepend=[4], source="t")
+        f3 = tf.raw_ops.TensorArrayWriteV3(handle=g3, index=2, value=tf.ones([4, 2]), flow_in=f3)
+        read = lambda h, i, f: tf.raw_ops.TensorArrayReadV3(handle=h, index=i, flow_in=f,  # noqa
+                                                            dtype=tf.float32)
+        return [tf.identity(read(g2, 1, f2), name="summed"),
+                tf.identity(read(g2, 0, f2), name="zero"),
+                tf.identity(read(g3, 2, f3), name="prepended"),
+                tf.identity(read(g3, 0, f3), name="prepended_zero")]
+    g, outs = tf1_graph(build)
+    check_conversion(g, outs, {"x:0": rand(3, 2)})
+
+
 def test_stop_gradients_and_unconnected():
     # the tf.gradients docstring example: a = 0; b = 2a; gradients(a + b, [a, b], stop=[a, b])
     def build():
