@@ -8,8 +8,8 @@ resources become sequence values threaded through the graph in TF's execution or
 """
 from __future__ import annotations
 
-import os
 import json
+import os
 from collections import ChainMap
 from dataclasses import dataclass
 
@@ -19,7 +19,7 @@ from onnx import helper, numpy_helper
 
 from . import proto
 from .errors import ConversionError
-from .graph import Graph, TFNode, group_key, split_ref
+from .graph import Graph, TFNode, group_key, split_ref, toposort
 
 DEFAULT_OPSET = 18
 HANDLERS: dict = {}
@@ -282,33 +282,13 @@ FLOW_OPS = frozenset({"Add", "AddV2", "AddN", "ZerosLike", "OnesLike"})
 
 def _item_order(g: Graph, items: dict, item_of: dict) -> list:
     """Items (nodes and nested constructs) in an order where each comes after what it reads."""
-    deps = {k: set() for k in items}
+    deps = {}
     for k, ns in items.items():
         inside = {n.name for n in ns}
-        for n in ns:
-            for p in g.deps(n):
-                pk = item_of.get(p.name)
-                if pk is not None and p.name not in inside:
-                    deps[k].add(pk)
-    order, done, keys = [], set(), list(items)
-    pos = {k: i for i, k in enumerate(keys)}
-    import heapq
-    users: dict = {k: [] for k in keys}
-    indeg = {k: len(d) for k, d in deps.items()}
-    for k, d in deps.items():
-        for p in d:
-            users[p].append(k)
-    ready = [pos[k] for k in keys if indeg[k] == 0]
-    heapq.heapify(ready)
-    while ready:
-        k = keys[heapq.heappop(ready)]
-        order.append(k)
-        done.add(k)
-        for u in users[k]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(ready, pos[u])
-    if len(order) != len(keys):
+        deps[k] = {item_of[p.name] for n in ns for p in g.deps(n)
+                   if p.name in item_of and p.name not in inside}
+    order = toposort(list(items), deps)
+    if order is None:
         raise ConversionError("control-flow constructs depend on each other in a cycle")
     return order
 

@@ -101,29 +101,11 @@ class Graph:
             yield self.nodes[c]
 
     def _topological(self) -> list[TFNode]:
-        indeg = {n.name: 0 for n in self.nodes.values()}
-        users: dict[str, list[TFNode]] = {n.name: [] for n in self.nodes.values()}
-        for n in self.nodes.values():
-            for p in self.deps(n):
-                indeg[n.name] += 1
-                users[p.name].append(n)
-        # ties go to the GraphDef's order (creation order, as TF's executor tends to run them)
-        pos = {name: i for i, name in enumerate(self.nodes)}
-        ready = [pos[n.name] for n in self.nodes.values() if indeg[n.name] == 0]
-        heapq.heapify(ready)
-        by_pos = list(self.nodes.values())
-        order = []
-        while ready:
-            n = by_pos[heapq.heappop(ready)]
-            order.append(n)
-            for u in users[n.name]:
-                indeg[u.name] -= 1
-                if indeg[u.name] == 0:
-                    heapq.heappush(ready, pos[u.name])
-        if len(order) != len(self.nodes):
-            stuck = sorted(k for k, v in indeg.items() if v)[:5]
-            raise ConversionError(f"the graph has a cycle that is not a while loop (at {stuck})")
-        return order
+        names = list(self.nodes)  # ties go to the GraphDef's order (creation order, as TF runs)
+        order = toposort(names, {k: {p.name for p in self.deps(n)} for k, n in self.nodes.items()})
+        if order is None:
+            raise ConversionError("the graph has a cycle that is not a while loop")
+        return [self.nodes[k] for k in order]
 
     def _is_loop_switch(self, n: TFNode) -> bool:
         return self.producer(n.inputs[1]).op == "LoopCond"
@@ -205,6 +187,30 @@ class Graph:
         # the branches' common level: the shortest branch context (nested conds close first)
         c = min(base, key=len)
         return c[:-1] + (("C", c[-1][1], None),)
+
+
+def toposort(keys: list, deps: dict) -> list | None:
+    """``keys`` ordered so that each comes after its ``deps`` (a set per key; keys not in
+    ``keys`` are ignored), ties broken by the order of ``keys``; None when there is a cycle."""
+    pos = {k: i for i, k in enumerate(keys)}
+    users: dict = {k: [] for k in keys}
+    indeg = dict.fromkeys(keys, 0)
+    for k in keys:
+        for p in deps[k]:
+            if p in pos:
+                users[p].append(k)
+                indeg[k] += 1
+    ready = [pos[k] for k in keys if indeg[k] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        k = keys[heapq.heappop(ready)]
+        order.append(k)
+        for u in users[k]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, pos[u])
+    return order if len(order) == len(keys) else None
 
 
 def _deepest(ctxs, n) -> tuple:
