@@ -866,15 +866,16 @@ def _static_dims(model: onnx.ModelProto) -> dict[str, list]:
     return out
 
 
-def _walk(graph: onnx.GraphProto):
+def walk_nodes(graph: onnx.GraphProto):
+    """Every node of ``graph`` and of its subgraphs, depth first."""
     for n in graph.node:
         yield n
         for a in n.attribute:
             if a.type == onnx.AttributeProto.GRAPH:
-                yield from _walk(a.g)
+                yield from walk_nodes(a.g)
             elif a.type == onnx.AttributeProto.GRAPHS:
                 for sg in a.graphs:
-                    yield from _walk(sg)
+                    yield from walk_nodes(sg)
 
 
 def _variant_of(node: onnx.NodeProto, a: dict) -> Variant:
@@ -981,8 +982,8 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     from . import params_ops
     m = onnx.ModelProto()
     m.CopyFrom(model)
-    nodes = [n for n in _walk(m.graph) if n.domain == DOMAIN and n.op_type in OPS]
-    pnodes = [n for n in _walk(m.graph) if n.domain == DOMAIN and n.op_type in PARAMS_OPS]
+    nodes = [n for n in walk_nodes(m.graph) if n.domain == DOMAIN and n.op_type in OPS]
+    pnodes = [n for n in walk_nodes(m.graph) if n.domain == DOMAIN and n.op_type in PARAMS_OPS]
     if not nodes and not pnodes:
         return m
     opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)

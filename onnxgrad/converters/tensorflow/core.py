@@ -411,7 +411,8 @@ def _finish(c: Converter, name: str) -> onnx.ModelProto:
         if not init.uses():
             del model.graph.initializers[init.name]
     m = ir.to_proto(model)
-    live = {o for nd in _all_nodes(m.graph) for o in nd.output}
+    from ...rnn.ops import walk_nodes
+    live = {o for nd in walk_nodes(m.graph) for o in nd.output}
     stops = [v for v in c.stop_gradients if v in live]
     if stops:
         from ...autodiff import STOP_GRADIENTS_KEY
@@ -431,14 +432,6 @@ def _finish(c: Converter, name: str) -> onnx.ModelProto:
         out.type.CopyFrom(vi.type)
     onnx.checker.check_model(m)
     return m
-
-
-def _all_nodes(g: onnx.GraphProto):
-    for nd in g.node:
-        yield nd
-        for a in nd.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                yield from _all_nodes(a.g)
 
 
 def _tf_shapes(c: Converter) -> dict:
