@@ -367,6 +367,20 @@ PASSING = [
     'test_unsqueeze_negative_axes',
     'test_upsample_nearest',
     'test_where_example',
+    'test_cumprod_1d',
+    'test_cumprod_1d_exclusive',
+    'test_cumprod_1d_reverse',
+    'test_cumprod_1d_reverse_exclusive',
+    'test_cumprod_2d_axis_0',
+    'test_cumprod_2d_axis_1',
+    'test_dft',
+    'test_dft_axis',
+    'test_dft_axis_opset19',
+    'test_dft_inverse',
+    'test_dft_inverse_opset19',
+    'test_mod_float16_mixed_sign_fmod_0',
+    'test_mod_float32_mixed_sign_fmod_0',
+    'test_mod_float64_mixed_sign_fmod_0',
 ]
 
 

@@ -538,3 +538,33 @@ def run_in_dtype(case, dtype):
 @pytest.mark.parametrize("case", list(DTYPE_CASES))
 def test_dtypes_agree_with_float32(case):
     assert_dtypes_agree(lambda dtype: run_in_dtype(case, dtype))
+
+
+# -- Mod ------------------------------------------------------------------------------------------
+def _mod_inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    a = rng.uniform(-5, 5, (3, 4))
+    b = rng.uniform(0.7, 1.9, 4) * rng.choice([-1.0, 1.0], 4)
+    q = a / b  # away from the jumps of trunc / floor (a / b a whole number)
+    a = np.where(np.abs(q - np.round(q)) < 0.05, a + 0.1 * np.abs(b), a)
+    return a.astype(F32), b.astype(F32)
+
+
+@pytest.mark.parametrize("fmod,opset", [(1, 13), (0, 28)])
+def test_mod(fmod, opset):
+    """y = a - k b with k = trunc(a / b) (fmod=1) or floor (fmod=0, floats from opset 28); b
+    broadcast. Opset 28 is newer than onnxruntime runs, so that graph is checked on reference."""
+    a, b = _mod_inputs()
+    m = op_model("Mod", {"a": (F32, [3, 4]), "b": (F32, [4])}, opset=opset, fmod=fmod)
+    assert_gradients(m, "y", ["a", "b"], feeds={"a": a, "b": b}, f32=opset <= 26)
+
+
+def test_mod_torch():
+    torch = pytest.importorskip("torch")
+    a, b = _mod_inputs(1)
+    m = op_model("Mod", {"a": (F32, [3, 4]), "b": (F32, [4])}, opset=13, fmod=1)
+    (ga, gb), _ = grads_of(m, "y", ["a", "b"], {"a": a, "b": b})
+    ta, tb = (torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (a, b))
+    torch.fmod(ta, tb).sum().backward()
+    np.testing.assert_allclose(ga, ta.grad.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gb, tb.grad.numpy(), rtol=1e-5, atol=1e-5)

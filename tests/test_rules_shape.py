@@ -99,6 +99,39 @@ def test_cumsum(exclusive, reverse, axis):
                    exclusive=exclusive, reverse=reverse), x=rnd(3, 4, 2))
 
 
+# rows with no zero, one zero, two zeros (the gradient at and past the first zero is exact)
+CUMPROD_X = np.array([[[1.5, -0.5], [0.8, 2.0], [-1.2, 0.0], [0.6, 1.1], [1.3, 0.0]],
+                      [[0.0, 0.7], [1.4, -0.9], [0.0, 1.6], [0.5, 0.0], [-2.0, 1.2]]], F32)
+
+
+def _cumprod_model(exclusive, reverse, axis):
+    return op_model("CumProd", {"x": (F32, ["N", 5, 2])}, opset=26,
+                    inits={"a": np.array(axis, I64)}, exclusive=exclusive, reverse=reverse)
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+@pytest.mark.parametrize("axis", [1, -2])
+def test_cumprod(exclusive, reverse, axis):
+    check(_cumprod_model(exclusive, reverse, axis), x=CUMPROD_X)
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_cumprod_torch(exclusive, reverse):
+    """torch.cumprod's autograd (exact at zeros); exclusive / reverse built from flips and a
+    shift."""
+    torch = pytest.importorskip("torch")
+    (got,), _ = grads_of(_cumprod_model(exclusive, reverse, 1), "y", "x", {"x": CUMPROD_X})
+    x = torch.tensor(CUMPROD_X, dtype=torch.float64, requires_grad=True)
+    t = x.flip(1) if reverse else x
+    if exclusive:
+        t = torch.cat([torch.ones_like(t[:, :1]), t[:, :-1]], 1)
+    y = torch.cumprod(t, 1)
+    (y.flip(1) if reverse else y).sum().backward()
+    np.testing.assert_allclose(got, x.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("upper", [0, 1])
 @pytest.mark.parametrize("k", [None, 1, -1])
 def test_trilu(upper, k):

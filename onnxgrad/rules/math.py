@@ -94,3 +94,12 @@ def _clip(n, g):
     d_lo = None if lo is None else e.ReduceSum(_mask(n, e.Less(x, lo), g), keepdims=0)
     d_hi = None if hi is None else e.ReduceSum(_mask(n, e.Greater(x, hi), g), keepdims=0)
     return inside, d_lo, d_hi
+
+
+@register("Mod")
+def _mod(n, g):
+    # y = a - k b with k = trunc(a / b) (fmod=1) or floor(a / b) (fmod=0, floats from opset 28):
+    # da = g, db = -g k; k read back from the forward's y (rounded: it is a whole number)
+    a, b = n.ins
+    k = n.e.Round((a - n.y) / b)
+    return S(n, g, 0), S(n, -g * k, 1)

@@ -149,6 +149,23 @@ def _cumsum(n, g):
                       reverse=1 - n.attr("reverse", 0)), None
 
 
+@register("CumProd", since=26)
+def _cumprod(n, g):
+    # dx_i = sum_{j after i} g_j prod_{k up to j, k != i} x_k. Before the first zero of the scan
+    # that is the reverse cumsum of g y over x_i; at the first zero z it is the same sum with x_z
+    # taken as 1 (the products of the others); past z every term holds x_z = 0 (as torch.cumprod)
+    e, x, y, axis = n.e, n.x, n.y, n.ins[1]
+    ex, rev = n.attr("exclusive", 0), n.attr("reverse", 0)
+    back = lambda t: e.CumSum(t, axis, exclusive=ex, reverse=1 - rev)  # noqa: E731
+    zero, one = e.const(0, x.dtype), e.const(1, x.dtype)
+    is_zero = e.Equal(x, zero)
+    seen = e.CumSum(e.Cast(is_zero, to=x.dtype), axis, reverse=rev)  # zeros up to i (inclusive)
+    before, first = e.Equal(seen, zero), e.And(is_zero, e.Equal(seen, one))
+    y1 = e.CumProd(e.Where(first, one, x), axis, exclusive=ex, reverse=rev)
+    at_first = e.Where(first, back(g * y1), zero)
+    return e.Where(before, back(g * y) / e.Where(before, x, one), at_first), None
+
+
 @register("Trilu")
 def _trilu(n, g):
     return n.e.Trilu(g, n.input(1), upper=n.attr("upper", 1)), None
