@@ -124,13 +124,16 @@ def profile_breakdown(sess, run, top=8):
     return [(op, ms, ms / total if total else 0.0) for op, ms in rows], total, scan
 
 
+def shape_arguments(doc: str) -> argparse.ArgumentParser:
+    """The LSTM's sizes (T, B, I, H, L), shared with bench/rnn_gpu.py."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    for k, v in dict(T=50, B=32, I=256, H=256, L=2).items():
+        ap.add_argument(f"--{k}", type=int, default=v)
+    return ap
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--T", type=int, default=50)
-    ap.add_argument("--B", type=int, default=32)
-    ap.add_argument("--I", type=int, default=256)
-    ap.add_argument("--H", type=int, default=256)
-    ap.add_argument("--L", type=int, default=2)
+    ap = shape_arguments(__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--profile", action="store_true")

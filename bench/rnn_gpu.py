@@ -17,7 +17,6 @@ onnxruntime), so it can sit in a job list that also runs on CPU machines.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,6 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rnn import shape_arguments  # noqa: E402  (bench/rnn.py: the same LSTM sizes)
 
 SHAPE_OPS = {"Shape", "Size", "Slice", "Concat", "Mul", "Add", "Sub", "Div", "Gather",
              "Unsqueeze", "Squeeze", "Reshape", "Constant", "ConstantOfShape", "Cast", "Neg",
@@ -48,12 +48,7 @@ def placements(profile_path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--T", type=int, default=50)
-    ap.add_argument("--B", type=int, default=32)
-    ap.add_argument("--I", type=int, default=256)
-    ap.add_argument("--H", type=int, default=256)
-    ap.add_argument("--L", type=int, default=2)
+    ap = shape_arguments(__doc__)
     ap.add_argument("--repeat", type=int, default=10)
     a = ap.parse_args(argv)
 

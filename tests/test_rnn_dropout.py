@@ -13,7 +13,8 @@ from onnxgrad.rnn import params_size
 from onnxgrad.rnn.ops import reserve_width
 from onnxgrad.rnn.reference import dropout_hash, dropout_mask, rnn_backward, rnn_forward
 
-from test_rnn import BI, UNI, B, H, I, T, _nd, cotangents, inputs, rnn_model, session  # noqa
+from test_rnn import (BI, UNI, B, H, I, T, _nd, assert_directional_fd, cotangents,  # noqa
+                      inputs, rnn_model, session)
 
 pytest.importorskip("onnxruntime")
 MODES = ["lstm", "gru", "rnn_tanh", "rnn_relu"]
@@ -91,20 +92,7 @@ def test_dropout_backward_finite_differences(mode):
                 p=rng.standard_normal(params_size(mode, L, H, I, direction)) * 0.5)
     gy, ghn, gcn = cotangents(mode, L, direction, np.float64, rng)
     cot = {k: v for k, v in dict(g_y=gy, g_hn=ghn, g_cn=gcn).items() if k[2:] in ys}
-
-    def objective(feeds):
-        outs = dict(zip(ys, f.run(ys, feeds)))
-        return sum(float((outs[k[2:]] * v).sum()) for k, v in cot.items())
-
-    grads = dict(zip(["x", "h0", "c0", "p"], bwd.run(res.grads, {**prim, **cot})))
-    eps = 1e-6
-    for name in prim:
-        for _ in range(2):
-            v = rng.standard_normal(prim[name].shape)
-            fd = (objective({**prim, name: prim[name] + eps * v})
-                  - objective({**prim, name: prim[name] - eps * v})) / (2 * eps)
-            an = float((grads[name] * v).sum())
-            assert abs(fd - an) <= 1e-6 * max(1.0, abs(fd)), (name, fd, an)
+    assert_directional_fd(f, bwd, res.grads, ys, prim, cot, rng)
 
 
 def test_dropout_zero_changes_nothing():
