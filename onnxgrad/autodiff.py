@@ -21,6 +21,7 @@ import onnx_ir as ir
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import NotDifferentiableError
+from .inference import infer_shapes
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
                        subgraphs, MIN_OPSET)
 
@@ -278,7 +279,7 @@ def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         upsample = {n.output[0]: n for n in model.graph.node if n.op_type == "Upsample"}
         model, opset = onnx.version_converter.convert_version(model, MIN_OPSET), MIN_OPSET
     try:  # returns a copy, so the caller's model is never touched
-        model = onnx.shape_inference.infer_shapes(model)
+        model = infer_shapes(model)
     except Exception:  # noqa: BLE001  custom ops without inference: go on with what is declared
         model = onnx.ModelProto.FromString(model.SerializeToString())
     if upgraded:

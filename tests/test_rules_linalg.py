@@ -258,3 +258,38 @@ def test_second_order(op, shapes, attrs):
     first = onnxgrad.gradients(m, "y", list(shapes), grad_ys=["gy"])
     m2 = onnx.shape_inference.infer_shapes(first.model)
     assert_gradients(m2, first.grads, [*shapes, "gy"], feeds=_feeds(shapes, seed=9))
+
+
+# -- Det -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [[1, 1], [2, 2], [3, 3], [2, 4, 4], ["N", 3, 3], [2, 1, 5, 5]],
+                         ids=str)
+def test_det(shape):
+    m = op_model("Det", {"x": (np.float32, shape)}, opset=22)
+    assert_gradients(m, "y", "x", feeds=_feeds({"x": shape}, seed=3))
+
+
+def test_det_vs_torch_and_singular():
+    """torch.linalg.det autograd, on a well-conditioned batch and on a rank-deficient matrix (the
+    cofactors are the exact gradient there; torch gets it through an SVD)."""
+    torch = pytest.importorskip("torch")
+    x = _feeds({"x": [3, 4, 4]}, seed=5)["x"]
+    x[2, 3] = x[2, 0] + 2 * x[2, 1]  # rank 3: det 0, gradient non-zero
+    m = op_model("Det", {"x": (np.float32, [3, 4, 4])}, opset=22)
+    (got,), _ = grads_of(m, "y", "x", {"x": x})
+    t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    torch.linalg.det(t).sum().backward()
+    np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-4, atol=1e-4)
+    assert np.abs(got[2]).max() > 0.1
+
+
+def test_det_second_order():
+    m = op_model("Det", {"x": (np.float32, [2, 3, 3])}, opset=22)
+    first = onnxgrad.gradients(m, "y", "x", grad_ys=["gy"])
+    m2 = onnx.shape_inference.infer_shapes(first.model)
+    assert_gradients(m2, first.grads, ["x", "gy"], feeds=_feeds({"x": [2, 3, 3], "gy": [2]}, 4))
+
+
+def test_det_dynamic_size_raises():
+    m = op_model("Det", {"x": (np.float32, [2, "K", "K"])}, opset=22)
+    with pytest.raises(NotImplementedError, match="static"):
+        onnxgrad.gradients(m, "y", "x")

@@ -534,3 +534,68 @@ def test_second_order_more(op, ins, inits, attrs):
     res = onnxgrad.gradients(m, "y", "x", grad_ys=["gy"])
     report = check_gradients(res.model, res.grads, ["x", "gy"], {"x": rnd(2, 4)})
     assert report.ok, str(report)
+
+
+# -- TensorScatter (KV-cache update) -------------------------------------------------------------
+TENSOR_SCATTERS = [  # past shape, update shape, axis (None: the default -2), write_indices
+    ([2, 3, 5, 2], [2, 3, 2, 2], None, None),        # prefill: written at 0 .. S-1
+    ([2, 3, 5, 2], [2, 3, 2, 2], None, [3, 0]),
+    ([2, 3, 5, 2], [2, 3, 1, 2], None, [4, 2]),      # decode: one token per row
+    ([2, 5, 3], [2, 2, 3], 1, [1, 3]),
+    ([3, 4], [3, 2], -1, [0, 2, 1]),                 # rank 2: sequence is the last axis
+    ([2, 2, 3, 4], [2, 2, 3, 3], -1, [1, 0]),
+]
+
+
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+@pytest.mark.parametrize("past, upd, axis, w", TENSOR_SCATTERS)
+def test_tensor_scatter(past, upd, axis, w, mode):
+    inits = None if w is None else {"w": np.array(w, I64)}
+    kw = {} if axis is None else {"axis": axis}
+    m = model("TensorScatter", ["x", "u"] + ([] if w is None else ["w"]), {"x": past, "u": upd},
+              inits, opset=24, mode=mode, **kw)
+    assert_gradients(m, "y", ["x", "u"], max_elements=200)
+
+
+@pytest.mark.parametrize("w", [[3, 4], [4, 2], [0, 4]])
+def test_tensor_scatter_circular_wraps_around(w):
+    """Positions w[b] + j past the end of the cache come back to its start: with a cache of 5
+    and 3 new tokens, row b writes (w[b], w[b] + 1, w[b] + 2) mod 5."""
+    m = model("TensorScatter", ["x", "u", "w"], {"x": [2, 5, 2], "u": [2, 3, 2]},
+              {"w": np.array(w, I64)}, opset=24, mode="circular", axis=1)
+    x, u, gy = rnd(2, 5, 2), rnd(2, 3, 2, seed=1), rnd(2, 5, 2, seed=2)
+    (gx, gu), _ = grads_of(m, "y", ["x", "u"], {"x": x, "u": u, "gy": gy}, grad_ys=["gy"])
+    want_x, want_u = gy.copy(), np.zeros_like(u)
+    for b in range(2):
+        for j in range(3):
+            k = (w[b] + j) % 5
+            want_x[b, k] = 0
+            want_u[b, j] = gy[b, k]
+    np.testing.assert_array_equal(gx, want_x)
+    np.testing.assert_array_equal(gu, want_u)
+    assert_gradients(m, "y", ["x", "u"])
+
+
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+def test_tensor_scatter_symbolic_and_runtime_indices(mode):
+    """Batch, heads, cache and update lengths symbolic; write_indices fed at run time."""
+    node = helper.make_node("TensorScatter", ["x", "u", "w"], ["y"], mode=mode)
+    m = make_model([node], {"x": (F32, ["B", "H", "L", 2]), "u": (F32, ["B", "H", "S", 2]),
+                            "w": (I64, ["B"])}, ["y"], opset=24)
+    w = np.array([1, 3, 0], I64) if mode == "linear" else np.array([4, 2, 3], I64)
+    assert_gradients(m, "y", ["x", "u"], {"x": rnd(3, 2, 5, 2), "u": rnd(3, 2, 2, 2, seed=1),
+                                          "w": w}, max_elements=100)
+
+
+def test_tensor_scatter_second_order_and_float16():
+    nodes = [helper.make_node("TensorScatter", ["x", "u", "w"], ["t"], mode="circular"),
+             helper.make_node("Mul", ["t", "t"], ["y"])]
+    m = make_model(nodes, {"x": (F32, [2, 4, 2]), "u": (F32, [2, 2, 2])}, ["y"],
+                   inits={"w": np.array([3, 1], I64)}, opset=24)
+    res = onnxgrad.gradients(m, "y", ["x", "u"], grad_ys=["gy"])
+    report = check_gradients(res.model, res.grads, ["x", "u", "gy"],
+                             {"x": rnd(2, 4, 2), "u": rnd(2, 2, 2, seed=1)})
+    assert report.ok, str(report)
+    h = op_model("TensorScatter", {"x": (np.float16, [2, 4, 2]), "u": (np.float16, [2, 2, 2])},
+                 inits={"w": np.array([3, 1], I64)}, opset=24, mode="circular")
+    check(h, xs=["x", "u"])

@@ -597,3 +597,152 @@ def test_deform_conv_offset_gradient_on_kinks_is_right_sided(pads):
             out[i] = sign * ((fwd.run(None, {**feeds, "offset": shifted})[0] - y) * gy).sum() / eps
     assert (np.abs(want - left) > 1e-3).sum() > 10  # the kinks are there
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# -- MaxRoiPool ---------------------------------------------------------------------------------
+def _c_round(v):  # C's round(): halves away from zero (ONNX Round goes to even)
+    return int(np.copysign(np.floor(abs(v) + 0.5), v))
+
+
+def _roi_pool_bins(rois, pooled, scale, height, width):
+    """Every bin as onnxruntime's roi_pool.cc computes it (float32 products, C's round, floor and
+    ceil edges, clipping to the image): (roi, batch, i, j, h0, h1, w0, w1)."""
+    s = np.float32(scale)
+    for r, roi in enumerate(np.asarray(rois, np.float32)):
+        x1, y1, x2, y2 = (_c_round(float(v * s)) for v in roi[1:])
+        bh = np.float32(max(y2 - y1 + 1, 1)) / np.float32(pooled[0])
+        bw = np.float32(max(x2 - x1 + 1, 1)) / np.float32(pooled[1])
+        for i in range(pooled[0]):
+            for j in range(pooled[1]):
+                edges = [(np.floor(np.float32(i) * bh), y1, height),
+                         (np.ceil(np.float32(i + 1) * bh), y1, height),
+                         (np.floor(np.float32(j) * bw), x1, width),
+                         (np.ceil(np.float32(j + 1) * bw), x1, width)]
+                yield (r, int(roi[0]), i, j, *(min(max(int(v) + o, 0), d) for v, o, d in edges))
+
+
+def _roi_pool(x, rois, pooled, scale):
+    """MaxRoiPool in numpy (any float dtype): the max of each bin, 0 for an empty one."""
+    y = np.zeros((len(rois), x.shape[1], *pooled), x.dtype)
+    for r, b, i, j, h0, h1, w0, w1 in _roi_pool_bins(rois, pooled, scale, *x.shape[2:]):
+        if h1 > h0 and w1 > w0:
+            y[r, :, i, j] = x[b, :, h0:h1, w0:w1].max(axis=(1, 2))
+    return y
+
+
+def _roi_pool_backward(x, rois, pooled, scale, gy):
+    """The routing backward (Caffe's): each bin's g to its argmax, added up."""
+    gx = np.zeros(x.shape)
+    for r, b, i, j, h0, h1, w0, w1 in _roi_pool_bins(rois, pooled, scale, *x.shape[2:]):
+        if h1 > h0 and w1 > w0:
+            for c in range(x.shape[1]):
+                h, w = np.unravel_index(np.argmax(x[b, c, h0:h1, w0:w1]), (h1 - h0, w1 - w0))
+                gx[b, c, h0 + h, w0 + w] += gy[r, c, i, j]
+    return gx
+
+
+@pytest.fixture
+def roi_pool_f64(monkeypatch):
+    """onnxruntime's MaxRoiPool is float32 only and onnx.reference has none: the float64 copy the
+    finite differences run on gets the numpy one above (held to onnxruntime's, bit for bit, by
+    test_max_roi_pool_matches_onnxruntime) as a kernel of the reference runtime."""
+    from onnx.reference.op_run import OpRun
+
+    import onnxgrad.runtime as rt
+
+    class MaxRoiPool(OpRun):
+        def _run(self, x, rois, pooled_shape=None, spatial_scale=None):
+            scale = 1.0 if spatial_scale is None else spatial_scale
+            return (_roi_pool(x, rois, list(pooled_shape), scale),)
+
+    ops = rt._exact_ops()
+    monkeypatch.setattr(rt, "_exact_ops", lambda: [*ops, MaxRoiPool])
+
+
+RP_ROIS = np.array([  # (batch, x1, y1, x2, y2) on images of 6 x 7
+    [0, 0.3, 0.4, 4.6, 3.7],
+    [1, 1.2, 0.1, 5.4, 5.9],      # the other image
+    [1, 2.0, 1.0, 6.0, 4.0],      # overlaps the one before
+    [0, -2.5, 2.0, 2.2, 9.5],     # partly outside the image; -2.5 rounds to -3
+    [1, 0.5, 1.5, 3.5, 4.5],      # halves at scale 1: 1, 2, 4, 5 (half to even: 0, 2, 4, 4)
+    [0, 4.0, 3.0, 2.0, 2.0],      # malformed (x2 < x1, y2 < y1): made 1 x 1
+    [1, 9.0, 8.0, 12.0, 11.0],    # outside the image at scale <= 0.8: empty bins, Y = 0
+], f)
+RP_CASES = [((2, 3), 1.0), ((3, 2), 0.8), ((1, 1), 0.5), ((4, 3), 1.0)]
+
+
+def _roi_pool_model(pooled, scale, x_shape=(2, 3, 6, 7), opset=18):
+    return op_model("MaxRoiPool", {"x": (f, list(x_shape))}, inits={"rois": RP_ROIS},
+                    opset=opset, pooled_shape=list(pooled), spatial_scale=scale)
+
+
+@pytest.mark.parametrize("pooled, scale", RP_CASES)
+def test_max_roi_pool_matches_onnxruntime(pooled, scale):
+    """The numpy MaxRoiPool is onnxruntime's, bit for bit (so the float64 finite differences
+    below differentiate onnxruntime's op), and the gradient graph on onnxruntime routes g as the
+    numpy argmax backward does (random x: no ties)."""
+    x = np.random.default_rng(3).standard_normal((2, 3, 6, 7)).astype(f)
+    gy = np.random.default_rng(4).standard_normal((len(RP_ROIS), 3, *pooled)).astype(f)
+    m = _roi_pool_model(pooled, scale)
+    (gx,), res = grads_of(m, "y", "x", {"x": x, "gy": gy}, grad_ys=["gy"])
+    from onnxgrad.runtime import run
+    y = run(res.model, {"x": x, "gy": gy}, outputs=["y"])[0]
+    np.testing.assert_array_equal(y, _roi_pool(x, RP_ROIS, pooled, scale))
+    np.testing.assert_allclose(gx, _roi_pool_backward(x, RP_ROIS, pooled, scale, gy), atol=1e-6)
+
+
+@pytest.mark.parametrize("pooled, scale", RP_CASES)
+def test_max_roi_pool_finite_differences(roi_pool_f64, pooled, scale):
+    """Every element of x probed in float64 (rois frozen: proposals get no gradient); the same
+    graph in float32 on onnxruntime gives the same gradient."""
+    rep = assert_gradients(_roi_pool_model(pooled, scale), "y", "x", max_elements=300)
+    assert rep.results[0].checked == 2 * 3 * 6 * 7
+
+
+def test_max_roi_pool_tie_splits_evenly(roi_pool_f64):
+    """Two equal maxima in a bin share its gradient (what central differences see there)."""
+    x = np.array([[[[1.0, 3.0, 0.5], [3.0, -1.0, 2.0]]]], f)
+    m = op_model("MaxRoiPool", {"x": (f, [1, 1, 2, 3])},
+                 inits={"rois": np.array([[0, 0, 0, 1, 1], [0, 0, 0, 2, 1]], f)},
+                 pooled_shape=[1, 1])
+    (gx,), _ = grads_of(m, "y", "x", {"x": x})
+    np.testing.assert_array_equal(gx, [[[[0, 1, 0], [1, 0, 0]]]])
+    assert_gradients(m, "y", "x", {"x": x})
+
+
+def test_max_roi_pool_runtime_rois_symbolic_shapes(roi_pool_f64):
+    """rois computed at run time (a graph input held constant) and symbolic batch, image and
+    roi counts: the bins are rebuilt from the fed rois, for two different sizes."""
+    m = op_model("MaxRoiPool", {"x": (f, ["N", 2, "H", "W"]), "rois": (f, ["R", 5])},
+                 pooled_shape=[2, 2], spatial_scale=0.8)
+    rng = np.random.default_rng(5)
+    one_image = RP_ROIS[[0, 3, 5]] * np.array([0, 1, 1, 1, 1], f)  # all on image 0
+    for shape, rois in [((2, 2, 6, 7), RP_ROIS), ((1, 2, 9, 5), one_image)]:
+        x = rng.standard_normal(shape).astype(f)
+        rep = assert_gradients(m, "y", "x", {"x": x, "rois": rois}, max_elements=200)
+        assert rep.results[0].checked == x.size
+
+
+def test_max_roi_pool_second_order(roi_pool_f64):
+    """The gradient graph differentiated again (x small: onnx.reference's GatherElements, which
+    the float64 check runs here, is wrong past 32 elements along its axis)."""
+    nodes = [helper.make_node("MaxRoiPool", ["x", "rois"], ["t"], pooled_shape=[2, 2]),
+             helper.make_node("Mul", ["t", "t"], ["y"])]
+    m = make_model(nodes, {"x": (f, [2, 2, 3, 5])}, ["y"], inits={"rois": RP_ROIS})
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["gy"])
+    from onnxgrad.check import check_gradients
+    rep = check_gradients(res.model, res.grads, ["x", "gy"], max_elements=300)
+    assert rep.ok, str(rep)
+
+
+@pytest.mark.parametrize("pooled, scale", RP_CASES)
+def test_max_roi_pool_matches_torchvision(pooled, scale):
+    tv = pytest.importorskip("torchvision")
+    x = np.random.default_rng(6).standard_normal((2, 3, 6, 7)).astype(f)
+    gy = np.random.default_rng(7).standard_normal((len(RP_ROIS), 3, *pooled)).astype(f)
+    tx = torch.tensor(x, requires_grad=True)
+    ty = tv.ops.roi_pool(tx, torch.tensor(RP_ROIS), output_size=pooled, spatial_scale=scale)
+    ty.backward(torch.tensor(gy))
+    (gx,), _ = grads_of(_roi_pool_model(pooled, scale), "y", "x", {"x": x, "gy": gy},
+                        grad_ys=["gy"])
+    np.testing.assert_allclose(gx, tx.grad.numpy(), atol=1e-6)

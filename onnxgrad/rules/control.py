@@ -15,8 +15,8 @@ seeds the cloned outputs with the incoming gradients, and lets the engine differ
   a sequence (a TensorArray) needs nothing saved for it, since SequenceInsert's gradient only reads
   the gradient sequence.
 - Scan: the forward Scan also emits its state at the start of every iteration; the backward Scan
-  runs over the saved states, the scan inputs and the scan outputs' gradients with every direction
-  reversed, and emits the scan inputs' gradients along the same axes.
+  runs over the saved states, the scan inputs and the scan outputs' gradients, each in the
+  reverse of its forward direction, and emits the scan inputs' gradients along the same axes.
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from ..emitter import V
 from ..errors import NotDifferentiableError
 from ..registry import Grads, captured, register, subgraphs
 from .sequence import float_value, is_seq, zeros_for
+
+_INT64_MIN = np.iinfo(np.int64).min
 
 
 # -- cloning bodies ---------------------------------------------------------------------------
@@ -286,26 +288,33 @@ def _scan(n, g):
                                                             [*out_axes, *[0] * extra])
         node.attributes["scan_output_directions"] = ir.AttrInt64s(
             "scan_output_directions", [*out_dirs, *[0] * extra])
-    scan_in, axes, dirs = [], [], []
+    # every backward sequence runs against its forward direction; forward-direction Scans over
+    # reversed copies (Slice with step -1) rather than reverse directions, which not every
+    # runtime has (onnx.reference has not)
+    rev = lambda t, axis: e.Slice(t, [-1], [_INT64_MIN], [axis], [-1])  # noqa: E731
+    scan_in, axes = [], []
     for j, s in zip(need_s, saved):
         bb.inputs.append(ph_s[j])
-        scan_in.append(s), axes.append(0), dirs.append(1)
+        scan_in.append(rev(s, 0)), axes.append(0)
     for i in need_x:
         bb.inputs.append(ph_x[i])
-        scan_in.append(n.ins[ns + i]), axes.append(in_axes[i]), dirs.append(1 - in_dirs[i])
+        x = n.ins[ns + i]
+        scan_in.append(x if in_dirs[i] else rev(x, in_axes[i])), axes.append(in_axes[i])
     for i in need_y:
         bb.inputs.append(ph_gy[i])
-        scan_in.append(n.gs[ns + i]), axes.append(out_axes[i]), dirs.append(1 - out_dirs[i])
+        gy = n.gs[ns + i]
+        scan_in.append(gy if out_dirs[i] else rev(gy, out_axes[i])), axes.append(out_axes[i])
 
     inits = [n.gs[j] if n.gs[j] is not None else e.zeros_like(n.outs[j]) for j in carried]
     inits += [e.zeros_like(V(c, e)) for c in caps]
     n_out = len(inits) + len(want_x)
     outs = e.op("Scan", *inits, *scan_in, body=bb, num_scan_inputs=len(scan_in),
-                scan_input_axes=axes, scan_input_directions=dirs,
-                scan_output_axes=[in_axes[i] for i in want_x],
-                scan_output_directions=[1 - in_dirs[i] for i in want_x], _outputs=n_out,
+                scan_input_axes=axes, scan_output_axes=[in_axes[i] for i in want_x],
+                _outputs=n_out,
                 _dtype=[v.dtype for v in inits] + [node.inputs[ns + i].dtype for i in want_x])
     outs = outs if isinstance(outs, tuple) else (outs,)
+    outs = outs[:len(inits)] + tuple(t if in_dirs[i] else rev(t, in_axes[i])
+                                     for t, i in zip(outs[len(inits):], want_x))
     per_input = [None] * len(node.inputs)
     for k, j in enumerate(carried):
         per_input[j] = outs[k]

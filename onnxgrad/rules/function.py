@@ -11,6 +11,7 @@ import onnx_ir as ir
 from onnx import helper
 
 from ..errors import NotDifferentiableError
+from ..inference import infer_shapes
 from ..registry import fallback
 
 def _function_proto(n) -> onnx.FunctionProto | None:
@@ -103,15 +104,24 @@ def _infer_types(n, clones, fp):
     opsets = list(fp.opset_import) or [helper.make_opsetid("", n.opset)]
     model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 10
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    types = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
-    for c in clones:
-        for o in c.outputs:
-            vi = types.get(o.name)
-            if vi is None or not vi.type.HasField("tensor_type"):
-                continue
-            v = ir.serde.deserialize_value_info_proto(vi, None)
-            o.type, o.shape = v.type, v.shape
+    inferred = infer_shapes(model, data_prop=True)
+    _copy_types(clones, inferred.graph)
+
+
+def _copy_types(nodes, graph: onnx.GraphProto, inputs=()):
+    """Types inferred in ``graph`` (the serialized ``nodes``) onto the ir values, recursing into
+    the subgraphs (a Scan body in a function is untyped until inference types it)."""
+    types = {vi.name: vi for vi in [*graph.value_info, *graph.output, *graph.input]}
+    for v in [*inputs, *(o for c in nodes for o in c.outputs)]:
+        vi = types.get(v.name)
+        if vi is not None and vi.type.HasField("tensor_type"):
+            t = ir.serde.deserialize_value_info_proto(vi, None)
+            v.type, v.shape = t.type, t.shape
+    for c, proto in zip(nodes, graph.node):
+        subs = {a.name: a.g for a in proto.attribute if a.HasField("g")}
+        for name, attr in c.attributes.items():
+            if attr.type == ir.AttributeType.GRAPH and name in subs:
+                _copy_types(list(attr.value), subs[name], attr.value.inputs)
 
 
 def _function_rule(n, g):

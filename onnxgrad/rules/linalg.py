@@ -1,10 +1,14 @@
-"""Gradient rules: MatMul, Gemm and Einsum.
+"""Gradient rules: MatMul, Gemm, Einsum and Det.
 
 MatMul and Gemm gradients stay MatMul/Gemm/Transpose (onnxruntime runs them on its GEMM kernels);
 Einsum's gradient for operand i is an Einsum of the output gradient with the other operands whose
 output subscripts are operand i's, then indices that appear only in operand i are broadcast back,
 repeated indices (diagonals, traces) are put back on the diagonal with identity masks, and
 broadcast ellipsis dimensions are summed away.
+
+Det's gradient is the cofactor matrix, d det(X) / dX_ij = (-1)^(i+j) det(X without row i and
+column j), built from Det itself on the n^2 minors: ONNX has no matrix inverse or solve, and unlike
+det(X) * inv(X)^T the cofactors are exact for singular X too (O(n^5) work, meant for small n).
 """
 from __future__ import annotations
 
@@ -290,3 +294,20 @@ def _eye(e, x, p, q, rank, dtype):
     m = e.Cast(e.Equal(e.Unsqueeze(r, [1]), e.Unsqueeze(r, [0])), to=dtype)
     others = [a for a in range(rank) if a not in (p, q)]
     return e.Unsqueeze(m, others) if others else m
+
+
+@register("Det", since=11)
+def _det(n, g):
+    x, shape = n.x, n.x.shape
+    if shape is None or not isinstance(shape[-1], int):
+        raise NotImplementedError(f"the gradient of Det node {n.node.name!r} needs the matrix "
+                                  f"size of {x.name!r} (its last dim), which is not static")
+    k, size = len(shape) - 2, shape[-1]
+    g = n.e.Unsqueeze(g, [-2, -1])
+    if size == 1:
+        return n.e.Expand(g, n.e.Shape(x))
+    others = np.array([[j for j in range(size) if j != i] for i in range(size)], np.int64)
+    minors = n.e.Gather(n.e.Gather(x, others, axis=-2), others, axis=-1)  # [.., i, n-1, j, n-1]
+    minors = n.e.Transpose(minors, perm=list(range(k)) + [k, k + 2, k + 1, k + 3])
+    sign = n.e.const(np.fromfunction(lambda i, j: (-1.0) ** (i + j), (size, size)), x.dtype)
+    return g * (n.e.Det(minors) * sign)

@@ -335,3 +335,30 @@ def _scatter_rule(gather):
 
 register("ScatterElements", _scatter_rule("GatherElements"))
 register("ScatterND", _scatter_rule("GatherND"))
+
+
+@register("TensorScatter", since=24)
+def _tensor_scatter(n, g):
+    """present = past_cache with update written along ``axis`` at positions w[b] + j of batch row
+    b (w = write_indices, zeros when absent; modulo the axis size in circular mode). past_cache's
+    gradient is g with those positions overwritten by zeros (the same write); update's is g read
+    back at them. write_indices is integer: no gradient."""
+    e, past, upd, w = n.e, n.x, n.ins[1], n.input(2)
+    axis, mode = n.attr("axis", -2), n.attr("mode", "linear")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    dpast = dupd = None
+    if n.wants(n.node.inputs[0]):
+        dpast = e.TensorScatter(g, e.zeros_like(upd), w, axis=axis, mode=mode)
+    if n.wants(n.node.inputs[1]):
+        if w is None:  # written at 0 .. S-1: a crop of g (S <= the axis size: no wrap-around)
+            dupd = e.Slice(g, [0], _dims(n, upd, [axis]), [axis])
+        else:  # per row positions [B, S], made [B, 1, .., S, .., 1] and read with GatherElements
+            a, rank = _axis(past, axis), _rank(past)
+            at = lambda t: e.Gather(e.Shape(t), e.const(np.array(a, np.int64)))  # noqa: E731
+            pos = e.Unsqueeze(_i64(n, w), [1]) + e.Unsqueeze(e.Range(0, at(upd), 1), [0])
+            if mode == "circular":
+                pos = e.Mod(pos, at(past))
+            spread = [i for i in range(1, rank) if i != a]
+            pos = e.Unsqueeze(pos, spread) if spread else pos
+            dupd = e.GatherElements(g, e.Expand(pos, e.Shape(upd)), axis=a)
+    return dpast, dupd, None

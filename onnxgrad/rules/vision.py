@@ -1,4 +1,5 @@
-"""Gradient rules: resampling and vision ops (Resize, Upsample, AffineGrid, Compress).
+"""Gradient rules: resampling and vision ops (Resize, Upsample, AffineGrid, Compress, GridSample,
+RoiAlign, MaxRoiPool, DeformConv).
 
 - Resize / Upsample: linear in X. With static sizes on the resized axes the op is separable: each
   resized axis k applies a constant (out_k x in_k) interpolation matrix M_k (nearest, linear and
@@ -8,6 +9,7 @@
   higher orders). Batch and channel dims may be symbolic; a resized axis whose size only the run
   time knows raises NotImplementedError.
 - Compress: the selected elements go back where they came from (replay of element numbers).
+- MaxRoiPool: g goes to the elements of each bin that equal its maximum (bins rebuilt from rois).
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import functools
 import itertools
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 from onnx import helper
 
@@ -499,6 +500,63 @@ def _roi_align(n, g):
     dx = e.Transpose(e.Reshape(dxt, e.Concat(e.Shape(x, start=1, end=2), e.Shape(x, end=1),
                                              e.Shape(x, start=2), axis=0)), perm=[1, 0, 2, 3])
     return dx, None, None
+
+
+# -- MaxRoiPool ----------------------------------------------------------------------------------
+def _roi_bins(e, start, end, pooled, dim):
+    """One axis of MaxRoiPool's bins as onnxruntime (like Caffe and torchvision) computes them,
+    in float32 and integers: bin p of a roi covers [start + floor(p * b), start + ceil((p+1) * b))
+    clipped to [0, dim), b = max(end - start + 1, 1) / pooled. Returns the element indices
+    [R, pooled, K] (K the largest bin of all rois; indices past a bin's end stay inside the
+    axis) and whether each is in its bin."""
+    b = e.Unsqueeze(e.Cast(e.Max(end - start + 1, 1), to=_F32) / float(pooled), [1])  # [R, 1]
+    s = e.Unsqueeze(start, [1])
+    clip = lambda t: e.Min(e.Max(e.Cast(t, to=_I64) + s, 0), dim)  # noqa: E731
+    lo = clip(e.Floor(e.const(np.arange(pooled, dtype=np.float32)) * b))         # [R, P]
+    hi = clip(e.Ceil(e.const(np.arange(1, pooled + 1, dtype=np.float32)) * b))
+    size = hi - lo
+    k = e.Range(0, e.reduce("ReduceMax", e.Concat(e.Reshape(size, [-1]), [0], axis=0), [0],
+                            keepdims=0), 1)                                       # [K]
+    return e.Min(e.Unsqueeze(lo, [2]) + k, dim - 1), e.Less(k, e.Unsqueeze(size, [2]))
+
+
+@register("MaxRoiPool")
+def _max_roi_pool(n, g):
+    """Y[r, c, i, j] is the max of X[batch[r], c] over bin (i, j) of roi r (0 for an empty bin).
+    The bins are rebuilt from rois at run time with onnxruntime's arithmetic (float32 products,
+    C's round half away from zero, floor/ceil bin edges, clipping) and every bin's elements
+    gathered from X ([C, R, ph, Kh, pw, Kw], the forward's own cost); g goes to the elements equal
+    to Y (the forward's max, reused), split evenly among ties, and is added up into X's shape
+    (bins of overlapping rois share elements). rois are proposals: no gradient (as Caffe's and
+    torchvision's roi_pool)."""
+    e, x, y = n.e, n.x, n.y
+    ph, pw = (int(v) for v in n.attr("pooled_shape"))
+    r = e.Cast(n.ins[1], to=_F32)
+    batch = e.Cast(e.Squeeze(e.Slice(r, [0], [1], [1]), [1]), to=_I64)      # truncated, as C
+    c = e.Slice(r, [1], [5], [1]) * float(n.attr("spatial_scale", 1.0))   # x1, y1, x2, y2
+    a = e.Abs(c)
+    f = e.Floor(a)
+    c = e.Cast(e.Sign(c) * e.Where(e.GreaterOrEqual(a - f, 0.5), f + 1.0, f), to=_I64)
+    col = lambda k: e.Squeeze(e.Slice(c, [k], [k + 1], [1]), [1])          # noqa: E731
+    shape = e.Shape(x)
+    height, width = (e.Gather(shape, e.const(np.array(i, np.int64))) for i in (2, 3))
+    rows, in_h = _roi_bins(e, col(1), col(3), ph, height)                  # [R, ph, Kh]
+    cols, in_w = _roi_bins(e, col(0), col(2), pw, width)                   # [R, pw, Kw]
+    flat = (e.Unsqueeze(batch * height * width, [1, 2, 3, 4]) + e.Unsqueeze(rows * width, [3, 4])
+            + e.Unsqueeze(cols, [1, 2]))                                   # [R, ph, Kh, pw, Kw]
+    inside = e.And(e.Unsqueeze(in_h, [3, 4]), e.Unsqueeze(in_w, [1, 2]))
+    xt = e.Reshape(e.Transpose(x, perm=[1, 0, 2, 3]), [0, -1])             # [C, N*H*W]
+    vals = e.Gather(xt, flat, axis=1)                                      # [C, R, ph, Kh, pw, Kw]
+    per_bin = lambda t: e.Unsqueeze(e.Transpose(t, perm=[1, 0, 2, 3]), [3, 5])  # noqa: E731
+    hit = e.Cast(e.And(e.Equal(vals, per_bin(y)), inside), to=g.dtype)
+    ties = e.reduce("ReduceSum", hit, [3, 5])
+    upd = e.Reshape(hit * (per_bin(g) / e.Max(ties, 1.0)), e.Concat(e.Shape(xt, end=1), [-1],
+                                                                      axis=0))
+    idx = e.Expand(e.Reshape(flat, [1, -1]), e.Shape(upd))
+    dxt = _scatter_add(e, e.zeros_like(xt), idx, upd, 1)
+    dx = e.Reshape(dxt, e.Concat(e.Shape(x, start=1, end=2), e.Shape(x, end=1),
+                                 e.Shape(x, start=2), axis=0))
+    return e.Transpose(dx, perm=[1, 0, 2, 3]), None
 
 
 # -- DeformConv ----------------------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""onnx shape inference that also sees the outer-scope Constants a subgraph reads.
+
+onnx's inference types a Loop or Scan body without the values of outer Constants, so a body's
+Unsqueeze or Reshape whose axes or shape come from outside gets no shape, and every rank after it
+is unknown (rules such as MatMul's need ranks). Copies of those Constants are put at the start of
+each body that reads them for the inference run only, and taken out of its result.
+
+onnx 1.23's STFT inference also reads an absent onesided as 0 where the schema's default (and
+every runtime) is 1, so the default is written out before inference.
+"""
+from __future__ import annotations
+
+import onnx
+
+_MARK = "onnxgrad_inlined_constant/"
+
+
+def _subgraphs(node: onnx.NodeProto):
+    for a in node.attribute:
+        if a.HasField("g"):
+            yield a.g
+        yield from a.graphs
+
+
+def _inline(nodes, constants: dict) -> None:
+    for node in nodes:
+        for body in _subgraphs(node):
+            made = {o for n in body.node for o in n.output}
+            read = {i for n in body.node for i in n.input} - made
+            copies = []
+            for name in sorted(read & constants.keys()):
+                c = onnx.NodeProto.FromString(constants[name].SerializeToString())
+                c.name = _MARK + c.name
+                copies.append(c)
+            inner = {**constants, **{o: n for n in body.node if n.op_type == "Constant"
+                                     for o in n.output}}
+            _inline(body.node, inner)
+            if copies:
+                kept = list(body.node)
+                del body.node[:]
+                body.node.extend(copies + kept)
+
+
+def _strip(graph: onnx.GraphProto) -> None:
+    gone = {o for n in graph.node if n.name.startswith(_MARK) for o in n.output}
+    if gone:
+        kept = [n for n in graph.node if not n.name.startswith(_MARK)]
+        del graph.node[:]
+        graph.node.extend(kept)
+        vis = [vi for vi in graph.value_info if vi.name not in gone]
+        del graph.value_info[:]
+        graph.value_info.extend(vis)
+    for n in graph.node:
+        for body in _subgraphs(n):
+            _strip(body)
+
+
+def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
+    """onnx.shape_inference.infer_shapes (a new model) with outer Constants visible in bodies."""
+    stft = [n for n in model.graph.node if n.op_type == "STFT" and n.domain in ("", "ai.onnx")
+            and not any(a.name == "onesided" for a in n.attribute)]
+    if not stft and not any(True for n in model.graph.node for _ in _subgraphs(n)):
+        return onnx.shape_inference.infer_shapes(model, **kw)
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    for n in m.graph.node:
+        if n.op_type == "STFT" and not any(a.name == "onesided" for a in n.attribute):
+            n.attribute.append(onnx.helper.make_attribute("onesided", 1))
+    _inline(m.graph.node, {o: n for n in m.graph.node if n.op_type == "Constant"
+                           for o in n.output})
+    m = onnx.shape_inference.infer_shapes(m, **kw)
+    _strip(m.graph)
+    return m
