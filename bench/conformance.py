@@ -71,7 +71,7 @@ FLOAT32_CHECK = {
     # float32 (Cast to=FLOAT) and back: the float64 copy computes in float32
     **{name: "LinearAttention's function body computes in float32" for name in (
         f"test_linear_attention_{v}" for v in (
-            "decode_step delta explicit_scale fp16 gated gated_delta gated_delta_beta_scalar "
+            "decode_step delta explicit_scale gated gated_delta gated_delta_beta_scalar "
             "gated_delta_gqa gated_delta_mqa gated_per_head_decay linear linear_t1_no_past "
             "no_past_explicit_zeros prefill_with_past").split())},
     # onnxruntime has no float64 MeanVarianceNormalization; onnx.reference runs the schema's
@@ -91,6 +91,14 @@ EXCLUDED_CASES = {
     # onnxruntime (tests/test_rules_conv.py checks it against numpy)
     "test_maxunpool_export_with_output_shape":
         "onnx.reference's MaxUnpool with output_shape places values differently from onnxruntime",
+    # Scan-8 (opset 8, older than the opsets onnxgrad differentiates) has a batch axis that
+    # onnx's 8 -> 9 version-converter adapter strips from the declared shapes; onnxgrad refuses
+    # such models with a clear error (tests/test_control_flow.py) instead of a wrong gradient
+    "test_scan_sum": "Scan-8 (opset 8): onnx's version converter drops its batch axis",
+    # float16 LinearAttention: its function body computes in float32, so the float64 copy
+    # measures float32 round-off, and float16 differences are too coarse; tests/test_conformance.py
+    # checks the same inputs in float32
+    "test_linear_attention_fp16": "no finite-difference oracle (float32 body, float16 inputs)",
     # float16 inputs with softmax_precision=FLOAT and a fully masked row: the float64 copy still
     # runs the softmax in float32 (differences are round-off), with softmax_precision=DOUBLE
     # onnxruntime's float64 function body gives NaN on the masked row, and float16 differences
@@ -110,6 +118,9 @@ EXCLUDED_CASES = {
         ("round", "x = k + 0.5 (jumps)"),
         ("sign", "x = 0 (a jump)"),
         ("reduce_min_default_axes_keepdims_example", "tied minima"),
+        ("hardmax_one_hot", "tied maxima (x = [3, 3, 3, 1]: a jump)"),
+        ("maxpool_3d_dilations", "tied maxima (x repeats along depth)"),
+        ("maxpool_3d_dilations_use_ref_impl", "tied maxima (x repeats along depth)"),
         ("l2normalization_axis_0", "a zero-norm slice (0 / 0)"),
         ("pow", "negative bases with fractional exponents (NaN)"),
         *((f"mod_float_edge_cases_fmod_0_{t}", "+-inf, NaN and zero divisors (no derivative)")

@@ -276,6 +276,10 @@ def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         raise ValueError("the model imports no ai.onnx opset")
     upgraded = opset < MIN_OPSET
     if upgraded:  # gradient graphs need opset 13; upgrade rather than write two forms
+        if opset < 9 and any(n.op_type == "Scan" for n in model.graph.node):
+            raise NotImplementedError(
+                f"the model's Scan is Scan-8 (opset {opset}), with a batch axis that onnx's "
+                "version converter drops; export the model at opset 9 or newer")
         upsample = {n.output[0]: n for n in model.graph.node if n.op_type == "Upsample"}
         model, opset = onnx.version_converter.convert_version(model, MIN_OPSET), MIN_OPSET
     try:  # returns a copy, so the caller's model is never touched

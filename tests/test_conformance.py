@@ -388,3 +388,20 @@ PASSING = [
 def test_backend_case_gradient(name):
     status, detail = conformance.check_case(name)
     assert status == "pass", f"{name}: {status} ({detail})"
+
+
+def test_linear_attention_fp16_inputs_in_float32():
+    """test_linear_attention_fp16 is excluded from the sweep (float32 function body, float16
+    inputs: no finite-difference oracle); its model and inputs widened to float32 are checked."""
+    import numpy as np
+    import onnx
+
+    from onnxgrad.check import check_gradients
+    case = conformance.all_cases()["test_linear_attention_fp16"]
+    m = onnx.ModelProto.FromString(case.model.SerializeToString())
+    for vi in [*m.graph.input, *m.graph.output]:
+        vi.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    feeds = {vi.name: v.astype(np.float32) for vi, v in zip(m.graph.input, case.data_sets[0][0])}
+    report = check_gradients(m, [o.name for o in m.graph.output], list(feeds), feeds,
+                             max_elements=16, directions=2, dtype="float32")
+    assert report.ok, str(report)

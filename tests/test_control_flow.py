@@ -220,6 +220,19 @@ def test_scan_cumulative_sum_against_numpy():
     np.testing.assert_allclose(gs0, [5, 5])
 
 
+def test_scan8_refused_with_a_clear_error():
+    """Scan-8 (opset 8) has a batch axis that onnx's version converter strips from the declared
+    shapes (the upgraded model would not accept the original inputs): refused, not mangled."""
+    b_ = body([N("Add", ["s_in", "xt"], ["s_out"]), N("Identity", ["s_out"], ["yt"])],
+              [vi("s_in", shape=[2]), vi("xt", shape=[2])],
+              [vi("s_out", shape=[2]), vi("yt", shape=[2])])
+    m = model([N("Scan", ["", "s0", "x"], ["sT", "ys"], body=b_, num_scan_inputs=1)],
+              [vi("s0", shape=[1, 2]), vi("x", shape=[1, 5, 2])],
+              [vi("sT", shape=[1, 2]), vi("ys", shape=[1, 5, 2])], opset=8)
+    with pytest.raises(NotImplementedError, match="Scan-8.*opset 9"):
+        onnxgrad.gradients(m, "ys", "x")
+
+
 # -- sequences carried through loops (the TensorArray-in-while-loop case) ---------------------
 def ta_rnn_model():
     """The dynamic RNN of tf.nn.dynamic_rnn: xs = unstack(x) outside; inside the loop

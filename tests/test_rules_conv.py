@@ -538,6 +538,8 @@ MAX = {  # name: (x shape, attrs)
                                       auto_pad="SAME_LOWER")),
     "1d": ((2, 3, 9), dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
     "3d": ((1, 2, 4, 5, 4), dict(kernel_shape=[2, 3, 2], strides=[2, 2, 1])),
+    # onnx's test_maxpool_3d_dilations configuration (its input has tied maxima)
+    "3d-dilations": ((1, 1, 4, 4, 4), dict(kernel_shape=[2, 2, 2], dilations=[2, 2, 2])),
 }
 
 

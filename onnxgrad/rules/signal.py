@@ -29,14 +29,9 @@ import numpy as np
 import onnx_ir as ir
 
 from ..registry import register
-from .shape import _scatter_add
+from .shape import _i64, _scatter_add
 
-INT64 = ir.DataType.INT64
 END = np.iinfo(np.int64).max  # "to the end" for Slice
-
-
-def _i64(e, v):
-    return v if v.dtype == INT64 else e.Cast(v, to=INT64)
 
 
 def _vec(e, axis):
@@ -106,12 +101,12 @@ def _dft_rule(n, g):
         axis = -2
     else:
         axis = n.const(2)
-        axis = e.Reshape(_i64(e, n.input(2)), [1]) if axis is None else int(axis)
+        axis = e.Reshape(_i64(n, n.input(2)), [1]) if axis is None else int(axis)
     n_x = _size(e, x, axis)
     if inverse and onesided:  # irfft: y has the L samples
         adj = _irfft_adjoint(e, g, _size(e, n.y, axis), axis)
     else:
-        L = n_x if length is None else e.Reshape(_i64(e, length), [1])
+        L = n_x if length is None else e.Reshape(_i64(n, length), [1])
         adj = _adjoint(e, g, L, axis, inverse, onesided, e.Slice(e.Shape(x), [-1], [END]))
     if length is not None:  # undo the padding / truncation to dft_length (irfft: to L // 2 + 1)
         adj = _fit(e, adj, n_x, axis)
@@ -123,12 +118,12 @@ def _stft(n, g):
     e, x = n.e, n.x
     step, w, length = n.input(1), n.input(2), n.input(3)
     if length is not None:
-        L = e.Reshape(_i64(e, length), [1])
+        L = e.Reshape(_i64(n, length), [1])
     else:  # frame_length from the window, else the whole signal (the spec's defaults)
         L = e.Shape(w) if w is not None else _size(e, x, 1)
     frames = _size(e, n.y, 1)
     # frame f reads the signal at f * step + [0, L): idx [frames, L]
-    starts = e.Range(0, e.Reshape(frames, []), 1) * e.Reshape(_i64(e, step), [])
+    starts = e.Range(0, e.Reshape(frames, []), 1) * e.Reshape(_i64(n, step), [])
     idx = e.Unsqueeze(starts, [1]) + e.Range(0, e.Reshape(L, []), 1)
     # gz: the gradient of the windowed frames [batch, frames, L, channels]
     channels = _size(e, x, -1)
