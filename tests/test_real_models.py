@@ -2,7 +2,7 @@
 
 (a) Networks exported from PyTorch (TorchScript exporter, dynamo=False) with a symbolic batch
     dimension: a ResNet basic-block stack (Conv-BN-ReLU with residuals, BN in inference mode), a
-    TransformerEncoderLayer with a key-padding mask input, and a small U-Net with ConvTranspose and
+    TransformerEncoderLayer with key-padding and causal mask inputs, and a small U-Net with ConvTranspose and
     Resize (F.interpolate nearest; exported with constant folding, there being no BN to fuse, so
     that Resize's scales are one constant). ONE gradient graph per model (wrt the input and every
     float initializer) runs on onnxruntime CPU for two batch sizes and must match torch autograd to
@@ -99,8 +99,8 @@ class Encoder(nn.Module):
         super().__init__()
         self.layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True)
 
-    def forward(self, src, pad):
-        return self.layer(src, src_key_padding_mask=pad)
+    def forward(self, src, pad, mask=None):
+        return self.layer(src, src_mask=mask, src_key_padding_mask=pad)
 
 
 class UNet(nn.Module):
@@ -257,6 +257,21 @@ def test_transformer_encoder_layer_with_padding_mask():
         return [src, pad]
 
     check_against_torch(m, ["src", "pad"], inputs, [0])
+
+
+def test_transformer_encoder_layer_with_causal_and_padding_masks():
+    """Both of the layer's masks: a float causal attention mask (an input, -inf above the
+    diagonal) and the boolean key-padding mask."""
+    torch.manual_seed(1)
+    m = randomize(Encoder(d=32, heads=4, ff=64))
+    causal = np.triu(np.full((10, 10), -np.inf, np.float32), 1)
+
+    def inputs(b, rng):
+        src = rng.standard_normal((b, 10, 32)).astype(np.float32)
+        pad = np.arange(10)[None, :] >= rng.integers(4, 11, size=b)[:, None]
+        return [src, pad, causal]
+
+    check_against_torch(m, ["src", "pad", "mask"], inputs, [0])
 
 
 def test_unet_convtranspose():
