@@ -92,6 +92,13 @@ FLOAT32_CHECK = {
     # -4.6e-8), which the 1e-6 steps of the float64 check cannot survive
     **{f"test_shrink_{v}": "onnxruntime's float64 Shrink computes in float32"
        for v in ("hard", "soft")},
+    # CausalConvWithState's types are float, float16 and bfloat16 (no double); onnxruntime 1.31
+    # does not load opset 27, and onnx.reference's kernel (like the schema's function body,
+    # Cast to=FLOAT around the SiLU) computes the activation in float32 even in the float64 copy
+    # (forward off float64 torch by 3e-7, float64 differences off by ~1). The gradient matches
+    # float64 torch to float32 round-off (tests/test_rules_conv.py)
+    **{f"test_causal_conv_with_state_{v}": "CausalConvWithState computes its SiLU in float32"
+       for v in ("silu", "silu_with_past_state", "swish_alias")},
 }
 
 # cases left out of pass / fail because the oracle itself disagrees with the runtimes, with why
@@ -110,6 +117,11 @@ EXCLUDED_CASES = {
     # measures float32 round-off, and float16 differences are too coarse; tests/test_conformance.py
     # checks the same inputs in float32
     "test_linear_attention_fp16": "no finite-difference oracle (float32 body, float16 inputs)",
+    # float16 CausalConvWithState with SiLU: the float64 copy computes the SiLU in float32 (as in
+    # FLOAT32_CHECK), and float16 differences are too coarse (the _expanded case fails them the
+    # same way); tests/test_rules_conv.py checks float16 models against torch in float64
+    "test_causal_conv_with_state_silu_fp16":
+        "no finite-difference oracle (float32 SiLU in the float64 copy, float16 inputs)",
     # float16 inputs with softmax_precision=FLOAT and a fully masked row: the float64 copy still
     # runs the softmax in float32 (differences are round-off), with softmax_precision=DOUBLE
     # onnxruntime's float64 function body gives NaN on the masked row, and float16 differences

@@ -752,3 +752,79 @@ def test_other_float_types(dtype, op, attrs):
     for a, b in zip(*out):
         assert a.dtype == dtype
         np.testing.assert_allclose(a.astype(F32), b, rtol=2e-2, atol=2e-2)
+
+
+# -- CausalConvWithState (opset 27, through its function body) ------------------------------------
+# The op's types are float, float16 and bfloat16, and both its function body (Cast to=FLOAT
+# around the SiLU) and onnx.reference's kernel compute the activation in float32, so a float64
+# copy of the model still rounds through float32: float64 finite differences are noise there
+# (bench/conformance.py checks those cases in float32). The oracle here is torch in float64.
+def _causal_conv_case(activation, bias, past, dtype=F32, seed=0):
+    rng = np.random.default_rng(seed)
+    b, c, n, k = 2, 4, 8, 4
+    feeds = {"input": rng.standard_normal((b, c, n)), "weight": rng.standard_normal((c, 1, k))}
+    ins = ["input", "weight", "bias" if bias else "", "past_state" if past else ""]
+    if bias:
+        feeds["bias"] = rng.standard_normal(c)
+    if past:
+        feeds["past_state"] = rng.standard_normal((b, c, k - 1))
+    while not ins[-1]:
+        ins.pop()
+    feeds = {key: v.astype(dtype) for key, v in feeds.items()}
+    attrs = {} if activation is None else {"activation": activation}
+    node = helper.make_node("CausalConvWithState", ins, ["y", "state"], **attrs)
+    m = make_model([node], {key: (dtype, v.shape) for key, v in feeds.items()}, ["y", "state"],
+                   opset=27)
+    return m, feeds
+
+
+def _causal_conv_torch(feeds, activation, cot_y, cot_s):
+    """torch float64 gradients of <y, cot_y> + <state, cot_s> for every float input."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    t = {key: torch.tensor(v.astype(np.float64), requires_grad=True) for key, v in feeds.items()}
+    c, k = t["weight"].shape[0], t["weight"].shape[2]
+    pad = t.get("past_state", torch.zeros(t["input"].shape[0], c, k - 1, dtype=torch.float64))
+    padded = torch.cat([pad, t["input"]], dim=2)
+    y = F.conv1d(padded, t["weight"], t.get("bias"), groups=c)
+    if activation is not None:
+        y = F.silu(y)
+    state = padded[:, :, padded.shape[2] - (k - 1):]
+    loss = (y * torch.tensor(cot_y, dtype=torch.float64)).sum() + (
+        state * torch.tensor(cot_s, dtype=torch.float64)).sum()
+    return dict(zip(t, torch.autograd.grad(loss, list(t.values()))))
+
+
+@pytest.mark.parametrize("activation", [None, "silu", "swish"])
+@pytest.mark.parametrize("bias,past", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype", [F32, np.float16])
+def test_causal_conv_with_state_versus_torch(activation, bias, past, dtype):
+    """Every input's gradient (past_state's too, though the schema calls it non-differentiable)
+    through the expanded function body, against torch float64: to float32 round-off (the body's
+    SiLU runs in float32), to float16 round-off for float16 models."""
+    m, feeds = _causal_conv_case(activation, bias, past, dtype)
+    rng = np.random.default_rng(5)
+    cot_y = rng.standard_normal((2, 4, 8)).astype(dtype)
+    cot_s = rng.standard_normal((2, 4, 3)).astype(dtype)
+    res = onnxgrad.gradients(m, ["y", "state"], list(feeds), grad_ys=["cot_y", "cot_s"])
+    onnx.checker.check_model(res.model, full_check=True)
+    # onnxruntime 1.31 does not load opset 27: onnx.reference runs the gradient model
+    got = run(res.model, {**feeds, "cot_y": cot_y, "cot_s": cot_s}, outputs=res.grads,
+              prefer="reference")
+    want = _causal_conv_torch(feeds, activation, cot_y, cot_s)
+    tol = 2e-2 if dtype == np.float16 else 1e-5
+    for key, a in zip(feeds, got):
+        assert a.dtype == dtype
+        b = want[key].numpy()
+        np.testing.assert_allclose(a.astype(np.float64), b, rtol=tol,
+                                   atol=tol * max(1.0, np.abs(b).max()), err_msg=f"grad of {key}")
+
+
+@pytest.mark.parametrize("activation", ["silu", "swish"])
+def test_causal_conv_with_state_silu_float32_differences(activation):
+    """The conformance sweep's check for the activation cases: central differences in the
+    model's own float32 (the float64 copy computes the SiLU in float32, see above)."""
+    m, feeds = _causal_conv_case(activation, True, True)
+    report = onnxgrad.check.check_gradients(m, ["y", "state"], list(feeds), feeds,
+                                            dtype="float32", max_elements=16, directions=2)
+    assert report.ok, str(report)

@@ -372,7 +372,7 @@ SCATTER_ELEMENTS = [  # data shape, indices, axis (distinct per column / row for
 ]
 
 
-@pytest.mark.parametrize("reduction", ["none", "add", "max", "min"])
+@pytest.mark.parametrize("reduction", ["none", "add", "max", "min", "mul"])
 @pytest.mark.parametrize("shape, indices, axis", SCATTER_ELEMENTS)
 def test_scatter_elements(shape, indices, axis, reduction):
     idx = np.array(indices, I64)
@@ -421,7 +421,7 @@ SCATTER_ND = [  # data shape, indices (distinct), updates shape
 ]
 
 
-@pytest.mark.parametrize("reduction", ["none", "add", "max", "min"])
+@pytest.mark.parametrize("reduction", ["none", "add", "max", "min", "mul"])
 @pytest.mark.parametrize("shape, indices, ushape", SCATTER_ND)
 def test_scatter_nd(shape, indices, ushape, reduction):
     m = model("ScatterND", ["x", "i", "u"], {"x": shape, "u": ushape},
@@ -435,12 +435,98 @@ def test_scatter_nd_add_repeated_symbolic():
     check(m, xs=["x", "u"], x=rnd(4, 2), u=rnd(3, 2))
 
 
-@pytest.mark.parametrize("op, indices", [("ScatterElements", [[0, 1]]), ("ScatterND", [[0]])])
-def test_scatter_mul_has_no_rule(op, indices):
-    m = model(op, ["x", "i", "u"], {"x": [2, 2], "u": [1, 2]},
-              {"i": np.array(indices, I64)}, reduction="mul")
-    with pytest.raises(onnxgrad.NotDifferentiableError, match=rf"mul.*path y -> \[{op}\]"):
-        onnxgrad.gradients(m, "y", ["x", "u"])
+# reduction="mul": y = data * (the product of the updates hitting each element). The updates'
+# gradients are products of the OTHER updates, built without dividing by zeros; y is linear in
+# each update, so central differences are exact at zeros too. Cases: repeated indices, one zero,
+# two zeros on one element, a zero beside non-zero updates on the same element
+SCATTER_MUL = {
+    "repeated": ([[0, 2, 1], [0, 2, 2], [1, 2, 1]], {}),
+    "one_zero": ([[0, 2, 1], [0, 2, 2], [1, 2, 1]], {(1, 0): 0.0}),
+    "two_zeros_one_element": ([[0, 2, 1], [0, 2, 2], [1, 2, 1]], {(0, 0): 0.0, (1, 0): 0.0}),
+    "zero_among_three": ([[0, 2, 1], [0, 2, 2], [0, 2, 1]], {(2, 1): 0.0}),
+    "all_zero": ([[0, 2, 1], [0, 2, 2], [1, 2, 1]], {(0, 1): 0.0, (1, 1): 0.0, (2, 1): 0.0}),
+}
+
+
+def _scatter_mul_case(op, case, x_zero=False):
+    """(model, x, u, torch fn) for SCATTER_MUL[case] written as ``op``: a [3, 3] x, updates
+    [3, 3] hitting rows idx[r, c] of column c (ScatterND: the same positions as index pairs)."""
+    rows, zeros = SCATTER_MUL[case]
+    rows = np.array(rows, I64)
+    x, u = rnd(3, 3, seed=1), rnd(3, 3, seed=2)
+    if x_zero:
+        x[0, 0] = 0.0
+    for at, v in zeros.items():
+        u[at] = v
+    cols = np.broadcast_to(np.arange(3), rows.shape)
+    if op == "ScatterElements":
+        m = model(op, ["x", "i", "u"], {"x": [3, 3], "u": [3, 3]}, {"i": rows}, axis=0,
+                  reduction="mul")
+    else:
+        m = model(op, ["x", "i", "u"], {"x": [3, 3], "u": [3, 3]},
+                  {"i": np.stack([rows, cols], -1)}, reduction="mul")
+    flat = rows * 3 + cols  # both are the same scatter on the flat elements
+
+    def torch_fn(tx, tu):
+        import torch
+        out = tx.reshape(-1).scatter_reduce(0, torch.tensor(flat.reshape(-1)), tu.reshape(-1),
+                                            reduce="prod", include_self=True)
+        return out.reshape(3, 3)
+    return m, x, u, torch_fn
+
+
+@pytest.mark.parametrize("case", list(SCATTER_MUL))
+@pytest.mark.parametrize("op", ["ScatterElements", "ScatterND"])
+def test_scatter_mul_finite_differences(op, case):
+    m, x, u, _ = _scatter_mul_case(op, case)
+    check(m, xs=["x", "u"], x=x, u=u)
+
+
+@pytest.mark.parametrize("case", list(SCATTER_MUL))
+@pytest.mark.parametrize("op", ["ScatterElements", "ScatterND"])
+def test_scatter_mul_matches_torch_scatter_reduce_prod(op, case):
+    torch = pytest.importorskip("torch")
+    m, x, u, fn = _scatter_mul_case(op, case, x_zero=True)
+    gy = rnd(3, 3, seed=3)
+    tx, tu = (torch.tensor(v.astype(np.float64), requires_grad=True) for v in (x, u))
+    y_t = fn(tx, tu)
+    y_t.backward(torch.tensor(gy.astype(np.float64)))
+    m64 = onnxgrad.check.to_float64(m)
+    feeds = {"x": x.astype(np.float64), "u": u.astype(np.float64), "gy": gy.astype(np.float64)}
+    (gx, gu), res = grads_of(m64, "y", ["x", "u"], feeds, grad_ys=["gy"])
+    from onnxgrad.runtime import run
+    np.testing.assert_allclose(run(res.model, feeds, outputs=["y"])[0], y_t.detach().numpy(),
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(gx, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(gu, tu.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_scatter_mul_float16():
+    """Half precision: the products and zero counts run in float32 (onnxruntime has no float16
+    scatter reductions); the gradient graph runs on onnx.reference in float16 and matches the
+    float64 one."""
+    m, x, u, _ = _scatter_mul_case("ScatterElements", "one_zero")
+    m16 = onnx.ModelProto.FromString(m.SerializeToString())
+    for vi in [*m16.graph.input, *m16.graph.output]:
+        vi.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    gy = rnd(3, 3, seed=3)
+    feeds = {"x": x, "u": u, "gy": gy}
+    (gx, gu), _ = grads_of(m, "y", ["x", "u"], feeds, grad_ys=["gy"])
+    res = onnxgrad.gradients(m16, "y", ["x", "u"], grad_ys=["gy"])
+    onnx.checker.check_model(res.model, full_check=True)
+    from onnxgrad.runtime import run  # onnxruntime has no float16 kernel for the forward node
+    hx, hu = run(res.model, {k: v.astype(np.float16) for k, v in feeds.items()},
+                 outputs=res.grads, prefer="reference")
+    assert hx.dtype == hu.dtype == np.float16
+    np.testing.assert_allclose(hx, gx, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(hu, gu, rtol=1e-2, atol=1e-2)
+
+
+def test_scatter_mul_second_order():
+    nodes = [helper.make_node("ScatterElements", ["x", "i", "x"], ["t"], axis=0,
+                              reduction="mul"),
+             helper.make_node("Mul", ["t", "t"], ["y"])]
+    second_order(nodes, [2, 3], {"i": np.array([[1, 0, 1], [1, 1, 0]], I64)}, rnd(2, 3))
 
 
 # -- higher order ------------------------------------------------------------------------------

@@ -140,6 +140,94 @@ def test_resize_second_order():
     assert_gradients(res.model, res.grads[0], "x")
 
 
+
+# keep_aspect_ratio_policy: one scale for all resized axes (sizes[i] / in[i], min or max), output
+# lengths round_half_up(scale * in), coordinates transformed with that scale (not out / in). The
+# shapes include outputs rounded up (where floor(scale * in), a resize by scales, is one shorter)
+RESIZE_POLICY = [
+    ("not_smaller", (2, 4), (1, 3)),   # scale 0.75: 2 -> 2 (1.5 rounded up), 4 -> 3
+    ("not_smaller", (5, 3), (2, 7)),   # scale 7/3: 5 -> 12 (11.67), 3 -> 7
+    ("not_larger", (3, 7), (5, 9)),    # scale 9/7: 3 -> 4 (3.86), 7 -> 9
+    ("not_larger", (4, 5), (8, 8)),    # scale 1.6: 4 -> 6 (6.4), 5 -> 8
+]
+
+
+def _policy_model(policy, hw, sizes, **attrs):
+    inits = {"roi": np.array([], f), "scales": np.array([], f),
+             "sizes": np.array(sizes, np.int64)}
+    return op_model("Resize", {"x": (f, [1, 2, *hw])}, opset=19, inits=inits, axes=[2, 3],
+                    keep_aspect_ratio_policy=policy, **attrs)
+
+
+@pytest.mark.parametrize("mode,ctm", [("nearest", "half_pixel"), ("nearest", "asymmetric"),
+                                      ("linear", "half_pixel"), ("linear", "align_corners"),
+                                      ("cubic", "pytorch_half_pixel")])
+@pytest.mark.parametrize("policy,hw,sizes", RESIZE_POLICY, ids=lambda v: str(v))
+def test_resize_keep_aspect_ratio_policy(policy, hw, sizes, mode, ctm):
+    m = _policy_model(policy, hw, sizes, mode=mode, coordinate_transformation_mode=ctm)
+    r = [s / d for s, d in zip(sizes, hw)]
+    sc = min(r) if policy == "not_larger" else max(r)
+    out = [int(sc * d + 0.5) for d in hw]
+    x = np.random.default_rng(0).standard_normal((1, 2, *hw))
+    from onnxgrad.runtime import run
+    assert run(onnxgrad.check.to_float64(m), {"x": x}, outputs=["y"])[0].shape == (1, 2, *out)
+    assert_gradients(m, "y", "x", max_elements=64)
+
+
+@pytest.mark.parametrize("policy", ["not_larger", "not_smaller"])
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_resize_keep_aspect_ratio_policy_is_the_adjoint_of_onnxruntime(policy, mode):
+    """<Resize(x), g> = <x, dx> with onnxruntime's own float32 kernel as the forward (the
+    nearest and linear half_pixel modes, where it and onnx.reference agree)."""
+    from onnxgrad.runtime import session
+    m = _policy_model(policy, (3, 7), (5, 9), mode=mode)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 2, 3, 7)).astype(f)
+    y = session(m).run(["y"], {"x": x})[0]
+    gy = rng.standard_normal(y.shape).astype(f)
+    (gx,), _ = grads_of(m, "y", ["x"], {"x": x, "gy": gy}, grad_ys=["gy"])
+    assert gx.shape == x.shape
+    np.testing.assert_allclose(np.sum(x * gx, dtype=np.float64), np.sum(y * gy, dtype=np.float64),
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy,hw,sizes", [("not_larger", (4, 5), (8, 8)),
+                                             ("not_smaller", (4, 6), (2, 2))])
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+def test_resize_keep_aspect_ratio_policy_matches_torch(policy, hw, sizes, mode):
+    """torch's interpolate with the policy's scale_factor (recompute_scale_factor=False: its
+    coordinates use that scale too) where floor(scale * in), its output length, is the rounded
+    one: nearest = asymmetric + floor, bilinear = half_pixel."""
+    r = [s / d for s, d in zip(sizes, hw)]
+    sc = min(r) if policy == "not_larger" else max(r)
+    attrs = dict(mode="linear") if mode == "bilinear" else dict(
+        mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+    m = _policy_model(policy, hw, sizes, **attrs)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 2, *hw))
+    kw = {} if mode == "nearest" else {"align_corners": False}
+    fn = lambda t: F.interpolate(t, scale_factor=sc, mode=mode, recompute_scale_factor=False, **kw)  # noqa: E731
+    gy = rng.standard_normal(fn(torch.tensor(x)).shape)
+    y_t, gx_t = _torch_grad(fn, x, gy)
+    (gx,), res = grads_of(onnxgrad.check.to_float64(m), "y", ["x"], {"x": x, "gy": gy},
+                          grad_ys=["gy"])
+    from onnxgrad.runtime import run
+    np.testing.assert_allclose(run(res.model, {"x": x, "gy": gy}, outputs=["y"])[0], y_t,
+                               rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(gx, gx_t, rtol=1e-6, atol=1e-8)
+
+
+def test_resize_keep_aspect_ratio_policy_without_axes():
+    """sizes for every axis: the batch and channel ratios (1) take part in the min / max, and
+    the channel axis is resized too (2 -> round_half_up(1.5) = 2 at scale 0.75)."""
+    inits = {"roi": np.array([], f), "scales": np.array([], f),
+             "sizes": np.array([1, 2, 3, 9], np.int64)}
+    for mode in ("nearest", "linear"):  # onnxruntime's linear kernel rejects a channel scale
+        m = op_model("Resize", {"x": (f, [1, 2, 4, 5])}, opset=19, inits=inits, mode=mode,
+                     keep_aspect_ratio_policy="not_larger")
+        assert_gradients(m, "y", "x", max_elements=64, f32=mode == "nearest")
+
+
 # an opset-9 model is upgraded to 13 first; the engine restores Upsample's asymmetric coordinates
 # that onnx's Upsample -> Resize adapter drops
 @pytest.mark.parametrize("mode", ["nearest", "linear"])
@@ -230,6 +318,164 @@ def test_attention_causal_3d_inputs():
     m = op_model("Attention", {"q": (f, [2, 4, 12]), "k": (f, [2, 4, 12]), "v": (f, [2, 4, 12])},
                  opset=23, is_causal=1, q_num_heads=3, kv_num_heads=3)
     assert_gradients(m, "y", ["q", "k", "v"])
+
+
+def _torch_attention(q, k, v, mask=None, past=None, nonpad=None, causal=False, mode=0):
+    """4-D Attention-24 in torch, as the spec (with onnx 1.23's errata) writes it: a causal mask
+    aligned bottom-right (query i sees key j iff j <= i + offset, offset = the past length, or
+    nonpad_kv_seqlen - q_len per batch), padded keys masked, fully masked rows 0. Returns
+    (y, present_key, present_value, qk_matmul_output)."""
+    if past is not None:
+        k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+    pk, pv = k, v
+    sq, skv, d = q.shape[2], k.shape[2], q.shape[3]
+    ninf = torch.tensor(-np.inf, dtype=q.dtype)
+    zero = torch.zeros((), dtype=q.dtype)
+    bias = torch.zeros(sq, skv, dtype=q.dtype)
+    if mask is not None:
+        pad = skv - mask.shape[-1]
+        if mask.dtype == torch.bool:
+            mask = torch.where(F.pad(mask, (0, pad), value=False), zero, ninf)
+        bias = bias + F.pad(mask, (0, pad), value=-np.inf)
+    i, j = torch.arange(sq)[:, None], torch.arange(skv)[None]
+    if causal:
+        off = past[0].shape[2] if past is not None else 0
+        if nonpad is not None:
+            off = torch.as_tensor(nonpad).reshape(-1, 1, 1, 1) - sq
+        bias = bias + torch.where(j <= i + off, zero, ninf)
+    if nonpad is not None:
+        bias = bias + torch.where(j < torch.as_tensor(nonpad).reshape(-1, 1, 1, 1), zero, ninf)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) / np.sqrt(d)
+    dead = torch.isneginf(bias.amax(-1, keepdim=True)).expand(*s.shape)
+    p = torch.where(dead, zero, torch.softmax(torch.where(dead, zero, s + bias), -1))
+    return p @ v, pk, pv, {0: s, 2: s + bias, 3: p}[mode]
+
+
+def _attention_model(shapes, dtype=f, opset=24, n_out=1, **attrs):
+    """One Attention node; ``shapes`` maps the inputs used (q, k, v, mask, past_key, past_value,
+    nonpad) to (dtype, shape), the ones left out are empty optional inputs."""
+    order = ["q", "k", "v", "mask", "past_key", "past_value", "nonpad"]
+    used = max(order.index(n) for n in shapes) + 1
+    outs = ["y", "present_key", "present_value", "qk"][:n_out]
+    node = helper.make_node("Attention", [n if n in shapes else "" for n in order[:used]], outs,
+                            **attrs)
+    return make_model([node], {n: (t or dtype, s) for n, (t, s) in shapes.items()}, outs,
+                      opset=opset)
+
+
+# nonpad_kv_seqlen with is_causal: (batch, q heads, kv heads, q_len, kv_len, nonpad, bool mask)
+NONPAD_CAUSAL = {
+    "batch_prefill": (3, 2, 2, 2, 6, [4, 5, 6], False),
+    "negative_offset": (1, 2, 2, 4, 4, [2], False),  # leading rows see no key: fully masked
+    "gqa_decode": (2, 4, 2, 1, 8, [8, 5], False),
+    "bool_mask": (2, 2, 2, 3, 6, [4, 5], True),
+}
+
+
+@pytest.mark.parametrize("case", list(NONPAD_CAUSAL))
+def test_attention_causal_nonpad_bottom_right(case):
+    """External KV cache (nonpad_kv_seqlen) with is_causal: the causal mask is aligned
+    bottom-right (offset = nonpad_kv_seqlen - q_len; onnx 1.23's errata). onnxruntime's float32
+    kernel does this, its float64 path (the function body it bundles) aligns top-left, so the
+    finite differences run on onnx.reference; torch autograd is the second oracle."""
+    b, hq, hk, sq, skv, nonpad, bool_mask = NONPAD_CAUSAL[case]
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal(s) for s in ((b, hq, sq, 8), (b, hk, skv, 8), (b, hk, skv, 8)))
+    nonpad = np.array(nonpad, np.int64)
+    shapes = {"q": (None, q.shape), "k": (None, k.shape), "v": (None, v.shape),
+              "nonpad": (np.int64, [b])}
+    feeds = {"q": q, "k": k, "v": v, "nonpad": nonpad}
+    mask = None
+    if bool_mask:
+        mask = rng.random((b, 1, sq, skv)) < 0.7
+        shapes["mask"], feeds["mask"] = (np.bool_, mask.shape), mask
+    m = _attention_model(shapes, is_causal=1)
+    assert_gradients(m, "y", ["q", "k", "v"], feeds, runtime="reference")
+    gy = rng.standard_normal((b, hq, sq, 8))
+    ts = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    y = _torch_attention(*ts, mask=None if mask is None else torch.tensor(mask), nonpad=nonpad,
+                         causal=True)[0]
+    y.backward(torch.tensor(gy))
+    from onnxgrad.runtime import session
+    f32 = {n: a.astype(f) if a.dtype == np.float64 else a for n, a in feeds.items()}
+    np.testing.assert_allclose(session(m).run(["y"], f32)[0], y.detach().numpy(), atol=1e-5)
+    got, _ = grads_of(onnxgrad.check.to_float64(m), "y", ["q", "k", "v"], {**feeds, "gy": gy},
+                      grad_ys=["gy"])
+    for a, t in zip(got, ts):
+        np.testing.assert_allclose(a, t.grad.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_attention_causal_nonpad_float16():
+    """The float16 GQA decode step with an external cache: finite gradients close to float64
+    torch autograd (float16 finite differences are too coarse to judge)."""
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 1, 8), (2, 2, 8, 8), (2, 2, 8, 8)))
+    nonpad = np.array([8, 5], np.int64)
+    m = _attention_model({"q": (None, q.shape), "k": (None, k.shape), "v": (None, v.shape),
+                          "nonpad": (np.int64, [2])}, dtype=np.float16, is_causal=1)
+    gy = rng.standard_normal((2, 4, 1, 8))
+    res = onnxgrad.gradients(m, "y", ["q", "k", "v"], grad_ys=["gy"])
+    from onnxgrad.runtime import session
+    got = session(res.model).run(res.grads, {"q": q.astype(np.float16), "k": k.astype(np.float16),
+                                             "v": v.astype(np.float16), "nonpad": nonpad,
+                                             "gy": gy.astype(np.float16)})
+    ts = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    _torch_attention(*ts, nonpad=nonpad, causal=True)[0].backward(torch.tensor(gy))
+    for a, t in zip(got, ts):
+        assert a.dtype == np.float16 and np.isfinite(a).all()
+        np.testing.assert_allclose(a.astype(np.float64), t.grad.numpy(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 1, 4, 18), (2, 3, 4, 18)])
+def test_attention_past_causal_qk_output_with_bias(mask_shape):
+    """KV cache in the op (past_key/past_value, present outputs), causal (offset = the past
+    length), a float mask and qk_matmul_output_mode=2 (scores + mask, -inf where causally
+    masked). Finite differences of an output holding -inf are NaN, so they check y and the
+    presents; torch autograd checks all four outputs (a cotangent at a -inf score flows into the
+    score as through any Add, as torch's does)."""
+    rng = np.random.default_rng(13)
+    shapes = {"q": (2, 3, 4, 8), "k": (2, 3, 6, 8), "v": (2, 3, 6, 8), "mask": mask_shape,
+              "past_key": (2, 3, 12, 8), "past_value": (2, 3, 12, 8)}
+    feeds = {n: rng.standard_normal(s) for n, s in shapes.items()}
+    m = _attention_model({n: (None, s) for n, s in shapes.items()}, opset=23, n_out=4,
+                         is_causal=1, qk_matmul_output_mode=2)
+    xs = list(shapes)
+    # onnx.reference: onnxruntime's float64 path (its bundled function body) rejects this model
+    assert_gradients(m, ["y", "present_key", "present_value"], xs, feeds, runtime="reference")
+    ts = {n: torch.tensor(a, requires_grad=True) for n, a in feeds.items()}
+    outs = _torch_attention(ts["q"], ts["k"], ts["v"], mask=ts["mask"],
+                            past=(ts["past_key"], ts["past_value"]), causal=True, mode=2)
+    assert torch.isinf(outs[3]).any()
+    gys = [rng.standard_normal(o.shape) for o in outs]
+    sum((o * torch.tensor(g)).sum() for o, g in zip(outs, gys)).backward()
+    got, _ = grads_of(onnxgrad.check.to_float64(m), ["y", "present_key", "present_value", "qk"],
+                      xs, {**feeds, **{f"g{i}": g for i, g in enumerate(gys)}},
+                      grad_ys=[f"g{i}" for i in range(4)])
+    for a, n in zip(got, xs):
+        np.testing.assert_allclose(a, ts[n].grad.numpy(), rtol=1e-6, atol=1e-7, err_msg=n)
+
+
+def test_attention_causal_bool_mask_fully_masked_row():
+    """is_causal with a boolean mask that leaves a query row no key: that row of y is 0 and the
+    gradients through it are 0, against float64 finite differences on onnx.reference (which
+    zeroes the row as the spec says; onnxruntime's float64 function body gives NaN there)."""
+    rng = np.random.default_rng(14)
+    feeds = {n: rng.standard_normal((1, 2, 3, 8)) for n in ("q", "k", "v")}
+    feeds["mask"] = np.array([[True, False, True], [False, False, True], [True, True, True]])
+    m = _attention_model({**{n: (None, (1, 2, 3, 8)) for n in "qkv"},
+                          "mask": (np.bool_, (3, 3))}, is_causal=1)
+    assert_gradients(m, "y", ["q", "k", "v"], feeds, runtime="reference")
+    gy = rng.standard_normal((1, 2, 3, 8))
+    (gq, gk, gv), res = grads_of(onnxgrad.check.to_float64(m), "y", ["q", "k", "v"],
+                                 {**feeds, "gy": gy}, grad_ys=["gy"])
+    np.testing.assert_array_equal(gq[:, :, 1], 0)  # the fully masked row
+    ts = [torch.tensor(feeds[n], requires_grad=True) for n in "qkv"]
+    _torch_attention(*ts, mask=torch.tensor(feeds["mask"]), causal=True)[0].backward(
+        torch.tensor(gy))
+    for a, t in zip((gq, gk, gv), ts):
+        np.testing.assert_allclose(a, t.grad.numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_rotary_embedding():
@@ -733,16 +979,3 @@ def test_max_roi_pool_second_order(roi_pool_f64):
     from onnxgrad.check import check_gradients
     rep = check_gradients(res.model, res.grads, ["x", "gy"], max_elements=300)
     assert rep.ok, str(rep)
-
-
-@pytest.mark.parametrize("pooled, scale", RP_CASES)
-def test_max_roi_pool_matches_torchvision(pooled, scale):
-    tv = pytest.importorskip("torchvision")
-    x = np.random.default_rng(6).standard_normal((2, 3, 6, 7)).astype(f)
-    gy = np.random.default_rng(7).standard_normal((len(RP_ROIS), 3, *pooled)).astype(f)
-    tx = torch.tensor(x, requires_grad=True)
-    ty = tv.ops.roi_pool(tx, torch.tensor(RP_ROIS), output_size=pooled, spatial_scale=scale)
-    ty.backward(torch.tensor(gy))
-    (gx,), _ = grads_of(_roi_pool_model(pooled, scale), "y", "x", {"x": x, "gy": gy},
-                        grad_ys=["gy"])
-    np.testing.assert_allclose(gx, tx.grad.numpy(), atol=1e-6)

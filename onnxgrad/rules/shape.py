@@ -326,11 +326,40 @@ def _scatter_rule(gather):
             hit_u = e.Cast(e.Equal(upd, take(n.y)), to=g.dtype)
             share = g / (hit_d + _scatter_add(n, n.node.op_type, data, idx, hit_u, **kw))
             return share * hit_d, None, take(share) * hit_u
-        # mul: an update's gradient is the product of the others at its position (y / update
-        # fails at zeros), which no short graph computes; say so rather than be wrong
+        if reduction == "mul":
+            return _scatter_mul(n, g, take, kw)
         raise NotDifferentiableError(f"{n.node.op_type}(reduction={reduction!r})", "", n.opset,
                                      n.node.name, [])
     return scatter
+
+
+def _scatter_mul(n, g, take, kw):
+    """reduction="mul": y = data * P, P the product of the updates that hit each element (1 where
+    none does). d data = g * P; d update_k = (g * data)[idx_k] * the product of the OTHER updates
+    at idx_k. Exact with zeros among the updates and repeated indices, and no division by zero:
+    with nz = the updates with zeros made ones, Pnz = the product of the non-zero updates and zc
+    the number of zero updates per element (two scatters), P = Pnz where zc is 0 (else 0) and
+    others_k = Pnz[idx_k] / nz_k where zc[idx_k] - [u_k == 0] is 0 (else 0: another zero hits
+    that element). Half precision is computed in float32 (onnxruntime's CPU kernels have no
+    half-precision scatter reductions)."""
+    e, (data, idx, upd), op = n.e, n.ins, n.node.op_type
+    e.need(16)  # reduction="mul"
+    half = upd.dtype in HALF
+    f = ir.DataType.FLOAT if half else upd.dtype
+    u = e.Cast(upd, to=f) if half else upd
+    is0 = e.Equal(u, 0)
+    zero = e.Cast(is0, to=f)
+    nz = e.Where(is0, 1, u)
+    pnz = e.op(op, e.fill_like(data, 1, f), idx, nz, reduction="mul", **kw)
+    zc = e.op(op, e.fill_like(data, 0, f), idx, zero, reduction="add", **kw)
+    narrow = (lambda t: e.Cast(t, to=upd.dtype)) if half else (lambda t: t)  # noqa: E731
+    ddata = dupd = None
+    if n.wants(n.node.inputs[0]):
+        ddata = g * narrow(e.Where(e.Greater(zc, 0), 0, pnz))
+    if n.wants(n.node.inputs[2]):
+        others = e.Where(e.Equal(take(zc), zero), take(pnz) / nz, 0)
+        dupd = take(g * data) * narrow(others)
+    return ddata, None, dupd
 
 
 register("ScatterElements", _scatter_rule("GatherElements"))

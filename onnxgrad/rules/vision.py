@@ -6,8 +6,10 @@ RoiAlign, MaxRoiPool, DeformConv).
   cubic alike, every coordinate transformation mode, antialias, exclude_outside). M_k is built once
   with numpy by resizing the identity with onnx's reference implementation (the spec's own
   semantics), and the gradient applies M_k^T along each axis with MatMul (its rule gives the
-  higher orders). Batch and channel dims may be symbolic; a resized axis whose size only the run
-  time knows raises NotImplementedError.
+  higher orders). sizes with keep_aspect_ratio_policy not_larger / not_smaller give every resized
+  axis one scale and round_half_up(scale * in) elements; the reference runs that policy itself
+  (see ``_policy_matrix``). Batch and channel dims may be symbolic; a resized axis whose size
+  only the run time knows raises NotImplementedError.
 - Compress: the selected elements go back where they came from (replay of element numbers).
 - MaxRoiPool: g goes to the elements of each bin that equal its maximum (bins rebuilt from rois).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from fractions import Fraction
 
 import numpy as np
 import onnx_ir as ir
@@ -29,32 +32,73 @@ def _s(v):
 
 
 # -- Resize / Upsample ---------------------------------------------------------------------------
-@functools.lru_cache(maxsize=256)
-def _interp_matrix(n_in: int, n_out: int, scale: float | None, roi: tuple | None, attrs: tuple):
-    """(n_out x n_in) matrix of a 1-D Resize, from onnx's reference Resize on the identity."""
+def _reference_resize(x: np.ndarray, attrs: dict, **feeds) -> np.ndarray:
+    """onnx's reference Resize (opset 19) of x; feeds: roi, scales, sizes (numpy, or absent)."""
     from onnx.reference import ReferenceEvaluator
-    kw = dict(attrs)
-    ins = ["X", "roi" if roi is not None else "", "scales" if scale is not None else ""]
-    feeds = {"X": np.eye(n_in, dtype=np.float64)}
+    feeds = {"X": x, **feeds}
+    ins = ["X"] + [k if k in feeds else "" for k in ("roi", "scales", "sizes")]
+    while not ins[-1]:
+        ins.pop()
+    node = helper.make_node("Resize", ins, ["Y"], **attrs)
+    vi = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+          for k, v in feeds.items()]
+    graph = helper.make_graph([node], "m", vi, [helper.make_empty_tensor_value_info("Y")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    return ReferenceEvaluator(model).run(None, feeds)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _interp_matrix(n_in: int, n_out: int, scale: float | None, roi: tuple | None, attrs: tuple,
+                   policy: tuple | None = None):
+    """(n_out x n_in) matrix of a 1-D Resize, from onnx's reference Resize on the identity.
+    ``policy``: (keep_aspect_ratio_policy, p, q) when the node's sizes set one scale p / q for
+    all its resized axes (then ``scale`` is unused; see :func:`_policy_matrix`)."""
+    if policy is not None:
+        return _policy_matrix(n_in, n_out, roi, attrs, *policy)
+    feeds = {}
     if roi is not None:
         feeds["roi"] = np.array([0.0, roi[0], 1.0, roi[1]], np.float32)
     if scale is not None:
         feeds["scales"] = np.array([1.0, scale], np.float32)
     else:
-        ins.append("sizes")
         feeds["sizes"] = np.array([n_in, n_out], np.int64)
-    while ins and not ins[-1]:
-        ins.pop()
-    node = helper.make_node("Resize", ins, ["Y"], **kw)
-    vi = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-          for k, v in feeds.items()]
-    graph = helper.make_graph([node], "m", vi, [helper.make_empty_tensor_value_info("Y")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
-    y = ReferenceEvaluator(model).run(None, feeds)[0]
+    y = _reference_resize(np.eye(n_in, dtype=np.float64), dict(attrs), **feeds)
     if y.shape != (n_in, n_out):
         raise NotImplementedError(f"Resize gradient: 1-D resize of {n_in} gave {y.shape[1]} "
                                   f"elements, the node's output has {n_out}")
     return np.ascontiguousarray(y.T)
+
+
+def _policy_matrix(n_in, n_out, roi, attrs, policy, p, q):
+    """The matrix of one axis of a Resize whose sizes go through keep_aspect_ratio_policy: every
+    resized axis takes the one scale p / q (the winning sizes[i] / in[i], reduced), the output
+    length round_half_up(scale * n_in), and the coordinate transformation uses that scale (not
+    out / in), so the 1-D resize is not a resize by sizes or by float32 scales. The reference
+    runs the policy itself on X of shape (probe, n_in, q): the identity over the first two axes,
+    constant along a third axis of length q resized to p (its ratio is exactly p / q), and a
+    sizes entry for the n_in axis whose ratio never wins the min / max. Y[:, :, 0] is the resized
+    identity times c, the sum of the third axis' first row of weights (1 up to the reference's
+    float32 cubic weights), which a 1-D resize of ones by sizes p (the same scale p / q) gives.
+    Probes go in chunks to bound memory."""
+    s1 = -(-p * n_in // q) if policy == "not_larger" else p * n_in // q
+    kw = dict(attrs, axes=[1, 2], keep_aspect_ratio_policy=policy)
+    feeds = {"sizes": np.array([s1, p], np.int64)}
+    ones = {"sizes": np.array([1, p], np.int64)}
+    if roi is not None:
+        feeds["roi"] = np.array([roi[0], 0.0, roi[1], 1.0], np.float32)
+        ones["roi"] = np.array([0.0, 0.0, 1.0, 1.0], np.float32)
+    c = _reference_resize(np.ones((1, q)), dict(attrs), **ones)[0, 0]
+    eye, cols = np.eye(n_in, dtype=np.float64), []
+    chunk = max(1, (1 << 20) // (n_in * q))
+    for start in range(0, n_in, chunk):
+        x = np.repeat(eye[start:start + chunk, :, None], q, axis=2)
+        y = _reference_resize(x, kw, **feeds)
+        if y.shape[1] != n_out:
+            raise NotImplementedError(f"Resize gradient: 1-D resize of {n_in} by the scale "
+                                      f"{p}/{q} ({policy}) gave {y.shape[1]} elements, the "
+                                      f"node's output has {n_out}")
+        cols.append(y[:, :, 0])
+    return np.ascontiguousarray(np.concatenate(cols).T / c)
 
 
 def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
@@ -68,6 +112,7 @@ def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
     axes = list(range(rank)) if axes is None else [a % rank for a in axes]
     full_s = [1.0] * rank
     out = list(xs)
+    policy_pq, own = None, {}
     use_scales = scales is not None and scales.size > 0
     if use_scales:
         for a, s in zip(axes, scales.tolist()):
@@ -80,12 +125,19 @@ def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
         if not all(isinstance(d, int) for d in static):
             raise NotImplementedError(f"Resize gradient at node {n.node.name!r}: the resized "
                                       "axes need static sizes")
-        if policy != "stretch":
-            r = [s / d for s, d in zip(sizes.tolist(), static)]
-            sc = min(r) if policy == "not_larger" else max(r)
+        if policy != "stretch":  # one scale for all resized axes, the spec's round_half_up
+            ratios = [s / d for s, d in zip(sizes.tolist(), static)]
+            i = int(np.argmin(ratios) if policy == "not_larger" else np.argmax(ratios))
+            sc, frac = ratios[i], Fraction(int(sizes.tolist()[i]), static[i])
+            policy_pq = (policy, frac.numerator, frac.denominator)
+            # an axis whose own sizes[i] / in[i] is that scale is a plain resize to sizes[i]
+            # (the same scale, and round_half_up(scale * in) is sizes[i])
+            for a, s in zip(axes, sizes.tolist()):
+                f = Fraction(int(s), xs[a])
+                own[a] = (int(s), (f.numerator, f.denominator))
             for a in axes:
                 full_s[a] = sc
-                out[a] = int(np.round(sc * xs[a]))
+                out[a] = int(sc * xs[a] + 0.5)
             use_scales = True  # the transformation uses this scale, not out/in
         else:
             for a, s in zip(axes, sizes.tolist()):
@@ -113,7 +165,12 @@ def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
             raise NotImplementedError(
                 f"Resize gradient at node {n.node.name!r}: axis {a} is resized but its size is "
                 f"not static ({d_in!r} -> {d_out!r}); run shape inference with fixed spatial dims")
-        m = _interp_matrix(d_in, d_out, full_s[a] if use_scales else None, r, key_attrs)
+        if policy_pq is not None and a in axes and own.get(a) == (d_out, policy_pq[1:]):
+            m = _interp_matrix(d_in, d_out, None, r, key_attrs)  # the axis that set the scale
+        elif policy_pq is not None and a in axes:
+            m = _interp_matrix(d_in, d_out, None, r, key_attrs, policy_pq)
+        else:
+            m = _interp_matrix(d_in, d_out, full_s[a] if use_scales else None, r, key_attrs)
         if a == rank - 1:
             dx = e.MatMul(dx, e.const(m, g.dtype))
         elif a == rank - 2:
