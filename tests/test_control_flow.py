@@ -220,6 +220,23 @@ def test_scan_cumulative_sum_against_numpy():
     np.testing.assert_allclose(gs0, [5, 5])
 
 
+def test_scan_body_reading_outer_constants():
+    """A body whose Unsqueeze axes come from an outer Constant: onnx's shape inference alone
+    leaves every rank after it unknown (MatMul's rule needs them); onnxgrad's inference sees the
+    Constant, and the result model keeps the body as it was."""
+    b_ = body([N("Unsqueeze", ["xt", "ax"], ["col"]), N("MatMul", ["col", "w"], ["p"]),
+               N("Add", ["s_in", "p"], ["s_out"]), N("Identity", ["s_out"], ["yt"])],
+              [vi("s_in"), vi("xt")], [vi("s_out"), vi("yt")])
+    m = model([N("Constant", [], ["ax"], value=h.make_tensor("ax", TP.INT64, [1], [1])),
+               N("Scan", ["s0", "x"], ["sT", "ys"], body=b_, num_scan_inputs=1)],
+              [vi("s0", shape=[3, 4]), vi("x", shape=[5, 3]), vi("w", shape=[1, 4])],
+              [vi("sT", shape=[3, 4]), vi("ys", shape=[5, 3, 4])])
+    assert_gradients(m, ["sT", "ys"], ["s0", "x", "w"])
+    res = onnxgrad.gradients(m, "sT", "x")
+    body_ops = [n.op_type for n in res.model.graph.node[1].attribute[0].g.node]
+    assert body_ops[:2] == ["Unsqueeze", "MatMul"]
+
+
 def test_scan8_refused_with_a_clear_error():
     """Scan-8 (opset 8) has a batch axis that onnx's version converter strips from the declared
     shapes (the upgraded model would not accept the original inputs): refused, not mangled."""
