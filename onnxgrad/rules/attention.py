@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..errors import NotDifferentiableError
 from ..registry import register
-from .function import _expand, _function_proto
+from .function import differentiate_body
 
 
 def _safe_softmax(e, sm):
@@ -31,15 +30,10 @@ def _safe_softmax(e, sm):
     return live
 
 
-@register("Attention", since=23)
-def _attention(n, g):
-    fp = _function_proto(n)
-    if fp is None:
-        raise NotDifferentiableError(n.node.op_type, n.node.domain, n.opset, n.node.name, [])
-    e = n.e
-    clones, outs = _expand(n, fp)
+def _append_safe(e, clones):
+    """The clones into the graph, each Softmax made safe (see the module docstring)."""
     nodes, swap = [], {}
-    for k, c in enumerate(clones):
+    for c in clones:
         for i, v in enumerate(c.inputs):
             if v in swap:
                 c.replace_input_with(i, swap[v])
@@ -54,9 +48,9 @@ def _attention(n, g):
             p = e.wrap(c.outputs[0])
             swap[c.outputs[0]] = (p * e.Cast(live, to=p.dtype)).value
             nodes.extend(e.nodes[start:])
-    outs = [swap.get(o, o) if o is not None else None for o in outs]
-    seeds = {o: gi for o, gi in zip(outs, n.gs) if o is not None and gi is not None}
-    xs = [v for v in n.node.inputs if v is not None and n.wants(v)]
-    view = ir.GraphView(inputs=[], outputs=[], nodes=nodes)
-    got = dict(zip(xs, n.differentiate(view, seeds, xs, e)))
-    return tuple(got.get(v) if v is not None else None for v in n.node.inputs)
+    return nodes, swap
+
+
+@register("Attention", since=23)
+def _attention(n, g):
+    return differentiate_body(n, _append_safe)

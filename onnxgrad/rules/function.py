@@ -124,20 +124,32 @@ def _copy_types(nodes, graph: onnx.GraphProto, inputs=()):
                 _copy_types(list(attr.value), subs[name], attr.value.inputs)
 
 
-def _function_rule(n, g):
+def differentiate_body(n, append=None):
+    """The gradients of the node's inputs through its expanded function body. ``append(e,
+    clones)`` may put the clones into the graph rewritten; it returns every node it added and
+    {clone output: the value that replaces it} (default: the clones as they are)."""
     fp = _function_proto(n)
     if fp is None:
         raise NotDifferentiableError(n.node.op_type, n.node.domain, n.opset, n.node.name, [])
     e = n.e
     clones, outs = _expand(n, fp)
-    for c in clones:
-        e.graph.append(c)
-    e.nodes.extend(clones)
+    if append is None:
+        for c in clones:
+            e.graph.append(c)
+        e.nodes.extend(clones)
+        nodes, swap = clones, {}
+    else:
+        nodes, swap = append(e, clones)
+    outs = [swap.get(o, o) if o is not None else None for o in outs]
     seeds = {o: gi for o, gi in zip(outs, n.gs) if o is not None and gi is not None}
     xs = [v for v in n.node.inputs if v is not None and n.wants(v)]
-    view = ir.GraphView(inputs=[], outputs=[], nodes=clones)
+    view = ir.GraphView(inputs=[], outputs=[], nodes=nodes)
     got = dict(zip(xs, n.differentiate(view, seeds, xs, e)))
     return tuple(got.get(v) if v is not None else None for v in n.node.inputs)
+
+
+def _function_rule(n, g):
+    return differentiate_body(n)
 
 
 fallback(_function_rule)
