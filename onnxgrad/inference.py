@@ -55,16 +55,19 @@ def _strip(graph: onnx.GraphProto) -> None:
             _strip(body)
 
 
+def _stft_without_onesided(n: onnx.NodeProto) -> bool:
+    return (n.op_type == "STFT" and n.domain in ("", "ai.onnx")
+            and not any(a.name == "onesided" for a in n.attribute))
+
+
 def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     """onnx.shape_inference.infer_shapes (a new model) with outer Constants visible in bodies."""
-    stft = [n for n in model.graph.node if n.op_type == "STFT" and n.domain in ("", "ai.onnx")
-            and not any(a.name == "onesided" for a in n.attribute)]
-    if not stft and not any(True for n in model.graph.node for _ in _subgraphs(n)):
+    if not any(_stft_without_onesided(n) or any(True for _ in _subgraphs(n))
+               for n in model.graph.node):
         return onnx.shape_inference.infer_shapes(model, **kw)
     m = onnx.ModelProto.FromString(model.SerializeToString())
-    for n in m.graph.node:
-        if n.op_type == "STFT" and not any(a.name == "onesided" for a in n.attribute):
-            n.attribute.append(onnx.helper.make_attribute("onesided", 1))
+    for n in filter(_stft_without_onesided, m.graph.node):
+        n.attribute.append(onnx.helper.make_attribute("onesided", 1))
     _inline(m.graph.node, {o: n for n in m.graph.node if n.op_type == "Constant"
                            for o in n.output})
     m = onnx.shape_inference.infer_shapes(m, **kw)
