@@ -31,22 +31,13 @@ import onnx
 from onnx import numpy_helper
 
 from .. import runtime
+from ..errors import NonFiniteLossError
 from .losses import LOSSES, attach_loss, load
 from .optimizers import AdamW, Optimizer
 from .step import (_params_to_inputs, _prune, build_accumulate_model,
                    build_apply_model, build_gradient_model, build_train_step, with_defaults)
 
 CHECKPOINT_FORMAT = "onnxgrad-checkpoint-1"
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss was NaN or infinite; ``step`` is the number of the step (1 first)."""
-
-    def __init__(self, step: int, loss: float):
-        super().__init__(f"the loss is {loss} at step {step}: training stopped (the updates of "
-                         f"step {step} were not applied; lower the learning rate, clip the "
-                         "gradients or check the data)")
-        self.step, self.loss = step, loss
 
 
 def cores() -> int:
