@@ -10,7 +10,6 @@ import difflib
 import enum
 import gc
 import json
-import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import NotDifferentiableError
 from .inference import infer_shapes
+from .storage import load_model, strip_weights
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
                        subgraphs, MIN_OPSET)
 
@@ -243,31 +243,15 @@ _FLOAT_PROTO_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.Tens
 
 
 def _without_weights(model: onnx.ModelProto):
-    """A copy of ``model`` whose large float initializers carry no data, and those initializers.
-
-    Version conversion and shape inference serialise the whole model, which costs seconds with
-    hundreds of MB of weights; no rule reads a weight's values, so they are put back at the end."""
-    big = {t.name: t for t in model.graph.initializer
-           if t.data_type in _FLOAT_PROTO_TYPES and t.ByteSize() > 1 << 20}
-    if not big:
-        return model, {}
-    light = onnx.ModelProto()
-    light.CopyFrom(model)
-    for t in light.graph.initializer:
-        if t.name in big:
-            name, dims, dtype = t.name, list(t.dims), t.data_type
-            t.Clear()
-            t.name, t.data_type = name, dtype
-            t.dims.extend(dims)
-    return light, big
+    """A copy of ``model`` whose float initializers of 1 MiB and more carry no data, and those
+    initializers. Version conversion and shape inference serialise the whole model, which costs
+    seconds with hundreds of MB of weights (and fails past 2 GB); no rule reads a weight's
+    values, so they are put back at the end."""
+    return strip_weights(model, 1 << 20, only=_FLOAT_PROTO_TYPES)
 
 
 def _load(model) -> onnx.ModelProto:
-    if isinstance(model, (str, os.PathLike)):
-        return onnx.load(os.fspath(model))
-    if not isinstance(model, onnx.ModelProto):
-        raise TypeError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
-    return model
+    return load_model(model)
 
 
 def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:

@@ -17,11 +17,13 @@ nodes, not initializers, so they are never mistaken for trainable parameters.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from ..errors import DataError
+from ..storage import load_model
 
 LOSSES = ("mse", "l1", "cross_entropy", "bce")
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
@@ -29,13 +31,38 @@ _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorPro
 
 def load(model) -> onnx.ModelProto:
     """A private copy of ``model`` (a ModelProto or a path)."""
-    if isinstance(model, (str, os.PathLike)):
-        return onnx.load(os.fspath(model))
     if not isinstance(model, onnx.ModelProto):
-        raise TypeError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
+        return load_model(model)
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # not SerializeToString: that fails past 2 GB
     return copy
+
+
+def check_labels(labels, classes: int | None, ignore_index: int | None = None,
+                 name: str = "target") -> np.ndarray:
+    """Class labels as int64, or a :class:`DataError` naming the first bad label and its row:
+    a fraction or NaN (never truncated), a negative label (never wrapped around), or one of
+    ``classes`` or more; ``ignore_index`` is always allowed. ``classes`` None: not known yet."""
+    a = np.asarray(labels)
+    if a.dtype.kind not in "iuf" or a.dtype == np.bool_:
+        raise DataError(f"{name}: class labels must be integers, not {a.dtype} values")
+
+    def first(mask, why):
+        if mask.any():
+            idx = tuple(int(i) for i in np.argwhere(mask)[0])
+            where = f"row {idx[0]}" + (f" (index {list(idx)})" if len(idx) > 1 else "")
+            raise DataError(f"{name}: label {a[idx]!r} at {where} {why}")
+
+    if a.dtype.kind == "f":
+        first(~np.isfinite(a) | (a != np.round(a)), "is not a whole number (class labels are "
+              "integers; a float label is never truncated)")
+    ignore = (a == ignore_index) if ignore_index is not None else np.zeros(a.shape, bool)
+    first((a < 0) & ~ignore, "is negative" + (
+        "" if ignore_index is None else f" and not ignore_index ({ignore_index})"))
+    if classes is not None:
+        first((a >= classes) & ~ignore, f"is out of range: the model has {classes} classes "
+              f"(labels 0 to {classes - 1})")
+    return a.astype(np.int64, copy=False)
 
 
 def opset_of(model: onnx.ModelProto) -> int:

@@ -27,7 +27,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..autodiff import gradients
 from .losses import _taken, load
-from .optimizers import AdamW, Builder, Optimizer, Scalars, Slot, clip_grad_norm
+from ..errors import InvalidArgumentError
+from .optimizers import AdamW, Builder, Optimizer, Scalars, Slot, check_number, clip_grad_norm
 
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 
@@ -248,8 +249,10 @@ def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
     sc = Scalars(b, lr, step)
     dtypes = [_dtype_of(gm, p) for p in desc.params]
     if clip_norm is not None:
-        if not clip_norm > 0:
-            raise ValueError(f"clip_norm={clip_norm!r} must be positive")
+        clip_norm = check_number("clip_norm", "clip_norm", clip_norm)
+        if clip_norm == 0:
+            raise InvalidArgumentError("clip_norm=0 would zero every gradient: give a positive "
+                                       "norm, or None for no clipping")
         b.prefix = "optimizer/clip"
         grads = clip_grad_norm(b, grads, dtypes, float(clip_norm))
     state_in, state_out, state_of, p_out = [], [], [], []
