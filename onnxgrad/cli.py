@@ -25,6 +25,8 @@ PROG = "onnxgrad"
 _ONES = "-"  # in --grad-ys: "ones of y's shape" (what None means in the Python API)
 
 
+from . import argtypes
+from .argtypes import positive_float, positive_int
 from .errors import DataError, InvalidArgumentError, OnnxgradError
 
 
@@ -85,11 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["float64", "float32"], default="float64",
                    help="float64 (default) runs a float64 copy of the model; float32 runs it "
                         "as it is, with looser default tolerances")
-    c.add_argument("--rtol", type=_positive, help="relative tolerance")
-    c.add_argument("--atol", type=_positive, help="absolute tolerance")
-    c.add_argument("--eps", type=_positive, help="finite-difference step")
-    c.add_argument("--seed", type=int, default=0, help="seed of the random feeds and directions")
-    c.add_argument("--dim", type=_positive_int, default=2,
+    c.add_argument("--rtol", type=positive_float, help="relative tolerance")
+    c.add_argument("--atol", type=positive_float, help="absolute tolerance")
+    c.add_argument("--eps", type=positive_float, help="finite-difference step")
+    c.add_argument("--seed", type=argtypes.seed, default=0, help="seed of the random feeds and directions")
+    c.add_argument("--dim", type=positive_int, default=2,
                    help="size given to symbolic dims of random feeds (default 2; at least 1: a "
                         "dim of 0 would make an empty tensor, which checks nothing)")
     c.set_defaults(func=_cmd_check)
@@ -127,26 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_export_train_step_parser(sub)
     return p
-
-
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return v
 
 
 # -- commands ----------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def check_labels(labels, classes: int | None, ignore_index: int | None = None,
         if mask.any():
             idx = tuple(int(i) for i in np.argwhere(mask)[0])
             where = f"row {idx[0]}" + (f" (index {list(idx)})" if len(idx) > 1 else "")
-            raise DataError(f"{name}: label {a[idx]!r} at {where} {why}")
+            raise DataError(f"{name}: label {a[idx].item()!r} at {where} {why}")
 
     if a.dtype.kind == "f":
         first(~np.isfinite(a) | (a != np.round(a)), "is not a whole number (class labels are "

@@ -244,27 +244,27 @@ class Trainer:
 
     def step(self, batch: dict) -> float:
         """One optimizer step on ``batch`` ({input name: array}); returns the loss."""
-        return self._step(self._checked(batch, "batch"))
+        return self._step(self.check_data(batch, "batch"))
 
-    def _checked(self, data: dict, what: str) -> dict:
-        """``data`` with its float arrays finite and its class labels valid (int64), or a
-        :class:`DataError` naming the array and row."""
+    def check_data(self, data: dict, what: str = "data", shown: dict | None = None) -> dict:
+        """``data`` with its float arrays finite and its class labels valid (as int64), or a
+        :class:`DataError` naming the array (``shown`` maps input names to the names the user
+        knows) and the row."""
         out = dict(data)
         for k in self.data_inputs:
             if k not in data:
                 continue
-            v = np.asarray(data[k])
+            v, label = np.asarray(data[k]), f"{what} {(shown or {}).get(k, k)!r}"
             if k == self.target_name and self.loss_kind == "cross_entropy":
-                out[k] = check_labels(v, self._num_classes(data), self._ignore_index,
-                                      f"{what} {k!r}")
+                out[k] = check_labels(v, self._num_classes(data), self._ignore_index, label)
             elif v.dtype.kind == "f" and not np.isfinite(v).all():
                 idx = tuple(int(i) for i in np.argwhere(~np.isfinite(v))[0])
-                raise DataError(f"{what} {k!r}: {v[idx]} at row {idx[0]}"
+                raise DataError(f"{label}: {v[idx]} at row {idx[0]}"
                                 + (f" (index {list(idx)})" if len(idx) > 1 else "")
                                 + ": training data must be finite")
             elif v.dtype.kind == "f" and self._input_dtypes.get(k) is not None and \
                     np.dtype(self._input_dtypes[k]).kind in "iub":
-                raise DataError(f"{what} {k!r} holds {v.dtype} values but the model reads "
+                raise DataError(f"{label} holds {v.dtype} values but the model reads "
                                 f"{np.dtype(self._input_dtypes[k])}: convert it explicitly")
         return out
 
@@ -348,7 +348,7 @@ class Trainer:
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
                 batch_size < 1:
             raise InvalidArgumentError(f"batch_size={batch_size!r} must be an integer >= 1")
-        checked = self._checked(data, "data")
+        checked = self.check_data(data)
         arrays = {k: np.ascontiguousarray(checked[k], self._input_dtypes.get(k))
                   for k in self.data_inputs}
         sizes = {len(v) for v in arrays.values()}
