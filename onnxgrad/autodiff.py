@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
-from .errors import NotDifferentiableError
+from .errors import ArgumentTypeError, NotDifferentiableError
 from .inference import infer_shapes
 from .storage import load_model, strip_weights
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
@@ -60,6 +60,8 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     whose ``model`` is a new ModelProto (the input is never mutated) and whose ``grads`` are the
     names of the new graph outputs, aligned with xs (None for an unconnected x under "none").
     """
+    if not isinstance(name, str) or not name.strip("/"):
+        raise ArgumentTypeError(f"name must be a non-empty scope name (str), not {name!r}")
     unconnected = _enum(UnconnectedGradients, unconnected_gradients, "unconnected_gradients")
     aggregation = _enum(AggregationMethod, aggregation_method or "add_n", "aggregation_method")
     ys, xs = _names(ys, "ys"), _names(xs, "xs")
@@ -96,7 +98,7 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     values = _values_by_name(graph)
     y_vals = [_resolve(values, n, "ys") for n in ys]
     x_vals = [_resolve(values, n, "xs") for n in xs]
-    stop = {_resolve(values, n, "stop_gradients") for n in _names(stop_gradients or [], "stop")}
+    stop = {_resolve(values, n, "stop_gradients") for n in _names(stop_gradients or [], "stop_gradients")}
     stop |= {values[n] for n in json.loads(irm.metadata_props.get(STOP_GRADIENTS_KEY, "[]"))
              if n in values}
     scope = _unique_scope(graph, name)
@@ -319,10 +321,16 @@ def _enum(kind, value, what):
 
 
 def _names(x, what, allow_none=False) -> list:
-    items = [x] if isinstance(x, str) or x is None else list(x)
+    if isinstance(x, str) or x is None:
+        items = [x]
+    elif hasattr(x, "__iter__") and not isinstance(x, (bytes, dict)):
+        items = list(x)
+    else:
+        raise ArgumentTypeError(f"{what} must be a tensor name (str) or a list of them, not "
+                                f"{type(x).__name__} {x!r}")
     for n in items:
         if not (isinstance(n, str) or (allow_none and n is None)):
-            raise TypeError(f"{what} must hold tensor names (str), got {n!r}")
+            raise ArgumentTypeError(f"{what} must hold tensor names (str), got {n!r}")
     return items
 
 
