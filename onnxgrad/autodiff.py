@@ -19,7 +19,8 @@ import onnx_ir as ir
 
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
-from .errors import ArgumentTypeError, NotDifferentiableError
+from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
+                     NotDifferentiableError)
 from .inference import infer_shapes
 from .storage import load_model, strip_weights
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
@@ -66,10 +67,10 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     aggregation = _enum(AggregationMethod, aggregation_method or "add_n", "aggregation_method")
     ys, xs = _names(ys, "ys"), _names(xs, "xs")
     if not ys:
-        raise ValueError("ys is empty: give at least one tensor to differentiate")
+        raise InvalidArgumentError("ys is empty: give at least one tensor to differentiate")
     grad_ys = [None] * len(ys) if grad_ys is None else _names(grad_ys, "grad_ys", allow_none=True)
     if len(grad_ys) != len(ys):
-        raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
+        raise InvalidArgumentError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
 
     model, weights = _without_weights(_load(model))
     args = (ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
@@ -259,7 +260,7 @@ def _load(model) -> onnx.ModelProto:
 def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None:
-        raise ValueError("the model imports no ai.onnx opset")
+        raise InvalidModelError("the model imports no ai.onnx opset")
     upgraded = opset < MIN_OPSET
     if upgraded:  # gradient graphs need opset 13; upgrade rather than write two forms
         if opset < 9 and any(n.op_type == "Scan" for n in model.graph.node):
@@ -317,7 +318,7 @@ def _enum(kind, value, what):
         return kind(value.value if isinstance(value, enum.Enum) else value)
     except ValueError:
         allowed = ", ".join(repr(m.value) for m in kind)
-        raise ValueError(f"{what}={value!r} is not one of {allowed}") from None
+        raise InvalidArgumentError(f"{what}={value!r} is not one of {allowed}") from None
 
 
 def _names(x, what, allow_none=False) -> list:
@@ -349,9 +350,9 @@ def _resolve(values, name, what) -> ir.Value:
     if v is None:
         close = difflib.get_close_matches(name, list(values), n=3)
         hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-        raise ValueError(f"{what}: no tensor named {name!r} in the graph{hint}")
+        raise InvalidArgumentError(f"{what}: no tensor named {name!r} in the graph{hint}")
     if v.type is not None and not isinstance(v.type, ir.TensorType):
-        raise TypeError(f"{what}: {name!r} is a {v.type}, not a tensor")
+        raise ArgumentTypeError(f"{what}: {name!r} is a {v.type}, not a tensor")
     return v
 
 
@@ -413,10 +414,10 @@ def _seed(e: Emitter, graph, values, y: ir.Value, gy) -> V:
     if gy in values:
         g = values[gy]
         if y.dtype is not None and g.dtype is not None and g.dtype != y.dtype:
-            raise TypeError(f"grad_ys: {gy!r} has dtype {g.dtype} but y {y.name!r} has {y.dtype}")
+            raise ArgumentTypeError(f"grad_ys: {gy!r} has dtype {g.dtype} but y {y.name!r} has {y.dtype}")
         return e.wrap(g)
     if y.type is None or y.shape is None:
-        raise ValueError(f"grad_ys: {gy!r} would become a graph input like y {y.name!r}, whose "
+        raise InvalidArgumentError(f"grad_ys: {gy!r} would become a graph input like y {y.name!r}, whose "
                          "type or rank is unknown; pass the name of an existing tensor instead")
     new = ir.Value(name=gy, type=y.type, shape=y.shape)
     graph.inputs.append(new)

@@ -49,8 +49,8 @@ def load_model(src, load_external_data: bool = True, what: str = "model") -> onn
         label, data = "the bytes given", bytes(src)
         return _check_loaded(_parse(data, label), label)
     if not isinstance(src, (str, os.PathLike)):
-        raise ArgumentTypeError(f"{what} must be an onnx.ModelProto, bytes or a path, not "
-                                f"{type(src).__name__}")
+        raise ArgumentTypeError(f"{what} must be an onnx.ModelProto or a path (or the model's "
+                                f"bytes), not {type(src).__name__}")
     path = os.fspath(src)
     if not os.path.exists(path):
         raise ModelFileNotFoundError(path)
@@ -109,9 +109,9 @@ def _check_loaded(m: onnx.ModelProto, label: str) -> onnx.ModelProto:
     # protobuf decodes many byte strings without complaint (an empty one is a valid empty
     # message): a model has at least an IR version and a graph
     if m.ir_version <= 0 or not m.HasField("graph"):
-        missing = "an IR version" if m.ir_version <= 0 else "a graph"
-        raise ModelLoadError(f"{label}: not an ONNX model (it has no {missing}; is it a "
-                             "truncated file or another format?)")
+        missing = "IR version" if m.ir_version <= 0 else "graph"
+        raise ModelLoadError(f"{label}: not an ONNX model (no {missing}; is it a truncated "
+                             "file or another format?)")
     return m
 
 
@@ -343,8 +343,9 @@ def _save_with_data_file(model, path, base_dir) -> None:
                 f.write(b"\0" * pad)
                 offset = f.tell()
                 f.write(_tensor_bytes(t, base_dir))
+                stub.raw_data = b""  # onnx's helper wants the field present; it holds no data
                 external_data_helper.set_external_data(stub, location, offset, f.tell() - offset)
-                stub.data_location = onnx.TensorProto.EXTERNAL
+                stub.ClearField("raw_data")
             f.flush()
             os.fsync(f.fileno())
         with atomic_path(path) as tmp, open(tmp, "wb") as f:

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..errors import DataError
+from ..errors import DataError, InvalidArgumentError
 from ..storage import load_model
 
 LOSSES = ("mse", "l1", "cross_entropy", "bce")
@@ -96,7 +96,7 @@ def _output_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
         if v.name == name:
             return v.type
     outs = [o.name for o in model.graph.output]
-    raise ValueError(f"no output named {name!r} in the model (its outputs: {outs})")
+    raise InvalidArgumentError(f"no output named {name!r} in the model (its outputs: {outs})")
 
 
 def _target_dims(dims, drop_axis=None):
@@ -126,22 +126,22 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     ``weight`` (class weights [C]) and ``ignore_index`` are for cross_entropy; ``pos_weight``
     ([C] or a scalar) for bce."""
     if kind not in LOSSES:
-        raise ValueError(f"loss={kind!r} is not one of {', '.join(map(repr, LOSSES))}")
+        raise InvalidArgumentError(f"loss={kind!r} is not one of {', '.join(map(repr, LOSSES))}")
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction={reduction!r} is not one of 'mean', 'sum'")
+        raise InvalidArgumentError(f"reduction={reduction!r} is not one of 'mean', 'sum'")
     if weight is not None and kind != "cross_entropy" or ignore_index is not None and \
             kind != "cross_entropy":
-        raise ValueError("weight and ignore_index apply to the cross_entropy loss only")
+        raise InvalidArgumentError("weight and ignore_index apply to the cross_entropy loss only")
     if pos_weight is not None and kind != "bce":
-        raise ValueError("pos_weight applies to the bce loss only")
+        raise InvalidArgumentError("pos_weight applies to the bce loss only")
     m = load(model)
     if not m.graph.output:
-        raise ValueError("the model has no outputs")
+        raise InvalidArgumentError("the model has no outputs")
     output_name = output_name or m.graph.output[0].name
     otype = _output_type(m, output_name)
     elem = otype.tensor_type.elem_type
     if elem not in _FLOATS:
-        raise ValueError(f"output {output_name!r} is {TensorProto.DataType.Name(elem)}, not a "
+        raise InvalidArgumentError(f"output {output_name!r} is {TensorProto.DataType.Name(elem)}, not a "
                          "float tensor: a loss needs float predictions")
     dims = list(otype.tensor_type.shape.dim) if otype.tensor_type.HasField("shape") else None
     np_dtype = helper.tensor_dtype_to_np_dtype(elem)
@@ -176,7 +176,7 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     y = output_name
     if kind == "cross_entropy":
         if dims is not None and len(dims) < 2:
-            raise ValueError(f"cross_entropy needs logits [N, C, ...]; {output_name!r} has rank "
+            raise InvalidArgumentError(f"cross_entropy needs logits [N, C, ...]; {output_name!r} has rank "
                              f"{len(dims)}")
         tdims = None if dims is None else _target_dims(dims, drop_axis=1)
         tin = helper.make_tensor_value_info(target, TensorProto.INT64, tdims)

@@ -113,7 +113,7 @@ class Trainer:
             self.loss_kind = loss
         else:
             if loss_options or output_name:
-                raise ValueError(f"loss={loss!r} names a tensor of the model: output_name and "
+                raise InvalidArgumentError(f"loss={loss!r} names a tensor of the model: output_name and "
                                  "loss_options apply to loss kinds only "
                                  f"({', '.join(LOSSES)})")
             self.loss_model, self.loss_name, self.loss_kind = self.model, loss, None
@@ -126,7 +126,7 @@ class Trainer:
         self.lr_schedule = lr_schedule
         if isinstance(accumulation_steps, bool) or not isinstance(
                 accumulation_steps, (int, np.integer)) or accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps={accumulation_steps!r} must be at least 1")
+            raise InvalidArgumentError(f"accumulation_steps={accumulation_steps!r} must be at least 1")
         self.accumulation_steps = int(accumulation_steps)
         self.device = "cuda" if runtime.providers(device)[0].startswith("CUDA") else "cpu"
         self.threads = threads or cores()
@@ -233,7 +233,7 @@ class Trainer:
     def _feed(self, binding, batch: dict):
         for name in self.data_inputs:
             if name not in batch:
-                raise KeyError(f"the batch has no {name!r} (the step reads {self.data_inputs})")
+                raise DataError(f"the batch has no {name!r} (the step reads {self.data_inputs})")
             binding.bind_cpu_input(name, np.ascontiguousarray(batch[name],
                                                               self._input_dtypes[name]))
 
@@ -443,7 +443,7 @@ class Trainer:
             if n in self.params:
                 continue
             if n not in feeds:
-                raise KeyError(f"no value for input {n!r}")
+                raise DataError(f"no value for input {n!r}")
             b.bind_cpu_input(n, np.ascontiguousarray(feeds[n], types[n]))
         for o in outputs:
             b.bind_output(o, "cpu")
@@ -551,7 +551,7 @@ class Trainer:
                                   f"{self.state_names})")
         keys = [f"param_{i}" for i in range(len(pn))] + [f"state_{j}" for j in range(len(sn))]
         values = []
-        for key, name in zip(keys, pn + sn):
+        for key, name in zip(keys, self.params + self.state_names):
             if key not in arrays:
                 raise CheckpointError(f"{path}: incomplete checkpoint (no value for {name!r})")
             a, (dtype, shape) = arrays[key], self._specs[name]
@@ -621,9 +621,8 @@ class Trainer:
 def _describe(a: np.ndarray) -> dict:
     """What a checkpoint's manifest records of an array."""
     import hashlib
-    a = np.ascontiguousarray(a)
     return {"dtype": a.dtype.str, "shape": list(a.shape),
-            "sha256": hashlib.sha256(a.tobytes()).hexdigest()}
+            "sha256": hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()}
 
 
 def _require_finite(a: np.ndarray, name: str, doing: str) -> None:
