@@ -334,6 +334,7 @@ def _save_with_data_file(model, path, base_dir) -> None:
     data_path = os.path.join(folder, location)
     old = _data_files_of(target)
     try:
+        os.makedirs(folder, exist_ok=True)
         with open(data_path, "xb") as f:
             for stub in light.graph.initializer:
                 t = big.get(stub.name)
