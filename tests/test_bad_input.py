@@ -729,3 +729,78 @@ def test_concurrent_checkpoints(tmp_path):
     assert any(all(np.array_equal(restored.parameters()[k], v)
                    for k, v in tr.parameters().items()) for tr in trainers)
     assert os.listdir(tmp_path) == ["c.npz"]
+
+
+# -- generated cases (hypothesis): the classes above, beyond the examples -------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from onnxgrad.training.losses import check_labels  # noqa: E402
+
+FEW = settings(max_examples=40, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FEW
+@given(st.binary(max_size=300))
+def test_any_bytes_load_or_refuse(data):
+    """Whatever the bytes, loading gives a model with a graph and an IR version, or a
+    ModelLoadError: never another exception."""
+    try:
+        m = storage.load_model(data)
+    except E.ModelLoadError as exc:
+        assert "not an ONNX model" in str(exc)
+    else:
+        assert m.ir_version > 0 and m.HasField("graph")
+
+
+@FEW
+@given(st.integers(1, 6), st.one_of(st.none(), st.sampled_from([-100, -1, 2])),
+       st.lists(st.one_of(st.integers(-3, 8), st.sampled_from([0.5, 2.0, float("nan")])),
+                min_size=1, max_size=12))
+def test_labels_are_accepted_exactly_when_valid(classes, ignore, values):
+    a = np.array(values, dtype=np.float64 if any(isinstance(v, float) for v in values)
+                 else np.int64)
+
+    def ok(v):
+        return (v == ignore) or (v == int(v) and 0 <= v < classes) if v == v else False
+    bad = [i for i, v in enumerate(a) if not ok(v)]
+    if not bad:
+        assert check_labels(a, classes, ignore).tolist() == [int(v) for v in a]
+        return
+    with pytest.raises(E.DataError) as info:
+        check_labels(a, classes, ignore)
+    assert f"at row {bad[0]} " in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_bytes(tmp_path_factory):
+    tr = trainer()
+    tr.fit(data(), epochs=1, batch_size=4)
+    path = tmp_path_factory.mktemp("ckpt") / "c.npz"
+    tr.save_checkpoint(path)
+    return path.read_bytes(), tr.parameters(), tr.optimizer_state()
+
+
+@FEW
+@given(st.data())
+def test_a_flipped_byte_never_loads_garbage(tmp_path_factory, checkpoint_bytes, draw):
+    """Any one byte of a checkpoint changed: it loads the very same values (a byte that held
+    no data, a zip timestamp say) or it is a CheckpointError; it never loads other values."""
+    good, params, state = checkpoint_bytes
+    at = draw.draw(st.integers(0, len(good) - 1))
+    flip = draw.draw(st.integers(1, 255))
+    bad = bytearray(good)
+    bad[at] ^= flip
+    path = tmp_path_factory.mktemp("flip") / "c.npz"
+    path.write_bytes(bytes(bad))
+    tr = trainer()
+    try:
+        tr.load_checkpoint(path)
+    except E.CheckpointError:
+        assert tr.step_count == 0
+        return
+    for k, v in params.items():
+        assert np.array_equal(tr.parameters()[k], v), (at, k)
+    for k, v in state.items():
+        assert np.array_equal(tr.optimizer_state()[k], v), (at, k)

@@ -47,21 +47,22 @@ def check_labels(labels, classes: int | None, ignore_index: int | None = None,
     if a.dtype.kind not in "iuf" or a.dtype == np.bool_:
         raise DataError(f"{name}: class labels must be integers, not {a.dtype} values")
 
-    def first(mask, why):
-        if mask.any():
-            idx = tuple(int(i) for i in np.argwhere(mask)[0])
-            where = f"row {idx[0]}" + (f" (index {list(idx)})" if len(idx) > 1 else "")
-            raise DataError(f"{name}: label {a[idx].item()!r} at {where} {why}")
-
-    if a.dtype.kind == "f":
-        first(~np.isfinite(a) | (a != np.round(a)), "is not a whole number (class labels are "
-              "integers; a float label is never truncated)")
-    ignore = (a == ignore_index) if ignore_index is not None else np.zeros(a.shape, bool)
-    first((a < 0) & ~ignore, "is negative" + (
-        "" if ignore_index is None else f" and not ignore_index ({ignore_index})"))
-    if classes is not None:
-        first((a >= classes) & ~ignore, f"is out of range: the model has {classes} classes "
-              f"(labels 0 to {classes - 1})")
+    with np.errstate(invalid="ignore"):
+        frac = (~np.isfinite(a) | (a != np.round(a))) if a.dtype.kind == "f" else \
+            np.zeros(a.shape, bool)
+        keep = frac | (a == ignore_index if ignore_index is not None else False)
+        neg = (a < 0) & ~keep
+        big = (a >= classes) & ~keep if classes is not None else np.zeros(a.shape, bool)
+    bad = frac | neg | big
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = f"row {idx[0]}" + (f" (index {list(idx)})" if len(idx) > 1 else "")
+        why = ("is not a whole number (class labels are integers; a float label is never "
+               "truncated)" if frac[idx] else
+               "is negative" + ("" if ignore_index is None else
+                                f" and not ignore_index ({ignore_index})") if neg[idx] else
+               f"is out of range: the model has {classes} classes (labels 0 to {classes - 1})")
+        raise DataError(f"{name}: label {a[idx].item()!r} at {where} {why}")
     return a.astype(np.int64, copy=False)
 
 
