@@ -52,7 +52,8 @@ def _lower_one(m: onnx.ModelProto, node: onnx.NodeProto, name: str) -> onnx.Mode
                                 "the standard gives one output per x")
     outs = list(node.output)
     # differentiate the graph without the Gradient node (it is no forward computation)
-    base = onnx.ModelProto.FromString(m.SerializeToString())
+    base = onnx.ModelProto()
+    base.CopyFrom(m)
     idx = list(m.graph.node).index(node)
     del base.graph.node[idx]
     keep = [o for o in base.graph.output if o.name not in outs]

@@ -23,7 +23,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import DataError, InvalidArgumentError
-from ..storage import load_model
+from ..storage import EXTERNAL_DATA_ABOVE, load_model, tensor_nbytes
 
 LOSSES = ("mse", "l1", "cross_entropy", "bce")
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
@@ -215,7 +215,7 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     g.node.extend(nodes)
     g.input.append(tin)
     g.output.append(helper.make_tensor_value_info(loss, elem, []))
-    if m.ByteSize() < 2**31 - 2**20:  # the checker takes a path past 2 GB
+    if sum(map(tensor_nbytes, g.initializer)) < EXTERNAL_DATA_ABOVE:  # past 2 GB it needs a path
         onnx.checker.check_model(m)
     return m
 
