@@ -6,41 +6,28 @@ import argparse
 import math
 
 
+def _checked(text: str, kind, ok, need: str):
+    try:
+        v = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"{text!r} {need}")
+    return v
+
+
 def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive finite number")
-    return v
-
-
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return v
+    return _checked(text, float, lambda v: 0 < v < math.inf, "must be a positive finite number")
 
 
 def finite_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
-    return v
+    return _checked(text, float, math.isfinite, "must be a finite number")
+
+
+def positive_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 1, "must be at least 1")
 
 
 def seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a seed is an integer >= 0")
-    return v
+    return _checked(text, int, lambda v: v >= 0, "is not a seed (an integer >= 0)")

@@ -241,7 +241,7 @@ def _cases():
     for flag, value, needle in [("--dim", "0", "at least 1"), ("--dim", "-2", "at least 1"),
                                 ("--eps", "nan", "positive finite"),
                                 ("--rtol", "inf", "positive finite"),
-                                ("--seed", "-1", "a seed is")]:
+                                ("--seed", "-1", "is not a seed")]:
         case(f"check{flag}={value}", check + [flag, value], E.InvalidArgumentError, flag, needle)
     grad = ["grad", mlp, "-o", o, "--ys", "loss"]
     case("grad-unknown-x", grad + ["--xs", "W11"], E.InvalidArgumentError, "did you mean")
