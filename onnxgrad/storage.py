@@ -64,11 +64,13 @@ def load_model(src, load_external_data: bool = True, what: str = "model") -> onn
     except OSError as exc:
         raise ModelLoadError(f"{path}: cannot read ({exc.strerror or exc})") from None
     _check_loaded(m, path)
-    if load_external_data and any(external(t) for t in m.graph.initializer):
+    if load_external_data:  # every tensor, subgraphs and Constant nodes included
         base = os.path.dirname(os.path.abspath(path))
-        for t in m.graph.initializer:
-            if external(t):
-                _load_tensor_data(t, base, path)
+        try:
+            external_data_helper.load_external_data_for_model(m, base)
+        except (OSError, ValueError, onnx.checker.ValidationError) as exc:
+            raise ModelLoadError(f"{path}: its external data cannot be read from {base} "
+                                 f"({exc})") from None
     return m
 
 
@@ -113,15 +115,6 @@ def _check_loaded(m: onnx.ModelProto, label: str) -> onnx.ModelProto:
         raise ModelLoadError(f"{label}: not an ONNX model (no {missing}; is it a truncated "
                              "file or another format?)")
     return m
-
-
-def _load_tensor_data(t: onnx.TensorProto, base: str, label: str) -> None:
-    loc = dict((e.key, e.value) for e in t.external_data).get("location", "?")
-    try:
-        external_data_helper.load_external_data_for_tensor(t, base)
-    except (OSError, ValueError, onnx.checker.ValidationError) as exc:
-        raise ModelLoadError(f"{label}: initializer {t.name!r} keeps its data in {loc!r}, "
-                             f"which cannot be read from {base} ({exc})") from None
 
 
 def external(t: onnx.TensorProto) -> bool:
@@ -257,13 +250,8 @@ def atomic_path(path, suffix=""):
         raise write_error(shown, exc) from None
     try:
         yield tmp
-        try:
-            mode = os.stat(target).st_mode & 0o7777
-        except FileNotFoundError:
-            umask = os.umask(0)
-            os.umask(umask)
-            mode = 0o666 & ~umask
-        os.chmod(tmp, mode)
+        with contextlib.suppress(FileNotFoundError):  # else: what the umask gave at creation
+            os.chmod(tmp, os.stat(target).st_mode & 0o7777)
         _fsync_path(tmp)
         os.replace(tmp, target)
         _fsync_dir(folder)
@@ -298,10 +286,11 @@ def save_model(model: onnx.ModelProto, path, base_dir=None) -> None:
         raise ArgumentTypeError(f"model must be an onnx.ModelProto, not {type(model).__name__}")
     unloaded = [t.name for t in model.graph.initializer if external(t)]
     if unloaded and base_dir is None:
+        more = f" (and {len(unloaded) - 1} more)" if len(unloaded) > 1 else ""
         raise InvalidArgumentError(
-            f"initializer {unloaded[0]!r} (and {len(unloaded) - 1} more) keeps its data in an "
-            "external file that was not loaded: pass base_dir (the folder the model was loaded "
-            "from) or load the model with its external data")
+            f"initializer {unloaded[0]!r}{more} keeps its data in an external file that was not "
+            "loaded: pass base_dir (the folder the model was loaded from) or load the model with "
+            "its external data")
     total = sum(tensor_nbytes(t) for t in model.graph.initializer)
     if unloaded or total > EXTERNAL_DATA_ABOVE:
         _save_with_data_file(model, path, base_dir)
@@ -366,7 +355,12 @@ def _tensor_bytes(t: onnx.TensorProto, base_dir) -> bytes:
     if external(t):
         copy = onnx.TensorProto()
         copy.CopyFrom(t)  # no data in it: only where the data is
-        _load_tensor_data(copy, os.fspath(base_dir), "the model")
+        try:
+            external_data_helper.load_external_data_for_tensor(copy, os.fspath(base_dir))
+        except (OSError, ValueError, onnx.checker.ValidationError) as exc:
+            raise InvalidArgumentError(f"initializer {t.name!r}: its external data cannot be "
+                                       f"read from base_dir {os.fspath(base_dir)} ({exc})") \
+                from None
         return copy.raw_data
     if t.HasField("raw_data"):
         return t.raw_data

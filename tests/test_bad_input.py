@@ -804,3 +804,12 @@ def test_a_flipped_byte_never_loads_garbage(tmp_path_factory, checkpoint_bytes, 
         assert np.array_equal(tr.parameters()[k], v), (at, k)
     for k, v in state.items():
         assert np.array_equal(tr.optimizer_state()[k], v), (at, k)
+
+
+def test_new_files_get_the_umask_mode(tmp_path):
+    old = os.umask(0o027)
+    try:
+        storage.save_model(onnx.load(MLP), tmp_path / "m.onnx")
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "m.onnx").st_mode & 0o777 == 0o640
