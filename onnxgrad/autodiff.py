@@ -99,7 +99,8 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     values = _values_by_name(graph)
     y_vals = [_resolve(values, n, "ys") for n in ys]
     x_vals = [_resolve(values, n, "xs") for n in xs]
-    stop = {_resolve(values, n, "stop_gradients") for n in _names(stop_gradients or [], "stop_gradients")}
+    stop = {_resolve(values, n, "stop_gradients")
+            for n in _names(stop_gradients or [], "stop_gradients")}
     stop |= {values[n] for n in json.loads(irm.metadata_props.get(STOP_GRADIENTS_KEY, "[]"))
              if n in values}
     scope = _unique_scope(graph, name)
@@ -414,11 +415,13 @@ def _seed(e: Emitter, graph, values, y: ir.Value, gy) -> V:
     if gy in values:
         g = values[gy]
         if y.dtype is not None and g.dtype is not None and g.dtype != y.dtype:
-            raise ArgumentTypeError(f"grad_ys: {gy!r} has dtype {g.dtype} but y {y.name!r} has {y.dtype}")
+            raise ArgumentTypeError(f"grad_ys: {gy!r} has dtype {g.dtype} but y {y.name!r} has "
+                                    f"{y.dtype}")
         return e.wrap(g)
     if y.type is None or y.shape is None:
-        raise InvalidArgumentError(f"grad_ys: {gy!r} would become a graph input like y {y.name!r}, whose "
-                         "type or rank is unknown; pass the name of an existing tensor instead")
+        raise InvalidArgumentError(
+            f"grad_ys: {gy!r} would become a graph input like y {y.name!r}, whose "
+            "type or rank is unknown; pass the name of an existing tensor instead")
     new = ir.Value(name=gy, type=y.type, shape=y.shape)
     graph.inputs.append(new)
     values[gy] = new

@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rtol", type=positive_float, help="relative tolerance")
     c.add_argument("--atol", type=positive_float, help="absolute tolerance")
     c.add_argument("--eps", type=positive_float, help="finite-difference step")
-    c.add_argument("--seed", type=argtypes.seed, default=0, help="seed of the random feeds and directions")
+    c.add_argument("--seed", type=argtypes.seed, default=0,
+                   help="seed of the random feeds and directions")
     c.add_argument("--dim", type=positive_int, default=2,
                    help="size given to symbolic dims of random feeds (default 2; at least 1: a "
                         "dim of 0 would make an empty tensor, which checks nothing)")

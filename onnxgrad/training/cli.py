@@ -67,7 +67,8 @@ def add_train_parser(subparsers):
     p.add_argument("--resume", metavar="CKPT", help="continue from this checkpoint")
     p.add_argument("--plot", metavar="PNG", help="write the loss curve here (needs matplotlib)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--seed", type=argtypes.seed, default=0, help="shuffling and validation split seed")
+    p.add_argument("--seed", type=argtypes.seed, default=0,
+                   help="shuffling and validation split seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
     return p
@@ -108,8 +109,9 @@ def _data_input(model):
     inits = {t.name for t in model.graph.initializer}
     ins = [i.name for i in model.graph.input if i.name not in inits]
     if len(ins) != 1:
-        raise InvalidArgumentError(f"the model has {len(ins)} data inputs ({ins}); `onnxgrad train` feeds "
-                         "one (array x of DATA.npz): use onnxgrad.Trainer from Python")
+        raise InvalidArgumentError(
+            f"the model has {len(ins)} data inputs ({ins}); `onnxgrad train` feeds "
+            "one (array x of DATA.npz): use onnxgrad.Trainer from Python")
     return ins[0]
 
 

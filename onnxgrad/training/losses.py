@@ -142,8 +142,9 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     otype = _output_type(m, output_name)
     elem = otype.tensor_type.elem_type
     if elem not in _FLOATS:
-        raise InvalidArgumentError(f"output {output_name!r} is {TensorProto.DataType.Name(elem)}, not a "
-                         "float tensor: a loss needs float predictions")
+        raise InvalidArgumentError(
+            f"output {output_name!r} is {TensorProto.DataType.Name(elem)}, not a "
+            "float tensor: a loss needs float predictions")
     dims = list(otype.tensor_type.shape.dim) if otype.tensor_type.HasField("shape") else None
     np_dtype = helper.tensor_dtype_to_np_dtype(elem)
     if kind == "cross_entropy" and opset_of(m) < 13:
@@ -177,8 +178,9 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     y = output_name
     if kind == "cross_entropy":
         if dims is not None and len(dims) < 2:
-            raise InvalidArgumentError(f"cross_entropy needs logits [N, C, ...]; {output_name!r} has rank "
-                             f"{len(dims)}")
+            raise InvalidArgumentError(
+                f"cross_entropy needs logits [N, C, ...]; {output_name!r} has rank "
+                f"{len(dims)}")
         tdims = None if dims is None else _target_dims(dims, drop_axis=1)
         tin = helper.make_tensor_value_info(target, TensorProto.INT64, tdims)
         ins = [y, target]

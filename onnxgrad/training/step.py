@@ -108,7 +108,8 @@ def _check_loss(m: onnx.ModelProto, loss: str):
     names = {o.name for o in m.graph.output} | {o for n in m.graph.node for o in n.output}
     if loss not in names:
         outs = [o.name for o in m.graph.output]
-        raise InvalidArgumentError(f"loss: no tensor named {loss!r} in the model (its outputs: {outs})")
+        raise InvalidArgumentError(f"loss: no tensor named {loss!r} in the model (its outputs: "
+                                   f"{outs})")
 
 
 def _params_to_inputs(m: onnx.ModelProto, params: list[str]) -> dict[str, np.ndarray]:
@@ -197,7 +198,7 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
     chosen, frozen = _resolve_params(m, params, frozen)
     if not chosen:
         raise InvalidArgumentError("no parameters to train: the model has no float initializers "
-                         "(or all are frozen)")
+                                   "(or all are frozen)")
     # the parameters become graph inputs first: gradients() then sees a small model (no weight
     # data, whatever the model's size) and the step graph reads them as inputs
     values = _params_to_inputs(m, chosen)

@@ -113,9 +113,10 @@ class Trainer:
             self.loss_kind = loss
         else:
             if loss_options or output_name:
-                raise InvalidArgumentError(f"loss={loss!r} names a tensor of the model: output_name and "
-                                 "loss_options apply to loss kinds only "
-                                 f"({', '.join(LOSSES)})")
+                raise InvalidArgumentError(
+                    f"loss={loss!r} names a tensor of the model: output_name and "
+                    "loss_options apply to loss kinds only "
+                    f"({', '.join(LOSSES)})")
             self.loss_model, self.loss_name, self.loss_kind = self.model, loss, None
         self.output_name = output_name or self.model.graph.output[0].name
         self._ignore_index = (loss_options or {}).get("ignore_index")
@@ -126,7 +127,8 @@ class Trainer:
         self.lr_schedule = lr_schedule
         if isinstance(accumulation_steps, bool) or not isinstance(
                 accumulation_steps, (int, np.integer)) or accumulation_steps < 1:
-            raise InvalidArgumentError(f"accumulation_steps={accumulation_steps!r} must be at least 1")
+            raise InvalidArgumentError(f"accumulation_steps={accumulation_steps!r} must be an "
+                                       "integer >= 1")
         self.accumulation_steps = int(accumulation_steps)
         self.device = "cuda" if runtime.providers(device)[0].startswith("CUDA") else "cpu"
         self.threads = threads or cores()
@@ -354,7 +356,7 @@ class Trainer:
         sizes = {len(v) for v in arrays.values()}
         if len(sizes) != 1:
             raise DataError(f"data arrays have different numbers of rows: "
-                             f"{ {k: len(v) for k, v in arrays.items()} }")
+                            f"{ {k: len(v) for k, v in arrays.items()} }")
         rows = sizes.pop()
         for k, v in arrays.items():
             want = self._input_shapes.get(k)
@@ -363,10 +365,10 @@ class Trainer:
                 shown = [w if isinstance(w, int) else "N" if i == 0 else "?"
                          for i, w in enumerate(want)]
                 raise DataError(f"data {k!r} has shape {list(v.shape)}, but the step reads "
-                                 f"{k!r} shaped {shown}" + (
-                                     f" (the {self.loss_kind} loss wants targets shaped like "
-                                     f"output {self.output_name!r})"
-                                     if k == self.target_name else ""))
+                                f"{k!r} shaped {shown}" + (
+                                f" (the {self.loss_kind} loss wants targets shaped like "
+                                f"output {self.output_name!r})"
+                                if k == self.target_name else ""))
         if rows == 0:
             raise DataError("the data has no rows")
         if resume:
