@@ -17,8 +17,10 @@ rounding), then the optimizer graph applies them once. The reported loss is sum(
 
 A non-finite loss raises :class:`NonFiniteLossError` naming the step; the step's updates are not
 applied. Checkpoints (npz: parameters, optimizer state, step, epoch position, the shuffling RNG's
-state, the loss history) are written atomically, and a resumed ``fit`` reproduces the
-uninterrupted run bit for bit on CPU.
+state, the loss history, and a manifest of each array's dtype, shape and SHA-256) are written
+atomically and only with finite values, checked in full before anything is restored, and a
+resumed ``fit`` reproduces the uninterrupted run bit for bit on CPU. Data is checked before the
+first step: finite values, and class labels in range (see losses.check_labels).
 """
 from __future__ import annotations
 
