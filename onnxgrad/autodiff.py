@@ -10,7 +10,6 @@ import difflib
 import enum
 import gc
 import json
-import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -20,8 +19,10 @@ import onnx_ir as ir
 
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
-from .errors import NotDifferentiableError
+from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
+                     NotDifferentiableError)
 from .inference import infer_shapes
+from .storage import load_model, strip_weights
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
                        subgraphs, MIN_OPSET)
 
@@ -60,14 +61,16 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     whose ``model`` is a new ModelProto (the input is never mutated) and whose ``grads`` are the
     names of the new graph outputs, aligned with xs (None for an unconnected x under "none").
     """
+    if not isinstance(name, str) or not name.strip("/"):
+        raise ArgumentTypeError(f"name must be a non-empty scope name (str), not {name!r}")
     unconnected = _enum(UnconnectedGradients, unconnected_gradients, "unconnected_gradients")
     aggregation = _enum(AggregationMethod, aggregation_method or "add_n", "aggregation_method")
     ys, xs = _names(ys, "ys"), _names(xs, "xs")
     if not ys:
-        raise ValueError("ys is empty: give at least one tensor to differentiate")
+        raise InvalidArgumentError("ys is empty: give at least one tensor to differentiate")
     grad_ys = [None] * len(ys) if grad_ys is None else _names(grad_ys, "grad_ys", allow_none=True)
     if len(grad_ys) != len(ys):
-        raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
+        raise InvalidArgumentError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
 
     model, weights = _without_weights(_load(model))
     args = (ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
@@ -96,7 +99,8 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     values = _values_by_name(graph)
     y_vals = [_resolve(values, n, "ys") for n in ys]
     x_vals = [_resolve(values, n, "xs") for n in xs]
-    stop = {_resolve(values, n, "stop_gradients") for n in _names(stop_gradients or [], "stop")}
+    stop = {_resolve(values, n, "stop_gradients")
+            for n in _names(stop_gradients or [], "stop_gradients")}
     stop |= {values[n] for n in json.loads(irm.metadata_props.get(STOP_GRADIENTS_KEY, "[]"))
              if n in values}
     scope = _unique_scope(graph, name)
@@ -243,37 +247,21 @@ _FLOAT_PROTO_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.Tens
 
 
 def _without_weights(model: onnx.ModelProto):
-    """A copy of ``model`` whose large float initializers carry no data, and those initializers.
-
-    Version conversion and shape inference serialise the whole model, which costs seconds with
-    hundreds of MB of weights; no rule reads a weight's values, so they are put back at the end."""
-    big = {t.name: t for t in model.graph.initializer
-           if t.data_type in _FLOAT_PROTO_TYPES and t.ByteSize() > 1 << 20}
-    if not big:
-        return model, {}
-    light = onnx.ModelProto()
-    light.CopyFrom(model)
-    for t in light.graph.initializer:
-        if t.name in big:
-            name, dims, dtype = t.name, list(t.dims), t.data_type
-            t.Clear()
-            t.name, t.data_type = name, dtype
-            t.dims.extend(dims)
-    return light, big
+    """A copy of ``model`` whose float initializers of 1 MiB and more carry no data, and those
+    initializers. Version conversion and shape inference serialise the whole model, which costs
+    seconds with hundreds of MB of weights (and fails past 2 GB); no rule reads a weight's
+    values, so they are put back at the end."""
+    return strip_weights(model, 1 << 20, only=_FLOAT_PROTO_TYPES)
 
 
 def _load(model) -> onnx.ModelProto:
-    if isinstance(model, (str, os.PathLike)):
-        return onnx.load(os.fspath(model))
-    if not isinstance(model, onnx.ModelProto):
-        raise TypeError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
-    return model
+    return load_model(model)
 
 
 def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None:
-        raise ValueError("the model imports no ai.onnx opset")
+        raise InvalidModelError("the model imports no ai.onnx opset")
     upgraded = opset < MIN_OPSET
     if upgraded:  # gradient graphs need opset 13; upgrade rather than write two forms
         if opset < 9 and any(n.op_type == "Scan" for n in model.graph.node):
@@ -331,14 +319,20 @@ def _enum(kind, value, what):
         return kind(value.value if isinstance(value, enum.Enum) else value)
     except ValueError:
         allowed = ", ".join(repr(m.value) for m in kind)
-        raise ValueError(f"{what}={value!r} is not one of {allowed}") from None
+        raise InvalidArgumentError(f"{what}={value!r} is not one of {allowed}") from None
 
 
 def _names(x, what, allow_none=False) -> list:
-    items = [x] if isinstance(x, str) or x is None else list(x)
+    if isinstance(x, str) or x is None:
+        items = [x]
+    elif hasattr(x, "__iter__") and not isinstance(x, (bytes, dict)):
+        items = list(x)
+    else:
+        raise ArgumentTypeError(f"{what} must be a tensor name (str) or a list of them, not "
+                                f"{type(x).__name__} {x!r}")
     for n in items:
         if not (isinstance(n, str) or (allow_none and n is None)):
-            raise TypeError(f"{what} must hold tensor names (str), got {n!r}")
+            raise ArgumentTypeError(f"{what} must hold tensor names (str), got {n!r}")
     return items
 
 
@@ -357,9 +351,9 @@ def _resolve(values, name, what) -> ir.Value:
     if v is None:
         close = difflib.get_close_matches(name, list(values), n=3)
         hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-        raise ValueError(f"{what}: no tensor named {name!r} in the graph{hint}")
+        raise InvalidArgumentError(f"{what}: no tensor named {name!r} in the graph{hint}")
     if v.type is not None and not isinstance(v.type, ir.TensorType):
-        raise TypeError(f"{what}: {name!r} is a {v.type}, not a tensor")
+        raise ArgumentTypeError(f"{what}: {name!r} is a {v.type}, not a tensor")
     return v
 
 
@@ -421,11 +415,13 @@ def _seed(e: Emitter, graph, values, y: ir.Value, gy) -> V:
     if gy in values:
         g = values[gy]
         if y.dtype is not None and g.dtype is not None and g.dtype != y.dtype:
-            raise TypeError(f"grad_ys: {gy!r} has dtype {g.dtype} but y {y.name!r} has {y.dtype}")
+            raise ArgumentTypeError(f"grad_ys: {gy!r} has dtype {g.dtype} but y {y.name!r} has "
+                                    f"{y.dtype}")
         return e.wrap(g)
     if y.type is None or y.shape is None:
-        raise ValueError(f"grad_ys: {gy!r} would become a graph input like y {y.name!r}, whose "
-                         "type or rank is unknown; pass the name of an existing tensor instead")
+        raise InvalidArgumentError(
+            f"grad_ys: {gy!r} would become a graph input like y {y.name!r}, whose "
+            "type or rank is unknown; pass the name of an existing tensor instead")
     new = ir.Value(name=gy, type=y.type, shape=y.shape)
     graph.inputs.append(new)
     values[gy] = new

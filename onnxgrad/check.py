@@ -13,7 +13,9 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from .autodiff import gradients
+from .errors import InvalidArgumentError
 from .runtime import runner
+from .storage import load_model
 
 _LOW = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 
@@ -160,8 +162,10 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     "ort" runs onnxruntime CPU and falls back to onnx.reference for kernels it lacks;
     "reference" always uses onnx.reference.
     """
-    if isinstance(model, str):
-        model = onnx.load(model)
+    model = load_model(model)
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
+        raise InvalidArgumentError(f"dim={dim!r}: symbolic dims need a size of at least 1 (an "
+                                   "empty tensor would check nothing)")
     ys = [ys] if isinstance(ys, str) else list(ys)
     xs = [xs] if isinstance(xs, str) else list(xs)
     model = _expose(model, ys)

@@ -25,7 +25,12 @@ PROG = "onnxgrad"
 _ONES = "-"  # in --grad-ys: "ones of y's shape" (what None means in the Python API)
 
 
-class UsageError(Exception):
+from . import argtypes
+from .argtypes import positive_float, positive_int
+from .errors import DataError, InvalidArgumentError, OnnxgradError
+
+
+class UsageError(InvalidArgumentError):
     """A bad command line or input file: reported as one line, exit status 2."""
 
 
@@ -82,12 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["float64", "float32"], default="float64",
                    help="float64 (default) runs a float64 copy of the model; float32 runs it "
                         "as it is, with looser default tolerances")
-    c.add_argument("--rtol", type=_positive, help="relative tolerance")
-    c.add_argument("--atol", type=_positive, help="absolute tolerance")
-    c.add_argument("--eps", type=_positive, help="finite-difference step")
-    c.add_argument("--seed", type=int, default=0, help="seed of the random feeds and directions")
-    c.add_argument("--dim", type=int, default=2,
-                   help="size given to symbolic dims of random feeds (default 2)")
+    c.add_argument("--rtol", type=positive_float, help="relative tolerance")
+    c.add_argument("--atol", type=positive_float, help="absolute tolerance")
+    c.add_argument("--eps", type=positive_float, help="finite-difference step")
+    c.add_argument("--seed", type=argtypes.seed, default=0,
+                   help="seed of the random feeds and directions")
+    c.add_argument("--dim", type=positive_int, default=2,
+                   help="size given to symbolic dims of random feeds (default 2; at least 1: a "
+                        "dim of 0 would make an empty tensor, which checks nothing)")
     c.set_defaults(func=_cmd_check)
 
     o = sub.add_parser("ops", help="list the ops that have gradient rules",
@@ -125,29 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return v
-
-
 # -- commands ----------------------------------------------------------------------------------
 def _load(path: str):
-    import onnx
-    from google.protobuf.message import DecodeError
-
-    if not os.path.exists(path):
-        raise UsageError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise UsageError(f"{path}: is a directory, not an ONNX model")
-    try:
-        return onnx.load(path)
-    except (DecodeError, ValueError, RuntimeError) as exc:
-        raise UsageError(f"{path}: not a readable ONNX model ({exc})") from None
+    from .storage import load_model
+    return load_model(path)
 
 
 def _cmd_grad(args, out) -> int:
@@ -164,10 +152,7 @@ def _cmd_grad(args, out) -> int:
     res = gradients(model, args.ys, args.xs, grad_ys=grad_ys, name=args.name,
                     stop_gradients=args.stop, unconnected_gradients=args.unconnected,
                     aggregation_method=args.aggregation)
-    try:
-        save_model(res.model, args.output)
-    except OSError as exc:
-        raise UsageError(f"{args.output}: cannot write ({exc.strerror or exc})") from None
+    save_model(res.model, args.output)
     for x, g in zip(args.xs, res.grads):
         print(f"{x} -> {g}", file=out)
     return 0
@@ -177,16 +162,8 @@ def _load_feeds(path: str, model) -> dict:
     import numpy as np
     from onnx import helper
 
-    if not os.path.exists(path):
-        raise UsageError(f"{path}: no such file")
-    try:
-        data = np.load(path, allow_pickle=False)
-    except Exception as exc:  # noqa: BLE001  (np.load raises several kinds for a bad file)
-        raise UsageError(f"{path}: not a readable .npz file ({exc})") from None
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise UsageError(f"{path}: expected an .npz archive (np.savez), not a single array")
-    with data:
-        feeds = {k: data[k] for k in data.files}
+    from .storage import load_arrays
+    feeds = load_arrays(path)
     declared = {vi.name: vi.type.tensor_type.elem_type for vi in model.graph.input
                 if vi.type.HasField("tensor_type")}
     declared.update({t.name: t.data_type for t in model.graph.initializer})
@@ -198,8 +175,43 @@ def _load_feeds(path: str, model) -> dict:
     out = {}
     for k, v in feeds.items():  # npz files often hold float64 / int32: match the declared type
         want = helper.tensor_dtype_to_np_dtype(declared[k])
-        out[k] = v.astype(want) if v.dtype != want and v.dtype.kind in "fiub" else v
+        if v.dtype.kind not in "fiub" or (v.dtype.kind == "f" and want.kind in "iub"):
+            raise DataError(f"{path}: {k!r} holds {v.dtype} values, but the model's input is "
+                            f"{want}")
+        if v.dtype.kind == "f" and not np.isfinite(v).all():
+            bad = tuple(int(i) for i in np.argwhere(~np.isfinite(v))[0])
+            raise DataError(f"{path}: {k!r} holds {v[bad]} at index {list(bad)}: feeds must be "
+                            "finite (finite differences of NaN or inf compare nothing)")
+        out[k] = v.astype(want) if v.dtype != want else v
+    _check_feed_shapes(path, out, model)
     return out
+
+
+def _check_feed_shapes(path, feeds: dict, model) -> None:
+    """Each feed has its input's rank and fixed dims, and a symbolic dim one size throughout."""
+    dims: dict[str, tuple[str, int]] = {}
+    shapes = {vi.name: vi.type.tensor_type.shape for vi in model.graph.input
+              if vi.type.tensor_type.HasField("shape")}
+    shapes.update({t.name: t.dims for t in model.graph.initializer if t.name not in shapes})
+    for k, v in feeds.items():
+        shape = shapes.get(k)
+        if shape is None:
+            continue
+        want = [d if isinstance(d, int) else d.dim_value if d.HasField("dim_value") else
+                d.dim_param or "?" for d in getattr(shape, "dim", shape)]
+        shown = "[" + ", ".join(map(str, want)) + "]"
+        if len(want) != v.ndim:
+            raise DataError(f"{path}: {k!r} has shape {list(v.shape)}, but the model's input "
+                            f"is shaped {shown} (rank {len(want)})")
+        for axis, (w, n) in enumerate(zip(want, v.shape)):
+            if isinstance(w, int) and w != n:
+                raise DataError(f"{path}: {k!r} has shape {list(v.shape)}, but the model's "
+                                f"input is shaped {shown} (axis {axis})")
+            if isinstance(w, str) and w != "?":
+                seen = dims.setdefault(w, (k, n))
+                if seen[1] != n:
+                    raise DataError(f"{path}: dim {w!r} is {seen[1]} in {seen[0]!r} but {n} "
+                                    f"in {k!r}")
 
 
 def _cmd_check(args, out) -> int:
@@ -236,14 +248,9 @@ def _cmd_convert(args, out) -> int:
         if not args.outputs:
             raise UsageError("--outputs: name the tensors to convert (e.g. --outputs y:0); a "
                              "GraphDef has no signature to take them from")
-    if args.opset is not None and not 7 <= args.opset <= 30:
-        raise UsageError(f"--opset: {args.opset} is not an ONNX opset this converter writes")
     model = convert(src, inputs=args.inputs, outputs=args.outputs, opset=args.opset,
                     **({"signature": args.signature} if saved_model else {}))
-    try:
-        save_model(model, args.output)
-    except OSError as exc:
-        raise UsageError(f"{args.output}: cannot write ({exc.strerror or exc})") from None
+    save_model(model, args.output)
     ins = ", ".join(i.name for i in model.graph.input)
     outs = ", ".join(o.name for o in model.graph.output)
     print(f"wrote {args.output} (inputs: {ins or 'none'}; outputs: {outs})", file=out)
@@ -274,11 +281,7 @@ def _cmd_ops(args, out) -> int:
 # -- entry point -------------------------------------------------------------------------------
 def _describe(exc: BaseException) -> str | None:
     """The one-line message for an error a user can cause, or None for an unexpected one."""
-    from .errors import NotDifferentiableError
-
-    if isinstance(exc, UsageError):
-        return str(exc)
-    if isinstance(exc, NotDifferentiableError):
+    if isinstance(exc, OnnxgradError):
         return str(exc)
     if isinstance(exc, FileNotFoundError):
         return f"{exc.filename or exc}: no such file"

@@ -1,7 +1,85 @@
-"""Exceptions raised by onnxgrad."""
+"""Exceptions raised by onnxgrad: one hierarchy under :class:`OnnxgradError`.
+
+Every error a user can provoke (a bad file, a bad name, a bad value, a fault while writing) is an
+``OnnxgradError``. Each subclass also derives from the builtin exception a caller would expect
+(ValueError, TypeError, FileNotFoundError, OSError, NotImplementedError, FloatingPointError), so
+``except ValueError`` code written before this hierarchy keeps working. The command line prints
+``str(error)`` of any of them as one line and exits with status 2.
+"""
 
 
-class NotDifferentiableError(NotImplementedError):
+class OnnxgradError(Exception):
+    """Base class of every error onnxgrad raises on purpose (a message that names the problem)."""
+
+
+class InvalidArgumentError(OnnxgradError, ValueError):
+    """An argument has a bad value (an unknown tensor name, a non-finite learning rate, ...)."""
+
+
+class ArgumentTypeError(OnnxgradError, TypeError):
+    """An argument has the wrong type (``xs=3``, ``name=None``)."""
+
+
+class ModelLoadError(OnnxgradError, ValueError):
+    """A file or bytes that are not a readable ONNX model (empty, truncated, not protobuf, or a
+    model whose external data is missing)."""
+
+
+class InvalidModelError(OnnxgradError, ValueError):
+    """An ONNX model that onnxgrad refuses: it fails onnx.checker, or has a structure the
+    message names."""
+
+
+class ModelFileNotFoundError(OnnxgradError, FileNotFoundError):
+    """An input file (a model, data, feeds, a checkpoint) does not exist."""
+
+    def __init__(self, path, what: str = "file"):
+        super().__init__(2, f"no such {what}", str(path))
+
+    def __str__(self):
+        return f"{self.filename}: {self.strerror}"
+
+
+class WriteError(OnnxgradError, OSError):
+    """Writing an output failed (disk full, no permission, ...). Nothing partial was left behind
+    and an existing file at the destination is unchanged."""
+
+    def __init__(self, path, reason: str, errno: int | None = None):
+        super().__init__(f"{path}: cannot write ({reason}); nothing was written there")
+        self.path, self.reason = str(path), reason
+        if errno is not None:
+            self.errno = errno
+
+
+class DataError(OnnxgradError, ValueError):
+    """Training data or feeds that do not fit the model (shape, dtype, NaN, a label out of
+    range): the message names the array, and the row where there is one."""
+
+
+class CheckpointError(OnnxgradError, ValueError):
+    """A checkpoint that cannot be restored: not a checkpoint, truncated or corrupt (checksum), or
+    made for another model (names, dtypes or shapes differ)."""
+
+
+class NonFiniteError(OnnxgradError, FloatingPointError):
+    """A NaN or infinite value where a finite one is needed (parameters to checkpoint or export)."""
+
+
+class NonFiniteLossError(NonFiniteError):
+    """The loss was NaN or infinite; ``step`` is the number of the step (1 first)."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(f"the loss is {loss} at step {step}: training stopped (the updates of "
+                         f"step {step} were not applied; lower the learning rate, clip the "
+                         "gradients or check the data)")
+        self.step, self.loss = step, loss
+
+
+class UnsupportedError(OnnxgradError, NotImplementedError):
+    """A valid input that onnxgrad does not support yet (the message names the structure)."""
+
+
+class NotDifferentiableError(UnsupportedError):
     """An op on a path from a y to an x has no gradient rule.
 
     Raised with the op type, domain, opset, node name and the path, so the fix
@@ -17,3 +95,9 @@ class NotDifferentiableError(NotImplementedError):
             f"no gradient rule for op {op_type!r} (domain {dom!r}, opset {opset}) at node "
             f"{node_name!r}, which lies on the path {route}. If this input should be held "
             f"constant, pass one of the tensors on that path in stop_gradients.")
+
+
+__all__ = ["OnnxgradError", "InvalidArgumentError", "ArgumentTypeError", "ModelLoadError",
+           "InvalidModelError", "ModelFileNotFoundError", "WriteError", "DataError",
+           "CheckpointError", "NonFiniteError", "NonFiniteLossError", "UnsupportedError",
+           "NotDifferentiableError"]

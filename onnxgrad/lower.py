@@ -11,15 +11,17 @@ import onnx
 from onnx import helper
 
 from .autodiff import gradients
+from .errors import InvalidModelError
+from .storage import load_model
 
 TRAINING_DOMAIN = "ai.onnx.preview.training"
 
 
 def lower_gradient_ops(model: onnx.ModelProto | str, name: str = "gradients") -> onnx.ModelProto:
     """A copy of ``model`` where every Gradient node is replaced by standard ONNX ops."""
-    if not isinstance(model, onnx.ModelProto):
-        model = onnx.load(model)
-    m = onnx.ModelProto.FromString(model.SerializeToString())
+    model = load_model(model)
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
     while True:
         node = next((n for n in m.graph.node
                      if n.op_type == "Gradient" and n.domain == TRAINING_DOMAIN), None)
@@ -36,11 +38,22 @@ def lower_gradient_ops(model: onnx.ModelProto | str, name: str = "gradients") ->
 def _lower_one(m: onnx.ModelProto, node: onnx.NodeProto, name: str) -> onnx.ModelProto:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     dec = lambda v: v.decode() if isinstance(v, bytes) else v  # noqa: E731
+    label = f"Gradient node {node.name or '(unnamed)'!r}"
+    for key, kind in (("xs", "a list of tensor names"), ("y", "a tensor name")):
+        if key not in attrs:
+            raise InvalidModelError(f"{label} has no attribute {key!r} ({kind}, required by "
+                                    "ai.onnx.preview.training.Gradient)")
+    if not isinstance(attrs["y"], bytes) or not attrs["y"]:
+        raise InvalidModelError(f"{label}: attribute 'y' must be one tensor name")
     xs = [dec(x) for x in attrs["xs"]]
     y = dec(attrs["y"])
+    if len(node.output) != len(xs):
+        raise InvalidModelError(f"{label} has {len(node.output)} outputs but {len(xs)} xs: "
+                                "the standard gives one output per x")
     outs = list(node.output)
     # differentiate the graph without the Gradient node (it is no forward computation)
-    base = onnx.ModelProto.FromString(m.SerializeToString())
+    base = onnx.ModelProto()
+    base.CopyFrom(m)
     idx = list(m.graph.node).index(node)
     del base.graph.node[idx]
     keep = [o for o in base.graph.output if o.name not in outs]

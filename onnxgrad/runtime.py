@@ -2,16 +2,13 @@
 onnx's reference evaluator as the fallback for what onnxruntime has no kernel for."""
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-import tempfile
 
 import numpy as np
 import onnx
 
-# onnx 1.23 writes IR 14 by default; onnxruntime 1.31 reads up to IR 13
-MAX_IR_VERSION = 13
+# files (atomic writes, external data past 2 GB) live in storage; these names stay here too
+from .storage import MAX_IR_VERSION, atomic_path, load_model, save_model  # noqa: F401
 
 
 def ort_module():
@@ -130,38 +127,3 @@ def _exact_ops():
             return ((sum(np.broadcast_arrays(*xs)) / len(xs)).astype(xs[0].dtype),)
 
     return [Erf, Gelu, Mean]
-
-
-@contextlib.contextmanager
-def atomic_path(path, suffix=""):
-    """Yield a temporary path beside ``path``; on success it replaces ``path`` in one rename
-    (with the permissions a new file would get), on failure it is removed: never half a file."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".onnxgrad-", suffix=suffix)
-    os.close(fd)
-    try:
-        yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Write a model atomically, pinned to an IR version onnxruntime reads; tensors go to external
-    data beside it past 2 GB (the protobuf limit)."""
-    if model.ir_version > MAX_IR_VERSION:
-        model = onnx.ModelProto.FromString(model.SerializeToString())
-        model.ir_version = MAX_IR_VERSION
-    with atomic_path(path, ".onnx") as tmp:
-        if model.ByteSize() > 2**31 - 2**20:
-            onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=os.path.basename(os.fspath(path)) + ".data")
-        else:
-            onnx.save_model(model, tmp)

@@ -17,7 +17,10 @@ import os
 
 import numpy as np
 
-from ..runtime import atomic_path
+from .. import argtypes
+from ..argtypes import finite_float, positive_float, positive_int
+from ..errors import DataError, InvalidArgumentError, WriteError
+from ..storage import atomic_path, load_arrays, load_model
 from .losses import LOSSES
 from .optimizers import OPTIMIZERS
 
@@ -30,12 +33,12 @@ def _common(p, need_data: bool):
                    help="the output the loss reads (default: the first output)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                    help="default adamw")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+    p.add_argument("--lr", type=finite_float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--momentum", type=finite_float, default=0.0, help="SGD momentum (default 0)")
     p.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum")
-    p.add_argument("--weight-decay", type=float, default=None,
+    p.add_argument("--weight-decay", type=finite_float, default=None,
                    help="weight decay (default 0; 1e-2 for adamw, as in PyTorch)")
-    p.add_argument("--clip-norm", type=float, default=None, metavar="C",
+    p.add_argument("--clip-norm", type=positive_float, default=None, metavar="C",
                    help="clip the gradients' global 2-norm to C")
     p.add_argument("--frozen", nargs="+", default=[], metavar="NAME",
                    help="initializers not to train")
@@ -52,19 +55,20 @@ def add_train_parser(subparsers):
         "write the trained model. Prints the final loss (and accuracy for classification).")
     _common(p, True)
     p.add_argument("--data", required=True, metavar="DATA.npz", help="arrays x and y")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--accumulate", type=int, default=1, metavar="K",
+    p.add_argument("--epochs", type=positive_int, default=1)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--accumulate", type=positive_int, default=1, metavar="K",
                    help="split each batch into K micro-batches (gradient accumulation)")
-    p.add_argument("--val-split", type=float, default=0.0, metavar="F",
+    p.add_argument("--val-split", type=finite_float, default=0.0, metavar="F",
                    help="hold out this fraction of the rows for validation")
     p.add_argument("--checkpoint", metavar="CKPT", help="write a checkpoint here each epoch")
-    p.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+    p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="STEPS",
                    help="also every STEPS steps")
     p.add_argument("--resume", metavar="CKPT", help="continue from this checkpoint")
     p.add_argument("--plot", metavar="PNG", help="write the loss curve here (needs matplotlib)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--seed", type=int, default=0, help="shuffling and validation split seed")
+    p.add_argument("--seed", type=argtypes.seed, default=0,
+                   help="shuffling and validation split seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
     return p
@@ -93,23 +97,21 @@ def _optimizer(args):
     if args.optimizer == "sgd":
         kw.update(momentum=args.momentum, nesterov=args.nesterov)
     elif args.momentum or args.nesterov:
-        raise ValueError("--momentum and --nesterov apply to --optimizer sgd only")
+        raise InvalidArgumentError("--momentum and --nesterov apply to --optimizer sgd only")
     return make_optimizer(args.optimizer, **kw)
 
 
 def _load_model(path):
-    import onnx
-    if not os.path.exists(path):
-        raise FileNotFoundError(2, "no such file", path)
-    return onnx.load(path)
+    return load_model(path)
 
 
 def _data_input(model):
     inits = {t.name for t in model.graph.initializer}
     ins = [i.name for i in model.graph.input if i.name not in inits]
     if len(ins) != 1:
-        raise ValueError(f"the model has {len(ins)} data inputs ({ins}); `onnxgrad train` feeds "
-                         "one (array x of DATA.npz): use onnxgrad.Trainer from Python")
+        raise InvalidArgumentError(
+            f"the model has {len(ins)} data inputs ({ins}); `onnxgrad train` feeds "
+            "one (array x of DATA.npz): use onnxgrad.Trainer from Python")
     return ins[0]
 
 
@@ -117,23 +119,27 @@ def cmd_train(args, out) -> int:
     from .trainer import Trainer
 
     model = _load_model(args.model)
-    if not os.path.exists(args.data):
-        raise FileNotFoundError(2, "no such file", args.data)
-    with np.load(args.data) as z:
-        if "x" not in z or "y" not in z:
-            raise ValueError(f"{args.data}: needs arrays 'x' and 'y' (has {list(z.keys())})")
-        x, y = z["x"], z["y"]
-    if len(x) != len(y):
-        raise ValueError(f"{args.data}: x has {len(x)} rows but y has {len(y)}")
-    if args.epochs < 1 or args.batch_size < 1:
-        raise ValueError("--epochs and --batch-size must be at least 1")
+    z = load_arrays(args.data, "archive with arrays x and y")
+    if "x" not in z or "y" not in z:
+        raise DataError(f"{args.data}: needs arrays 'x' and 'y' (has {list(z)})")
+    x, y = z["x"], z["y"]
+    if x.ndim == 0 or y.ndim == 0 or len(x) != len(y):
+        raise DataError(f"{args.data}: x has shape {list(x.shape)} and y {list(y.shape)}: both "
+                        "need the same number of rows (axis 0)")
     if not 0 <= args.val_split < 1:
-        raise ValueError(f"--val-split {args.val_split} must be in [0, 1)")
+        raise InvalidArgumentError(f"--val-split {args.val_split} must be in [0, 1)")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise InvalidArgumentError("--checkpoint-every must be at least 1")
+    if args.resume and not os.path.exists(args.resume):
+        raise InvalidArgumentError(f"--resume: {args.resume}: no such checkpoint")
     xin = _data_input(model)
     trainer = Trainer(model, args.loss, output_name=args.output_name, optimizer=_optimizer(args),
                       frozen=args.frozen, clip_norm=args.clip_norm,
                       accumulation_steps=args.accumulate, device=args.device, seed=args.seed,
                       progress=not args.no_progress)
+    checked = trainer.check_data({xin: x, trainer.target_name: y}, args.data,
+                                 shown={xin: "x", trainer.target_name: "y"})
+    x, y = checked[xin], checked[trainer.target_name]
     order = np.random.default_rng(args.seed).permutation(len(x))
     n_val = int(round(len(x) * args.val_split))
     val_idx, train_idx = order[:n_val], order[n_val:]
@@ -149,7 +155,13 @@ def cmd_train(args, out) -> int:
                 checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
                 resume=args.resume)
     secs = time.perf_counter() - t0
-    trainer.export(args.output)
+    try:
+        trainer.export(args.output)
+    except WriteError as exc:
+        kept = (f"the checkpoint {args.checkpoint} holds step {trainer.step_count}"
+                if args.checkpoint else "the trained weights were not saved (--checkpoint keeps "
+                "them when an export fails)")
+        raise WriteError(args.output, f"{exc.reason}; {kept}", exc.errno) from exc
     report = {"train": trainer.evaluate(train)}
     if val:
         report["validation"] = trainer.evaluate(val)

@@ -17,11 +17,13 @@ nodes, not initializers, so they are never mistaken for trainable parameters.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from ..errors import DataError, InvalidArgumentError
+from ..storage import EXTERNAL_DATA_ABOVE, load_model, tensor_nbytes
 
 LOSSES = ("mse", "l1", "cross_entropy", "bce")
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
@@ -29,13 +31,39 @@ _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorPro
 
 def load(model) -> onnx.ModelProto:
     """A private copy of ``model`` (a ModelProto or a path)."""
-    if isinstance(model, (str, os.PathLike)):
-        return onnx.load(os.fspath(model))
     if not isinstance(model, onnx.ModelProto):
-        raise TypeError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
+        return load_model(model)
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # not SerializeToString: that fails past 2 GB
     return copy
+
+
+def check_labels(labels, classes: int | None, ignore_index: int | None = None,
+                 name: str = "target") -> np.ndarray:
+    """Class labels as int64, or a :class:`DataError` naming the first bad label and its row:
+    a fraction or NaN (never truncated), a negative label (never wrapped around), or one of
+    ``classes`` or more; ``ignore_index`` is always allowed. ``classes`` None: not known yet."""
+    a = np.asarray(labels)
+    if a.dtype.kind not in "iuf" or a.dtype == np.bool_:
+        raise DataError(f"{name}: class labels must be integers, not {a.dtype} values")
+
+    with np.errstate(invalid="ignore"):
+        frac = (~np.isfinite(a) | (a != np.round(a))) if a.dtype.kind == "f" else \
+            np.zeros(a.shape, bool)
+        keep = frac | (a == ignore_index if ignore_index is not None else False)
+        neg = (a < 0) & ~keep
+        big = (a >= classes) & ~keep if classes is not None else np.zeros(a.shape, bool)
+    bad = frac | neg | big
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = f"row {idx[0]}" + (f" (index {list(idx)})" if len(idx) > 1 else "")
+        why = ("is not a whole number (class labels are integers; a float label is never "
+               "truncated)" if frac[idx] else
+               "is negative" + ("" if ignore_index is None else
+                                f" and not ignore_index ({ignore_index})") if neg[idx] else
+               f"is out of range: the model has {classes} classes (labels 0 to {classes - 1})")
+        raise DataError(f"{name}: label {a[idx].item()!r} at {where} {why}")
+    return a.astype(np.int64, copy=False)
 
 
 def opset_of(model: onnx.ModelProto) -> int:
@@ -69,7 +97,7 @@ def _output_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
         if v.name == name:
             return v.type
     outs = [o.name for o in model.graph.output]
-    raise ValueError(f"no output named {name!r} in the model (its outputs: {outs})")
+    raise InvalidArgumentError(f"no output named {name!r} in the model (its outputs: {outs})")
 
 
 def _target_dims(dims, drop_axis=None):
@@ -99,23 +127,24 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     ``weight`` (class weights [C]) and ``ignore_index`` are for cross_entropy; ``pos_weight``
     ([C] or a scalar) for bce."""
     if kind not in LOSSES:
-        raise ValueError(f"loss={kind!r} is not one of {', '.join(map(repr, LOSSES))}")
+        raise InvalidArgumentError(f"loss={kind!r} is not one of {', '.join(map(repr, LOSSES))}")
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction={reduction!r} is not one of 'mean', 'sum'")
+        raise InvalidArgumentError(f"reduction={reduction!r} is not one of 'mean', 'sum'")
     if weight is not None and kind != "cross_entropy" or ignore_index is not None and \
             kind != "cross_entropy":
-        raise ValueError("weight and ignore_index apply to the cross_entropy loss only")
+        raise InvalidArgumentError("weight and ignore_index apply to the cross_entropy loss only")
     if pos_weight is not None and kind != "bce":
-        raise ValueError("pos_weight applies to the bce loss only")
+        raise InvalidArgumentError("pos_weight applies to the bce loss only")
     m = load(model)
     if not m.graph.output:
-        raise ValueError("the model has no outputs")
+        raise InvalidArgumentError("the model has no outputs")
     output_name = output_name or m.graph.output[0].name
     otype = _output_type(m, output_name)
     elem = otype.tensor_type.elem_type
     if elem not in _FLOATS:
-        raise ValueError(f"output {output_name!r} is {TensorProto.DataType.Name(elem)}, not a "
-                         "float tensor: a loss needs float predictions")
+        raise InvalidArgumentError(
+            f"output {output_name!r} is {TensorProto.DataType.Name(elem)}, not a "
+            "float tensor: a loss needs float predictions")
     dims = list(otype.tensor_type.shape.dim) if otype.tensor_type.HasField("shape") else None
     np_dtype = helper.tensor_dtype_to_np_dtype(elem)
     if kind == "cross_entropy" and opset_of(m) < 13:
@@ -149,8 +178,9 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     y = output_name
     if kind == "cross_entropy":
         if dims is not None and len(dims) < 2:
-            raise ValueError(f"cross_entropy needs logits [N, C, ...]; {output_name!r} has rank "
-                             f"{len(dims)}")
+            raise InvalidArgumentError(
+                f"cross_entropy needs logits [N, C, ...]; {output_name!r} has rank "
+                f"{len(dims)}")
         tdims = None if dims is None else _target_dims(dims, drop_axis=1)
         tin = helper.make_tensor_value_info(target, TensorProto.INT64, tdims)
         ins = [y, target]
@@ -187,7 +217,7 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     g.node.extend(nodes)
     g.input.append(tin)
     g.output.append(helper.make_tensor_value_info(loss, elem, []))
-    if m.ByteSize() < 2**31 - 2**20:  # the checker takes a path past 2 GB
+    if sum(map(tensor_nbytes, g.initializer)) < EXTERNAL_DATA_ABOVE:  # past 2 GB it needs a path
         onnx.checker.check_model(m)
     return m
 

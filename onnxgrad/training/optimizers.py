@@ -22,11 +22,35 @@ g = g * min(1, max_norm / (total_norm + 1e-6)).
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from ..errors import ArgumentTypeError, InvalidArgumentError
+
+
+def check_number(owner: str, name: str, value, low: float = 0.0, high: float = math.inf,
+                 high_open: bool = False) -> float:
+    """``value`` as a float, or an error naming ``owner.name``: it must be a finite real number
+    in [low, high] ([low, high) with ``high_open``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{owner}: {name}={value!r} must be a number")
+    v = float(value)
+    if not math.isfinite(v) or v < low or v > high or (high_open and v == high):
+        span = (f"in [{low:g}, {high:g}{')' if high_open else ']'}" if math.isfinite(high)
+                else f">= {low:g}")
+        raise InvalidArgumentError(f"{owner}: {name}={value!r} must be a finite number {span}")
+    return v
+
+
+def check_flag(owner: str, name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{owner}: {name}={value!r} must be True or False")
+    return bool(value)
 
 
 class Builder:
@@ -138,10 +162,13 @@ class SGD(Optimizer):
     nesterov: bool = False
 
     def __post_init__(self):
+        for name in ("lr", "momentum", "weight_decay"):
+            setattr(self, name, check_number("SGD", name, getattr(self, name)))
+        self.dampening = check_number("SGD", "dampening", self.dampening, 0.0, 1.0)
+        self.nesterov = check_flag("SGD", "nesterov", self.nesterov)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ValueError("nesterov momentum requires a momentum and zero dampening")
-        if self.lr < 0 or self.momentum < 0 or self.weight_decay < 0:
-            raise ValueError(f"invalid SGD hyper-parameters: {self}")
+            raise InvalidArgumentError("SGD: nesterov momentum requires a momentum and zero "
+                                       "dampening")
         self.slots = ("momentum_buffer",) if self.momentum != 0 else ()
 
     def _scalars(self, b, sc, T):
@@ -185,11 +212,17 @@ class Adam(Optimizer):
     decoupled = False
 
     def __post_init__(self):
-        b1, b2 = self.betas
-        if not (0 <= b1 < 1 and 0 <= b2 < 1) or self.eps < 0 or self.lr < 0 or \
-                self.weight_decay < 0:
-            raise ValueError(f"invalid {type(self).__name__} hyper-parameters: {self}")
-        self.betas = (float(b1), float(b2))
+        kind = type(self).__name__
+        try:
+            b1, b2 = self.betas
+        except (TypeError, ValueError):
+            raise ArgumentTypeError(f"{kind}: betas={self.betas!r} must be a pair of numbers") \
+                from None
+        self.betas = (check_number(kind, "betas[0]", b1, 0.0, 1.0, high_open=True),
+                      check_number(kind, "betas[1]", b2, 0.0, 1.0, high_open=True))
+        for name in ("lr", "eps", "weight_decay"):
+            setattr(self, name, check_number(kind, name, getattr(self, name)))
+        self.amsgrad = check_flag(kind, "amsgrad", self.amsgrad)
         self.slots = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
 
     def _scalars(self, b, sc):
@@ -251,7 +284,8 @@ def make_optimizer(name: str, **kw) -> Optimizer:
     try:
         return OPTIMIZERS[name.lower()](**kw)
     except KeyError:
-        raise ValueError(f"optimizer={name!r} is not one of {', '.join(OPTIMIZERS)}") from None
+        raise InvalidArgumentError(f"optimizer={name!r} is not one of "
+                                   f"{', '.join(OPTIMIZERS)}") from None
 
 
 def clip_grad_norm(b: Builder, grads: list[str], dtypes: list[int], max_norm: float) -> list[str]:

@@ -27,7 +27,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..autodiff import gradients
 from .losses import _taken, load
-from .optimizers import AdamW, Builder, Optimizer, Scalars, Slot, clip_grad_norm
+from ..errors import ArgumentTypeError, InvalidArgumentError
+from .optimizers import AdamW, Builder, Optimizer, Scalars, Slot, check_number, clip_grad_norm
 
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 
@@ -85,29 +86,30 @@ def _resolve_params(m: onnx.ModelProto, params, frozen) -> tuple[list[str], list
     frozen = list(frozen or [])
     for f in frozen:
         if f not in inits:
-            raise ValueError(f"frozen: no initializer named {f!r}")
+            raise InvalidArgumentError(f"frozen: no initializer named {f!r}")
     if params is None:
         chosen = [n for n in float_initializers(m) if n not in set(frozen)]
     else:
         chosen = [params] if isinstance(params, str) else list(params)
         for p in chosen:
             if p not in inits:
-                raise ValueError(f"params: {p!r} is not an initializer of the model")
+                raise InvalidArgumentError(f"params: {p!r} is not an initializer of the model")
             if inits[p].data_type not in _FLOATS:
-                raise ValueError(f"params: {p!r} is not a float tensor")
+                raise InvalidArgumentError(f"params: {p!r} is not a float tensor")
         chosen = [p for p in chosen if p not in set(frozen)]
     if len(set(chosen)) != len(chosen):
-        raise ValueError("params: a name is listed twice")
+        raise InvalidArgumentError("params: a name is listed twice")
     return chosen, frozen
 
 
 def _check_loss(m: onnx.ModelProto, loss: str):
     if not isinstance(loss, str):
-        raise TypeError(f"loss must be the name of a scalar tensor, not {loss!r}")
+        raise ArgumentTypeError(f"loss must be the name of a scalar tensor, not {loss!r}")
     names = {o.name for o in m.graph.output} | {o for n in m.graph.node for o in n.output}
     if loss not in names:
         outs = [o.name for o in m.graph.output]
-        raise ValueError(f"loss: no tensor named {loss!r} in the model (its outputs: {outs})")
+        raise InvalidArgumentError(f"loss: no tensor named {loss!r} in the model (its outputs: "
+                                   f"{outs})")
 
 
 def _params_to_inputs(m: onnx.ModelProto, params: list[str]) -> dict[str, np.ndarray]:
@@ -195,8 +197,8 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
     _expose_pool_indices(m)
     chosen, frozen = _resolve_params(m, params, frozen)
     if not chosen:
-        raise ValueError("no parameters to train: the model has no float initializers "
-                         "(or all are frozen)")
+        raise InvalidArgumentError("no parameters to train: the model has no float initializers "
+                                   "(or all are frozen)")
     # the parameters become graph inputs first: gradients() then sees a small model (no weight
     # data, whatever the model's size) and the step graph reads them as inputs
     values = _params_to_inputs(m, chosen)
@@ -206,7 +208,7 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
     grads = [g for g in res.grads if g is not None]
     unconnected = [p for p, g in zip(chosen, res.grads) if g is None]
     if not params_ok:
-        raise ValueError(f"the loss {loss!r} depends on none of the parameters {chosen}")
+        raise InvalidArgumentError(f"the loss {loss!r} depends on none of the parameters {chosen}")
     if unconnected:  # no gradient: they stay constants (initializers), as torch leaves them
         ins = [v for v in gm.graph.input if v.name not in set(unconnected)]
         del gm.graph.input[:]
@@ -248,8 +250,10 @@ def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
     sc = Scalars(b, lr, step)
     dtypes = [_dtype_of(gm, p) for p in desc.params]
     if clip_norm is not None:
-        if not clip_norm > 0:
-            raise ValueError(f"clip_norm={clip_norm!r} must be positive")
+        clip_norm = check_number("clip_norm", "clip_norm", clip_norm)
+        if clip_norm == 0:
+            raise InvalidArgumentError("clip_norm=0 would zero every gradient: give a positive "
+                                       "norm, or None for no clipping")
         b.prefix = "optimizer/clip"
         grads = clip_grad_norm(b, grads, dtypes, float(clip_norm))
     state_in, state_out, state_of, p_out = [], [], [], []

@@ -17,8 +17,10 @@ rounding), then the optimizer graph applies them once. The reported loss is sum(
 
 A non-finite loss raises :class:`NonFiniteLossError` naming the step; the step's updates are not
 applied. Checkpoints (npz: parameters, optimizer state, step, epoch position, the shuffling RNG's
-state, the loss history) are written atomically, and a resumed ``fit`` reproduces the
-uninterrupted run bit for bit on CPU.
+state, the loss history, and a manifest of each array's dtype, shape and SHA-256) are written
+atomically and only with finite values, checked in full before anything is restored, and a
+resumed ``fit`` reproduces the uninterrupted run bit for bit on CPU. Data is checked before the
+first step: finite values, and class labels in range (see losses.check_labels).
 """
 from __future__ import annotations
 
@@ -31,22 +33,16 @@ import onnx
 from onnx import numpy_helper
 
 from .. import runtime
-from .losses import LOSSES, attach_loss, load
+from ..errors import (CheckpointError, DataError, InvalidArgumentError, NonFiniteError,
+                      NonFiniteLossError, WriteError)
+from .losses import LOSSES, attach_loss, check_labels, load
+from .optimizers import check_number
 from .optimizers import AdamW, Optimizer
 from .step import (_params_to_inputs, _prune, build_accumulate_model,
                    build_apply_model, build_gradient_model, build_train_step, with_defaults)
 
-CHECKPOINT_FORMAT = "onnxgrad-checkpoint-1"
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss was NaN or infinite; ``step`` is the number of the step (1 first)."""
-
-    def __init__(self, step: int, loss: float):
-        super().__init__(f"the loss is {loss} at step {step}: training stopped (the updates of "
-                         f"step {step} were not applied; lower the learning rate, clip the "
-                         "gradients or check the data)")
-        self.step, self.loss = step, loss
+CHECKPOINT_FORMAT = "onnxgrad-checkpoint-2"  # -1: the same without a manifest (still read)
+_CHECKPOINT_FORMATS = ("onnxgrad-checkpoint-1", CHECKPOINT_FORMAT)
 
 
 def cores() -> int:
@@ -119,17 +115,22 @@ class Trainer:
             self.loss_kind = loss
         else:
             if loss_options or output_name:
-                raise ValueError(f"loss={loss!r} names a tensor of the model: output_name and "
-                                 "loss_options apply to loss kinds only "
-                                 f"({', '.join(LOSSES)})")
+                raise InvalidArgumentError(
+                    f"loss={loss!r} names a tensor of the model: output_name and "
+                    "loss_options apply to loss kinds only "
+                    f"({', '.join(LOSSES)})")
             self.loss_model, self.loss_name, self.loss_kind = self.model, loss, None
         self.output_name = output_name or self.model.graph.output[0].name
+        self._ignore_index = (loss_options or {}).get("ignore_index")
+        self._classes = None  # cross_entropy: the logits' dim 1, once known
         self.target_name = (self.loss_model.graph.input[-1].name if self.loss_kind else None)
         self.optimizer = optimizer or AdamW()
         self.clip_norm = clip_norm
         self.lr_schedule = lr_schedule
-        if int(accumulation_steps) < 1:
-            raise ValueError(f"accumulation_steps={accumulation_steps!r} must be at least 1")
+        if isinstance(accumulation_steps, bool) or not isinstance(
+                accumulation_steps, (int, np.integer)) or accumulation_steps < 1:
+            raise InvalidArgumentError(f"accumulation_steps={accumulation_steps!r} must be an "
+                                       "integer >= 1")
         self.accumulation_steps = int(accumulation_steps)
         self.device = "cuda" if runtime.providers(device)[0].startswith("CUDA") else "cpu"
         self.threads = threads or cores()
@@ -171,6 +172,8 @@ class Trainer:
         init = dict(desc.initial_params)
         init.update(desc.initial_state(init))
         names = self.params + self.state_names
+        self._specs = {n: (init[n].dtype, init[n].shape) for n in names}  # what a checkpoint holds
+        self._last_checkpoint = None  # (path, step) of the last checkpoint written
         self._sets = [[self._new(init[n]) for n in names] for _ in range(2)]
         self._cur = 0
         self._lr = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float64))
@@ -227,12 +230,14 @@ class Trainer:
 
     # -- stepping --------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
-        return float(self.lr_schedule(step) if self.lr_schedule else self.optimizer.lr)
+        lr = self.lr_schedule(step) if self.lr_schedule else self.optimizer.lr
+        what = f"the lr_schedule at step {step}" if self.lr_schedule else "the optimizer"
+        return check_number(what, "lr", lr)
 
     def _feed(self, binding, batch: dict):
         for name in self.data_inputs:
             if name not in batch:
-                raise KeyError(f"the batch has no {name!r} (the step reads {self.data_inputs})")
+                raise DataError(f"the batch has no {name!r} (the step reads {self.data_inputs})")
             binding.bind_cpu_input(name, np.ascontiguousarray(batch[name],
                                                               self._input_dtypes[name]))
 
@@ -243,6 +248,48 @@ class Trainer:
 
     def step(self, batch: dict) -> float:
         """One optimizer step on ``batch`` ({input name: array}); returns the loss."""
+        return self._step(self.check_data(batch, "batch"))
+
+    def check_data(self, data: dict, what: str = "data", shown: dict | None = None) -> dict:
+        """``data`` with its float arrays finite and its class labels valid (as int64), or a
+        :class:`DataError` naming the array (``shown`` maps input names to the names the user
+        knows) and the row."""
+        out = dict(data)
+        for k in self.data_inputs:
+            if k not in data:
+                continue
+            v, label = np.asarray(data[k]), f"{what} {(shown or {}).get(k, k)!r}"
+            if k == self.target_name and self.loss_kind == "cross_entropy":
+                out[k] = check_labels(v, self._num_classes(data), self._ignore_index, label)
+            elif v.dtype.kind == "f" and not np.isfinite(v).all():
+                idx = tuple(int(i) for i in np.argwhere(~np.isfinite(v))[0])
+                raise DataError(f"{label}: {v[idx]} at row {idx[0]}"
+                                + (f" (index {list(idx)})" if len(idx) > 1 else "")
+                                + ": training data must be finite")
+            elif v.dtype.kind == "f" and self._input_dtypes.get(k) is not None and \
+                    np.dtype(self._input_dtypes[k]).kind in "iub":
+                raise DataError(f"{label} holds {v.dtype} values but the model reads "
+                                f"{np.dtype(self._input_dtypes[k])}: convert it explicitly")
+        return out
+
+    def _num_classes(self, data: dict) -> int | None:
+        """The number of classes of the cross_entropy logits: their static dim 1, or else that
+        of one row of ``data`` run through the model."""
+        if self._classes is None:
+            shape = self._input_shapes.get(self.target_name)
+            for o in self.loss_model.graph.output:
+                if o.name == self.output_name and o.type.tensor_type.HasField("shape"):
+                    dims = o.type.tensor_type.shape.dim
+                    if len(dims) > 1 and dims[1].HasField("dim_value"):
+                        self._classes = dims[1].dim_value
+            feeds = [k for k in self.data_inputs if k != self.target_name]
+            if self._classes is None and shape is not None and all(k in data for k in feeds):
+                out = self.predict({k: np.asarray(data[k])[:1] for k in feeds},
+                                   outputs=[self.output_name])[0]
+                self._classes = int(out.shape[1]) if out.ndim > 1 else None
+        return self._classes
+
+    def _step(self, batch: dict) -> float:
         n = self.step_count + 1
         self._lr.update_inplace(np.array(self.lr_at(n), np.float64))
         self._stepv.update_inplace(np.array(n, np.int64))
@@ -299,15 +346,19 @@ class Trainer:
         ``checkpoint_every`` steps when given. resume: a checkpoint to continue from (the same
         data, epochs and batch size reproduce the uninterrupted run). callback(trainer, loss)
         runs after every step. Returns the losses of the steps this call took."""
-        arrays = {k: np.ascontiguousarray(data[k], self._input_dtypes.get(k))
-                  for k in self.data_inputs if k in data}
         missing = [k for k in self.data_inputs if k not in data]
         if missing:
-            raise KeyError(f"data has no {missing} (the step reads {self.data_inputs})")
+            raise DataError(f"data has no {missing} (the step reads {self.data_inputs})")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
+                batch_size < 1:
+            raise InvalidArgumentError(f"batch_size={batch_size!r} must be an integer >= 1")
+        checked = self.check_data(data)
+        arrays = {k: np.ascontiguousarray(checked[k], self._input_dtypes.get(k))
+                  for k in self.data_inputs}
         sizes = {len(v) for v in arrays.values()}
         if len(sizes) != 1:
-            raise ValueError(f"data arrays have different numbers of rows: "
-                             f"{ {k: len(v) for k, v in arrays.items()} }")
+            raise DataError(f"data arrays have different numbers of rows: "
+                            f"{ {k: len(v) for k, v in arrays.items()} }")
         rows = sizes.pop()
         for k, v in arrays.items():
             want = self._input_shapes.get(k)
@@ -315,13 +366,13 @@ class Trainer:
                     isinstance(w, int) and w != d for w, d in zip(want[1:], v.shape[1:]))):
                 shown = [w if isinstance(w, int) else "N" if i == 0 else "?"
                          for i, w in enumerate(want)]
-                raise ValueError(f"data {k!r} has shape {list(v.shape)}, but the step reads "
-                                 f"{k!r} shaped {shown}" + (
-                                     f" (the {self.loss_kind} loss wants targets shaped like "
-                                     f"output {self.output_name!r})"
-                                     if k == self.target_name else ""))
-        if batch_size < 1 or rows == 0:
-            raise ValueError("need batch_size >= 1 and at least one row of data")
+                raise DataError(f"data {k!r} has shape {list(v.shape)}, but the step reads "
+                                f"{k!r} shaped {shown}" + (
+                                f" (the {self.loss_kind} loss wants targets shaped like "
+                                f"output {self.output_name!r})"
+                                if k == self.target_name else ""))
+        if rows == 0:
+            raise DataError("the data has no rows")
         if resume:
             self.load_checkpoint(resume)
         epoch0, batch0, order = self._pos
@@ -340,24 +391,38 @@ class Trainer:
                     if len(losses) == todo:
                         return losses
                     idx = order[bi * batch_size:(bi + 1) * batch_size]
-                    loss = self.step({k: v[idx] for k, v in arrays.items()})
+                    loss = self._step({k: v[idx] for k, v in arrays.items()})
                     losses.append(loss)
                     self._pos = (epoch, bi + 1, order)
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix_str(f"loss {loss:.4g} epoch {epoch + 1}", refresh=False)
                     if checkpoint and checkpoint_every and self.step_count % checkpoint_every == 0:
-                        self.save_checkpoint(checkpoint)
+                        self._save_during_fit(checkpoint)
                     if callback is not None:
                         callback(self, loss)
                 self._pos = (epoch + 1, 0, None)
                 batch0, order = 0, None
                 if checkpoint:
-                    self.save_checkpoint(checkpoint)
+                    self._save_during_fit(checkpoint)
         finally:
             if bar is not None:
                 bar.close()
         return losses
+
+    def _save_during_fit(self, path) -> None:
+        """A checkpoint in fit: a failed write stops the run with an error that says which
+        checkpoint is intact (the trainer still holds this step's values)."""
+        try:
+            self.save_checkpoint(path)
+        except (WriteError, NonFiniteError) as exc:
+            last = self._last_checkpoint
+            kept = (f"{last[0]} still holds step {last[1]}" if last and last[0] == path
+                    else f"{path} is unchanged")
+            stopped = f"training stopped at step {self.step_count}, {kept}"
+            if isinstance(exc, WriteError):
+                raise WriteError(path, f"{exc.reason}; {stopped}", exc.errno) from exc
+            raise NonFiniteError(f"{exc}; {stopped}") from exc
 
     # -- reading the model -----------------------------------------------------------------
     def parameters(self) -> dict[str, np.ndarray]:
@@ -382,7 +447,7 @@ class Trainer:
             if n in self.params:
                 continue
             if n not in feeds:
-                raise KeyError(f"no value for input {n!r}")
+                raise DataError(f"no value for input {n!r}")
             b.bind_cpu_input(n, np.ascontiguousarray(feeds[n], types[n]))
         for o in outputs:
             b.bind_output(o, "cpu")
@@ -420,7 +485,10 @@ class Trainer:
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, path) -> None:
         """Write parameters, optimizer state, step, fit position, RNG state and loss history to
-        ``path`` (npz) atomically: a temporary file in the same folder, then a rename."""
+        ``path`` (npz) atomically: a temporary file in the same folder, then a rename. A manifest
+        records each array's dtype, shape and SHA-256, which :meth:`load_checkpoint` checks.
+        Non-finite parameters or state are never written (a :class:`NonFiniteError`; the file
+        already at ``path`` stays as it was)."""
         path = os.fspath(path)
         epoch, batch, order = self._pos
         k = len(self.params)
@@ -443,36 +511,86 @@ class Trainer:
             arrays[f"param_{i}"] = ov.numpy()
         for j, ov in enumerate(cur[k:]):
             arrays[f"state_{j}"] = ov.numpy()
-        with runtime.atomic_path(path, ".npz") as tmp, open(tmp, "wb") as f:
+        names = self.params + self.state_names
+        for key, name in zip([f"param_{i}" for i in range(k)] +
+                             [f"state_{j}" for j in range(len(cur) - k)], names):
+            _require_finite(arrays[key], name, f"not writing the checkpoint {path}")
+        arrays["manifest"] = np.array(json.dumps(
+            {key: _describe(a) for key, a in arrays.items()}, sort_keys=True))
+        with runtime.atomic_path(path) as tmp, open(tmp, "wb") as f:
             np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
+        self._last_checkpoint = (path, self.step_count)
 
     def load_checkpoint(self, path) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (the same model, params and optimizer)."""
-        with np.load(os.fspath(path), allow_pickle=False) as z:
-            if "format" not in z or str(z["format"]) != CHECKPOINT_FORMAT:
-                raise ValueError(f"{path}: not an onnxgrad checkpoint")
-            pn, sn = list(z["param_names"]), list(z["state_names"])
-            if pn != self.params or sn != self.state_names:
-                raise ValueError(f"{path}: the checkpoint's parameters/state ({pn}, {sn}) do not "
-                                 f"match this trainer's ({self.params}, {self.state_names})")
-            cur = self._sets[self._cur]
-            for i, ov in enumerate(cur[:len(pn)]):
-                ov.update_inplace(np.ascontiguousarray(z[f"param_{i}"]))
-            for j, ov in enumerate(cur[len(pn):]):
-                ov.update_inplace(np.ascontiguousarray(z[f"state_{j}"]))
-            self.step_count = int(z["step"])
-            self.rng.bit_generator.state = json.loads(str(z["rng"]))
-            self.history = [float(x) for x in z["history"]]
-            order = np.array(z["order"]) if bool(z["has_order"]) else None
-            self._pos = (int(z["epoch"]), int(z["batch"]), order)
+        """Restore what :meth:`save_checkpoint` wrote (the same model, params and optimizer).
+
+        Everything is checked before anything is restored: the file is a readable checkpoint,
+        complete and intact (each array's SHA-256), made for these parameters and this state
+        (names, dtypes, shapes), with finite values; otherwise a :class:`CheckpointError` says
+        what is wrong and the trainer is unchanged."""
+        path = os.fspath(path)
+        arrays = _read_checkpoint(path)
+        fmt = str(arrays["format"]) if "format" in arrays else None
+        if fmt not in _CHECKPOINT_FORMATS:
+            raise CheckpointError(f"{path}: not an onnxgrad checkpoint (format {fmt!r})")
+        needed = ["param_names", "state_names", "step", "epoch", "batch", "order", "has_order",
+                  "rng", "history"]
+        if fmt == CHECKPOINT_FORMAT:
+            if "manifest" not in arrays:
+                raise CheckpointError(f"{path}: incomplete checkpoint (no manifest)")
+            manifest = json.loads(str(arrays["manifest"]))
+            for key, want in manifest.items():
+                if key not in arrays:
+                    raise CheckpointError(f"{path}: incomplete checkpoint ({key!r} is missing)")
+                if _describe(arrays[key]) != want:
+                    raise CheckpointError(f"{path}: corrupt checkpoint ({key!r} does not match "
+                                          "its recorded dtype, shape and SHA-256)")
+        missing = [key for key in needed if key not in arrays]
+        if missing:
+            raise CheckpointError(f"{path}: incomplete checkpoint (no {missing})")
+        pn, sn = list(arrays["param_names"]), list(arrays["state_names"])
+        if pn != self.params or sn != self.state_names:
+            raise CheckpointError(f"{path}: the checkpoint's parameters/state ({pn}, {sn}) do "
+                                  f"not match this trainer's ({self.params}, "
+                                  f"{self.state_names})")
+        keys = [f"param_{i}" for i in range(len(pn))] + [f"state_{j}" for j in range(len(sn))]
+        values = []
+        for key, name in zip(keys, self.params + self.state_names):
+            if key not in arrays:
+                raise CheckpointError(f"{path}: incomplete checkpoint (no value for {name!r})")
+            a, (dtype, shape) = arrays[key], self._specs[name]
+            if a.dtype != dtype or a.shape != shape:
+                raise CheckpointError(f"{path}: {name!r} is {a.dtype} {list(a.shape)} in the "
+                                      f"checkpoint but {np.dtype(dtype)} {list(shape)} in this "
+                                      "model (a checkpoint of another model?)")
+            try:
+                _require_finite(a, name, "")
+            except NonFiniteError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
+            values.append(a)
+        try:
+            rng_state = json.loads(str(arrays["rng"]))
+            step, epoch, batch = (int(arrays[k]) for k in ("step", "epoch", "batch"))
+            history = [float(x) for x in arrays["history"]]
+            order = np.array(arrays["order"], np.int64) if bool(arrays["has_order"]) else None
+            probe = np.random.default_rng()
+            probe.bit_generator.state = rng_state
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CheckpointError(f"{path}: corrupt checkpoint ({exc})") from None
+        for ov, a in zip(self._sets[self._cur], values):
+            ov.update_inplace(np.ascontiguousarray(a))
+        self.step_count, self.history = step, history
+        self.rng.bit_generator.state = rng_state
+        self._pos = (epoch, batch, order)
 
     # -- export ----------------------------------------------------------------------------
     def trained_model(self) -> onnx.ModelProto:
-        """The original model with the trained parameters as its initializers."""
+        """The original model with the trained parameters as its initializers (a
+        :class:`NonFiniteError` if one holds NaN or inf)."""
         m = load(self.model)
         values = self.parameters()
+        for name, v in values.items():
+            _require_finite(v, name, "not exporting the model")
         for t in m.graph.initializer:
             if t.name in values:
                 t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
@@ -502,6 +620,32 @@ class Trainer:
             return None
         return self._sess.end_profiling() if self.accumulation_steps == 1 else \
             self._acc_sess.end_profiling()
+
+
+def _describe(a: np.ndarray) -> dict:
+    """What a checkpoint's manifest records of an array."""
+    import hashlib
+    return {"dtype": a.dtype.str, "shape": list(a.shape),
+            "sha256": hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()}
+
+
+def _require_finite(a: np.ndarray, name: str, doing: str) -> None:
+    if a.dtype.kind == "f" and not np.isfinite(a).all():
+        bad = int(np.count_nonzero(~np.isfinite(a)))
+        raise NonFiniteError(f"{name!r} holds {bad} NaN or infinite value"
+                             f"{'s' if bad > 1 else ''}" + (f": {doing}" if doing else ""))
+
+
+def _read_checkpoint(path: str) -> dict:
+    import zipfile
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such checkpoint")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, TypeError) as exc:
+        raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt: "
+                              f"{exc})") from None
 
 
 def _np_dtype(ort_type: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import ChainMap
 from dataclasses import dataclass
 
@@ -351,24 +352,33 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
         graph_def, "__fspath__") else graph_def
     if not outputs:
         raise ConversionError("outputs: name the tensors to convert, e.g. outputs=['y:0']")
+    opset = _check_opset(opset)
     outputs = list(dict.fromkeys(  # a tensor named twice is one output
-        _ref(o) for o in ([outputs] if isinstance(outputs, str) else outputs)))
+        _ref(o, "output") for o in ([outputs] if isinstance(outputs, str) else outputs)))
+    if not gd.node:
+        raise ConversionError("the GraphDef has no nodes (an empty graph, or not a GraphDef)")
     g = Graph(gd)
     for o in outputs:
         nm, idx = split_ref(o)
         if nm not in g.nodes:
             raise ConversionError(f"output {o!r}: the graph has no node {nm!r}")
-    c = Converter(g, opset or DEFAULT_OPSET)
-    feeds = [_ref(i) for i in ([inputs] if isinstance(inputs, str) else inputs or [])]
+    c = Converter(g, DEFAULT_OPSET)
+    feeds = [_ref(i, "input") for i in ([inputs] if isinstance(inputs, str) else inputs or [])]
+    read = {r for n in g.nodes.values() for r in n.inputs}
     for ref in feeds:
-        nm, _ = split_ref(ref)
+        nm, idx = split_ref(ref)
         if nm not in g.nodes:
             raise ConversionError(f"input {ref!r}: the graph has no node {nm!r}")
         n = g.nodes[nm]
+        if idx > 0 and ref not in read:
+            raise ConversionError(f"input {ref!r}: no node reads output {idx} of {n} (does it "
+                                  "have one?)")
         dt = n.attr.get("dtype") or n.attr.get("T")
         if dt is None:
             raise ConversionError(f"input {ref!r}: cannot tell the dtype of {n}")
         shape = proto.shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
+        if n.op == "Const" and "value" in n.attr:  # a frozen value fed instead: its own shape
+            shape = list(proto.tensor_to_numpy(n.attr["value"].tensor).shape)
         c.fresh(ref)
         c.scope.inputs.append(helper.make_tensor_value_info(
             ref, onnx_dtype(dt.type, n),
@@ -380,19 +390,39 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
     nodes = [n for n in _needed(g, outputs) if f"{n.name}:0" not in c.env]
     c.convert_nodes((), nodes)
     for o in outputs:
+        nm, idx = split_ref(o)
+        if o not in c.env and f"{nm}:0" in c.env:
+            raise ConversionError(f"output {o!r}: {g.nodes[nm]} has no output {idx}")
         v = c.value(o)
         if not isinstance(v, str) or v in c.seq_of:
             raise ConversionError(f"output {o!r} is a TensorArray/stack handle or flow, not a tensor")
         c.scope.nodes.append(helper.make_node("Identity", [v], [o], name=c.fresh(o + "/output")))
         c.scope.outputs.append(helper.make_empty_tensor_value_info(o))
-    return _finish(c, name)
+    return _finish(c, name, opset)
 
 
-def _ref(name: str) -> str:
-    return name if ":" in name else f"{name}:0"
+def _ref(name, what: str) -> str:
+    if not isinstance(name, str):
+        raise ConversionError(f"{what} {name!r}: tensor names are strings, such as 'y:0'")
+    ref = name if ":" in name else f"{name}:0"
+    if not re.fullmatch(r"[^:]+:\d+", ref):
+        raise ConversionError(f"{what} {name!r} is not a tensor name (node:index, e.g. 'y:0')")
+    return ref
 
 
-def _finish(c: Converter, name: str) -> onnx.ModelProto:
+def _check_opset(opset) -> int:
+    """The converter writes opset-18 forms (Reduce* with axes inputs, ...); another opset is
+    reached with onnx's version converter, and the result is checked, so an opset too old for
+    the graph is an error, never an invalid model."""
+    if opset is None:
+        return DEFAULT_OPSET
+    newest = onnx.defs.onnx_opset_version()
+    if isinstance(opset, bool) or not isinstance(opset, int) or not 1 <= opset <= newest:
+        raise ConversionError(f"opset {opset!r}: the installed onnx knows opsets 1 to {newest}")
+    return opset
+
+
+def _finish(c: Converter, name: str, opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
     import onnx_ir as ir
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
@@ -431,7 +461,20 @@ def _finish(c: Converter, name: str) -> onnx.ModelProto:
                                   "tensor of known rank)")
         out.type.CopyFrom(vi.type)
     onnx.checker.check_model(m)
-    return m
+    return m if opset == c.opset else _to_opset(m, opset)
+
+
+def _to_opset(m: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    try:
+        out = onnx.version_converter.convert_version(m, opset)
+        onnx.checker.check_model(out, full_check=True)
+    except Exception as e:  # noqa: BLE001  (the converter and checker raise several kinds)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0].split("failed: ")[-1]
+        raise ConversionError(f"opset {opset}: the converter writes opset {DEFAULT_OPSET} and "
+                              f"onnx's version converter cannot bring this graph to opset "
+                              f"{opset} ({why})") from None
+    return out
+
 
 
 def _tf_shapes(c: Converter) -> dict:

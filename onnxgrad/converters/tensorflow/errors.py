@@ -1,2 +1,5 @@
-class ConversionError(ValueError):
+from ...errors import OnnxgradError
+
+
+class ConversionError(OnnxgradError, ValueError):
     """A TensorFlow graph that cannot be converted; the message names the node and the reason."""

@@ -268,15 +268,22 @@ _TEXT_SUFFIXES = (".pbtxt", ".pbtext", ".txt", ".prototxt")
 
 
 def _parse(msg_cls, data: bytes, text: bool, what: str):
+    from .errors import ConversionError
     msg = msg_cls()
+    if not data.strip():
+        raise ConversionError(f"{what} is empty, not a {msg_cls.__name__}")
     if text:
-        text_format.Parse(data.decode("utf-8"), msg, allow_unknown_field=True,
-                          allow_unknown_extension=True, descriptor_pool=POOL)
+        try:
+            text_format.Parse(data.decode("utf-8"), msg, allow_unknown_field=True,
+                              allow_unknown_extension=True, descriptor_pool=POOL)
+        except (text_format.ParseError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{what} is not a text-format {msg_cls.__name__}: {e}") \
+                from None
     else:
         try:
             msg.ParseFromString(data)
         except message.DecodeError as e:
-            raise ValueError(f"{what} is not a binary {msg_cls.__name__}: {e}") from None
+            raise ConversionError(f"{what} is not a binary {msg_cls.__name__}: {e}") from None
     return msg
 
 
@@ -286,6 +293,9 @@ def _read(src, msg_cls, text: bool | None):
     if isinstance(src, (bytes, bytearray, memoryview)):
         return _parse(msg_cls, bytes(src), bool(text), "bytes")
     path = os.fspath(src)
+    if not os.path.exists(path):
+        from ...errors import ModelFileNotFoundError
+        raise ModelFileNotFoundError(path)
     with open(path, "rb") as f:
         data = f.read()
     if text is None:
