@@ -274,11 +274,11 @@ def _cmd_ops(args, out) -> int:
 # -- entry point -------------------------------------------------------------------------------
 def _describe(exc: BaseException) -> str | None:
     """The one-line message for an error a user can cause, or None for an unexpected one."""
-    from .errors import NotDifferentiableError
+    from .errors import DistributedError, MissingExtraError, NotDifferentiableError
 
     if isinstance(exc, UsageError):
         return str(exc)
-    if isinstance(exc, NotDifferentiableError):
+    if isinstance(exc, (NotDifferentiableError, DistributedError, MissingExtraError)):
         return str(exc)
     if isinstance(exc, FileNotFoundError):
         return f"{exc.filename or exc}: no such file"

@@ -17,3 +17,12 @@ class NotDifferentiableError(NotImplementedError):
             f"no gradient rule for op {op_type!r} (domain {dom!r}, opset {opset}) at node "
             f"{node_name!r}, which lies on the path {route}. If this input should be held "
             f"constant, pass one of the tensors on that path in stop_gradients.")
+
+
+class DistributedError(RuntimeError):
+    """Data-parallel training cannot go on: a rank died or hung (the message names it), the ranks
+    disagree (model, data, checkpoint), or the process group could not be formed."""
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it."""

@@ -5,6 +5,7 @@
                    [--lr LR] [--momentum M] [--weight-decay WD] [--clip-norm C]
                    [--accumulate K] [--val-split F] [--checkpoint CKPT] [--resume CKPT]
                    [--plot loss.png] [--device auto|cpu|cuda] [--seed S] [--no-progress]
+                   [--drop-last] [--distributed [--zero] [--timeout SECONDS]]
     onnxgrad export-train-step MODEL --loss ... -o step.onnx [--optimizer ...] [--lr ...]
 
 DATA.npz holds arrays ``x`` (the model's input, rows on axis 0) and ``y`` (the targets: int class
@@ -13,6 +14,7 @@ the exit status; errors are ValueError/KeyError/FileNotFoundError for the main C
 """
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -66,6 +68,17 @@ def add_train_parser(subparsers):
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--seed", type=int, default=0, help="shuffling and validation split seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--drop-last", action="store_true",
+                   help="skip each epoch's last batch when it is smaller than --batch-size")
+    d = p.add_argument_group("data parallel (start with torchrun; needs onnxgrad[distributed])")
+    d.add_argument("--distributed", action="store_true",
+                   help="train on every process torchrun started; --batch-size is the global "
+                   "batch, split between them")
+    d.add_argument("--zero", action="store_true",
+                   help="ZeRO stage 1: each process keeps 1/N of the optimizer state")
+    d.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop with an error naming a rank that died or hung this long "
+                   "(default 300)")
     p.set_defaults(func=cmd_train)
     return p
 
@@ -130,10 +143,18 @@ def cmd_train(args, out) -> int:
     if not 0 <= args.val_split < 1:
         raise ValueError(f"--val-split {args.val_split} must be in [0, 1)")
     xin = _data_input(model)
-    trainer = Trainer(model, args.loss, output_name=args.output_name, optimizer=_optimizer(args),
-                      frozen=args.frozen, clip_norm=args.clip_norm,
-                      accumulation_steps=args.accumulate, device=args.device, seed=args.seed,
-                      progress=not args.no_progress)
+    kw = dict(output_name=args.output_name, optimizer=_optimizer(args), frozen=args.frozen,
+              clip_norm=args.clip_norm, accumulation_steps=args.accumulate, device=args.device,
+              seed=args.seed, progress=not args.no_progress)
+    if args.distributed:  # every rank runs this; rank 0 reports and writes
+        from .distributed import DistributedTrainer
+        trainer = DistributedTrainer(model, args.loss, zero=args.zero,
+                                     timeout=300.0 if args.timeout is None else args.timeout, **kw)
+        out = out if trainer.rank == 0 else io.StringIO()
+    elif args.zero or args.timeout is not None:
+        raise ValueError("--zero and --timeout apply to --distributed training only")
+    else:
+        trainer = Trainer(model, args.loss, **kw)
     order = np.random.default_rng(args.seed).permutation(len(x))
     n_val = int(round(len(x) * args.val_split))
     val_idx, train_idx = order[:n_val], order[n_val:]
@@ -142,14 +163,17 @@ def cmd_train(args, out) -> int:
     print(f"training {os.path.basename(args.model)} on {len(train_idx)} rows"
           + (f" (+{n_val} validation)" if n_val else "")
           + f", {args.optimizer} lr {args.lr}, {args.epochs} epochs of batch {args.batch_size}, "
-          f"on {trainer.device}", file=out)
+          f"on {trainer.device}" + (f", {trainer.world_size} processes"
+                                    if hasattr(trainer, "world_size") else ""), file=out)
     import time
     t0 = time.perf_counter()
     trainer.fit(train, epochs=args.epochs, batch_size=args.batch_size,
                 checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
-                resume=args.resume)
+                resume=args.resume, drop_last=args.drop_last)
     secs = time.perf_counter() - t0
     trainer.export(args.output)
+    if getattr(trainer, "rank", 0):  # data parallel: rank 0 reports
+        return 0
     report = {"train": trainer.evaluate(train)}
     if val:
         report["validation"] = trainer.evaluate(val)
