@@ -20,7 +20,7 @@ from onnx import numpy_helper
 from dist_cases import CASES, MLP, digits, fit, trainer
 from onnxgrad.errors import DistributedError, MissingExtraError
 from onnxgrad.runtime import session
-from onnxgrad.training import AdamW, Trainer, attach_loss, build_gradient_model
+from onnxgrad.training import AdamW, attach_loss, build_gradient_model
 from onnxgrad.training.distributed import DistributedTrainer, plan_layout
 
 torch = pytest.importorskip("torch")
@@ -110,13 +110,20 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
             else:
                 assert np.array_equal(x, y), case
     # a ZeRO checkpoint is a plain one: it loads into one process, equal to the unsharded run's
-    plain, zero = Trainer(MLP, "cross_entropy"), Trainer(MLP, "cross_entropy")
+    plain, zero = trainer("resume_ref"), trainer("resume_ref")
     plain.load_checkpoint(runs / "resume_ref.ckpt.npz")
     zero.load_checkpoint(runs / "resume_ref_zero.ckpt.npz")
     assert plain.step_count == zero.step_count == 6
     for a, b in [(plain.parameters(), zero.parameters()),
                  (plain.optimizer_state(), zero.optimizer_state())]:
         assert all(np.array_equal(a[k], b[k]) for k in a)
+    # and it continues in one process as the 2-process run went on (positions are global)
+    fit("resume_ref_zero", zero)
+    params, state, history, steps, _ = saved(runs / "resume_ref_zero.npz")
+    assert zero.step_count == steps == 15
+    np.testing.assert_allclose(zero.history, history, rtol=1e-5)
+    close(zero.parameters(), params)
+    close(zero.optimizer_state(), state)
 
 
 def test_killed_rank_ends_the_job(tmp_path):

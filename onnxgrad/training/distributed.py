@@ -338,7 +338,8 @@ class DistributedTrainer(Trainer):
             self._nctrl + (self.zero and self.clip_norm is not None), np.float64)
         if self.zero:
             self._seg = [s // n for s in lay.sizes]
-            self._rflat = [self._tensor(s, d) for s, d in zip(self._seg, lay.dtypes)]
+            self._rflat = self._gflat if n == 1 else [self._tensor(s, d)
+                                                      for s, d in zip(self._seg, lay.dtypes)]
             self._pflat = [[self._tensor(s, d) for s, d in zip(lay.sizes, lay.dtypes)]
                            for _ in range(2)]
 
@@ -425,27 +426,31 @@ class DistributedTrainer(Trainer):
         ctrl[1 + self.rank] = 0.0 if math.isfinite(loss) else 1.0
         t0 = time.perf_counter()
         what = f"the gradient exchange of step {n}"
+        solo = self.world_size == 1  # nothing to exchange (with ZeRO, _rflat is _gflat)
         # blocking calls, bucket after bucket: gloo's async path costs twice the latency of a
         # small bucket here, and NCCL's blocking calls only enqueue on the stream anyway
         if self.zero:
-            self._group.call(what, lambda: [_reduce_scatter(dist, r, g)
-                                            for r, g in zip(self._rflat, self._gflat)])
+            if not solo:
+                self._group.call(what, lambda: [_reduce_scatter(dist, r, g)
+                                                for r, g in zip(self._rflat, self._gflat)])
             if self.clip_norm is not None:  # the squared norm of this rank's share
                 ctrl[-1] = sum(self._torch.linalg.vector_norm(
                     r, dtype=self._torch.float64).item() ** 2 for r in self._rflat)
-        else:
+        elif not solo:
             if self._ctrl_at is not None:
                 f, off = self._ctrl_at
                 self._gflat[f][off:off + self._nctrl].copy_(self._torch.from_numpy(ctrl))
             self._group.call(what, lambda: [dist.all_reduce(f) for f in self._gflat])
-        if self._ctrl_sep is not None:
+        if solo:
+            got = ctrl.tolist()
+        elif self._ctrl_sep is not None:
             self._ctrl_sep.copy_(self._torch.from_numpy(ctrl))
             self._group.call(what, lambda: dist.all_reduce(self._ctrl_sep))
             got = self._ctrl_sep.tolist()
         else:
             f, off = self._ctrl_at
             got = self._gflat[f][off:off + self._nctrl].tolist()  # waits for NCCL too
-        self._count(time.perf_counter() - t0, self._gflat)
+        self._count(time.perf_counter() - t0, [] if solo else self._gflat)
         total, flags = got[0], got[1:1 + self.world_size]
         if any(flags) or not math.isfinite(total):
             raise RankNonFiniteLossError(n, total, [r for r, f in enumerate(flags) if f])
@@ -461,6 +466,8 @@ class DistributedTrainer(Trainer):
             return super()._apply_gradients()
         self._run(self._zsess, self._zbind[self._cur])
         dst, r = self._pflat[1 - self._cur], self.rank
+        if self.world_size == 1:
+            return
         t0 = time.perf_counter()
         self._group.call(f"gathering the parameters of step {self.step_count + 1}", lambda: [
             _all_gather(self._dist, p, p[r * s:(r + 1) * s]) for p, s in zip(dst, self._seg)])
@@ -609,7 +616,8 @@ class DistributedTrainer(Trainer):
         work = param * (2 if self.accumulation_steps > 1 else 1)  # zeros (+ scratch)
         if self.zero:
             held = {"parameters": size(self._pflat[0] + self._pflat[1]),
-                    "gradients": size(self._gflat + self._rflat + [self._ctrl_sep]) + work,
+                    "gradients": size({id(t): t for t in self._gflat + self._rflat +
+                                       [self._ctrl_sep]}.values()) + work,
                     "optimizer_state": 2 * slots * size(self._rflat)}
         else:
             held = {"parameters": 2 * param, "gradients": size(self._gflat + [self._ctrl_sep]) +
