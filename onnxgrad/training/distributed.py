@@ -83,8 +83,9 @@ class RankNonFiniteLossError(NonFiniteLossError):
         self.ranks = list(ranks)
 
     def __str__(self):
-        which = ", ".join(map(str, self.ranks)) or "none (the sum overflowed)"
-        return f"{super().__str__()} [non-finite loss on rank {which}]"
+        where = (f"non-finite loss on rank {', '.join(map(str, self.ranks))}" if self.ranks
+                 else "the sum of the ranks' losses overflowed")
+        return f"{super().__str__()} [{where}]"
 
 
 @dataclass
@@ -143,11 +144,11 @@ class _Group:
 
     store = None     # a PrefixStore when onnxgrad formed the group
     created = False  # whether close() should destroy it
+    timeout = None   # the group's timeout (s), when onnxgrad formed it
 
     def __init__(self, dist, backend: str, timeout: float, device_id=None):
         import datetime
-        self.dist, self.timeout = dist, timeout
-        self.grace = min(5.0, timeout / 2)  # for the live ranks to check in
+        self.dist = dist
         if not dist.is_initialized():
             need = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                     if k not in os.environ]
@@ -168,7 +169,7 @@ class _Group:
                                        f"cannot reach {os.environ['MASTER_ADDR']}:"
                                        f"{os.environ['MASTER_PORT']}): {exc}") from exc
             _Group.store = dist.PrefixStore("onnxgrad", store)
-            _Group.created = True
+            _Group.created, _Group.timeout = True, timeout
             atexit.register(_destroy, dist)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.backend = str(dist.get_backend())
@@ -208,7 +209,7 @@ class _Group:
         key = f"alive/{run}/{{}}".format
         try:
             self.store.set(key(self.rank), "1")
-            deadline = time.monotonic() + self.grace
+            deadline = time.monotonic() + min(5.0, self.timeout / 2)  # for live ranks to answer
             while True:
                 missing = [r for r in range(self.world)
                            if r != self.rank and not self.store.check([key(r)])]
@@ -282,7 +283,8 @@ class DistributedTrainer(Trainer):
         self._group = _Group(dist, "nccl" if cuda else "gloo", float(timeout),
                              self._tdev if cuda else None)
         self.rank, self.world_size = self._group.rank, self._group.world
-        self.zero, self.timeout = bool(zero), float(timeout)
+        # the trainer that forms the group sets its timeout; later ones share it
+        self.zero, self.timeout = bool(zero), _Group.timeout or float(timeout)
         self._bucket_bytes = int(bucket_mb * 2**20)
         #: exchange totals: steps, seconds in collectives, bytes of the buffers exchanged
         self.exchange = {"steps": 0, "seconds": 0.0, "bytes": 0}
@@ -362,10 +364,11 @@ class DistributedTrainer(Trainer):
         self._zbind = []
         for k in (0, 1):
             b = self._zsess.io_binding()
-            for name, src, dst, g in zip(z.params, seg[k], seg[1 - k], grads):
+            for name, out, grad, src, dst, g in zip(z.params, z.param_outputs, z.grads, seg[k],
+                                                    seg[1 - k], grads):
                 b.bind_ortvalue_input(name, src)
-                b.bind_ortvalue_output(z.param_outputs[z.params.index(name)], dst)
-                b.bind_ortvalue_input(z.grads[z.params.index(name)], g)
+                b.bind_ortvalue_output(out, dst)
+                b.bind_ortvalue_input(grad, g)
             for name, out, src, dst in zip(z.state, z.state_outputs, self._zstate[k],
                                            self._zstate[1 - k]):
                 b.bind_ortvalue_input(name, src)
@@ -639,7 +642,7 @@ class DistributedTrainer(Trainer):
 def _destroy(dist):
     if _Group.created and dist.is_initialized():
         dist.destroy_process_group()
-    _Group.created, _Group.store = False, None
+    _Group.created, _Group.store, _Group.timeout = False, None, None
 
 
 def _np(t) -> np.dtype:

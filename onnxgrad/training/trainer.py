@@ -242,7 +242,7 @@ class Trainer:
                          if self.accumulation_steps > 1 else None)
         self._wdtype = pv[0].dtype
         self._weight = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), self._wdtype))
-        # acc bindings: reading (zeros | sums k) and writing sums 1-k, for params set c
+        # the gradient binding: params and running sums are bound per micro-batch
         self._acc_bind = self._acc_sess.io_binding()
         b = self._acc_bind
         b.bind_ortvalue_input(a.grad_weight, self._weight)
@@ -269,6 +269,8 @@ class Trainer:
         """One optimizer step on ``batch`` ({input name: array}); returns the loss.
         ``total_rows``: the rows of the whole batch when ``batch`` is a shard of it (data
         parallel, split steps only): the gradients are then weighted by len(batch) / total_rows."""
+        if total_rows is not None and not self._split:
+            raise ValueError("total_rows weights the gradients of a split step only")
         n = self.step_count + 1
         self._lr.update_inplace(np.array(self.lr_at(n), np.float64))
         self._stepv.update_inplace(np.array(n, np.int64))
