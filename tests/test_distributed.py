@@ -130,7 +130,7 @@ def test_killed_rank_ends_the_job(tmp_path):
     res = torchrun([WORKER, str(tmp_path), "kill"], tmp_path)
     ended = time.time()
     assert res.returncode != 0
-    killed_at = json.loads((tmp_path / "kill.0.json").read_text())["t"]
+    killed_at = json.loads((tmp_path / "kill.1.json").read_text())["t"]  # just before
     assert ended - killed_at < 60  # the rank's timeout: torchrun ends the job well before
     root = res.stderr[res.stderr.index("Root Cause"):]
     assert "rank      : 1" in root and "SIGKILL" in root, res.stderr[-3000:]
