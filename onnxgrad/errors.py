@@ -97,7 +97,16 @@ class NotDifferentiableError(UnsupportedError):
             f"constant, pass one of the tensors on that path in stop_gradients.")
 
 
+class DistributedError(OnnxgradError, RuntimeError):
+    """Data-parallel training cannot go on: a rank died or hung (the message names it), the ranks
+    disagree (model, data, checkpoint), or the process group could not be formed."""
+
+
+class MissingExtraError(OnnxgradError, ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+
 __all__ = ["OnnxgradError", "InvalidArgumentError", "ArgumentTypeError", "ModelLoadError",
            "InvalidModelError", "ModelFileNotFoundError", "WriteError", "DataError",
            "CheckpointError", "NonFiniteError", "NonFiniteLossError", "UnsupportedError",
-           "NotDifferentiableError"]
+           "NotDifferentiableError", "DistributedError", "MissingExtraError"]

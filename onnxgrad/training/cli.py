@@ -5,6 +5,7 @@
                    [--lr LR] [--momentum M] [--weight-decay WD] [--clip-norm C]
                    [--accumulate K] [--val-split F] [--checkpoint CKPT] [--resume CKPT]
                    [--plot loss.png] [--device auto|cpu|cuda] [--seed S] [--no-progress]
+                   [--drop-last] [--distributed [--zero] [--timeout SECONDS]]
     onnxgrad export-train-step MODEL --loss ... -o step.onnx [--optimizer ...] [--lr ...]
 
 DATA.npz holds arrays ``x`` (the model's input, rows on axis 0) and ``y`` (the targets: int class
@@ -13,6 +14,7 @@ the exit status; errors are ValueError/KeyError/FileNotFoundError for the main C
 """
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -70,6 +72,17 @@ def add_train_parser(subparsers):
     p.add_argument("--seed", type=argtypes.seed, default=0,
                    help="shuffling and validation split seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--drop-last", action="store_true",
+                   help="skip each epoch's last batch when it is smaller than --batch-size")
+    d = p.add_argument_group("data parallel (start with torchrun; needs onnxgrad[distributed])")
+    d.add_argument("--distributed", action="store_true",
+                   help="train on every process torchrun started; --batch-size is the global "
+                   "batch, split between them")
+    d.add_argument("--zero", action="store_true",
+                   help="ZeRO stage 1: each process keeps 1/N of the optimizer state")
+    d.add_argument("--timeout", type=argtypes.positive_float, default=None, metavar="SECONDS",
+                   help="stop with an error naming a rank that died or hung this long "
+                   "(default 300)")
     p.set_defaults(func=cmd_train)
     return p
 
@@ -133,10 +146,18 @@ def cmd_train(args, out) -> int:
     if args.resume and not os.path.exists(args.resume):
         raise InvalidArgumentError(f"--resume: {args.resume}: no such checkpoint")
     xin = _data_input(model)
-    trainer = Trainer(model, args.loss, output_name=args.output_name, optimizer=_optimizer(args),
-                      frozen=args.frozen, clip_norm=args.clip_norm,
-                      accumulation_steps=args.accumulate, device=args.device, seed=args.seed,
-                      progress=not args.no_progress)
+    kw = dict(output_name=args.output_name, optimizer=_optimizer(args), frozen=args.frozen,
+              clip_norm=args.clip_norm, accumulation_steps=args.accumulate, device=args.device,
+              seed=args.seed, progress=not args.no_progress)
+    if args.distributed:  # every rank runs this; rank 0 reports and writes
+        from .distributed import DistributedTrainer
+        trainer = DistributedTrainer(model, args.loss, zero=args.zero,
+                                     timeout=300.0 if args.timeout is None else args.timeout, **kw)
+        out = out if trainer.rank == 0 else io.StringIO()
+    elif args.zero or args.timeout is not None:
+        raise InvalidArgumentError("--zero and --timeout apply to --distributed training only")
+    else:
+        trainer = Trainer(model, args.loss, **kw)
     checked = trainer.check_data({xin: x, trainer.target_name: y}, args.data,
                                  shown={xin: "x", trainer.target_name: "y"})
     x, y = checked[xin], checked[trainer.target_name]
@@ -148,12 +169,13 @@ def cmd_train(args, out) -> int:
     print(f"training {os.path.basename(args.model)} on {len(train_idx)} rows"
           + (f" (+{n_val} validation)" if n_val else "")
           + f", {args.optimizer} lr {args.lr}, {args.epochs} epochs of batch {args.batch_size}, "
-          f"on {trainer.device}", file=out)
+          f"on {trainer.device}" + (f", {trainer.world_size} processes"
+                                    if hasattr(trainer, "world_size") else ""), file=out)
     import time
     t0 = time.perf_counter()
     trainer.fit(train, epochs=args.epochs, batch_size=args.batch_size,
                 checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
-                resume=args.resume)
+                resume=args.resume, drop_last=args.drop_last)
     secs = time.perf_counter() - t0
     try:
         trainer.export(args.output)
@@ -162,6 +184,8 @@ def cmd_train(args, out) -> int:
                 if args.checkpoint else "the trained weights were not saved (--checkpoint keeps "
                 "them when an export fails)")
         raise WriteError(args.output, f"{exc.reason}; {kept}", exc.errno) from exc
+    if getattr(trainer, "rank", 0):  # data parallel: rank 0 reports
+        return 0
     report = {"train": trainer.evaluate(train)}
     if val:
         report["validation"] = trainer.evaluate(val)

@@ -15,6 +15,12 @@ accumulating gradient graph adds w_i * grad_i into running sums on the device (w
 for a loss that is a mean over rows the sums are exactly the big batch's gradient, up to float
 rounding), then the optimizer graph applies them once. The reported loss is sum(w_i * loss_i).
 
+A subclass that works on the gradients between the two graphs (data-parallel training,
+:mod:`onnxgrad.training.distributed`) sets ``split_step``: the gradient and optimizer graphs then
+run as two sessions even without accumulation, the gradients land in the buffers
+``_gradient_buffers`` makes, and ``_reduce_gradients`` / ``_apply_gradients`` run between and
+after them.
+
 A non-finite loss raises :class:`NonFiniteLossError` naming the step; the step's updates are not
 applied. Checkpoints (npz: parameters, optimizer state, step, epoch position, the shuffling RNG's
 state, the loss history, and a manifest of each array's dtype, shape and SHA-256) are written
@@ -100,6 +106,9 @@ class Trainer:
         tuned default (:func:`session_options`: ORT_ENABLE_ALL, one thread per core).
     """
 
+    #: run the gradient graph and the optimizer graph as two sessions even without accumulation
+    split_step = False
+
     def __init__(self, model, loss: str, *, output_name: str | None = None,
                  target_name: str = "target", loss_options: dict | None = None,
                  optimizer: Optimizer | None = None, params=None, frozen=None,
@@ -132,6 +141,7 @@ class Trainer:
             raise InvalidArgumentError(f"accumulation_steps={accumulation_steps!r} must be an "
                                        "integer >= 1")
         self.accumulation_steps = int(accumulation_steps)
+        self._split = self.accumulation_steps > 1 or self.split_step
         self.device = "cuda" if runtime.providers(device)[0].startswith("CUDA") else "cpu"
         self.threads = threads or cores()
         self.progress = progress
@@ -145,7 +155,7 @@ class Trainer:
         self._frozen = frozen
         self._infer = self._eval = None
 
-        if self.accumulation_steps == 1:
+        if not self._split:
             self.train_step = build_train_step(self.loss_model, self.loss_name, params,
                                                self.optimizer, frozen, clip_norm)
             desc = self.train_step
@@ -162,7 +172,7 @@ class Trainer:
         self.state_names = list(desc.state)
         self._desc = desc
         self._input_dtypes, self._input_shapes = {}, {}
-        for s in ([self._sess] if self.accumulation_steps == 1 else [self._acc_sess]):
+        for s in ([self._acc_sess] if self._split else [self._sess]):
             for i in s.get_inputs():
                 self._input_dtypes[i.name] = _np_dtype(i.type)
                 self._input_shapes[i.name] = i.shape
@@ -174,17 +184,17 @@ class Trainer:
         names = self.params + self.state_names
         self._specs = {n: (init[n].dtype, init[n].shape) for n in names}  # what a checkpoint holds
         self._last_checkpoint = None  # (path, step) of the last checkpoint written
-        self._sets = [[self._new(init[n]) for n in names] for _ in range(2)]
+        self._sets = self._buffer_sets(names, init)
         self._cur = 0
         self._lr = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float64))
         self._stepv = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.int64))
-        loss_sess = self._sess if self.accumulation_steps == 1 else self._acc_sess
+        loss_sess = self._acc_sess if self._split else self._sess
         loss_type = next(o.type for o in loss_sess.get_outputs() if o.name == self.loss_name)
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), _np_dtype(loss_type)))
-        if self.accumulation_steps == 1:
-            self._bindings = [self._bind_step(k) for k in (0, 1)]
-        else:
+        if self._split:
             self._setup_accumulation(init)
+        else:
+            self._bindings = [self._bind_step(k) for k in (0, 1)]
         # the values live in the device buffers now: drop the host copies the builders made
         del init
         for d in {id(x): x for x in (desc, self.train_step, getattr(self, "_acc", None))
@@ -198,6 +208,14 @@ class Trainer:
         ov.update_inplace(np.ascontiguousarray(arr))
         return ov
 
+    def _buffer_sets(self, names: list[str], values: dict) -> list[list]:
+        """The two sets of device buffers (params then state, aligned with ``names``)."""
+        return [[self._new(values[n]) for n in names] for _ in range(2)]
+
+    def _gradient_buffers(self, values: list[np.ndarray]) -> list:
+        """Where a split step's gradients land (aligned with params; what the optimizer reads)."""
+        return [self._new(np.zeros_like(v)) for v in values]
+
     def _bind_step(self, k: int):
         """The binding that reads set k and writes set 1 - k."""
         d, b = self._desc, self._sess.io_binding()
@@ -210,7 +228,10 @@ class Trainer:
             b.bind_ortvalue_output(name, ov)
         b.bind_ortvalue_input(d.lr, self._lr)
         b.bind_ortvalue_input(d.step, self._stepv)
-        if self.accumulation_steps == 1:
+        if self._split:
+            for name, ov in zip(d.grads, self._grads):
+                b.bind_ortvalue_input(name, ov)
+        else:
             b.bind_ortvalue_output(d.loss, self._loss)
         return b
 
@@ -218,10 +239,13 @@ class Trainer:
         a = self._acc
         pv = [init[p] for p in self.params]
         self._zeros = [self._new(np.zeros_like(v)) for v in pv]
-        self._sums = [[self._new(np.zeros_like(v)) for v in pv] for _ in range(2)]
+        self._grads = self._gradient_buffers(pv)
+        # micro-batches alternate between _grads and this set, the last one writing _grads
+        self._scratch = ([self._new(np.zeros_like(v)) for v in pv]
+                         if self.accumulation_steps > 1 else None)
         self._wdtype = pv[0].dtype
         self._weight = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), self._wdtype))
-        # acc bindings: reading (zeros | sums k) and writing sums 1-k, for params set c
+        # the gradient binding: params and running sums are bound per micro-batch
         self._acc_bind = self._acc_sess.io_binding()
         b = self._acc_bind
         b.bind_ortvalue_input(a.grad_weight, self._weight)
@@ -246,9 +270,11 @@ class Trainer:
         if self.device == "cuda":
             binding.synchronize_outputs()
 
-    def step(self, batch: dict) -> float:
-        """One optimizer step on ``batch`` ({input name: array}); returns the loss."""
-        return self._step(self.check_data(batch, "batch"))
+    def step(self, batch: dict, total_rows: int | None = None) -> float:
+        """One optimizer step on ``batch`` ({input name: array}); returns the loss.
+        ``total_rows``: the rows of the whole batch when ``batch`` is a shard of it (data
+        parallel, split steps only): the gradients are then weighted by len(batch) / total_rows."""
+        return self._step(self.check_data(batch, "batch"), total_rows)
 
     def check_data(self, data: dict, what: str = "data", shown: dict | None = None) -> dict:
         """``data`` with its float arrays finite and its class labels valid (as int64), or a
@@ -289,19 +315,21 @@ class Trainer:
                 self._classes = int(out.shape[1]) if out.ndim > 1 else None
         return self._classes
 
-    def _step(self, batch: dict) -> float:
+    def _step(self, batch: dict, total_rows: int | None = None) -> float:
+        if total_rows is not None and not self._split:
+            raise InvalidArgumentError("total_rows weights the gradients of a split step only")
         n = self.step_count + 1
         self._lr.update_inplace(np.array(self.lr_at(n), np.float64))
         self._stepv.update_inplace(np.array(n, np.int64))
-        if self.accumulation_steps == 1:
+        if not self._split:
             b = self._bindings[self._cur]
             self._feed(b, batch)
             self._run(self._sess, b)
             loss = float(self._loss.numpy())
         else:
-            loss = self._accumulate(batch)
+            loss = self._reduce_gradients(self._accumulate(batch, total_rows))
             if math.isfinite(loss):
-                self._run(self._sess, self._bindings[self._cur])
+                self._apply_gradients()
         if not math.isfinite(loss):
             raise NonFiniteLossError(n, loss)
         self._cur = 1 - self._cur
@@ -309,18 +337,22 @@ class Trainer:
         self.history.append(loss)
         return loss
 
-    def _accumulate(self, batch: dict) -> float:
+    def _accumulate(self, batch: dict, total_rows: int | None = None) -> float:
+        """Run the gradient graph over the micro-batches of ``batch``: ``_grads`` holds the sum
+        of (rows_i / total_rows) * gradient_i; returns the same weighted sum of the losses."""
         a, b = self._acc, self._acc_bind
         rows = len(next(iter(batch[k] for k in self.data_inputs)))
         parts = [p for p in np.array_split(np.arange(rows), self.accumulation_steps) if len(p)]
+        if not parts:
+            raise DataError("the batch has no rows")
         params = self._sets[self._cur][:len(self.params)]
         for name, ov in zip(a.params, params):
             b.bind_ortvalue_input(name, ov)
         total, src = 0.0, self._zeros
         for i, idx in enumerate(parts):
-            w = len(idx) / rows
+            w = len(idx) / (total_rows or rows)
             self._weight.update_inplace(np.array(w, self._wdtype))
-            dst = self._sums[i % 2]
+            dst = self._grads if (len(parts) - 1 - i) % 2 == 0 else self._scratch
             for name, ov in zip(a.grads, src):
                 b.bind_ortvalue_input(name, ov)
             for name, ov in zip(a.param_outputs, dst):
@@ -330,17 +362,25 @@ class Trainer:
             self._run(self._acc_sess, b)
             total += w * float(self._loss.numpy())
             src = dst
-        ab = self._bindings[self._cur]
-        for name, ov in zip(self._apply.grads, src):
-            ab.bind_ortvalue_input(name, ov)
         return total
+
+    def _reduce_gradients(self, loss: float) -> float:
+        """Between the gradient and the optimizer graphs of a split step (``_grads`` holds the
+        gradients): a subclass may exchange them here. Returns the loss the step reports."""
+        return loss
+
+    def _apply_gradients(self) -> None:
+        """Run the optimizer graph on ``_grads`` (reads buffer set ``_cur``, writes the other)."""
+        self._run(self._sess, self._bindings[self._cur])
 
     # -- the loop --------------------------------------------------------------------------
     def fit(self, data: dict, epochs: int = 1, batch_size: int = 32, shuffle: bool = True, *,
             checkpoint: str | None = None, checkpoint_every: int | None = None,
-            resume: str | None = None, callback=None, max_steps: int | None = None) -> list[float]:
+            resume: str | None = None, callback=None, max_steps: int | None = None,
+            drop_last: bool = False) -> list[float]:
         """Train for ``epochs`` over ``data`` ({input name: array}, rows on axis 0) in batches
-        of ``batch_size`` (the last may be smaller), shuffled by the trainer's RNG.
+        of ``batch_size`` (the last may be smaller, or is skipped with ``drop_last``), shuffled
+        by the trainer's RNG.
 
         checkpoint: a path written (atomically) at the end of each epoch, and every
         ``checkpoint_every`` steps when given. resume: a checkpoint to continue from (the same
@@ -373,10 +413,13 @@ class Trainer:
                                 if k == self.target_name else ""))
         if rows == 0:
             raise DataError("the data has no rows")
+        if drop_last and rows < batch_size:
+            raise DataError(f"drop_last: the data has {rows} rows, fewer than one batch of "
+                            f"{batch_size}: no step would run")
         if resume:
             self.load_checkpoint(resume)
         epoch0, batch0, order = self._pos
-        per_epoch = -(-rows // batch_size)
+        per_epoch = rows // batch_size if drop_last else -(-rows // batch_size)
         todo = max(0, (epochs - epoch0) * per_epoch - batch0)
         if max_steps is not None:
             todo = min(todo, max_steps)
@@ -618,8 +661,7 @@ class Trainer:
         """Stop onnxruntime profiling (``profile=``) and return the trace file."""
         if not self.profile:
             return None
-        return self._sess.end_profiling() if self.accumulation_steps == 1 else \
-            self._acc_sess.end_profiling()
+        return self._acc_sess.end_profiling() if self._split else self._sess.end_profiling()
 
 
 def _describe(a: np.ndarray) -> dict:

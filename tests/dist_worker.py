@@ -1,0 +1,110 @@
+"""What tests/test_distributed.py starts on every rank with torchrun:
+
+    python -m torch.distributed.run ... tests/dist_worker.py OUTDIR SCENARIO [SCENARIO ...]
+
+cases      every case of dist_cases.CASES; rank 0 writes OUTDIR/<case>.npz
+nan        a row that overflows the loss to NaN in rank 1's rows of step 3: each rank writes OUTDIR/nan.<rank>.json
+interrupt  the resume_ref runs, stopped at step 7 after a checkpoint at step 6
+resume     those runs resumed from their checkpoints; rank 0 writes OUTDIR/resumed*.npz
+kill       rank 1 kills itself (SIGKILL) after step 3; timeout 60 s
+hang       rank 1 sleeps after step 3; timeout 4 s
+(the ranks write the time of step 3 to OUTDIR/<kill|hang>.<rank>.json, and a rank that catches
+the DistributedError its time and message to OUTDIR/<kill|hang>.error.<rank>.json)
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_cases import CASES, digits, fit, trainer  # noqa: E402
+
+from onnxgrad.training import NonFiniteLossError  # noqa: E402
+from onnxgrad.errors import DistributedError  # noqa: E402
+from onnxgrad.training.distributed import DistributedTrainer  # noqa: E402
+
+TIMEOUT = {"kill": 60.0, "hang": 4.0}
+
+
+class Stop(Exception):
+    pass
+
+
+def save(path, tr):
+    """Rank 0 writes the parameters, optimizer state, losses and memory figures."""
+    state = tr.optimizer_state()  # collective with ZeRO
+    if tr.rank == 0:
+        np.savez(path, history=np.array(tr.history), step=tr.step_count,
+                 memory=json.dumps(tr.memory()),
+                 **{f"p:{k}": v for k, v in tr.parameters().items()},
+                 **{f"s:{k}": v for k, v in state.items()})
+
+
+def main(out, scenarios):
+    tr = None
+    for sc in scenarios:
+        if sc == "cases":
+            for case in CASES:
+                tr = trainer(case, DistributedTrainer)
+                fit(case, tr)
+                save(os.path.join(out, f"{case}.npz"), tr)
+        elif sc == "nan":
+            tr = trainer("mlp", DistributedTrainer)
+            # no shuffle, batch 8: step 3 is rows 16..23; rank 1 has the odd ones
+            res = {"rank": tr.rank}
+            before = {}
+
+            def keep(t, loss):
+                before.update(t.parameters())
+            try:
+                tr.fit(digits(64, nan_row=19), batch_size=8, shuffle=False, callback=keep)
+            except NonFiniteLossError as exc:
+                res.update(step=exc.step, ranks=getattr(exc, "ranks", None), msg=str(exc),
+                           steps_taken=tr.step_count,
+                           unchanged=all(np.array_equal(v, before[k])
+                                         for k, v in tr.parameters().items()))
+            with open(os.path.join(out, f"nan.{tr.rank}.json"), "w") as f:
+                json.dump(res, f)
+        elif sc in ("interrupt", "resume"):
+            for case in ("resume_ref", "resume_ref_zero"):
+                ckpt = os.path.join(out, f"{case}.ckpt.npz")
+                tr = trainer(case, DistributedTrainer)
+                if sc == "interrupt":
+                    def stop(t, loss):
+                        if t.step_count == 7:
+                            raise Stop
+                    try:
+                        fit(case, tr, checkpoint=ckpt, checkpoint_every=3, callback=stop)
+                    except Stop:
+                        pass
+                else:
+                    fit(case, tr, resume=ckpt)
+                    save(os.path.join(out, f"resumed_{case}.npz"), tr)
+        elif sc in ("kill", "hang"):
+            tr = trainer("mlp", DistributedTrainer, timeout=TIMEOUT[sc])
+
+            def fault(t, loss):
+                if t.step_count == 3:
+                    with open(os.path.join(out, f"{sc}.{t.rank}.json"), "w") as f:
+                        json.dump({"t": time.time()}, f)
+                    if t.rank == 1:
+                        if sc == "kill":
+                            os.kill(os.getpid(), signal.SIGKILL)
+                        time.sleep(300)
+            try:
+                fit("mlp", tr, callback=fault)
+            except DistributedError as exc:
+                with open(os.path.join(out, f"{sc}.error.{tr.rank}.json"), "w") as f:
+                    json.dump({"t": time.time(), "msg": str(exc)}, f)
+                raise
+    if tr is not None:
+        tr.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
