@@ -259,6 +259,7 @@ if (!navigator.gpu) { $('backend').options[1].disabled = true; $('backend').opti
 // for scripts that drive the page (tests, benchmarks)
 const app = window.app = {
   epochs: [],
+  history,
   loaded: null,
   fixedSteps: (steps, batchSize, lr) => request({type: 'fixedSteps', steps, batchSize, lr}),
 };

@@ -50,8 +50,8 @@ function checkFitsDigits(m) {
   }
 }
 
-function batch(part, rows) {
-  const m = trainer.m, f = data.features;
+function batch(m, part, rows) {
+  const f = data.features;
   const x = new Float32Array(rows.length * f);
   rows.forEach((r, i) => x.set(part.x.subarray(r * f, (r + 1) * f), i * f));
   const t = m.targets[0];
@@ -80,6 +80,10 @@ async function init({backend, threads, files}) {
   let note = '';
   if (backend === 'webgpu') {
     [trainer, note] = await selfChecked(exp);
+    if (!trainer) {  // train on the plain WASM build, faster than the WebGPU bundle's CPU one
+      ort = await loadOrt('wasm', threads);
+      trainer = await Trainer.create(ort, exp.manifest, exp.step, exp.model, {executionProviders: ['wasm']});
+    }
   } else {
     trainer = await Trainer.create(ort, exp.manifest, exp.step, exp.model, {executionProviders: ['wasm']});
   }
@@ -90,21 +94,22 @@ async function init({backend, threads, files}) {
           model: m.files.model.name, rows: {train: data.train.n, val: data.val.n}, note};
 }
 
-/** WebGPU kernels can be missing or wrong for an op: take one step on WebGPU and on WASM from the
- * same start, and train on WebGPU only when the two agree. */
+/** WebGPU kernels can be missing or wrong for an op (seen with onnxruntime-web 1.30: LSTM steps
+ * off by 40x on its JSEP build): take one step on WebGPU and on WASM from the same start, and
+ * train on WebGPU only when the two agree. Resolves to [trainer or null (use WASM), note]. */
 async function selfChecked(exp) {
   let gpu;
   try {
     gpu = await Trainer.create(ort, exp.manifest, exp.step, exp.model, {executionProviders: ['webgpu', 'wasm']});
   } catch (e) {
-    return [await Trainer.create(ort, exp.manifest, exp.step, exp.model), `WebGPU cannot run this step (${e.message}): training on WASM`];
+    return [null, `WebGPU was not used: it cannot run this step (${e.message}). Training on WASM`];
   }
   const cpu = await Trainer.create(ort, exp.manifest, exp.step, exp.model);
   const rows = range(0, Math.min(32, data.train.n));
   let why = null;
   try {
     const lr = exp.manifest.lr.default;
-    const [a, b] = [await gpu.step(batch(data.train, rows), lr), await cpu.step(batch(data.train, rows), lr)];
+    const [a, b] = [await gpu.step(batch(gpu.m, data.train, rows), lr), await cpu.step(batch(cpu.m, data.train, rows), lr)];
     const pa = await gpu.parameters(), pb = await cpu.parameters();
     let worst = Math.abs(a - b) / Math.abs(b), where = 'loss';
     for (const k of Object.keys(pb)) {
@@ -119,12 +124,13 @@ async function selfChecked(exp) {
   } catch (e) {
     why = `it failed on the first step (${e.message})`;
   }
+  cpu.dispose();
+  await cpu.session.release();
   if (why) {
     gpu.dispose();
-    cpu.reset();
-    return [cpu, `WebGPU was not used: ${why}. Training on WASM`];
+    await gpu.session.release();
+    return [null, `WebGPU was not used: ${why}. Training on WASM`];
   }
-  cpu.dispose();
   gpu.reset();
   return [gpu, 'WebGPU agrees with WASM on the first step'];
 }
@@ -185,7 +191,7 @@ async function train({epochs, batchSize, lr, seed}) {
     const order = shuffled(n, rand);
     for (let b = 0; b < per && !stop; b++) {
       const rows = Array.from(order.subarray(b * batchSize, (b + 1) * batchSize));
-      const feeds = batch(data.train, rows);
+      const feeds = batch(trainer.m, data.train, rows);
       const t0 = performance.now();
       const loss = await trainer.step(feeds, lr);
       const t1 = performance.now();
@@ -211,7 +217,7 @@ async function train({epochs, batchSize, lr, seed}) {
 async function fixedSteps({steps, batchSize, lr}) {
   trainer.reset();
   const losses = [];
-  for (let k = 0; k < steps; k++) losses.push(await trainer.step(batch(data.train, range(k * batchSize, (k + 1) * batchSize)), lr));
+  for (let k = 0; k < steps; k++) losses.push(await trainer.step(batch(trainer.m, data.train, range(k * batchSize, (k + 1) * batchSize)), lr));
   const params = await trainer.parameters();
   return {type: 'fixed-steps', losses, params: Object.fromEntries(Object.entries(params).map(([k, v]) => [k, Array.from(v)]))};
 }
