@@ -49,8 +49,19 @@ def check_root(root: str) -> str:
 
 
 class Handler(http.server.SimpleHTTPRequestHandler):
-    """Static files from the page folder, with isolation headers, no caching and quiet logs."""
+    """Static files from the page folder (and the server's mounts), with isolation headers, no
+    caching and quiet logs."""
     extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map, **MIME_TYPES}
+
+    def translate_path(self, path):
+        for prefix, folder in self.server.mounts.items():  # URL prefix -> another folder
+            if path.startswith(prefix):
+                page, self.directory = self.directory, folder
+                try:
+                    return super().translate_path("/" + path[len(prefix):])
+                finally:
+                    self.directory = page
+        return super().translate_path(path)
 
     def end_headers(self):
         for k, v in ISOLATION_HEADERS.items():
@@ -66,6 +77,7 @@ class Handler(http.server.SimpleHTTPRequestHandler):
 class Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     verbose = False
+    mounts: dict[str, str] = {}
 
     @property
     def url(self) -> str:
@@ -74,11 +86,13 @@ class Server(http.server.ThreadingHTTPServer):
 
 
 def make_server(root: str | None = None, host: str = "127.0.0.1", port: int = 8000,
-                verbose: bool = False) -> Server:
-    """A server (not yet serving) for the page in ``root``; port 0 picks a free port."""
+                verbose: bool = False, mounts: dict[str, str] | None = None) -> Server:
+    """A server (not yet serving) for the page in ``root``; port 0 picks a free port.
+    ``mounts`` serves other folders under URL prefixes ({"/data/": folder}: the benchmark's)."""
     root = check_root(root or default_root())
     srv = Server((host, port), functools.partial(Handler, directory=root))
     srv.verbose = verbose
+    srv.mounts = {p: os.path.abspath(f) for p, f in (mounts or {}).items()}
     return srv
 
 

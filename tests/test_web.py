@@ -223,6 +223,21 @@ def test_server_headers_and_types():
         srv.server_close()
 
 
+def test_python_m_onnxgrad_web_prints_its_url():
+    proc = subprocess.Popen([sys.executable, "-m", "onnxgrad.web", "--port", "0"],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving the onnxgrad browser trainer at http://localhost:"), line
+        url = line.split(" at ")[1].split()[0]
+        with urllib.request.urlopen(url + "assets/digits_step.json") as r:
+            assert json.load(r)["format"] == "onnxgrad-web-step"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def test_server_refuses_a_folder_without_the_page(tmp_path, capsys):
     from onnxgrad.cli import main
     assert main(["web", "--root", str(tmp_path)]) == 2

@@ -19,6 +19,7 @@ export async function launch({log = () => {}, webgpu = false, acceptDownloads = 
   const page = context.pages()[0] || await context.newPage();
   page.on('console', m => log(`[console.${m.type()}] ${m.text()}`));
   page.on('pageerror', e => log(`[pageerror] ${e.message}`));
+  page.on('response', r => { if (r.status() >= 400) log(`[http ${r.status()}] ${r.url()}`); });
   const close = async () => {
     await context.close();
     fs.rmSync(profile, {recursive: true, force: true});
