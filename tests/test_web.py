@@ -47,14 +47,15 @@ def run_steps(step_path, manifest, model_path, batches, lr):
     init = {t.name: numpy_helper.to_array(t) for t in onnx.load(model_path).graph.initializer}
     values = {p["name"]: init[p["name"]] for p in manifest["params"]}
     values.update({s["name"]: np.zeros(s["shape"], np.float32) for s in manifest["state"]})
-    outs = [manifest["loss"]["name"]] + [t["output"] for t in manifest["params"] + manifest["state"]]
+    roles = manifest["params"] + manifest["state"]
+    outs = [manifest["loss"]["name"]] + [t["output"] for t in roles]
     losses = []
     for k, (x, y) in enumerate(batches):
         feeds = {"x": x, "target": y, **values, manifest["lr"]["name"]: np.array(lr, np.float32),
                  manifest["step"]["name"]: np.array(k + 1, np.int64)}
         res = sess.run(outs, feeds)
         losses.append(float(res[0]))
-        values = {t["name"]: v for t, v in zip(manifest["params"] + manifest["state"], res[1:])}
+        values = {t["name"]: v for t, v in zip(roles, res[1:])}
     return losses, {p["name"]: values[p["name"]] for p in manifest["params"]}
 
 
@@ -92,8 +93,7 @@ def test_web_export_files_and_float32_scalars(tmp_path, optimizer):
                                     "sha256": hashlib.sha256(data).hexdigest()}
     # no float64 anywhere (onnxruntime-web's WebGPU builds have no float64 kernels), no defaults
     assert _double_tensors(step) == []
-    assert not step.graph.initializer or not {t.name for t in step.graph.initializer} & {
-        v.name for v in step.graph.input}
+    assert not {t.name for t in step.graph.initializer} & {v.name for v in step.graph.input}
     # the model file is the original graph; each parameter's bytes lie where the manifest says
     original = onnx.load(DIGITS)
     assert [n.SerializeToString() for n in model.graph.node] == \
@@ -126,8 +126,8 @@ def test_web_step_trains_as_the_float64_step():
         vals = {**st_.initial_params, **st_.initial_state()}
         outs = [st_.loss, *st_.param_outputs, *st_.state_outputs]
         for k, (bx, by) in enumerate(batches):
-            res = sess.run(outs, {"x": bx, "target": by, **vals,
-                                  st_.lr: np.array(1e-2, scalars), st_.step: np.array(k + 1, np.int64)})
+            res = sess.run(outs, {"x": bx, "target": by, **vals, st_.lr: np.array(1e-2, scalars),
+                                  st_.step: np.array(k + 1, np.int64)})
             vals = dict(zip(st_.params + st_.state, res[1:]))
         params[scalars] = {p: vals[p] for p in st_.params}
     for p, v in params["float64"].items():
@@ -200,7 +200,7 @@ def test_assets_are_current(tmp_path):
     make_assets.main(str(tmp_path))
     for name in sorted(os.listdir(tmp_path)):
         with open(tmp_path / name, "rb") as f, open(os.path.join(WEB, "assets", name), "rb") as g:
-            assert f.read() == g.read(), f"web/assets/{name} is stale: run python web/make_assets.py"
+            assert f.read() == g.read(), f"web/assets/{name} is stale: python web/make_assets.py"
 
 
 # -- the server --------------------------------------------------------------------------------

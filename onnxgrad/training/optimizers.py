@@ -197,8 +197,8 @@ class Adam(Optimizer):
         self.slots = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
 
     def _scalars(self, b, sc):
-        """Scalars (of the scalar dtype) shared by all parameters: the step size and eps, both scaled by
-        sqrt(bc2) (see update), and the decoupled decay factor 1 - lr wd."""
+        """Scalars shared by all parameters: the step size and eps, both scaled by sqrt(bc2)
+        (see update), and the decoupled decay factor 1 - lr wd."""
         b1, b2 = self.betas
 
         def one_minus_pow(beta, t):  # the bias correction 1 - beta^t

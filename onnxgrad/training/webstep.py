@@ -1,4 +1,4 @@
-"""Train steps for the browser: ``onnxgrad export-train-step MODEL --loss .. --target web -o S.onnx``.
+"""Train steps for the browser: ``onnxgrad export-train-step MODEL --loss .. --target web``.
 
 onnxruntime-web runs onnxgrad's step graphs on its WASM backend as they are (float64 kernels
 included), but its WebGPU builds have none for float64, so the web step keeps every scalar in
