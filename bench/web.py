@@ -15,7 +15,9 @@ browser sides alternate timed windows of --steps steps, --rounds times, after --
 rate is the median window. onnxruntime Python runs the same step file with the parameters and
 optimizer state kept in OrtValues swapped between steps (the Trainer's IOBinding ping-pong), one
 window set before the browser runs and one after, with the same number of intra-op threads.
-Ratios > 1 mean onnxgrad on onnxruntime-web is faster.
+Ratios > 1 mean onnxgrad on onnxruntime-web is faster; in parentheses, the median of the ratios of
+paired windows (each TensorFlow.js window runs right after an onnxgrad one), steadier on a shared
+machine.
 """
 from __future__ import annotations
 
@@ -166,14 +168,16 @@ def main(argv=None):
           f"getThreadsCount() says {env['tfjsThreadsReported']}); {env['userAgent']}")
     print()
     print("| row | onnxgrad on onnxruntime-web WASM | TensorFlow.js WASM | onnxruntime Python "
-          "(same graph) | vs TensorFlow.js | vs onnxruntime Python |")
+          "(same graph) | vs TensorFlow.js (paired windows) | vs onnxruntime Python |")
     print("|---|---:|---:|---:|---:|---:|")
     names = {"digits": "digits MLP 64-64-10, batch 32",
              "mlp": "MLP 784-1024-1024-10, batch 256"}
     for r in res["results"]:
         ours, tfjs, pyr = r["onnxgrad"], r["tfjs"], statistics.median(py[r["name"]])
+        w = r["windows"]  # each TensorFlow.js window ran right after an onnxgrad one
+        paired = statistics.median(a / b for a, b in zip(w["onnxgrad"], w["tfjs"]))
         print(f"| {names[r['name']]} | {ours:.1f} steps/s | {tfjs:.1f} steps/s | "
-              f"{pyr:.1f} steps/s | {ours / tfjs:.2f}x | {ours / pyr:.2f}x |")
+              f"{pyr:.1f} steps/s | {ours / tfjs:.2f}x ({paired:.2f}x) | {ours / pyr:.2f}x |")
     print()
     for r in res["results"]:
         f = r["first"]
