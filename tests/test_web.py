@@ -259,13 +259,20 @@ def _browser_ready() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def page_run(tmp_path_factory):
-    """One browser session (see web/tools/e2e.mjs): results, and the folder of its files."""
+def test_page_in_chromium(tmp_path):
+    """One browser session (web/tools/e2e.mjs; one test, so that pytest-xdist runs it once),
+    then the checks below on what it saw."""
+    res, out = _run_page(tmp_path)
+    for check in (_trains_the_digits, _matches_onnxruntime_python,
+                  _download_is_the_trained_original, _predicts_the_drawing, _bad_input_messages,
+                  _webgpu):
+        check(res, out)
+
+
+def _run_page(out):
     missing = _browser_ready()
     if missing:
         pytest.fail(f"the browser test needs {missing}; .ci/run installs it")
-    out = tmp_path_factory.mktemp("page")
     custom = out / "custom"
     os.makedirs(custom)
     export_web_step(DIGITS, "cross_entropy", custom / "sgd_step.onnx",
@@ -302,8 +309,7 @@ def page_run(tmp_path_factory):
     return res, out
 
 
-def test_page_trains_the_digits(page_run):
-    res, out = page_run
+def _trains_the_digits(res, out):
     assert res["loaded"]["state"] == "ready", res["loaded"]
     assert res["loaded"]["info"]["backend"] == "wasm"
     assert res["trained"]["state"] == "done", res["trained"]["text"]
@@ -318,10 +324,9 @@ def test_page_trains_the_digits(page_run):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_page_matches_onnxruntime_python(page_run):
+def _matches_onnxruntime_python(res, out):
     """10 steps on fixed batches in the browser (onnxruntime-web WASM) and in onnxruntime Python,
     on the same step graph from the same start, land on the same parameters."""
-    res, _ = page_run
     man = json.load(open(os.path.join(WEB, "assets", "digits_step.json")))
     x, y, _, _ = digits_split()
     f = res["fixed"]
@@ -339,10 +344,9 @@ def test_page_matches_onnxruntime_python(page_run):
         assert rel_diff(init[p["name"]], params[p["name"]]) > 1e-2  # the steps moved it
 
 
-def test_page_download_is_the_trained_original(page_run):
+def _download_is_the_trained_original(res, out):
     """The download is the original graph with the trained weights: the bytes Trainer.export
     writes for those weights; its validation accuracy is what the page showed."""
-    res, out = page_run
     assert res["downloadName"] == "digits_step_trained.onnx"
     data = (out / "trained.onnx").read_bytes()
     got = onnx.load_from_string(data)
@@ -359,8 +363,7 @@ def test_page_download_is_the_trained_original(page_run):
     assert abs(acc - res["trained"]["epochs"][-1]["valAccuracy"]) <= 1.5 / len(yv)
 
 
-def test_page_predicts_the_drawing(page_run):
-    res, out = page_run
+def _predicts_the_drawing(res, out):
     d = res["drawn"]
     feats = np.asarray(d["features"], np.float32).reshape(1, 64)
     assert 0.1 < feats.mean() < 0.6 and feats.min() >= 0 and feats.max() <= 1
@@ -371,8 +374,7 @@ def test_page_predicts_the_drawing(page_run):
     assert d["shown"] == str(d["digit"]) == "0"  # a drawn ring reads as a zero
 
 
-def test_page_bad_input_messages(page_run):
-    res, _ = page_run
+def _bad_input_messages(res, out):
     bad = res["bad"]
     assert bad["no_manifest"]["state"] == "error"
     assert "digits_mlp.onnx: no manifest" in bad["no_manifest"]["text"]
@@ -384,10 +386,9 @@ def test_page_bad_input_messages(page_run):
     assert res["custom"]["info"]["optimizer"]["type"] == "SGD"
 
 
-def test_page_on_webgpu(page_run):
+def _webgpu(res, out):
     """With WebGPU offered (SwiftShader here), the page trains there only after a first step that
     agrees with WASM; either way it says which it uses."""
-    res, _ = page_run
     gpu = res["webgpu"]
     assert gpu["state"] in ("ready", "warn"), gpu["text"]
     if gpu["info"]["backend"] == "webgpu":  # parameters swapped as GPU buffers: the same losses

@@ -77,7 +77,9 @@ def add_export_train_step_parser(subparsers):
         description="Write one ONNX model that takes a training step of MODEL: inputs the data, "
         "the parameters, the optimizer state, lr (float64) and step (int64, 1 first); outputs "
         "the loss, the updated parameters and the updated state. The model's weights and zero "
-        "state are stored as the inputs' defaults, so the file runs as it is.")
+        "state are stored as the inputs' defaults, so the file runs as it is. With --target web: "
+        "lr is float32, and the weights and the roles go to two files beside OUT (see "
+        "onnxgrad/training/webstep.py).")
     _common(p, False)
     p.add_argument("--gradient", metavar="GRAD.onnx",
                    help="also write the gradient graph (data + params -> loss, gradients)")
