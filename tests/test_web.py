@@ -264,7 +264,8 @@ def test_page_in_chromium(tmp_path):
     then the checks below on what it saw."""
     res, out = _run_page(tmp_path)
     for check in (_trains_the_digits, _matches_onnxruntime_python,
-                  _download_is_the_trained_original, _predicts_the_drawing, _bad_input_messages,
+                  _download_is_the_trained_original, _predicts_the_drawing,
+                  _bad_input_messages_custom_export_and_stop,
                   _webgpu):
         check(res, out)
 
@@ -374,7 +375,7 @@ def _predicts_the_drawing(res, out):
     assert d["shown"] == str(d["digit"]) == "0"  # a drawn ring reads as a zero
 
 
-def _bad_input_messages(res, out):
+def _bad_input_messages_custom_export_and_stop(res, out):
     bad = res["bad"]
     assert bad["no_manifest"]["state"] == "error"
     assert "digits_mlp.onnx: no manifest" in bad["no_manifest"]["text"]
@@ -384,6 +385,11 @@ def _bad_input_messages(res, out):
         assert "sgd_step.onnx is not an ONNX model" in bad[k]["text"], bad[k]["text"]
     assert res["custom"]["state"] == "ready", res["custom"]["text"]
     assert res["custom"]["info"]["optimizer"]["type"] == "SGD"
+    # while the worker trained, the page drew a frame; Stop ended 1000 epochs early
+    stopped = res["stopped"]
+    assert stopped["state"] == "done", stopped
+    assert stopped["text"].startswith(f"Stopped after {stopped['steps']} steps"), stopped
+    assert 100 <= stopped["steps"] < 1000 * 45 and stopped["frameMs"] < 5000
 
 
 def _webgpu(res, out):

@@ -206,6 +206,10 @@ async function train({epochs, batchSize, lr, seed}) {
       }
       if (t1 - lastTick > 50) { await tick(); lastTick = performance.now(); }  // let "stop" in
     }
+    if (losses.length) {  // stopped between posts
+      post({type: 'progress', step: trainer.stepCount, epoch: e + 1, losses, stepsPerSec: steps / (busy / 1000)});
+      losses = [];
+    }
     const val = await evaluate(data.val);
     post({type: 'epoch', epoch: e + 1, step: trainer.stepCount, valLoss: val.loss, valAccuracy: val.accuracy});
   }

@@ -2,7 +2,7 @@
 // and writes what it saw to OUT/result.json (plus OUT/trainer.png and OUT/trained.onnx).
 //   node web/tools/e2e.mjs URL OUT CASES.json
 // CASES.json: {"epochs": 10, "fixed": {"steps": 10, "batchSize": 32, "lr": 0.01},
-//              "bad": {"name": [paths]}, "custom": [paths], "webgpu": true}
+//              "bad": {"name": [paths]}, "custom": [paths] (trained, then stopped), "webgpu": true}
 import fs from 'node:fs';
 import path from 'node:path';
 import {launch} from './browser.mjs';
@@ -66,6 +66,18 @@ async function main() {
     await page.setInputFiles('#files', cases.custom);
     await settled(['error', 'ready'], 60000)(page);
     result.custom = {...await message(page), info: await page.evaluate(() => window.app.info)};
+    // a long run on the custom step: the page answers while the worker trains, and Stop stops it
+    if (result.custom.state === 'ready') {
+      await page.fill('#epochs', '1000');
+      await page.click('#train');
+      await page.waitForFunction(() => +document.getElementById('s-step').textContent >= 100, null, {timeout: 60000});
+      const t0 = Date.now();
+      await page.evaluate(() => new Promise(r => requestAnimationFrame(r)));
+      const frameMs = Date.now() - t0;
+      await page.click('#stop');
+      await settled(['done', 'error'], 60000)(page);
+      result.stopped = {...await message(page), frameMs, steps: +await page.textContent('#s-step')};
+    }
   } finally {
     await close();
   }
