@@ -40,6 +40,7 @@ function buttons() {
   $('download').disabled = !ready || training;
   $('files').disabled = training;
   $('backend').disabled = training;
+  $('threads').disabled = training || !self.crossOriginIsolated;
   $('source').disabled = training;
 }
 
@@ -57,7 +58,7 @@ async function load(files) {
   worker.onmessage = onMessage;
   worker.onerror = e => say(`the worker failed: ${e.message}`, 'error');
   const backend = $('backend').value;
-  const threads = self.crossOriginIsolated ? Math.min(navigator.hardwareConcurrency || 1, 16) : 1;
+  const threads = self.crossOriginIsolated ? Math.max(1, Math.floor(+$('threads').value) || 1) : 1;
   say(`Loading ${files ? 'your files' : 'the digits MLP'} on ${backend}…`);
   try {
     const info = await request({type: 'init', backend, threads, files}, files ? files.map(f => f.bytes) : []);
@@ -252,7 +253,10 @@ $('stop').onclick = () => worker.postMessage({type: 'stop'});
 $('download').onclick = () => download().catch(e => say(e.message, 'error'));
 $('clear').onclick = clearPad;
 $('files').onchange = () => chooseFiles().catch(e => say(e.message, 'error'));
-$('backend').onchange = $('source').onchange = () =>
+// WASM threads need cross-origin isolation (onnxgrad web sends the headers); small models may
+// train faster on fewer threads than cores, big ones on all of them
+$('threads').value = $('threads').max = self.crossOriginIsolated ? navigator.hardwareConcurrency || 1 : 1;
+$('backend').onchange = $('source').onchange = $('threads').onchange = () =>
   load($('source').value === 'files' && app.files ? app.files.map(f => ({name: f.name, bytes: f.bytes.slice(0)})) : null);
 if (!navigator.gpu) { $('backend').options[1].disabled = true; $('backend').options[1].textContent = 'WebGPU (not offered)'; }
 
