@@ -9,6 +9,7 @@
     onnxgrad lower MODEL -o OUT              (see onnxgrad/lower.py)
     onnxgrad convert GRAPH.pb|SAVEDMODEL_DIR -o MODEL.onnx [--inputs x:0 ..] [--outputs y:0 ..]
                      [--opset N] [--signature NAME]   (TensorFlow -> ONNX)
+    onnxgrad web [--port 8000] [--root DIR]   (serve the browser trainer; see onnxgrad/web.py)
     onnxgrad --version
 
 Exit status: 0 on success, 1 when ``check`` finds a gradient that does not match, 2 on an error
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .training.cli import add_export_train_step_parser, add_train_parser
     add_train_parser(sub)
     add_export_train_step_parser(sub)
+
+    from .web import add_web_parser
+    add_web_parser(sub)
     return p
 
 

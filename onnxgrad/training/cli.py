@@ -94,10 +94,17 @@ def add_export_train_step_parser(subparsers):
         description="Write one ONNX model that takes a training step of MODEL: inputs the data, "
         "the parameters, the optimizer state, lr (float64) and step (int64, 1 first); outputs "
         "the loss, the updated parameters and the updated state. The model's weights and zero "
-        "state are stored as the inputs' defaults, so the file runs as it is.")
+        "state are stored as the inputs' defaults, so the file runs as it is. With --target web: "
+        "lr is float32, and the weights and the roles go to two files beside OUT (see "
+        "onnxgrad/training/webstep.py).")
     _common(p, False)
     p.add_argument("--gradient", metavar="GRAD.onnx",
                    help="also write the gradient graph (data + params -> loss, gradients)")
+    p.add_argument("--target", choices=["python", "web"], default="python",
+                   help="python (default): one file that runs as it is; web: for onnxruntime-web "
+                   "and the browser trainer (onnxgrad web): OUT with float32 scalars and no "
+                   "defaults, OUT's .model.onnx (the model and its initial weights) and .json "
+                   "(the manifest of roles)")
     p.set_defaults(func=cmd_export_train_step)
     return p
 
@@ -247,6 +254,8 @@ def cmd_export_train_step(args, out) -> int:
     from .step import build_gradient_model, build_train_step
 
     model = _load_model(args.model)
+    if args.target == "web":
+        return _export_web(args, model, out)
     lm = attach_loss(model, args.loss, args.output_name)
     loss = lm.graph.output[-1].name
     step = build_train_step(lm, loss, optimizer=_optimizer(args), frozen=args.frozen,
@@ -265,4 +274,26 @@ def cmd_export_train_step(args, out) -> int:
         from ..runtime import save_model
         save_model(with_defaults(g.model, g.initial_params), args.gradient)
         print(f"wrote {args.gradient}", file=out)
+    return 0
+
+
+def _export_web(args, model, out) -> int:
+    from .webstep import export_web_step, paths
+
+    if args.gradient:
+        raise ValueError("--gradient applies to --target python only")
+    m = export_web_step(model, args.loss, args.output, output_name=args.output_name,
+                        optimizer=_optimizer(args), frozen=args.frozen, clip_norm=args.clip_norm)
+    files = paths(args.output)
+    print(f"wrote {files['step']} (the step), {files['model']} (the model) and "
+          f"{files['manifest']} (the manifest)", file=out)
+
+    def names(tensors):
+        return ", ".join(t["name"] for t in tensors)
+    print(f"  data inputs: {names(m['inputs'] + m['targets'])}", file=out)
+    print(f"  parameters:  {names(m['params'])}", file=out)
+    if m["state"]:
+        print(f"  state:       {names(m['state'])}", file=out)
+    print(f"  scalars:     {m['lr']['name']} (float32), {m['step']['name']} (int64, 1 first); "
+          f"loss output: {m['loss']['name']}", file=out)
     return 0

@@ -5,7 +5,8 @@ compute the updated parameter and state. The learning rate is a float64 scalar g
 schedule can feed it per step) and the step count an int64 scalar input: the number of the step
 being taken, 1 for the first (PyTorch's ``state["step"]`` after its increment). Scalar
 hyper-parameter arithmetic (bias corrections, lr * weight_decay) is done in float64 and cast to
-the parameter's dtype once, as PyTorch does with its Python-float scalars.
+the parameter's dtype once, as PyTorch does with its Python-float scalars (or all in float32, lr
+a float32 input, for runtimes without float64 kernels: see :class:`Scalars`).
 
     SGD    d = g + wd p;  b = d (first step) | momentum b + (1 - dampening) d  (one expression,
            b mom_t + d damp_t with (mom_t, damp_t) = (0, 1) on the first step: no Where);
@@ -107,29 +108,32 @@ class Slot:
 
 
 class Scalars:
-    """The step's shared scalars: lr (float64), step (int64), and casts made once per dtype."""
+    """The step's shared scalars: lr, step (int64), and casts made once per dtype. Scalar
+    arithmetic runs in ``dtype``, lr's type: float64 (PyTorch's Python floats), or float32 for
+    runtimes without float64 kernels (onnxruntime-web's WebGPU builds)."""
 
-    def __init__(self, b: Builder, lr: str, step: str):
-        self.b, self.lr, self.step = b, lr, step
+    def __init__(self, b: Builder, lr: str, step: str, dtype: int = TensorProto.DOUBLE):
+        self.b, self.lr, self.step, self.dtype = b, lr, step, dtype
         self._cast: dict[tuple[str, int], str] = {}
-        self._step_f64 = None
+        self._step_float = None
 
     def cast(self, name: str, dtype: int) -> str:
-        if dtype == TensorProto.DOUBLE:
+        if dtype == self.dtype:
             return name
         key = (name, dtype)
         if key not in self._cast:
             self._cast[key] = self.b.op("Cast", name, to=dtype)
         return self._cast[key]
 
-    def f64(self, value) -> str:
-        return self.b.const(np.array(value, np.float64), np.float64)
+    def num(self, value) -> str:
+        """A constant scalar of the scalar dtype."""
+        return self.b.const(value, _np(self.dtype))
 
     @property
-    def step_f64(self) -> str:
-        if self._step_f64 is None:
-            self._step_f64 = self.b.op("Cast", self.step, to=TensorProto.DOUBLE)
-        return self._step_f64
+    def step_float(self) -> str:
+        if self._step_float is None:
+            self._step_float = self.b.op("Cast", self.step, to=self.dtype)
+        return self._step_float
 
     def memo(self, key, make):
         if key not in self._cast:
@@ -173,11 +177,11 @@ class SGD(Optimizer):
 
     def _scalars(self, b, sc, T):
         """The momentum and (1 - dampening) as T scalars, (0, 1) on the first step; made once
-        per step and dtype, in float64 and cast once (the same T values as T constants)."""
+        per step and dtype, in the scalar dtype and cast once."""
         def make():
             first = sc.memo("first", lambda: b.op("Equal", sc.step, b.const(1, np.int64)))
-            mom = b.op("Where", first, sc.f64(0.0), sc.f64(self.momentum))
-            damp = b.op("Where", first, sc.f64(1.0), sc.f64(1.0 - self.dampening))
+            mom = b.op("Where", first, sc.num(0.0), sc.num(self.momentum))
+            damp = b.op("Where", first, sc.num(1.0), sc.num(1.0 - self.dampening))
             return sc.cast(mom, T), sc.cast(damp, T)
         return sc.memo(("sgd", T), make)
 
@@ -226,18 +230,28 @@ class Adam(Optimizer):
         self.slots = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
 
     def _scalars(self, b, sc):
-        """float64 scalars shared by all parameters: the step size and eps, both scaled by
-        sqrt(bc2) (see update), and the decoupled decay factor 1 - lr wd."""
+        """Scalars shared by all parameters: the step size and eps, both scaled by sqrt(bc2)
+        (see update), and the decoupled decay factor 1 - lr wd."""
         b1, b2 = self.betas
 
+        def one_minus_pow(beta, t):  # the bias correction 1 - beta^t
+            if sc.dtype == TensorProto.DOUBLE:
+                return b.op("Sub", sc.num(1.0), b.op("Pow", sc.num(beta), t))
+            # in float32, 1 - beta^t cancels (1.3e-5 off for beta 0.999 at t = 1); with
+            # u = tanh(t ln(beta) / 2) it is -2u / (1 - u) exactly, and tanh keeps its relative
+            # precision near 0 (1e-7 at every t)
+            with np.errstate(divide="ignore"):  # beta = 0: ln 0 = -inf, u = -1, 1 - 0^t = 1
+                half_log = np.log(beta) / 2
+            u = b.op("Tanh", b.op("Mul", t, sc.num(half_log)))
+            return b.op("Div", b.op("Mul", u, sc.num(-2.0)), b.op("Sub", sc.num(1.0), u))
+
         def make():
-            t = sc.step_f64
-            bc1 = b.op("Sub", sc.f64(1.0), b.op("Pow", sc.f64(b1), t))
-            bc2 = b.op("Sub", sc.f64(1.0), b.op("Pow", sc.f64(b2), t))
+            t = sc.step_float
+            bc1, bc2 = one_minus_pow(b1, t), one_minus_pow(b2, t)
             bc2_sqrt = b.op("Sqrt", bc2)
             step_size = b.op("Mul", b.op("Div", sc.lr, bc1), bc2_sqrt)
-            eps = b.op("Mul", sc.f64(self.eps), bc2_sqrt)
-            decay = b.op("Sub", sc.f64(1.0), b.op("Mul", sc.lr, sc.f64(self.weight_decay)))
+            eps = b.op("Mul", sc.num(self.eps), bc2_sqrt)
+            decay = b.op("Sub", sc.num(1.0), b.op("Mul", sc.lr, sc.num(self.weight_decay)))
             return step_size, eps, decay
         return sc.memo("adam", make)
 

@@ -44,7 +44,7 @@ class TrainStep:
     state: list[str] = field(default_factory=list)          # inputs: optimizer state
     state_outputs: list[str] = field(default_factory=list)  # outputs: updated state
     state_of: list[tuple[str, str]] = field(default_factory=list)  # (param, slot) per state
-    lr: str | None = "lr"              # input: float64 scalar learning rate
+    lr: str | None = "lr"              # input: scalar learning rate (float64, or float32)
     step: str | None = "step"          # input: int64 scalar step number (1 first)
     grads: list[str] = field(default_factory=list)  # inputs (apply) or outputs (gradient model)
     initial_params: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
@@ -238,16 +238,22 @@ def _expose_pool_indices(m: onnx.ModelProto):
             n.output.append(name)
 
 
+SCALAR_DTYPES = {"float64": TensorProto.DOUBLE, "float32": TensorProto.FLOAT}
+
+
 def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
-                   optimizer: Optimizer, clip_norm: float | None, taken: set[str]):
+                   optimizer: Optimizer, clip_norm: float | None, taken: set[str],
+                   scalars: str = "float64"):
     """Append the optimizer's nodes and inputs to gm; fills desc's state and output lists."""
+    if scalars not in SCALAR_DTYPES:
+        raise ValueError(f"scalars={scalars!r} is not one of {', '.join(SCALAR_DTYPES)}")
     g = gm.graph
     b = Builder(taken, "optimizer")
     lr = b.name("lr")
     step = b.name("step")
-    g.input.append(helper.make_tensor_value_info(lr, TensorProto.DOUBLE, []))
+    g.input.append(helper.make_tensor_value_info(lr, SCALAR_DTYPES[scalars], []))
     g.input.append(helper.make_tensor_value_info(step, TensorProto.INT64, []))
-    sc = Scalars(b, lr, step)
+    sc = Scalars(b, lr, step, SCALAR_DTYPES[scalars])
     dtypes = [_dtype_of(gm, p) for p in desc.params]
     if clip_norm is not None:
         clip_norm = check_number("clip_norm", "clip_norm", clip_norm)
@@ -295,19 +301,22 @@ def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
 
 
 def build_train_step(model, loss: str, params=None, optimizer: Optimizer | None = None,
-                     frozen=None, clip_norm: float | None = None) -> TrainStep:
+                     frozen=None, clip_norm: float | None = None,
+                     scalars: str = "float64") -> TrainStep:
     """One ONNX model that takes a training step: see the module doc.
 
     ``model`` (a ModelProto or a path) must compute ``loss`` (a scalar; the loss helpers in
     :mod:`onnxgrad.training.losses` attach one). ``params``: initializer names to train (None:
     every float initializer, minus ``frozen``). ``optimizer``: an :class:`Optimizer` (default
-    AdamW()). ``clip_norm``: clip the gradients' global 2-norm first."""
+    AdamW()). ``clip_norm``: clip the gradients' global 2-norm first. ``scalars``: the type of
+    lr and of the optimizer's scalar arithmetic, "float64" or "float32" (for runtimes without
+    float64 kernels, such as onnxruntime-web's WebGPU builds)."""
     optimizer = optimizer or AdamW()
     desc = build_gradient_model(model, loss, params, frozen)
     gm = desc.model
     grads = desc.grads
     taken = _taken(gm.graph)
-    _add_optimizer(gm, desc, grads, optimizer, clip_norm, taken)
+    _add_optimizer(gm, desc, grads, optimizer, clip_norm, taken, scalars)
     outs = [loss, *desc.param_outputs, *desc.state_outputs]
     _prune(gm, outs, [desc.lr, desc.step])  # both stay inputs even when unread (plain SGD)
     _reorder_inputs(gm, desc.data_inputs + desc.params + desc.state + [desc.lr, desc.step])
