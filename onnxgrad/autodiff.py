@@ -21,7 +21,7 @@ import onnx_ir as ir
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import InvalidModelError, NotDifferentiableError
-from .inference import graphs_of, infer_shapes
+from .inference import graphs_of, infer_ranks, infer_shapes
 from .validation import check_model
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
                        subgraphs, MIN_OPSET)
@@ -169,12 +169,13 @@ def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: se
 
 def _add_ranks(model: onnx.ModelProto, names: set) -> None:
     """value_info for ``names`` (outputs of added nodes whose rank the emitter could not tell
-    and onnx's inference does not find alone, such as a Conv with a computed kernel), from
-    onnxgrad's shape inference on the result; a shape inference run only when there are any."""
+    and onnx's inference does not find alone, such as a Conv with a computed kernel), from shape
+    inference on the result with ranks seeded as :func:`~onnxgrad.inference.rank_seeds` does;
+    run only when there are any."""
     if not names:
         return
     try:
-        typed = infer_shapes(model)
+        typed = infer_ranks(model)
     except onnx.shape_inference.InferenceError:  # a rank is missing then, as it was before
         return
     for g, t in zip(graphs_of(model.graph), graphs_of(typed.graph)):
@@ -300,13 +301,16 @@ def _maybe_float(v: ir.Value) -> bool:
     return v.dtype is None or v.dtype in FLOAT_DTYPES
 
 
+def _has_subgraphs(node: ir.Node) -> bool:
+    return bool(node.attributes) and any(
+        a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+        for a in node.attributes.values())
+
+
 def _reads(node: ir.Node) -> list[ir.Value]:
     """The node's inputs and the outer-scope values its subgraphs read."""
     ins = [v for v in node.inputs if v is not None]
-    if node.attributes and any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-                               for a in node.attributes.values()):
-        ins += _captured(node)
-    return ins
+    return ins + _captured(node) if _has_subgraphs(node) else ins
 
 
 def _pairs(node: ir.Node, out):
@@ -472,6 +476,7 @@ def _unique_scope(graph: ir.Graph, name: str, more=()) -> str:
                 names += [v.name for v in sub.inputs]
                 names += sub.initializers
     names = {n for n in names if n}
+
     def taken(scope):
         under, seq = scope + "/", "@" + scope
         return scope in names or any(n.startswith(under) or n.endswith(seq) for n in names)
@@ -504,8 +509,7 @@ def _forward_reach(graph: ir.Graph, xs, stop):
                 for v in ins):  # values of outer scopes are always there
             graph.sort()  # not topologically ordered: let onnx-ir fix the order once
             return _forward_reach(graph, xs, stop)
-        if node.attributes and any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-                                   for a in node.attributes.values()):
+        if _has_subgraphs(node):
             ins = ins + _captured(node)
         produced.update(node.outputs)
         if any(v in live for v in ins):
@@ -569,7 +573,9 @@ def _outputs(e: Emitter, graph, xs, x_vals, results, unconnected) -> list[str | 
             names.append(None)
             continue
         dtype = x.dtype or (g.dtype if g is not None else None)
-        shape = x.shape if x.shape is not None or g is None or g.shape is None else ir.Shape(g.shape)
+        shape = x.shape
+        if shape is None and g is not None and g.shape is not None:
+            shape = ir.Shape(g.shape)
         if dtype is None or shape is None:
             raise InvalidModelError(
                 f"xs: the {'type' if dtype is None else 'rank'} of {xname!r} is unknown (onnx "

@@ -207,14 +207,12 @@ class Emitter:
         shapes = [shape] if _outputs == 1 else [shape] + [None] * (_outputs - 1)
         # an op whose rank onnx's inference will not find (computed split sizes, axes, kernel
         # ...): the rank is written into the model, for gradients of this gradient graph
-        rank = None
-        if (op_type in SAME_RANK or op_type in AXES_RANK) and _computed_args(ins):
-            rank = len(shape) if shape is not None else _out_rank(op_type, ins, attrs)
-            if rank is None:  # left to onnx shape inference on the result (see autodiff)
-                self.unranked.append(node)
-        record = rank is not None
+        record = (op_type in SAME_RANK or op_type in AXES_RANK) and _computed_args(ins)
+        if record and shape is None:  # left to onnx shape inference on the result (autodiff)
+            self.unranked.append(node)
+            record = False
         if record:
-            shapes = [s if s is not None and len(s) == rank else (None,) * rank for s in shapes]
+            shapes = [shape] + [(None,) * len(shape)] * (_outputs - 1)
         for i, out in enumerate(node.outputs):
             out.name = name if _outputs == 1 else f"{name}:{i}"
             if dtypes[i] is not None:
@@ -305,55 +303,58 @@ def _rank(x) -> int | None:
     return None if x is None or x.shape is None else len(x.shape)
 
 
-def _const_len(x) -> int | None:
-    """The length of a constant 1-D int input (a shape or axes), or None."""
-    p = None if x is None else x.value.producer()
-    t = x.value.const_value if x is not None else None
-    if t is None and p is not None and p.op_type == "Constant":
-        t = p.attributes["value"].value if "value" in p.attributes else None
+def _length(x) -> int | None:
+    """The number of elements of a 1-D input (a shape or axes), from its static shape or its
+    constant value, or None."""
+    if x is None:
+        return None
+    if x.shape is not None and len(x.shape) == 1 and isinstance(x.shape[0], int):
+        return x.shape[0]
+    p, t = x.value.producer(), x.value.const_value
+    if t is None and p is not None and p.op_type == "Constant" and "value" in p.attributes:
+        t = p.attributes["value"].value
     return None if t is None or len(t.shape) != 1 else int(t.shape[0])
 
 
-def _matmul_rank(ins, attrs):
+def _first(ins, attrs):
+    """Input 0's rank (ReduceXxx: only with keepdims=1)."""
+    return _rank(ins[0]) if attrs.get("keepdims", 1) else None
+
+
+def _kernel_or_first(ins, attrs):
+    """A convolution's: input 0's rank, which its kernel has too."""
+    r = _rank(ins[0])
+    return r if r is not None or len(ins) < 2 else _rank(ins[1])
+
+
+def _any(ins, attrs):
+    return next((_rank(x) for x in ins if _rank(x) is not None), None)
+
+
+def _matmul(ins, attrs):
     ra, rb = _rank(ins[0]), _rank(ins[1])
     if ra is None or rb is None:
         return None
     return max(ra, rb) if min(ra, rb) >= 2 else ra + rb - 2
 
 
-def _same(ins, attrs):
-    return next((_rank(x) for x in ins if _rank(x) is not None), None)
+def _by_length(op_type):
+    return lambda ins, attrs: out_rank(op_type, 1, _rank(ins[0]),
+                                       _length(ins[1]) if len(ins) > 1 else None)
 
 
-def _len_of(i):
-    return lambda ins, attrs: (ins[i].shape[0] if len(ins) > i and _rank(ins[i]) == 1
-                               and isinstance(ins[i].shape[0], int) else _const_len(ins[i]))
-
-
-def _plus_axes(sign):
-    def rank(ins, attrs):
-        n = _const_len(ins[1]) if len(ins) > 1 else None
-        r = _rank(ins[0])
-        return None if n is None or r is None else r + sign * n
-    return rank
-
-
-def _gather_rank(ins, attrs):
-    ra, ri = _rank(ins[0]), _rank(ins[1])
-    return None if ra is None or ri is None else ra + ri - 1
-
-
-# the output rank of common non-elementwise ops from their inputs' ranks (dims stay unknown):
-# rules then know more ranks, and fewer outputs need onnx inference to be typed in the model
+# the output rank of ops from their inputs' ranks (dims unknown): rules know more ranks, and the
+# outputs of SAME_RANK / AXES_RANK ops with computed arguments get it written into the model
 _RANKS = {
-    "Size": lambda ins, attrs: 0, "MatMul": _matmul_rank, "Gemm": lambda ins, attrs: 2,
-    "Transpose": _same, "Concat": _same, "Softmax": _same, "LogSoftmax": _same,
-    "CumSum": _same, "Trilu": _same, "ScatterElements": _same, "ScatterND": _same,
-    "Slice": _same, "Pad": _same, "Tile": _same, "Split": _same, "Resize": _same,
-    "Conv": _same, "ConvTranspose": _same, "GatherElements": _same, "Flatten": lambda i, a: 2,
-    "Reshape": _len_of(1), "ConstantOfShape": _len_of(0), "Unsqueeze": _plus_axes(1),
-    "Squeeze": _plus_axes(-1), "Gather": _gather_rank,
-    "ReduceSum": lambda ins, attrs: _rank(ins[0]) if attrs.get("keepdims", 1) else None,
+    **{op: _first for op in SAME_RANK},
+    **{op: _first for op in ("Transpose", "Softmax", "LogSoftmax", "CumSum", "Trilu", "Slice",
+                             "Pad", "Tile", "ScatterElements", "ScatterND", "GatherElements")},
+    **{op: _by_length(op) for op in AXES_RANK},
+    "Conv": _kernel_or_first, "ConvTranspose": _kernel_or_first, "Concat": _any,
+    "MatMul": _matmul, "Gemm": lambda ins, attrs: 2, "Flatten": lambda ins, attrs: 2,
+    "Size": lambda ins, attrs: 0, "ConstantOfShape": lambda ins, attrs: _length(ins[0]),
+    "Gather": lambda ins, attrs: (None if _rank(ins[0]) is None or _rank(ins[1]) is None
+                                  else _rank(ins[0]) + _rank(ins[1]) - 1),
 }
 
 
@@ -364,16 +365,6 @@ def _computed_args(ins) -> bool:
         if x is not None and (p is None or p.op_type != "Constant") and x.value.const_value is None:
             return True
     return False
-
-
-def _out_rank(op_type, ins, attrs) -> int | None:
-    """The output rank of a SAME_RANK / AXES_RANK op, from its inputs' known ranks."""
-    known = ins[0] if ins[0] is not None and ins[0].shape is not None else None
-    if known is None and op_type in ("Conv", "ConvTranspose") and len(ins) > 1:
-        known = ins[1] if ins[1] is not None and ins[1].shape is not None else None  # the kernel
-    axes = ins[1].shape if len(ins) > 1 and ins[1] is not None else None
-    return out_rank(op_type, attrs.get("keepdims", 1), None if known is None else len(known.shape),
-                    axes[0] if axes and isinstance(axes[0], int) else None)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,6 @@
 """onnx shape inference that the gradient rules can trust.
 
-Three things onnx's own ``infer_shapes`` does not do:
+What onnx's own ``infer_shapes`` does not do:
 
 - Declared ``value_info`` is a claim, not evidence: a model may declare [7, 5] for a tensor of
   shape [3], and onnx keeps the declared shape over what it infers. The declared entries (and the
@@ -8,9 +8,13 @@ Three things onnx's own ``infer_shapes`` does not do:
   says nothing that contradicts it (it may add what inference cannot know, as after a custom op),
   and a graph output that inference contradicts is an error naming it.
 - Pools with ceil_mode: onnx keeps a last window that starts in the end padding; onnxruntime and
-  onnx.reference drop it (as PyTorch does), so the inferred output is one element too long. Those
-  outputs get the runtime's length and inference runs again, so that nothing downstream bakes in
-  the wrong one.
+  onnx.reference drop it (as PyTorch does), so the inferred output is one element too long, and
+  onnxruntime, which builds on the same inference, folds Shape() of it into a wrong constant.
+  Such a pool is rewritten with the equivalent explicit pads and no ceil_mode, so that onnx,
+  onnxruntime's static shapes and every runtime agree (:func:`floor_pads`).
+- Ops whose outputs keep their input's rank (Split with computed sizes, ReduceSum with computed
+  axes, a Conv with a computed kernel, :data:`SAME_RANK`) or change it by a known length
+  (:data:`AXES_RANK`) get no shape from onnx at all: they are given their rank.
 - onnx types a Loop or Scan body without the values of outer Constants, so a body's Unsqueeze or
   Reshape whose axes or shape come from outside gets no shape, and every rank after it is unknown
   (rules such as MatMul's need ranks). Copies of those Constants are put at the start of each
@@ -45,7 +49,8 @@ def pool_out_len(dim: int, pb: int, pe: int, ek: int, s: int, ceil: bool) -> int
 _GRAPH, _GRAPHS = onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS
 
 
-def _subgraphs(node: onnx.NodeProto):
+def node_subgraphs(node: onnx.NodeProto):
+    """The GRAPH and GRAPHS attributes of a NodeProto."""
     for a in node.attribute:
         if a.type == _GRAPH:
             yield a.g
@@ -58,14 +63,14 @@ def graphs_of(graph: onnx.GraphProto) -> list:
     out = [graph]
     for n in graph.node:
         if n.attribute:
-            for sub in _subgraphs(n):
+            for sub in node_subgraphs(n):
                 out += graphs_of(sub)
     return out
 
 
 def _inline(nodes, constants: dict) -> None:
     for node in nodes:
-        for body in _subgraphs(node):
+        for body in node_subgraphs(node):
             made = {o for n in body.node for o in n.output}
             read = {i for n in body.node for i in n.input} - made
             copies = []
@@ -92,13 +97,13 @@ def _strip(graph: onnx.GraphProto) -> None:
         del graph.value_info[:]
         graph.value_info.extend(vis)
     for n in graph.node:
-        for body in _subgraphs(n):
+        for body in node_subgraphs(n):
             _strip(body)
 
 
 def _onnx_infer(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
     """onnx's inference (a new model) with outer Constants visible in bodies; ``m`` is ours."""
-    if not any(_stft_without_onesided(n) or (n.attribute and any(True for _ in _subgraphs(n)))
+    if not any(_stft_without_onesided(n) or (n.attribute and next(node_subgraphs(n), None))
                for n in m.graph.node):
         return onnx.shape_inference.infer_shapes(m, **kw)
     m = onnx.ModelProto.FromString(m.SerializeToString())
@@ -122,14 +127,15 @@ def _dims(t: TypeProto):
     return tt.elem_type, shape
 
 
-def _merge(declared: TypeProto, inferred: TypeProto | None, symbols: bool = True,
-           elem: bool = True) -> TypeProto | None:
-    """What both say of one tensor, or None when they contradict: another element type or rank,
-    another static dim, or a static dim where inference has a symbol (the model's inputs say that
-    dim varies). Non-tensor types: the inferred one wins. ``symbols=False`` takes no dim_param
-    from ``declared``: an unproven symbol would claim that two dims are equal. ``elem=False``:
-    another element type is no contradiction, the declared one stays (graph outputs: onnx and
-    onnxruntime disagree on some, such as a float64 LayerNormalization's Mean)."""
+def _merge(declared: TypeProto, inferred: TypeProto | None, output: bool = False
+           ) -> TypeProto | None:
+    """What both say of one tensor, or None when they contradict (another rank, another static
+    dim; for value_info also another element type). Where inference has a symbol, a declared
+    static dim is not taken (the model's inputs say that dim may vary: baking the declared
+    value in would be wrong for other sizes). A declared symbol fills an unknown dim only for
+    a graph ``output``, the model's interface (elsewhere it would claim, unproven, that two dims
+    are equal); an output's element type stands too (onnx and onnxruntime disagree on some,
+    such as a float64 LayerNormalization's Mean). Non-tensor types: the inferred one wins."""
     if declared.WhichOneof("value") is None:
         return inferred
     if inferred is None or inferred.WhichOneof("value") is None:  # only what declared says
@@ -144,9 +150,9 @@ def _merge(declared: TypeProto, inferred: TypeProto | None, symbols: bool = True
     if merged.WhichOneof("value") != "tensor_type":
         return merged
     (de, ds), (ie, ish) = _dims(declared), _dims(inferred)
-    if de and ie and de != ie and elem:
+    if de and ie and de != ie and not output:
         return None
-    merged.tensor_type.elem_type = (ie or de) if elem else (de or ie)
+    merged.tensor_type.elem_type = (de or ie) if output else (ie or de)
     if ds is None:
         return merged
     if ish is None:
@@ -155,11 +161,11 @@ def _merge(declared: TypeProto, inferred: TypeProto | None, symbols: bool = True
     if len(ds) != len(ish):
         return None
     for md, d, i in zip(merged.tensor_type.shape.dim, ds, ish):
-        if isinstance(d, int) and (isinstance(i, str) or (isinstance(i, int) and d != i)):
+        if isinstance(d, int) and isinstance(i, int) and d != i:
             return None
-        if i is None and isinstance(d, int):
+        if isinstance(d, int) and i is None:
             md.dim_value = d
-        elif i is None and isinstance(d, str) and symbols:
+        elif isinstance(d, str) and i is None and output:
             md.dim_param = d
     return merged
 
@@ -173,7 +179,9 @@ def _describe(t: TypeProto) -> str:
         return str(t.WhichOneof("value"))
     e, s = _dims(t)
     name = onnx.TensorProto.DataType.Name(e).lower() if e else "?"
-    return name + ("" if s is None else "[" + ", ".join("?" if d is None else str(d) for d in s) + "]")
+    if s is None:
+        return name
+    return name + "[" + ", ".join("?" if d is None else str(d) for d in s) + "]"
 
 
 # -- pools with ceil_mode ----------------------------------------------------------------------
@@ -257,6 +265,22 @@ def _rank_seeds(graphs: list) -> list:
     return out
 
 
+def infer_ranks(model: onnx.ModelProto, rounds: int = 4) -> onnx.ModelProto:
+    """onnx's inference on ``model`` (a new model), with the ranks :func:`_rank_seeds` tells
+    added where onnx finds none, a few rounds deep (for a model onnxgrad wrote itself: its
+    declared types are its own)."""
+    out = _onnx_infer(model)
+    for _ in range(rounds):
+        seeds = _rank_seeds(graphs_of(out.graph))
+        if not seeds:
+            break
+        graphs = graphs_of(out.graph)
+        for gi, vi in seeds:
+            graphs[gi].value_info.append(vi)
+        out = _onnx_infer(out)
+    return out
+
+
 def _has_ceil(n: onnx.NodeProto) -> bool:
     return n.op_type in _POOLS and any(a.name == "ceil_mode" and a.i for a in n.attribute)
 
@@ -317,13 +341,13 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     for gi, (g, vis) in enumerate(zip(graphs_of(out.graph), declared)):
         inferred = {vi.name: vi.type for vi in g.value_info} if vis else {}
         for vi in vis:
-            merged = _merge(vi.type, inferred.get(vi.name), symbols=False)
+            merged = _merge(vi.type, inferred.get(vi.name))
             if merged is not None and _adds(merged, inferred.get(vi.name)):
                 adopted.append((gi, onnx.helper.make_value_info(vi.name, merged)))
     pools = sum(_has_ceil(n) for g in graphs for n in g.node)
     same_rank = sum(n.op_type in SAME_RANK or n.op_type in AXES_RANK
                     for g in graphs for n in g.node)
-    for _ in range(pools + same_rank + 1):  # each round may type the inputs of further ones
+    for _ in range(min(pools + same_rank, 8) + 1):  # each may type inputs of further ones
         changed = pools and _rewrite_ceil_pools(out.graph, graphs)
         seeds = adopted + (_rank_seeds(graphs_of(out.graph)) if same_rank else [])
         adopted = []
@@ -336,7 +360,7 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
         if not o.HasField("type"):
             o.type.CopyFrom(want)
             continue
-        merged = _merge(want, o.type, elem=False)
+        merged = _merge(want, o.type, output=True)
         if merged is None:
             raise InvalidModelError(
                 f"the model declares graph output {o.name!r} as {_describe(want)}, but its "

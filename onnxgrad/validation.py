@@ -15,6 +15,7 @@ import re
 import onnx
 
 from .errors import InvalidModelError
+from .inference import graphs_of, node_subgraphs
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,41 +76,58 @@ def check_model(model: onnx.ModelProto, stripped=()) -> onnx.ModelProto:
                                                                     list(t.dims))
                                  for t in light if t.name not in inputs)
     try:
-        onnx.checker.check_model(m)
+        _check(m, model)
     except onnx.checker.ValidationError as exc:
         msg = " ".join(str(exc).split())
         name = re.search(r"however input '([^']*)' of node", msg)
         if name and _produced(m.graph, name.group(1)):  # only out of order: sort, check again
             return check_model(sort_nodes(model), stripped)
         if name:
-            node = next(n for g in _graphs(m.graph) for n in g.node if name.group(1) in n.input)
+            node = next(n for g in graphs_of(m.graph) for n in g.node if name.group(1) in n.input)
             msg = (f"input {name.group(1)!r} of node {node.name!r} ({node.op_type}) is made by "
                    "no node, graph input or initializer")
         raise InvalidModelError(f"the model is not valid ONNX: {msg}") from None
     return model
 
 
-def _graphs(graph: onnx.GraphProto):
-    yield graph
-    for n in graph.node:
-        for a in n.attribute:
-            for g in [a.g] * a.HasField("g") + list(a.graphs):
-                yield from _graphs(g)
+_DEPRECATED = "onnxgrad.deprecated"  # where deprecated ops go for the checker to pass them
+
+
+def _check(m: onnx.ModelProto, model: onnx.ModelProto) -> None:
+    """onnx.checker.check_model; a deprecated op (GroupNormalization-18, still run by
+    onnxruntime) is no error here: its nodes are set aside (in a copy) and the check goes on."""
+    while True:
+        try:
+            return onnx.checker.check_model(m)
+        except onnx.checker.ValidationError as exc:
+            dep = re.search(r"Op registered for (\w+) is deprecated", str(exc))
+            if not dep:
+                raise
+            if m is model:
+                m = onnx.ModelProto.FromString(model.SerializeToString())
+            found = False
+            for g in graphs_of(m.graph):
+                for n in g.node:
+                    if n.op_type == dep.group(1) and n.domain in ("", "ai.onnx"):
+                        n.domain, found = _DEPRECATED, True
+            if not found:
+                raise
+            if not any(o.domain == _DEPRECATED for o in m.opset_import):
+                m.opset_import.add(domain=_DEPRECATED, version=1)
 
 
 def _produced(graph: onnx.GraphProto, name: str) -> bool:
     return any(any(v.name == name for v in [*g.input, *g.initializer])
-               or any(name in n.output for n in g.node) for g in _graphs(graph))
+               or any(name in n.output for n in g.node) for g in graphs_of(graph))
 
 
 def _reads(node: onnx.NodeProto) -> set[str]:
     """What a node reads: its inputs and the outer names its subgraphs read."""
     reads = {i for i in node.input if i}
-    for a in node.attribute:
-        for g in [a.g] * a.HasField("g") + list(a.graphs):
-            made = {o for n in g.node for o in n.output} | {v.name for v in g.input}
-            made |= {t.name for t in g.initializer}
-            reads |= {r for n in g.node for r in _reads(n)} - made
+    for g in node_subgraphs(node):
+        made = {o for n in g.node for o in n.output} | {v.name for v in g.input}
+        made |= {t.name for t in g.initializer}
+        reads |= {r for n in g.node for r in _reads(n)} - made
     return reads
 
 

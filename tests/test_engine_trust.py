@@ -176,6 +176,27 @@ def test_any_declared_shape_gives_the_same_gradient(declared):
         np.testing.assert_array_equal(a, b)
 
 
+def test_declared_static_dim_does_not_bake_in_a_symbolic_batch():
+    """x is [N, 3]; the model declares t and y as [2, 3]: the gradient still holds for N=5."""
+    m = graph_model([helper.make_node("Tanh", ["x"], ["t"]),
+                     helper.make_node("Add", ["t", "b"], ["y"])],
+                    [vi("x", ["N", 3])], [vi("y", [2, 3])],
+                    [numpy_helper.from_array(np.zeros(3, F), "b")], value_info=[vi("t", [2, 3])])
+    res = onnxgrad.gradients(m, "y", ["x", "b"])
+    x = np.random.default_rng(0).standard_normal((5, 3)).astype(F)
+    gx, gb = ort_all(res.model).run(res.grads, {"x": x})
+    np.testing.assert_allclose(gx, 1 - np.tanh(x) ** 2, rtol=1e-5)
+    np.testing.assert_allclose(gb, np.full(3, 5.0), rtol=1e-6)
+
+
+def test_deprecated_op_is_not_an_invalid_model():
+    m = graph_model([helper.make_node("GroupNormalization", ["x", "s", "b"], ["y"],
+                                      num_groups=2)],
+                    [vi("x", [1, 4, 3]), vi("s", [2]), vi("b", [2])], [vi("y", [1, 4, 3])],
+                    opset=18)
+    assert onnxgrad.gradients(m, "y", ["x", "s"]).grads[0] is not None
+
+
 def test_contradicted_graph_output_is_refused(capsys, tmp_path):
     m = chain([])
     m.graph.output[0].CopyFrom(vi("y", [4]))

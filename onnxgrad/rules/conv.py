@@ -238,7 +238,8 @@ class _Geo:
         e, zero = self.e, [0] * self.nsp
         if self.mode == "static":
             inp, pb, pe = self._crop(inp), self.b, [max(x, 0) for x in self.end]
-            if group == 1 and self.nsp <= 2 and self.k is not None and math.prod(self.k) <= _MAX_TAPS:
+            taps = math.prod(self.k) if self.k is not None else None  # None: a run-time kernel
+            if group == 1 and self.nsp <= 2 and taps is not None and taps <= _MAX_TAPS:
                 return self._weight_by_taps(inp, gy, pb, pe)
         elif self.mode == "loose":
             pb, pe = self.b, [max(h, 0) for h in self.hi]
