@@ -340,7 +340,10 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     adopted = []  # the declared entries that inference does not contradict
     for gi, (g, vis) in enumerate(zip(graphs_of(out.graph), declared)):
         inferred = {vi.name: vi.type for vi in g.value_info} if vis else {}
+        made = {o for n in g.node for o in n.output} if vis else set()
         for vi in vis:
+            if vi.name not in made:  # an entry for an input, initializer or nothing: not one
+                continue             # for value_info to decide
             merged = _merge(vi.type, inferred.get(vi.name))
             if merged is not None and _adds(merged, inferred.get(vi.name)):
                 adopted.append((gi, onnx.helper.make_value_info(vi.name, merged)))
