@@ -305,6 +305,15 @@ def test_ceil_mode_pool_finite_differences(op):
     assert report.ok, str(report)
 
 
+def test_ceil_mode_pool_without_equivalent_pads_is_refused(capsys, tmp_path):
+    """count_include_pad=1: one axis drops a window, the other has a partial last one, whose
+    divisor no explicit pad would keep."""
+    m = pool_model("AveragePool", (1, 1, 7, 5), kernel_shape=[2, 2], strides=[2, 2],
+                   pads=[1, 0, 1, 0], ceil_mode=1, count_include_pad=1)
+    assert_refused(capsys, tmp_path, m, NotDifferentiableError, "no equivalent pads",
+                   "ceil_mode drops")
+
+
 @pytest.mark.parametrize("op", ["AveragePool", "MaxPool", "LpPool"])
 def test_pool_same_with_dilations_is_refused(op, capsys, tmp_path):
     m = pool_model(op, (1, 1, 6), kernel_shape=[2], strides=[3], dilations=[2],

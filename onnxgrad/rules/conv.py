@@ -47,8 +47,10 @@ onnxruntime does for Conv and ConvTranspose. onnxruntime's pools deviate from th
 SAME with dilations > 1 (output size: those are refused) or a stride larger than the kernel
 (negative pads: its MaxPool fails; the rule follows the spec). With ceil_mode, a last window that
 would start in the end padding is dropped, as onnxruntime and onnx.reference do
-(:func:`onnxgrad.inference.pool_out_len`; onnx's shape inference keeps it, which
-:mod:`onnxgrad.inference` corrects).
+(:func:`onnxgrad.inference.pool_out_len`). onnx's shape inference keeps that window, and
+onnxruntime's static shapes with it, so such a pool is rewritten before any rule runs with the
+equivalent pads and no ceil_mode (:func:`onnxgrad.inference.floor_pads`); one with no such
+pads (AveragePool, count_include_pad=1, another axis with a partial last window) is refused.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import NotDifferentiableError
-from ..inference import pool_out_len
+from ..inference import floor_pads, pool_out_len
 from ..registry import register
 
 INT64 = ir.DataType.INT64
@@ -440,6 +442,16 @@ def _pool_attrs(n):
             n.node.op_type, n.node.domain, n.opset, n.node.name, [],
             reason="auto_pad SAME with dilations: onnxruntime sizes its output unlike the ONNX "
                    "spec, so no gradient graph matches both; give explicit pads instead")
+    dims = _static_dims(n.x, nsp)
+    attrs = {a: n.attr(a) for a in ("ceil_mode", "kernel_shape", "strides", "dilations", "pads",
+                                    "count_include_pad")}
+    if dims is not None and floor_pads(n.node.op_type, {**attrs, "auto_pad": _auto_pad(n)},
+                                       dims) is not None:
+        raise NotDifferentiableError(  # (the rest were rewritten without ceil_mode)
+            n.node.op_type, n.node.domain, n.opset, n.node.name, [],
+            reason="ceil_mode drops a last window that onnx's shape inference, and so "
+                   "onnxruntime's static shapes, keep; no equivalent pads exist with "
+                   "count_include_pad=1 here")
     return k, s, d
 
 
