@@ -21,8 +21,9 @@ from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError)
-from .inference import infer_shapes
+from .inference import graphs_of, infer_ranks, infer_shapes
 from .storage import load_model, strip_weights
+from .validation import check_model
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
                        subgraphs, MIN_OPSET)
 
@@ -61,8 +62,8 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     whose ``model`` is a new ModelProto (the input is never mutated) and whose ``grads`` are the
     names of the new graph outputs, aligned with xs (None for an unconnected x under "none").
     """
-    if not isinstance(name, str) or not name.strip("/"):
-        raise ArgumentTypeError(f"name must be a non-empty scope name (str), not {name!r}")
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"name must be a str (the scope of the added nodes), not {name!r}")
     unconnected = _enum(UnconnectedGradients, unconnected_gradients, "unconnected_gradients")
     aggregation = _enum(AggregationMethod, aggregation_method or "add_n", "aggregation_method")
     ys, xs = _names(ys, "ys"), _names(xs, "xs")
@@ -73,6 +74,7 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
         raise InvalidArgumentError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
 
     model, weights = _without_weights(_load(model))
+    model = check_model(model, weights)  # (sorted, if only its node order was wrong)
     args = (ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
             {vi.name for vi in model.graph.value_info}, weights)
     # the sweep allocates millions of small objects and frees none: the cyclic collector would
@@ -103,24 +105,28 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
             for n in _names(stop_gradients or [], "stop_gradients")}
     stop |= {values[n] for n in json.loads(irm.metadata_props.get(STOP_GRADIENTS_KEY, "[]"))
              if n in values}
-    scope = _unique_scope(graph, name)
+    new_inputs = [gy for gy in grad_ys if gy is not None and gy not in values]
+    scope = _unique_scope(graph, name, new_inputs)
     e = Emitter(graph, scope, opset)
-
-    seeds: dict[ir.Value, list[V]] = {}
-    for y, gy in zip(y_vals, grad_ys):
-        seed = _seed(e, graph, values, y, gy)
-        if seed is not None:
-            seeds.setdefault(y, []).append(seed)
+    e.reserve(new_inputs)
 
     engine = Engine(irm, opset, aggregation)
-    results = engine.sweep(graph, e, seeds, x_vals, stop)
+    plan = engine.plan(graph, y_vals, x_vals, stop)  # refuses before anything is emitted
+    seeds: dict[ir.Value, list[V]] = {}
+    for y, gy in zip(y_vals, grad_ys):
+        seed = _seed(e, graph, values, y, gy, y in plan.live)
+        if seed is not None:
+            seeds.setdefault(y, []).append(seed)
+    results = engine.run(plan, e, seeds)
     names = _outputs(e, graph, xs, x_vals, results, unconnected)
     _drop_dead(graph, e.nodes)
-    out = _to_proto(proto, irm, forward, declared)
+    out = attach_functions(_to_proto(proto, irm, forward, declared))
+    _add_ranks(out, {v.name for node in e.unranked if node.graph is not None
+                     for v in node.outputs if v.shape is None and v.name})
     for t in out.graph.initializer:
         if t.name in weights:
             t.CopyFrom(weights[t.name])
-    return GradientsResult(attach_functions(out), names)
+    return GradientsResult(out, names)
 
 
 def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: set):
@@ -128,25 +134,32 @@ def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: se
 
     Only the new nodes, and forward nodes a control-flow rule rewrote in place, are serialised;
     re-encoding the unchanged forward graph would cost a third of the build. When the graph
-    changed in any other way, the whole model is serialised instead. value_info is kept only
-    where the input model had it (the types from shape inference were for the rules)."""
+    changed in any other way, the whole model is serialised instead. value_info is kept where
+    the input model had it (with what inference makes of it) and written for the new values
+    whose shape the emitter recorded (ranks that onnx shape inference cannot find again); the
+    other types from shape inference were for the rules."""
     graph, g = irm.graph, proto.graph
     nodes = list(graph)
     if nodes[:len(forward)] != forward or len(graph.initializers) != len(g.initializer):
+        new = set(nodes) - set(forward)
         for node in graph:
             for v in node.outputs:
-                if v.name not in declared and not v.is_graph_output():
+                if (v.name not in declared and not v.is_graph_output()
+                        and not (node in new and v.shape is not None)):
                     v.type, v.shape = None, None
         return ir.serde.serialize_model(irm)
     for i, node in enumerate(forward):
         if len(node.outputs) != len(g.node[i].output) or subgraphs(node):
             g.node[i].CopyFrom(ir.serde.serialize_node(node))
-    g.node.extend(ir.serde.serialize_node(node) for node in nodes[len(forward):])
+    added = nodes[len(forward):]
+    g.node.extend(ir.serde.serialize_node(node) for node in added)
     g.input.extend(ir.serde.serialize_value(v) for v in list(graph.inputs)[len(g.input):])
     g.output.extend(ir.serde.serialize_value(v) for v in list(graph.outputs)[len(g.output):])
     kept = [vi for vi in g.value_info if vi.name in declared]
     del g.value_info[:]
     g.value_info.extend(kept)
+    g.value_info.extend(ir.serde.serialize_value(v) for node in added for v in node.outputs
+                        if v.shape is not None and v.type is not None and not v.is_graph_output())
     for domain, version in irm.opset_imports.items():
         entry = next((o for o in proto.opset_import if o.domain == domain), None)
         if entry is None:
@@ -154,6 +167,21 @@ def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: se
         else:
             entry.version = version
     return proto
+
+
+def _add_ranks(model: onnx.ModelProto, names: set) -> None:
+    """value_info for ``names`` (outputs of added nodes whose rank the emitter could not tell
+    and onnx's inference does not find alone, such as a Conv with a computed kernel), from shape
+    inference on the result with ranks seeded as :func:`~onnxgrad.inference.rank_seeds` does;
+    run only when there are any."""
+    if not names:
+        return
+    try:
+        typed = infer_ranks(model)
+    except onnx.shape_inference.InferenceError:  # a rank is missing then, as it was before
+        return
+    for g, t in zip(graphs_of(model.graph), graphs_of(typed.graph)):
+        g.value_info.extend(vi for vi in t.value_info if vi.name in names)
 
 
 class Engine:
@@ -177,8 +205,46 @@ class Engine:
         incoming gradients (V); ``xs`` may be values of ``graph``, its inputs, or outer-scope
         values it reads. Returns one summed gradient (or None) per x. Cost: linear in the nodes.
         """
-        scope = e.scope
-        on_path, live = _forward_reach(graph, xs, stop)
+        return self.run(self.plan(graph, list(seeds), xs, stop), e, seeds)
+
+    def plan(self, graph: ir.Graph, ys: list, xs: list, stop=frozenset()) -> _Plan:
+        """What depends on xs, and the refusals due before any rule runs, when values on the
+        path have no known type (shape inference could not type them, as after custom and
+        com.microsoft ops; they may be float, so the path is there whatever the types say):
+        an op without a rule that makes one of them, else the first of them (no rule can be
+        run on it)."""
+        on_path, live, untyped = _forward_reach(graph, xs, stop)
+        if untyped:
+            self._refuse_untyped(on_path, live, ys, xs, stop)
+        return _Plan(xs, stop, on_path, live)
+
+    def _refuse_untyped(self, on_path, live, ys, xs, stop):
+        needed = {y for y in ys if y in live and y not in stop}
+        first = None
+        for node in reversed(on_path):
+            outs = [v for v in node.outputs if v in needed]
+            if not outs:
+                continue
+            opset_of = self.opset_of(node.domain)
+            if any(v.dtype is None for v in outs) and lookup(
+                    "" if node.domain == "ai.onnx" else node.domain, node.op_type,
+                    opset_of) is None:
+                raise NotDifferentiableError(node.op_type, node.domain, opset_of, node.name,
+                                             _path(node, outs, ys, xs, live))
+            ins = [v for v in _reads(node) if v in live and v not in stop]
+            if first is None:
+                first = next(((v, node) for v in [*outs, *ins] if v.dtype is None), None)
+            needed.update(ins)
+        if first is not None:
+            v, node = first
+            raise InvalidModelError(
+                f"the type of tensor {v.name!r} (at node {node.name!r}, op {node.op_type!r}) is "
+                "unknown: onnx shape inference cannot tell it, so no gradient rule can be run "
+                "on it; declare its type in the model's value_info")
+
+    def run(self, plan: _Plan, e: Emitter, seeds: dict) -> list[V | None]:
+        """The reverse sweep of :meth:`plan` from ``seeds`` (see :meth:`sweep`)."""
+        scope, stop, xs, live = e.scope, plan.stop, plan.xs, plan.live
         grads: dict[ir.Value, list[V]] = {}
         for y, parts in seeds.items():
             if y in live:
@@ -195,7 +261,11 @@ class Engine:
                     e, v, _aggregate(e, parts, aggregation, v).with_shape(dims(v)))
             return summed[v]
 
-        for node in reversed(on_path):
+        def path(node):
+            outs = [v for v in node.outputs if v in grads or v in summed]
+            return _path(node, outs, y_vals, xs, live)
+
+        for node in reversed(plan.on_path):
             gs = [total(v) if v in grads and v not in stop else None for v in node.outputs]
             if all(g is None for g in gs):
                 continue
@@ -203,7 +273,7 @@ class Engine:
             rule = lookup("" if node.domain == "ai.onnx" else node.domain, node.op_type, opset_of)
             if rule is None:
                 raise NotDifferentiableError(node.op_type, node.domain, opset_of, node.name,
-                                             _path(node, y_vals, xs, live, grads, summed))
+                                             path(node))
             e.prefix = f"{scope}/{node.name or node.op_type}_grad"
             ctx = Node(node, e, gs, opset_of, engine=self, live=live)
             try:
@@ -212,12 +282,37 @@ class Engine:
                 if err.path:
                     raise
                 raise NotDifferentiableError(err.op_type, err.domain, err.opset, err.node_name,
-                                             _path(node, y_vals, xs, live, grads, summed)) from None
+                                             path(node), reason=err.reason) from None
             for v, gv in _pairs(node, out):
                 if gv is not None and v is not None and v in live:
                     grads.setdefault(v, []).append(gv)
 
-        return [total(x) if x in live and x.dtype in FLOAT_DTYPES else None for x in xs]
+        return [total(x) if x in live and _maybe_float(x) else None for x in xs]
+
+
+@dataclass
+class _Plan:
+    xs: list
+    stop: set
+    on_path: list
+    live: set
+
+
+def _maybe_float(v: ir.Value) -> bool:
+    """A float value, or one whose type nobody knows (it may be float)."""
+    return v.dtype is None or v.dtype in FLOAT_DTYPES
+
+
+def _has_subgraphs(node: ir.Node) -> bool:
+    return bool(node.attributes) and any(
+        a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+        for a in node.attributes.values())
+
+
+def _reads(node: ir.Node) -> list[ir.Value]:
+    """The node's inputs and the outer-scope values its subgraphs read."""
+    ins = [v for v in node.inputs if v is not None]
+    return ins + _captured(node) if _has_subgraphs(node) else ins
 
 
 def _pairs(node: ir.Node, out):
@@ -272,7 +367,7 @@ def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         model, opset = onnx.version_converter.convert_version(model, MIN_OPSET), MIN_OPSET
     try:  # returns a copy, so the caller's model is never touched
         model = infer_shapes(model)
-    except Exception:  # noqa: BLE001  custom ops without inference: go on with what is declared
+    except onnx.shape_inference.InferenceError:  # onnx cannot type it: go on with what is declared
         model = onnx.ModelProto.FromString(model.SerializeToString())
     if upgraded:
         _fix_clip_bounds(model.graph)
@@ -357,16 +452,29 @@ def _resolve(values, name, what) -> ir.Value:
     return v
 
 
-def _unique_scope(graph: ir.Graph, name: str) -> str:
-    taken = set()
+def _unique_scope(graph: ir.Graph, name: str, more=()) -> str:
+    """``name``, or ``name_k`` with the first k such that no name in the model (nodes, values,
+    graph inputs, initializers, subgraphs, and ``more``) lies under it: none equal to the scope,
+    starting with ``scope/`` or naming a sequence gradient ``...@scope``."""
+    names = [v.name for v in graph.inputs]
+    names += graph.initializers
+    names += more
     for node in ir.traversal.RecursiveGraphIterator(graph):
-        for n in [node.name, *(v.name for v in node.outputs)]:
-            if n:
-                taken.add(n.split("/", 1)[0])
-    taken.update(v.name.split("/", 1)[0] for v in graph.inputs if v.name)
-    taken.update(n.split("/", 1)[0] for n in graph.initializers)
+        names.append(node.name)
+        names += [v.name for v in node.outputs]
+        if node.attributes:
+            for sub in subgraphs(node):
+                names.append(sub.name)
+                names += [v.name for v in sub.inputs]
+                names += sub.initializers
+    names = {n for n in names if n}
+
+    def taken(scope):
+        under, seq = scope + "/", "@" + scope
+        return scope in names or any(n.startswith(under) or n.endswith(seq) for n in names)
+
     scope, k = name, 0
-    while scope in taken:
+    while taken(scope):
         k += 1
         scope = f"{name}_{k}"
     return scope
@@ -378,35 +486,39 @@ def _label(v: ir.Value) -> str:
 
 # -- the sweep ---------------------------------------------------------------------------------
 def _forward_reach(graph: ir.Graph, xs, stop):
-    """Nodes that read something depending on xs (in topological order) and the float values
-    that depend on xs; a stopped value is a constant unless it is itself an x."""
-    live = {x for x in xs if x.dtype in FLOAT_DTYPES}
+    """Nodes that read something depending on xs (in topological order), the values that
+    depend on xs (float ones, and those of unknown type: a custom op's output may be float; a
+    stopped value is a constant unless it is itself an x), and whether any of those has an
+    unknown type."""
+    live = {x for x in xs if _maybe_float(x)}
+    untyped = any(x.dtype is None for x in live)
     on_path = []
     produced = set(graph.inputs) | set(graph.initializers.values())
-    nodes = list(graph)
-    for node in nodes:
+    for node in list(graph):
         ins = [v for v in node.inputs if v is not None]
         if not produced.issuperset(ins) and any(
                 v not in produced and v.producer() is not None and v.producer().graph is graph
                 for v in ins):  # values of outer scopes are always there
             graph.sort()  # not topologically ordered: let onnx-ir fix the order once
             return _forward_reach(graph, xs, stop)
-        if node.attributes and any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-                                   for a in node.attributes.values()):
+        if _has_subgraphs(node):
             ins = ins + _captured(node)
         produced.update(node.outputs)
         if any(v in live for v in ins):
             on_path.append(node)
-            live.update(v for v in node.outputs
-                        if v.dtype in FLOAT_DTYPES and (v not in stop or v in xs))
-    return on_path, live
+            for v in node.outputs:
+                dtype = v.dtype
+                if (dtype is None or dtype in FLOAT_DTYPES) and (v not in stop or v in xs):
+                    live.add(v)
+                    untyped = untyped or dtype is None
+    return on_path, live, untyped
 
 
-def _seed(e: Emitter, graph, values, y: ir.Value, gy) -> V:
+def _seed(e: Emitter, graph, values, y: ir.Value, gy, live: bool) -> V:
     e.prefix = f"{e.scope}/{_label(y)}_seed"
     yv = e.wrap(y)
     if gy is None:
-        if y.dtype is not None and y.dtype not in FLOAT_DTYPES:
+        if not live or y.dtype not in FLOAT_DTYPES:  # (plan refused an untyped live y)
             return None
         static = yv.shape is not None and all(isinstance(d, int) for d in yv.shape)
         if static and np.prod(yv.shape, dtype=np.int64) <= 64:  # a scalar loss: a small Constant
@@ -446,20 +558,31 @@ def _aggregate(e: Emitter, parts: list[V], method, v: ir.Value) -> V:
 
 
 def _outputs(e: Emitter, graph, xs, x_vals, results, unconnected) -> list[str | None]:
+    """The gradients as graph outputs, each with its x's type and shape (the checker wants a
+    rank on every graph output)."""
     names, used, added = [], set(), set(e.nodes)
     for xname, x, g in zip(xs, x_vals, results):
         e.prefix = f"{e.scope}/{_label(x)}_grad"
+        if g is None and (unconnected is UnconnectedGradients.NONE or not _maybe_float(x)):
+            names.append(None)
+            continue
+        dtype = x.dtype or (g.dtype if g is not None else None)
+        shape = x.shape
+        if shape is None and g is not None and g.shape is not None:
+            shape = ir.Shape(g.shape)
+        if dtype is None or shape is None:
+            raise InvalidModelError(
+                f"xs: the {'type' if dtype is None else 'rank'} of {xname!r} is unknown (onnx "
+                "shape inference cannot tell it), so its gradient cannot be declared as a graph "
+                "output; declare its shape in the model's value_info")
         if g is None:
-            if unconnected is UnconnectedGradients.NONE or x.dtype not in FLOAT_DTYPES:
-                names.append(None)
-                continue
             g = e.zeros_like(e.wrap(x))
         out = g.value
         if (out.producer() not in added or out.is_graph_output()
                 or out in used):
             out = e.op("Identity", g).value
         out.name = e.unique(f"{e.scope}/{xname}_grad")
-        out.type, out.shape = ir.TensorType(x.dtype), x.shape
+        out.type, out.shape = ir.TensorType(dtype), shape
         used.add(out)
         graph.outputs.append(out)
         names.append(out.name)
@@ -474,8 +597,9 @@ def _drop_dead(graph: ir.Graph, added: list[ir.Node]):
             graph.remove(node, safe=True)
 
 
-def _path(node, ys, xs, live, grads, summed) -> list[str]:
-    """A path y -> ... -> node -> ... -> x through tensor names, for error messages."""
+def _path(node, outs, ys, xs, live) -> list[str]:
+    """A path y -> ... -> node -> ... -> x through tensor names, for error messages; ``outs``:
+    the node's outputs on the way to ys."""
     def bfs(starts, step, goal):
         prev = {s: None for s in starts}
         queue = deque(starts)
@@ -500,7 +624,6 @@ def _path(node, ys, xs, live, grads, summed) -> list[str]:
         p = v.producer()
         return [] if p is None else [i for i in p.inputs if i is not None and i in live]
 
-    outs = [v for v in node.outputs if v in grads or v in summed]
     ins = [v for v in node.inputs if v is not None and v in live]
     to_y = bfs(outs, down, set(ys))  # out ... y
     to_x = bfs(ins, up, set(xs))     # in ... x

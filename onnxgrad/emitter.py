@@ -11,6 +11,8 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
+from .inference import AXES_RANK, SAME_RANK, out_rank
+
 FLOAT_DTYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE,
                           ir.DataType.BFLOAT16})
 
@@ -114,6 +116,8 @@ class Emitter:
         self.prefix = scope
         self.nodes: list[ir.Node] = []
         self._counts: dict[str, int] = {}
+        self._issued: set[str] = set()  # every name handed out in this gradients call
+        self.unranked: list[ir.Node] = []  # nodes whose output rank only onnx inference finds
         self._consts: dict[tuple, V] = {}
 
     def need(self, version: int) -> None:
@@ -121,13 +125,23 @@ class Emitter:
         if self.opset < version:
             raise NeedOpset(version)
 
+    def reserve(self, names) -> None:
+        """Names that :meth:`unique` must not hand out (new graph inputs named by the caller)."""
+        self._issued.update(names)
+
     def wrap(self, value: ir.Value | None) -> V | None:
         return None if value is None else V(value, self)
 
     def unique(self, base: str) -> str:
+        """``base``, or ``base_k`` with the first k that no earlier name of this call took."""
         k = self._counts.get(base, 0)
+        name = base if k == 0 else f"{base}_{k}"
+        while name in self._issued:
+            k += 1
+            name = f"{base}_{k}"
         self._counts[base] = k + 1
-        return base if k == 0 else f"{base}_{k}"
+        self._issued.add(name)
+        return name
 
     # -- constants -------------------------------------------------------------------------
     def const(self, value, dtype: ir.DataType | None = None) -> V:
@@ -173,6 +187,10 @@ class Emitter:
         while ins and ins[-1] is None:
             ins.pop()
         name = self.unique(f"{self.prefix}/{op_type}")
+        if _outputs > 1:  # output names are name:i; none may be taken either
+            while any(f"{name}:{i}" in self._issued for i in range(_outputs)):
+                name = self.unique(f"{self.prefix}/{op_type}")
+            self._issued.update(f"{name}:{i}" for i in range(_outputs))
         attributes = [_attr(k, v) for k, v in attrs.items() if v is not None]
         node = ir.Node(_domain, op_type, [None if x is None else x.value for x in ins],
                        attributes, num_outputs=_outputs, name=name)
@@ -180,15 +198,30 @@ class Emitter:
         shape = _shape
         if shape is None and op_type in _ELEMENTWISE:
             shape = broadcast_dims([x.shape for x in ins if x is not None])
+        elif shape is None and op_type == "Shape":  # 1-D, as long as x's rank
+            shape = (None if attrs or ins[0].shape is None else len(ins[0].shape),)
+        elif shape is None and op_type in _RANKS:
+            rank = _RANKS[op_type](ins, attrs)
+            shape = None if rank is None else (None,) * rank
         dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * _outputs
+        shapes = [shape] if _outputs == 1 else [shape] + [None] * (_outputs - 1)
+        # an op whose rank onnx's inference will not find (computed split sizes, axes, kernel
+        # ...): the rank is written into the model, for gradients of this gradient graph
+        record = (op_type in SAME_RANK or op_type in AXES_RANK) and _computed_args(ins)
+        if record and shape is None:  # left to onnx shape inference on the result (autodiff)
+            self.unranked.append(node)
+            record = False
+        if record:
+            shapes = [shape] + [(None,) * len(shape)] * (_outputs - 1)
         for i, out in enumerate(node.outputs):
             out.name = name if _outputs == 1 else f"{name}:{i}"
             if dtypes[i] is not None:
                 out.type = _tensor_type(dtypes[i])
+                if record:
+                    out.shape = ir.Shape(shapes[i])
         self.graph.append(node)
         self.nodes.append(node)
-        outs = tuple(V(o, self, dtypes[i], shape if i == 0 else None)
-                     for i, o in enumerate(node.outputs))
+        outs = tuple(V(o, self, dtypes[i], shapes[i]) for i, o in enumerate(node.outputs))
         return outs[0] if _outputs == 1 else outs
 
     def __getattr__(self, op_type: str):
@@ -229,8 +262,8 @@ class Emitter:
                     s = src[lead + i]
                     if d == 1 and s != 1:
                         axes.append(lead + i)
-                    elif not isinstance(d, int) and d != s:
-                        ambiguous = True  # a symbolic dim may be 1 at run time
+                    elif not isinstance(d, int) and (d is None or d != s):
+                        ambiguous = True  # a symbolic or unknown dim may be 1 at run time
                 if not ambiguous:
                     return self._sum_static(t, lead, axes)
         return self._sum_dynamic(t, x)
@@ -261,9 +294,77 @@ class Emitter:
         (shared counters), and the constants made so far reused (outer-scope values)."""
         c = Emitter(graph, self.scope, self.opset)
         c.prefix = prefix
-        c._counts = self._counts
+        c._counts, c._issued, c.unranked = self._counts, self._issued, self.unranked
         c._consts = dict(self._consts)
         return c
+
+
+def _rank(x) -> int | None:
+    return None if x is None or x.shape is None else len(x.shape)
+
+
+def _length(x) -> int | None:
+    """The number of elements of a 1-D input (a shape or axes), from its static shape or its
+    constant value, or None."""
+    if x is None:
+        return None
+    if x.shape is not None and len(x.shape) == 1 and isinstance(x.shape[0], int):
+        return x.shape[0]
+    p, t = x.value.producer(), x.value.const_value
+    if t is None and p is not None and p.op_type == "Constant" and "value" in p.attributes:
+        t = p.attributes["value"].value
+    return None if t is None or len(t.shape) != 1 else int(t.shape[0])
+
+
+def _first(ins, attrs):
+    """Input 0's rank (ReduceXxx: only with keepdims=1)."""
+    return _rank(ins[0]) if attrs.get("keepdims", 1) else None
+
+
+def _kernel_or_first(ins, attrs):
+    """A convolution's: input 0's rank, which its kernel has too."""
+    r = _rank(ins[0])
+    return r if r is not None or len(ins) < 2 else _rank(ins[1])
+
+
+def _any(ins, attrs):
+    return next((_rank(x) for x in ins if _rank(x) is not None), None)
+
+
+def _matmul(ins, attrs):
+    ra, rb = _rank(ins[0]), _rank(ins[1])
+    if ra is None or rb is None:
+        return None
+    return max(ra, rb) if min(ra, rb) >= 2 else ra + rb - 2
+
+
+def _by_length(op_type):
+    return lambda ins, attrs: out_rank(op_type, 1, _rank(ins[0]),
+                                       _length(ins[1]) if len(ins) > 1 else None)
+
+
+# the output rank of ops from their inputs' ranks (dims unknown): rules know more ranks, and the
+# outputs of SAME_RANK / AXES_RANK ops with computed arguments get it written into the model
+_RANKS = {
+    **{op: _first for op in SAME_RANK},
+    **{op: _first for op in ("Transpose", "Softmax", "LogSoftmax", "CumSum", "Trilu", "Slice",
+                             "Pad", "Tile", "ScatterElements", "ScatterND", "GatherElements")},
+    **{op: _by_length(op) for op in AXES_RANK},
+    "Conv": _kernel_or_first, "ConvTranspose": _kernel_or_first, "Concat": _any,
+    "MatMul": _matmul, "Gemm": lambda ins, attrs: 2, "Flatten": lambda ins, attrs: 2,
+    "Size": lambda ins, attrs: 0, "ConstantOfShape": lambda ins, attrs: _length(ins[0]),
+    "Gather": lambda ins, attrs: (None if _rank(ins[0]) is None or _rank(ins[1]) is None
+                                  else _rank(ins[0]) + _rank(ins[1]) - 1),
+}
+
+
+def _computed_args(ins) -> bool:
+    """Whether an input after the first is computed (not a Constant node or initializer)."""
+    for x in ins[1:]:
+        p = None if x is None else x.value.producer()
+        if x is not None and (p is None or p.op_type != "Constant") and x.value.const_value is None:
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,30 +1,76 @@
-"""onnx shape inference that also sees the outer-scope Constants a subgraph reads.
+"""onnx shape inference that the gradient rules can trust.
 
-onnx's inference types a Loop or Scan body without the values of outer Constants, so a body's
-Unsqueeze or Reshape whose axes or shape come from outside gets no shape, and every rank after it
-is unknown (rules such as MatMul's need ranks). Copies of those Constants are put at the start of
-each body that reads them for the inference run only, and taken out of its result.
+What onnx's own ``infer_shapes`` does not do:
 
-onnx 1.23's STFT inference also reads an absent onesided as 0 where the schema's default (and
-every runtime) is 1, so the default is written out before inference.
+- Declared ``value_info`` is a claim, not evidence: a model may declare [7, 5] for a tensor of
+  shape [3], and onnx keeps the declared shape over what it infers. The declared entries (and the
+  graph outputs' types) are taken out before inference; an entry is put back only where inference
+  says nothing that contradicts it (it may add what inference cannot know, as after a custom op),
+  and a graph output that inference contradicts is an error naming it.
+- Pools with ceil_mode: onnx keeps a last window that starts in the end padding; onnxruntime and
+  onnx.reference drop it (as PyTorch does), so the inferred output is one element too long, and
+  onnxruntime, which builds on the same inference, folds Shape() of it into a wrong constant.
+  Such a pool is rewritten with the equivalent explicit pads and no ceil_mode, so that onnx,
+  onnxruntime's static shapes and every runtime agree (:func:`floor_pads`).
+- Ops whose outputs keep their input's rank (Split with computed sizes, ReduceSum with computed
+  axes, a Conv with a computed kernel, :data:`SAME_RANK`) or change it by a known length
+  (:data:`AXES_RANK`) get no shape from onnx at all: they are given their rank.
+- onnx types a Loop or Scan body without the values of outer Constants, so a body's Unsqueeze or
+  Reshape whose axes or shape come from outside gets no shape, and every rank after it is unknown
+  (rules such as MatMul's need ranks). Copies of those Constants are put at the start of each
+  body that reads them for the inference run only, and taken out of its result. onnx 1.23's STFT
+  inference also reads an absent onesided as 0 where the schema's default (and every runtime) is
+  1, so the default is written out before inference.
 """
 from __future__ import annotations
 
 import onnx
+from onnx import TensorShapeProto, TypeProto
+
+from .errors import InvalidModelError
 
 _MARK = "onnxgrad_inlined_constant/"
+_POOLS = ("AveragePool", "MaxPool", "LpPool")
 
 
-def _subgraphs(node: onnx.NodeProto):
+def pool_out_len(dim: int, pb: int, pe: int, ek: int, s: int, ceil: bool) -> int:
+    """A pool's (or conv's) output length along one axis, as onnxruntime and onnx.reference
+    compute it: with ceil_mode, a last window that would start inside the end padding is
+    dropped (onnx's shape inference keeps it). ``ek`` is the dilated kernel extent."""
+    num = dim + pb + pe - ek
+    if not ceil:
+        return num // s + 1
+    o = -(-num // s) + 1
+    if (o - 1) * s >= dim + pb:
+        o -= 1
+    return o
+
+
+_GRAPH, _GRAPHS = onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS
+
+
+def node_subgraphs(node: onnx.NodeProto):
+    """The GRAPH and GRAPHS attributes of a NodeProto."""
     for a in node.attribute:
-        if a.HasField("g"):
+        if a.type == _GRAPH:
             yield a.g
-        yield from a.graphs
+        elif a.type == _GRAPHS:
+            yield from a.graphs
+
+
+def graphs_of(graph: onnx.GraphProto) -> list:
+    """graph and every subgraph in it, in a fixed order (the same for a copy)."""
+    out = [graph]
+    for n in graph.node:
+        if n.attribute:
+            for sub in node_subgraphs(n):
+                out += graphs_of(sub)
+    return out
 
 
 def _inline(nodes, constants: dict) -> None:
     for node in nodes:
-        for body in _subgraphs(node):
+        for body in node_subgraphs(node):
             made = {o for n in body.node for o in n.output}
             read = {i for n in body.node for i in n.input} - made
             copies = []
@@ -51,21 +97,16 @@ def _strip(graph: onnx.GraphProto) -> None:
         del graph.value_info[:]
         graph.value_info.extend(vis)
     for n in graph.node:
-        for body in _subgraphs(n):
+        for body in node_subgraphs(n):
             _strip(body)
 
 
-def _stft_without_onesided(n: onnx.NodeProto) -> bool:
-    return (n.op_type == "STFT" and n.domain in ("", "ai.onnx")
-            and not any(a.name == "onesided" for a in n.attribute))
-
-
-def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
-    """onnx.shape_inference.infer_shapes (a new model) with outer Constants visible in bodies."""
-    if not any(_stft_without_onesided(n) or any(True for _ in _subgraphs(n))
-               for n in model.graph.node):
-        return onnx.shape_inference.infer_shapes(model, **kw)
-    m = onnx.ModelProto.FromString(model.SerializeToString())
+def _onnx_infer(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
+    """onnx's inference (a new model) with outer Constants visible in bodies; ``m`` is ours."""
+    if not any(_stft_without_onesided(n) or (n.attribute and next(node_subgraphs(n), None))
+               for n in m.graph.node):
+        return onnx.shape_inference.infer_shapes(m, **kw)
+    m = onnx.ModelProto.FromString(m.SerializeToString())
     for n in filter(_stft_without_onesided, m.graph.node):
         n.attribute.append(onnx.helper.make_attribute("onesided", 1))
     _inline(m.graph.node, {o: n for n in m.graph.node if n.op_type == "Constant"
@@ -73,3 +114,259 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     m = onnx.shape_inference.infer_shapes(m, **kw)
     _strip(m.graph)
     return m
+
+
+# -- declared types against inferred ones ----------------------------------------------------------
+def _dims(t: TypeProto):
+    """(elem_type or 0, [int | str | None per dim] or None when the rank is unknown); the
+    symbols onnx makes up for dims it cannot compute (unk__N) count as unknown."""
+    tt = t.tensor_type
+    shape = ([d.dim_value if d.HasField("dim_value") else
+              (d.dim_param if d.dim_param and not d.dim_param.startswith("unk__") else None)
+              for d in tt.shape.dim] if tt.HasField("shape") else None)
+    return tt.elem_type, shape
+
+
+def _merge(declared: TypeProto, inferred: TypeProto | None, output: bool = False
+           ) -> TypeProto | None:
+    """What both say of one tensor, or None when they contradict (another rank, another static
+    dim; for value_info also another element type). Where inference has a symbol, a declared
+    static dim is not taken (the model's inputs say that dim may vary: baking the declared
+    value in would be wrong for other sizes). A declared symbol fills an unknown dim only for
+    a graph ``output``, the model's interface (elsewhere it would claim, unproven, that two dims
+    are equal); an output's element type stands too (onnx and onnxruntime disagree on some,
+    such as a float64 LayerNormalization's Mean). Non-tensor types: the inferred one wins."""
+    if declared.WhichOneof("value") is None:
+        return inferred
+    if inferred is None or inferred.WhichOneof("value") is None:  # only what declared says
+        inferred = TypeProto()
+        inferred.CopyFrom(declared)
+        if inferred.HasField("tensor_type"):
+            inferred.tensor_type.ClearField("shape")
+    if inferred.WhichOneof("value") != declared.WhichOneof("value"):
+        return None
+    merged = TypeProto()
+    merged.CopyFrom(inferred)
+    if merged.WhichOneof("value") != "tensor_type":
+        return merged
+    (de, ds), (ie, ish) = _dims(declared), _dims(inferred)
+    if de and ie and de != ie and not output:
+        return None
+    merged.tensor_type.elem_type = (de or ie) if output else (ie or de)
+    if ds is None:
+        return merged
+    if ish is None:
+        ish = [None] * len(ds)
+        merged.tensor_type.shape.dim.extend(TensorShapeProto.Dimension() for _ in ds)
+    if len(ds) != len(ish):
+        return None
+    for md, d, i in zip(merged.tensor_type.shape.dim, ds, ish):
+        if isinstance(d, int) and isinstance(i, int) and d != i:
+            return None
+        if isinstance(d, int) and i is None:
+            md.dim_value = d
+        elif isinstance(d, str) and i is None and output:
+            md.dim_param = d
+    return merged
+
+
+def _adds(merged: TypeProto, inferred: TypeProto | None) -> bool:
+    return inferred is None or merged != inferred
+
+
+def _describe(t: TypeProto) -> str:
+    if t.WhichOneof("value") != "tensor_type":
+        return str(t.WhichOneof("value"))
+    e, s = _dims(t)
+    name = onnx.TensorProto.DataType.Name(e).lower() if e else "?"
+    if s is None:
+        return name
+    return name + "[" + ", ".join("?" if d is None else str(d) for d in s) + "]"
+
+
+# -- pools with ceil_mode ----------------------------------------------------------------------
+def floor_pads(op_type: str, attrs: dict, spatial: list):
+    """For a pool with ceil_mode=1 over the static spatial dims ``spatial`` whose last window
+    starts in the end padding (onnx's shape inference keeps that window; onnxruntime,
+    onnx.reference and PyTorch drop it): the pads under which the same pool without ceil_mode
+    computes the same windows with the same divisors. None when no window is dropped, False
+    when no such pads exist (an AveragePool with count_include_pad=1 whose other axis has a
+    partial last window). ``attrs``: the node's attributes by name (auto_pad a str)."""
+    if not attrs.get("ceil_mode", 0) or attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return None
+    k = [int(i) for i in attrs["kernel_shape"]]
+    nsp = len(k)
+    s = [int(i) for i in attrs.get("strides") or [1] * nsp]
+    d = [int(i) for i in attrs.get("dilations") or [1] * nsp]
+    pads = [int(i) for i in attrs.get("pads") or [0] * 2 * nsp]
+    if attrs.get("auto_pad", "NOTSET") == "VALID":
+        pads = [0] * 2 * nsp
+    ends, dropped = [], False
+    for i in range(nsp):
+        dim, pb, pe, ek = spatial[i], pads[i], pads[nsp + i], d[i] * (k[i] - 1) + 1
+        o = pool_out_len(dim, pb, pe, ek, s[i], True)
+        dropped |= o != -(-(dim + pb + pe - ek) // s[i]) + 1
+        ends.append(max(0, (o - 1) * s[i] + ek - dim - pb))  # floor mode then gives o windows
+    if not dropped:
+        return None
+    counts_pads = op_type == "AveragePool" and attrs.get("count_include_pad", 0)
+    if counts_pads and any(e > p for e, p in zip(ends, pads[nsp:])):
+        return False  # a partial window's divisor would count the extra padding
+    return pads[:nsp] + ends
+
+
+# ops whose outputs have the rank of input 0, but that onnx's shape inference leaves untyped
+# unless their other inputs are constants (split sizes, axes, scales, a kernel's shape)
+SAME_RANK = frozenset({"Split", "Resize", "DFT", "CenterCropPad", "MaxUnpool", "Conv",
+                       "ConvTranspose", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin",
+                       "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp",
+                       "ReduceSumSquare"})
+# ops whose output rank is a * (input 0's rank) + b * (the length of input 1): Unsqueeze and
+# Squeeze with computed axes, Reshape with a computed shape
+AXES_RANK = {"Unsqueeze": (1, 1), "Squeeze": (1, -1), "Reshape": (0, 1)}
+
+
+def out_rank(op_type: str, keepdims: int, rank: int | None, len1: int | None) -> int | None:
+    """The output rank of a SAME_RANK or AXES_RANK op whose input 0 has rank ``rank`` and whose
+    input 1 has ``len1`` elements (None: unknown), or None when that does not tell it."""
+    if op_type in SAME_RANK:
+        return rank if keepdims and rank is not None else None
+    a, b = AXES_RANK[op_type]
+    if len1 is None or (a and rank is None):
+        return None
+    return a * (rank or 0) + b * len1
+
+
+def _rank_seeds(graphs: list) -> list:
+    """[(graph index, ValueInfoProto)]: the rank (dims unknown) of each output of a
+    :data:`SAME_RANK` or :data:`AXES_RANK` op that inference left without one, where
+    :func:`out_rank` tells it."""
+    types, out = {}, []
+    for g in graphs:
+        types.update((vi.name, vi.type) for vi in [*g.input, *g.value_info, *g.output])
+        types.update((t.name, onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)))
+                     for t in g.initializer)
+    for gi, g in enumerate(graphs):
+        for n in g.node:
+            if (n.op_type not in SAME_RANK and n.op_type not in AXES_RANK) or n.domain not in (
+                    "", "ai.onnx") or not n.input or n.input[0] not in types:
+                continue
+            elem, shape = _dims(types[n.input[0]])
+            axes = _dims(types[n.input[1]])[1] if len(n.input) > 1 and n.input[1] in types else None
+            keep = not any(a.name == "keepdims" and a.i == 0 for a in n.attribute)
+            rank = out_rank(n.op_type, keep, None if shape is None else len(shape),
+                            axes[0] if axes and isinstance(axes[0], int) else None)
+            if rank is None or not elem:
+                continue
+            for o in n.output:
+                t = types.get(o)
+                if o and (t is None or _dims(t)[1] is None):
+                    out.append((gi, onnx.helper.make_tensor_value_info(o, elem, [None] * rank)))
+    return out
+
+
+def infer_ranks(model: onnx.ModelProto, rounds: int = 4) -> onnx.ModelProto:
+    """onnx's inference on ``model`` (a new model), with the ranks :func:`_rank_seeds` tells
+    added where onnx finds none, a few rounds deep (for a model onnxgrad wrote itself: its
+    declared types are its own)."""
+    out = _onnx_infer(model)
+    for _ in range(rounds):
+        seeds = _rank_seeds(graphs_of(out.graph))
+        if not seeds:
+            break
+        graphs = graphs_of(out.graph)
+        for gi, vi in seeds:
+            graphs[gi].value_info.append(vi)
+        out = _onnx_infer(out)
+    return out
+
+
+def _has_ceil(n: onnx.NodeProto) -> bool:
+    return n.op_type in _POOLS and any(a.name == "ceil_mode" and a.i for a in n.attribute)
+
+
+def _stft_without_onesided(n: onnx.NodeProto) -> bool:
+    return (n.op_type == "STFT" and n.domain in ("", "ai.onnx")
+            and not any(a.name == "onesided" for a in n.attribute))
+
+
+def _rewrite_ceil_pools(inferred: onnx.GraphProto, graphs: list) -> bool:
+    """Give each pool with a window that onnx's inference keeps and the runtimes drop the
+    equivalent pads without ceil_mode (in ``graphs``, the uninferred copies of ``inferred``'s
+    graphs), so that onnx, onnxruntime's own static shapes and the runtimes agree. True if any
+    changed."""
+    types = {}
+    done = False
+    for g in graphs_of(inferred):
+        for vi in [*g.input, *g.value_info, *g.output]:
+            types[vi.name] = vi.type
+        for t in g.initializer:
+            types[t.name] = onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims))
+    for g, target in zip(graphs_of(inferred), graphs):
+        for j, n in enumerate(g.node):
+            if not _has_ceil(n) or n.domain not in ("", "ai.onnx") or n.input[0] not in types:
+                continue
+            _, shape = _dims(types[n.input[0]])
+            if shape is None or len(shape) < 3 or not all(isinstance(x, int) for x in shape[2:]):
+                continue
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            if isinstance(attrs.get("auto_pad"), bytes):
+                attrs["auto_pad"] = attrs["auto_pad"].decode()
+            pads = floor_pads(n.op_type, attrs, shape[2:])
+            if not pads:
+                continue
+            node = target.node[j]
+            keep = [a for a in node.attribute if a.name not in ("ceil_mode", "pads", "auto_pad")]
+            del node.attribute[:]
+            node.attribute.extend(keep)
+            node.attribute.append(onnx.helper.make_attribute("pads", pads))
+            done = True
+    return done
+
+
+def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
+    """A new model typed by onnx shape inference, as the module docstring describes. Raises
+    InvalidModelError when inference contradicts the type declared for a graph output."""
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    graphs = graphs_of(m.graph)
+    declared = [[onnx.ValueInfoProto.FromString(vi.SerializeToString()) for vi in g.value_info]
+                for g in graphs]
+    for g in graphs:
+        del g.value_info[:]
+    outputs = [onnx.TypeProto.FromString(o.type.SerializeToString()) for o in m.graph.output]
+    for o in m.graph.output:
+        o.ClearField("type")
+    out = _onnx_infer(m, **kw)
+    adopted = []  # the declared entries that inference does not contradict
+    for gi, (g, vis) in enumerate(zip(graphs_of(out.graph), declared)):
+        inferred = {vi.name: vi.type for vi in g.value_info} if vis else {}
+        made = {o for n in g.node for o in n.output} if vis else set()
+        for vi in vis:
+            if vi.name not in made:  # an entry for an input, initializer or nothing: not one
+                continue             # for value_info to decide
+            merged = _merge(vi.type, inferred.get(vi.name))
+            if merged is not None and _adds(merged, inferred.get(vi.name)):
+                adopted.append((gi, onnx.helper.make_value_info(vi.name, merged)))
+    pools = sum(_has_ceil(n) for g in graphs for n in g.node)
+    same_rank = sum(n.op_type in SAME_RANK or n.op_type in AXES_RANK
+                    for g in graphs for n in g.node)
+    for _ in range(min(pools + same_rank, 8) + 1):  # each may type inputs of further ones
+        changed = pools and _rewrite_ceil_pools(out.graph, graphs)
+        seeds = adopted + (_rank_seeds(graphs_of(out.graph)) if same_rank else [])
+        adopted = []
+        for gi, vi in seeds:
+            graphs[gi].value_info.append(vi)
+        if not changed and not seeds:
+            break
+        out = _onnx_infer(m, **kw)
+    for o, want in zip(out.graph.output, outputs):
+        if not o.HasField("type"):
+            o.type.CopyFrom(want)
+            continue
+        merged = _merge(want, o.type, output=True)
+        if merged is None:
+            raise InvalidModelError(
+                f"the model declares graph output {o.name!r} as {_describe(want)}, but its "
+                f"producer makes it {_describe(o.type)} (onnx shape inference)")
+        o.type.CopyFrom(merged)
+    return out

@@ -20,11 +20,13 @@ seeds the cloned outputs with the incoming gradients, and lets the engine differ
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import onnx_ir as ir
 from onnx_ir._cloner import Cloner
 
-from ..emitter import V
+from ..emitter import V, dims
 from ..errors import NotDifferentiableError
 from ..registry import Grads, captured, register, subgraphs
 from .sequence import float_value, is_seq, zeros_for
@@ -154,6 +156,8 @@ def _loop(n, g):
     gs_final, gs_scan = n.gs[:nv], n.gs[nv:nv + n_scan]
     caps = _caps(n)
     carried = [j for j in range(nv) if float_value(node.inputs[2 + j])]
+    for j in range(nv):
+        _same_shape_each_iteration(n, [node.inputs[2 + j], b_vin[j], b_vout[j], node.outputs[j]])
 
     # the iteration count, from a saved iteration number (known after the forward ran)
     (iters,) = _augment(e, node, body, [b_iter], "iters")
@@ -220,6 +224,21 @@ def _loop(n, g):
     for k, j in enumerate(carried):
         per_input[2 + j] = outs[k]
     return Grads(per_input, dict(zip(caps, outs[len(carried):])))
+
+
+def _same_shape_each_iteration(n, values) -> None:
+    """Refuse a loop-carried tensor whose shape changes between iterations (the saved states are
+    scan outputs, which must all have one shape), where the known shapes of its initial value,
+    the body's input and output and the loop's output show it: another rank or static dim."""
+    shapes = [dims(v) for v in values if v is not None and isinstance(v.type, ir.TensorType)]
+    shapes = [s for s in shapes if s is not None]
+    for a, b in itertools.combinations(shapes, 2):
+        if len(a) != len(b) or any(isinstance(x, int) and isinstance(y, int) and x != y
+                                   for x, y in zip(a, b)):
+            raise NotDifferentiableError(
+                "Loop", n.node.domain, n.opset, n.node.name, [],
+                reason=f"the loop-carried tensor {values[1].name!r} changes shape between "
+                       f"iterations ({list(a)} -> {list(b)}), which is not supported")
 
 
 def _add(e, a: V, b: V) -> V:

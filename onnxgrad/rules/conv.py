@@ -44,8 +44,13 @@ front and ``e`` zeros behind it (e < 0: its last -e elements cut off) is exactly
   reach from Shape, an explicit Pad and Slice.
 Batch dims are never read. The pads that auto_pad and output_shape imply follow the ONNX spec, as
 onnxruntime does for Conv and ConvTranspose. onnxruntime's pools deviate from the spec for auto_pad
-SAME with dilations > 1 (output size) or a stride larger than the kernel (negative pads); there the
-rule follows the spec.
+SAME with dilations > 1 (output size: those are refused) or a stride larger than the kernel
+(negative pads: its MaxPool fails; the rule follows the spec). With ceil_mode, a last window that
+would start in the end padding is dropped, as onnxruntime and onnx.reference do
+(:func:`onnxgrad.inference.pool_out_len`). onnx's shape inference keeps that window, and
+onnxruntime's static shapes with it, so such a pool is rewritten before any rule runs with the
+equivalent pads and no ceil_mode (:func:`onnxgrad.inference.floor_pads`); one with no such
+pads (AveragePool, count_include_pad=1, another axis with a partial last window) is refused.
 """
 from __future__ import annotations
 
@@ -55,6 +60,8 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from ..errors import NotDifferentiableError
+from ..inference import floor_pads, pool_out_len
 from ..registry import register
 
 INT64 = ir.DataType.INT64
@@ -125,18 +132,6 @@ def _group_channels(w):
     if w.shape is not None and len(w.shape) > 1 and isinstance(w.shape[1], int):
         return w.shape[1]
     return None
-
-
-def _out_len(dim, pb, pe, ek, s, ceil):
-    """Pooling/conv output length (onnxruntime's rule: with ceil_mode, a last window that would
-    start inside the end padding is dropped)."""
-    num = dim + pb + pe - ek
-    if not ceil:
-        return num // s + 1
-    o = -(-num // s) + 1
-    if (o - 1) * s >= dim + pb:
-        o -= 1
-    return o
 
 
 class _Geo:
@@ -245,7 +240,8 @@ class _Geo:
         e, zero = self.e, [0] * self.nsp
         if self.mode == "static":
             inp, pb, pe = self._crop(inp), self.b, [max(x, 0) for x in self.end]
-            if group == 1 and self.nsp <= 2 and math.prod(self.k) <= _MAX_TAPS:
+            taps = math.prod(self.k) if self.k is not None else None  # None: a run-time kernel
+            if group == 1 and self.nsp <= 2 and taps is not None and taps <= _MAX_TAPS:
                 return self._weight_by_taps(inp, gy, pb, pe)
         elif self.mode == "loose":
             pb, pe = self.b, [max(h, 0) for h in self.hi]
@@ -363,7 +359,7 @@ def _window_geo(n, k, s, d, x, g, ceil=False, w=None):
         if dims is None:
             return geo.loose(b, [p - (si - 1) for p, si in zip(geo.pe, s)],
                              [p + (si - 1 if ceil else 0) for p, si in zip(geo.pe, s)])
-        out = [_out_len(di, bi, pi, eki, si, ceil)
+        out = [pool_out_len(di, bi, pi, eki, si, ceil)
                for di, bi, pi, eki, si in zip(dims, b, geo.pe, ek, s)]
     end = [si * (o - 1) + eki - di - bi for si, o, eki, di, bi in zip(s, out, ek, dims, b)]
     return geo.static(b, end, out)
@@ -435,10 +431,32 @@ def _conv_transpose(n, g):
 
 
 # -- average and Lp pooling ------------------------------------------------------------------------
-def _pool_geo(n):
+def _pool_attrs(n):
+    """kernel, strides, dilations; refuses auto_pad SAME with dilations, where onnxruntime sizes
+    the output unlike the spec (and onnx.reference, whose shapes the rule would build on)."""
     k = n.attr("kernel_shape")
     nsp = len(k)
     s, d = _ints(n.attr("strides"), nsp, 1), _ints(n.attr("dilations"), nsp, 1)
+    if _auto_pad(n).startswith("SAME") and any(di != 1 for di in d):
+        raise NotDifferentiableError(
+            n.node.op_type, n.node.domain, n.opset, n.node.name, [],
+            reason="auto_pad SAME with dilations: onnxruntime sizes its output unlike the ONNX "
+                   "spec, so no gradient graph matches both; give explicit pads instead")
+    dims = _static_dims(n.x, nsp)
+    attrs = {a: n.attr(a) for a in ("ceil_mode", "kernel_shape", "strides", "dilations", "pads",
+                                    "count_include_pad")}
+    if dims is not None and floor_pads(n.node.op_type, {**attrs, "auto_pad": _auto_pad(n)},
+                                       dims) is not None:
+        raise NotDifferentiableError(  # (the rest were rewritten without ceil_mode)
+            n.node.op_type, n.node.domain, n.opset, n.node.name, [],
+            reason="ceil_mode drops a last window that onnx's shape inference, and so "
+                   "onnxruntime's static shapes, keep; no equivalent pads exist with "
+                   "count_include_pad=1 here")
+    return k, s, d
+
+
+def _pool_geo(n):
+    k, s, d = _pool_attrs(n)
     return _window_geo(n, k, s, d, n.x, n.gs[0], ceil=bool(n.attr("ceil_mode", 0)))
 
 
@@ -592,9 +610,8 @@ def _row_major(n, idx, x, nsp):
 @register("MaxPool")
 def _max_pool(n, g):
     e, x = n.e, n.x
-    k = n.attr("kernel_shape")
+    k, s, d = _pool_attrs(n)
     nsp = len(k)
-    s, d = _ints(n.attr("strides"), nsp, 1), _ints(n.attr("dilations"), nsp, 1)
     overlap = any(di * (ki - 1) + 1 > si for ki, si, di in zip(k, s, d))
     if overlap:
         e.need(16)  # ScatterElements reduction="add": one element may be the max of two windows
