@@ -91,11 +91,13 @@ def test_a_state_changed_otherwise_is_refused():
 # -- random programs ------------------------------------------------------------------------------
 # one body step: ("read", a, b) h = tanh(h + S[(a*t + b) mod len] * w); ("write", a, b)
 # S[(a*t + b) mod len] = sin(h) * w; ("push",) S.append(sin(h * w)); ("pop",)
-# h = tanh(h + S.pop() * h): bounded, so that finite differences stay accurate
+# h = tanh(h + S.pop() * h); ("grow", n) a nested Loop appends cos(h) n times (the converter's
+# growing of a TF list to an index). Bounded, so that finite differences stay accurate
 STEP = st.one_of(
     st.tuples(st.just("read"), st.integers(0, 2), st.integers(-3, 3)),
     st.tuples(st.just("write"), st.integers(0, 2), st.integers(-3, 3)),
-    st.tuples(st.just("push")), st.tuples(st.just("pop")))
+    st.tuples(st.just("push")), st.tuples(st.just("pop")),
+    st.tuples(st.just("grow"), st.integers(0, 2)))
 
 
 def program_model(steps, trips, length):
@@ -129,6 +131,14 @@ def program_model(steps, trips, length):
             nodes += [N("Mul", [hv, "w"], [m]), N("Sin", [m], [v]),
                       N("SequenceInsert", [s, v], [ins])]
             s = ins
+        elif step[0] == "grow":
+            v, n, ins = fresh("v"), fresh("n"), fresh("S")
+            inner = h.make_graph(
+                [N("SequenceInsert", ["gs", v], ["gs_out"]), N("Identity", ["gc"], ["gc_out"])],
+                fresh("grow"), [vi("gk", TP.INT64, []), vi("gc", TP.BOOL, []), seq_vi("gs")],
+                [vi("gc_out", TP.BOOL, []), seq_vi("gs_out")])
+            nodes += [N("Cos", [hv], [v]), N("Loop", [f"c{step[1]}", "", s], [ins], body=inner)]
+            s = ins
         else:
             r, e, m, a, t = fresh("r"), fresh("S"), fresh("m"), fresh("a"), fresh("h")
             nodes += [N("SequenceAt", [s, "cm1"], [r]), N("SequenceErase", [s], [e]),
@@ -146,8 +156,8 @@ def _length_needed(steps, trips) -> int:
     n = low = 0
     for _ in range(trips):
         for step in steps:
-            if step[0] == "push":
-                n += 1
+            if step[0] in ("push", "grow"):
+                n += 1 if step[0] == "push" else step[1]
             elif step[0] == "pop":
                 low = min(low, n - 2)
                 n -= 1

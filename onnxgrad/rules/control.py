@@ -245,34 +245,51 @@ def _loop(n, g):
 # -- carried sequences, rebuilt in reverse -------------------------------------------------------
 def _seq_chain(body: ir.Graph, v_in: ir.Value, v_out: ir.Value) -> list[ir.Node] | None:
     """The body nodes that turn carried sequence ``v_in`` into ``v_out``, in order, when each is
-    a SequenceInsert, SequenceErase or Identity of the state before it (a TensorArray's reads,
-    writes, pushes and pops); None when the state changes in another way."""
+    a SequenceInsert, SequenceErase, Identity or appending Loop of the state before it (a
+    TensorArray's reads, writes, pushes and pops, a list grown to an index); None when the state
+    changes in another way."""
     chain, v = [], v_out
     while v is not v_in:
         p = v.producer()
-        if p is None or p.graph is not body or p.op_type not in _CHAIN_OPS:
+        if p is None or p.graph is not body or not (p.op_type in _CHAIN_OPS or _appends(p)):
             return None
         chain.append(p)
-        v = p.inputs[0]
+        v = p.inputs[2] if p.op_type == "Loop" else p.inputs[0]
     return chain[::-1]
 
 
 _CHAIN_OPS = ("SequenceInsert", "SequenceErase", "Identity")
 
 
+def _appends(node: ir.Node) -> bool:
+    """A Loop whose one carried value is a sequence that its body only appends to."""
+    if node.op_type != "Loop" or len(node.inputs) != 3 or len(node.outputs) != 1:
+        return False
+    body = node.attributes["body"].value
+    if len(body.inputs) != 3 or len(body.outputs) != 2:
+        return False
+    p = body.outputs[1].producer()
+    return (p is not None and p.op_type == "SequenceInsert" and _input(p, 2) is None
+            and p.inputs[0] is body.inputs[2])
+
+
 def _undo_log(e, node: ir.Node, body: ir.Graph, chain: list[ir.Node]) -> list[tuple]:
     """Per chain node, what undoing it takes, saved per iteration as scan outputs of the forward
-    Loop: its position made non-negative (an insert is undone by erasing there), and for an erase
-    the element it removed (put back there). One tuple of saved values per node."""
+    Loop: an insert's position made non-negative (undone by erasing there), an erase's position
+    and the element it removed (put back there), an appending Loop's starting length (undone by
+    erasing from the end down to it). One tuple of saved values per node."""
     fe = e.child(body, f"{e.scope}/{node.name or node.op_type}_fwd", outer_consts=False)
     per_node = []
     for op in chain:
         if op.op_type == "Identity":
             per_node.append(())
             continue
-        insert = op.op_type == "SequenceInsert"
-        s = V(op.inputs[0], fe)
+        s = V(op.inputs[2] if op.op_type == "Loop" else op.inputs[0], fe)
         length = fe.SequenceLength(s, _dtype=ir.DataType.INT64)
+        if op.op_type == "Loop":
+            per_node.append((length,))
+            continue
+        insert = op.op_type == "SequenceInsert"
         p = _input(op, 2 if insert else 1)
         if p is None:  # the end: appended there / the last one erased
             pos = length if insert else length - _i64(fe, 1)
@@ -293,13 +310,26 @@ def _rebuild(be, chain: list[ir.Node], log: list[tuple], t: V, s: V) -> V:
     for op, saved in reversed(list(zip(chain, log))):
         if not saved:
             continue
-        pos = be.Gather(V(saved[0].value, be, saved[0].dtype, None), t, axis=0)
+        at = [be.Gather(V(v.value, be, v.dtype, None), t, axis=0) for v in saved]
         if op.op_type == "SequenceInsert":
-            s = sop(be, "SequenceErase", s, pos, _dtype=s.dtype)
+            s = sop(be, "SequenceErase", s, at[0], _dtype=s.dtype)
+        elif op.op_type == "SequenceErase":
+            s = sop(be, "SequenceInsert", s, at[1], at[0], _dtype=s.dtype)
         else:
-            elem = be.Gather(V(saved[1].value, be, saved[1].dtype, None), t, axis=0)
-            s = sop(be, "SequenceInsert", s, elem, pos, _dtype=s.dtype)
+            s = _erase_last(be, s, be.SequenceLength(s, _dtype=ir.DataType.INT64) - at[0])
     return s
+
+
+def _erase_last(e, s: V, count: V) -> V:
+    """``s`` without its last ``count`` elements (a Loop of SequenceErase)."""
+    k, c = _scalar(e, f"{e.prefix}/k", ir.DataType.INT64), _scalar(e, f"{e.prefix}/c",
+                                                                    ir.DataType.BOOL)
+    si = ir.Value(name=e.unique(f"{e.prefix}/s"), type=s.value.type)
+    g = ir.Graph([k, c, si], [], nodes=[], name=e.unique(f"{e.prefix}/erase_last"))
+    ge = e.child(g, f"{e.prefix}/erase_last")
+    g.outputs.extend([ge.op("Identity", V(c, ge)).value,
+                      sop(ge, "SequenceErase", V(si, ge), _dtype=s.dtype).value])
+    return sop(e, "Loop", count, None, s, body=g, _dtype=s.dtype)
 
 
 def _input(node: ir.Node, i: int) -> ir.Value | None:
