@@ -29,7 +29,7 @@ def _tensor_vi(c: Converter, name: str, value, dtype_node: TFNode | None):
     return helper.make_tensor_value_info(name, elem, None)
 
 
-class _Body:
+class Body:
     """Enter a nested scope (a Loop/If graph) with its own layer of bindings and states."""
 
     def __init__(self, c: Converter):
@@ -51,7 +51,7 @@ class _Body:
 def seq_loop(c: Converter, count: str, seq: str, elem: int, step, name: str) -> str:
     """An ONNX Loop run ``count`` times over sequence ``seq`` (element type ``elem``):
     ``step(k, s)`` emits one iteration (k the int64 iteration number) and returns the next s."""
-    with _Body(c) as body:
+    with Body(c) as body:
         k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
         body.inputs += [helper.make_tensor_value_info(k, TensorProto.INT64, []),
                         helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
@@ -64,7 +64,7 @@ def seq_loop(c: Converter, count: str, seq: str, elem: int, step, name: str) -> 
     return c.op("Loop", [count, "", seq], body=graph)
 
 
-def _output(c: Converter, scope: Scope, value: str, base: str) -> str:
+def graph_output(c: Converter, scope: Scope, value: str, base: str) -> str:
     """A graph output for ``value``: ONNX graph outputs must be made inside the graph."""
     made = {o for n in scope.nodes for o in n.output}
     if value in made:
@@ -146,7 +146,7 @@ def convert_loop(c: Converter, fprefix: tuple, members: list[TFNode]) -> None:
 
     cond_init = condition([init[m.name] for m in merges])
     outer_states = [c.get_state(r) for r in extra]
-    with _Body(c) as body:
+    with Body(c) as body:
         it, cin = c.fresh(f"{frame}/iteration"), c.fresh(f"{frame}/cond_in")
         body.inputs += [helper.make_tensor_value_info(it, TensorProto.INT64, []),
                         helper.make_tensor_value_info(cin, TensorProto.BOOL, [])]
@@ -169,7 +169,7 @@ def convert_loop(c: Converter, fprefix: tuple, members: list[TFNode]) -> None:
         states = [c.get_state(r) for r in extra]
         cond_out = condition(nexts)
         outs = [cond_out] + nexts + states
-        outs = [_output(c, body, v, f"{frame}/out") for v in outs]
+        outs = [graph_output(c, body, v, f"{frame}/out") for v in outs]
         body.outputs += [helper.make_tensor_value_info(outs[0], TensorProto.BOOL, [])]
         body.outputs += [_tensor_vi(c, o, v, m) for o, v, m in zip(outs[1:], nexts, merges)]
         body.outputs += [helper.make_tensor_sequence_value_info(o, r.dtype, None)
@@ -253,7 +253,7 @@ def convert_cond(c: Converter, prefix: tuple, key: tuple, members: list[TFNode])
     for k in (1, 0):
         lvl = ("C", key, k)
         inner = [n for n in members if n.ctx[level] == lvl]
-        with _Body(c) as body:
+        with Body(c) as body:
             c.convert_nodes(prefix + (lvl,), inner)
             vals = []
             for m in merges:
@@ -264,7 +264,7 @@ def convert_cond(c: Converter, prefix: tuple, key: tuple, members: list[TFNode])
                                           f"on {pred!r}")
                 vals.append(c.value(refs[0]))
             vals += [c.get_state(r) for r in carried]
-            outs = [_output(c, body, v, f"{pred}/branch{k}/out") for v in vals]
+            outs = [graph_output(c, body, v, f"{pred}/branch{k}/out") for v in vals]
             body.outputs += [_tensor_vi(c, o, v, m) for o, v, m in zip(outs, vals, merges)]
             body.outputs += [helper.make_tensor_sequence_value_info(o, r.dtype, None)
                              for o, r in zip(outs[len(merges):], carried)]

@@ -293,7 +293,7 @@ def _item_order(g: Graph, items: dict, item_of: dict) -> list:
     return order
 
 
-def _needed(g: Graph, outputs: list[str]) -> list[TFNode]:
+def needed_nodes(g: Graph, outputs: list[str]) -> list[TFNode]:
     """The nodes the outputs depend on, in TF order: data and control edges, plus the ops that
     change a TensorArray or stack that a needed node reads (a push has no consumers, but the
     pop that returns its value does). So the forward part of a graph that also holds
@@ -377,7 +377,7 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
         c.env[ref] = ref
     for o in outputs:  # output names are the TF names: keep them free for the outputs
         c.fresh(o)
-    nodes = [n for n in _needed(g, outputs) if f"{n.name}:0" not in c.env]
+    nodes = [n for n in needed_nodes(g, outputs) if f"{n.name}:0" not in c.env]
     c.convert_nodes((), nodes)
     for o in outputs:
         v = c.value(o)

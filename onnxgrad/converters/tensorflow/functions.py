@@ -45,8 +45,8 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from . import tensor_list
-from .control_flow import _Body
-from .core import Converter, _needed, handler, onnx_dtype
+from .control_flow import Body
+from .core import Converter, needed_nodes, handler, onnx_dtype
 from .errors import ConversionError
 from .graph import Graph, TFNode
 from .proto import DT
@@ -182,7 +182,7 @@ class Function:
                                   f"{missing} are")
         self.rets = [flat(fdef.ret[o]) for o in self.outputs]
         self.graph = Graph(SimpleNamespace(node=nodes, library=library))
-        self.nodes = [n for n in _needed(self.graph, self.rets) if n.op != "_Arg"]
+        self.nodes = [n for n in needed_nodes(self.graph, self.rets) if n.op != "_Arg"]
 
     def passthrough(self, i: int) -> bool:
         """Output i is input arg i itself, maybe through Identity ops (a While body's unchanged
@@ -406,7 +406,7 @@ def _while(c, n):
     carried = [i for i in range(len(init)) if not body.passthrough(i)]
     shapes = _output_shapes(c, n, len(init))
     base = n.name
-    with _Body(c) as scope:
+    with Body(c) as scope:
         it, cin = c.fresh(f"{base}/iteration"), c.fresh(f"{base}/cond_in")
         scope.inputs += [helper.make_tensor_value_info(it, TensorProto.INT64, []),
                          helper.make_tensor_value_info(cin, TensorProto.BOOL, [])]
@@ -451,7 +451,7 @@ def _rank_hint(c: Converter, v: str, shape) -> str:
 
 def _branch(c: Converter, n: TFNode, fname: str, args: list, tout: list[int], tag: str):
     """One If branch: function ``fname`` on ``args`` as an ONNX graph; returns (graph, values)."""
-    with _Body(c) as scope:
+    with Body(c) as scope:
         vals = call(c, fname, args)
         if len(vals) != len(tout):
             raise ConversionError(f"{n}: branch {fname!r} returns {len(vals)} values, "
@@ -501,7 +501,7 @@ def _case(c, n):
             return call(c, branches[k], args)
         pred = c.op("Equal", [idx, c.const(k, np.int32)])
         then = _branch(c, n, branches[k], args, tout, f"branch{k}")
-        with _Body(c) as scope:
+        with Body(c) as scope:
             vals = chain(k + 1)
             outs = _outputs(c, scope, vals, f"{n.name}/case{k}/out")
             shapes = _output_shapes(c, n, len(tout))

@@ -68,8 +68,8 @@ def mutated(g: Graph, members: list[TFNode]):
 
 
 def _i64(c: Converter, idx: str) -> str:
-    from .ops import _i64 as cast
-    return cast(c, idx)
+    from .ops import as_i64
+    return as_i64(c, idx)
 
 
 # -- TensorArray ---------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from .control_flow import seq_loop
 from .core import Converter, Resource, handler
 from .errors import ConversionError
 from .graph import TFNode
+from .ops import as_i64
 from .proto import dtype_info
 
 I64 = TensorProto.INT64
@@ -84,11 +85,6 @@ def _elem(c: Converter, n: TFNode, key: str = "element_dtype") -> int:
 
 def _np_elem(n: TFNode, key: str = "element_dtype"):
     return dtype_info(n.attr[key].type).np
-
-
-def _i64(c: Converter, v: str) -> str:
-    k = c.consts.get(v)
-    return c.op("Cast", [v], to=I64) if k is None else c.const(np.asarray(k, np.int64))
 
 
 def _known_shape(c: Converter, n: TFNode, i: int) -> list[int] | None:
@@ -163,11 +159,11 @@ def _reserve(c, n):
     partly known shape makes an empty, *lazy* list: it grows as it is written, so ONNX never sees
     stand-ins of a wrong shape."""
     shape = _known_shape(c, n, 0)
-    count = _i64(c, c.x(n, 1))
+    count = as_i64(c, c.x(n, 1))
     if shape is not None:
         return [mark(c, _zeros_seq(c, n, count, shape), _elem(c, n))]
     if c.const_input(n, 0) is None:
-        return [mark(c, _zeros_seq(c, n, count, _i64(c, c.x(n, 0))), _elem(c, n))]
+        return [mark(c, _zeros_seq(c, n, count, as_i64(c, c.x(n, 0))), _elem(c, n))]
     return [mark(c, c.op("SequenceEmpty", [], dtype=_elem(c, n)), _elem(c, n), lazy=True)]
 
 
@@ -179,16 +175,16 @@ def _from_tensor(c, n):
 
 @handler("TensorListSplit")
 def _split(c, n):  # (tensor, element_shape, lengths)
-    seq = c.op("SplitToSequence", [c.x(n, 0), _i64(c, c.x(n, 2))], axis=0)
+    seq = c.op("SplitToSequence", [c.x(n, 0), as_i64(c, c.x(n, 2))], axis=0)
     return [mark(c, seq, _elem(c, n))]
 
 
 @handler("TensorListScatter", "TensorListScatterV2")
 def _scatter(c, n):  # (tensor, indices, element_shape[, num_elements])
-    t, idx = c.x(n, 0), _i64(c, c.x(n, 1))
+    t, idx = c.x(n, 0), as_i64(c, c.x(n, 1))
     length = c.op("Add", [c.op("ReduceMax", [idx], keepdims=1), c.i64(1)])
     if n.op == "TensorListScatterV2":
-        length = c.op("Max", [length, c.op("Reshape", [_i64(c, c.x(n, 3)), c.i64(1)])])
+        length = c.op("Max", [length, c.op("Reshape", [as_i64(c, c.x(n, 3)), c.i64(1)])])
     shape = c.op("Concat", [length, c.op("Shape", [t], start=1)], axis=0)
     zeros = c.op("ConstantOfShape", [shape], value=helper.make_tensor(
         "zero", _elem(c, n), [1], np.zeros(1, _np_elem(n))))
@@ -203,17 +199,17 @@ def _get(c, n):  # (handle, index, element_shape)
     if not is_lazy(c, seq):
         return [_with_shape(c, n, 2, c.op("SequenceAt", [seq, c.x(n, 1)]))]
     # a lazy list may not have grown to the index yet: TF reads zeros of element_shape there
-    from .control_flow import _Body, _output
-    idx = _i64(c, c.x(n, 1))
+    from .control_flow import Body, graph_output
+    idx = as_i64(c, c.x(n, 1))
     inside = c.op("Less", [idx, c.op("SequenceLength", [seq])])
     elem = elem_type(c, seq)
     branches = []
     for k in (1, 0):
-        with _Body(c) as body:
+        with Body(c) as body:
             v = c.op("SequenceAt", [seq, idx]) if k else c.op(
-                "ConstantOfShape", [_i64(c, c.x(n, 2))],
+                "ConstantOfShape", [as_i64(c, c.x(n, 2))],
                 value=helper.make_tensor("zero", elem, [1], [0]))
-            out = _output(c, body, v, f"{n.name}/item")
+            out = graph_output(c, body, v, f"{n.name}/item")
             body.outputs.append(helper.make_tensor_value_info(out, elem, None))
             branches.append(body.graph(f"{n.name.replace('/', '_')}_{k}"))
     return [_with_shape(c, n, 2, c.op("If", [inside], then_branch=branches[0],
@@ -228,13 +224,13 @@ def _stack_op(c, n):  # (handle, element_shape)
         return [_with_shape(c, n, 1, _stack(c, seq), lead=1)]
     # a fully known element shape: an empty list stacks to [0, *shape] (ONNX's concat of an
     # empty sequence fails)
-    from .control_flow import _Body, _output
+    from .control_flow import Body, graph_output
     empty = c.op("Equal", [c.op("SequenceLength", [seq]), c.const(0, np.int64)])
     branches = []
     for k in (1, 0):
-        with _Body(c) as body:
+        with Body(c) as body:
             v = c.const(np.zeros([0, *shape], _np_elem(n))) if k else _stack(c, seq)
-            out = _output(c, body, v, f"{n.name}/stacked")
+            out = graph_output(c, body, v, f"{n.name}/stacked")
             body.outputs.append(helper.make_tensor_value_info(out, _elem(c, n), None))
             branches.append(body.graph(f"{n.name.replace('/', '_')}_{k}"))
     return [_with_shape(c, n, 1, c.op("If", [empty], then_branch=branches[0],
@@ -274,7 +270,7 @@ def _element_shape(c, n):
 # -- changing ----------------------------------------------------------------------------------
 @handler("TensorListSetItem")
 def _set_item(c, n):  # (handle, index, item)
-    seq, idx, value = _seq(c, n), _i64(c, c.x(n, 1)), c.x(n, 2)
+    seq, idx, value = _seq(c, n), as_i64(c, c.x(n, 1)), c.x(n, 2)
     grow = bool(c.attr(n, "resize_if_index_out_of_bounds", False)) or is_lazy(c, seq)
     return [mark(c, _set(c, seq, idx, value, grow), None, like=seq)]
 
@@ -294,10 +290,10 @@ def _pop(c, n):  # -> (output_handle, tensor)
 
 @handler("TensorListScatterIntoExistingList")
 def _scatter_into(c, n):  # (handle, tensor, indices): one replacement per index, in a Loop
-    from .control_flow import _Body
-    seq, t, idx = _seq(c, n), c.x(n, 1), _i64(c, c.x(n, 2))
+    from .control_flow import Body
+    seq, t, idx = _seq(c, n), c.x(n, 1), as_i64(c, c.x(n, 2))
     elem = elem_type(c, seq)
-    with _Body(c) as body:
+    with Body(c) as body:
         k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
         body.inputs += [helper.make_tensor_value_info(k, I64, []),
                         helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
@@ -314,13 +310,13 @@ def _scatter_into(c, n):  # (handle, tensor, indices): one replacement per index
 
 @handler("TensorListResize")
 def _resize(c, n):  # (handle, size): drop elements past size, or append zeros (scalar stand-ins)
-    seq, size = _seq(c, n), _i64(c, c.x(n, 1))
+    seq, size = _seq(c, n), as_i64(c, c.x(n, 1))
     elem = elem_type(c, seq)
-    from .control_flow import _Body
+    from .control_flow import Body
     length = c.op("SequenceLength", [seq])
     # keep min(size, length) elements, then append max(0, size - length) stand-ins
     keep = c.op("Min", [size, length])
-    with _Body(c) as body:
+    with Body(c) as body:
         k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
         body.inputs += [helper.make_tensor_value_info(k, I64, []),
                         helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
@@ -332,7 +328,7 @@ def _resize(c, n):  # (handle, size): drop elements past size, or append zeros (
         graph = body.graph("resize_keep")
     kept = c.op("Loop", [keep, "", c.op("SequenceEmpty", [], dtype=elem)], body=graph)
     zero = c.const(np.zeros((), helper.tensor_dtype_to_np_dtype(elem)))
-    with _Body(c) as body:
+    with Body(c) as body:
         k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
         body.inputs += [helper.make_tensor_value_info(k, I64, []),
                         helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
