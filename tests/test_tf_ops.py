@@ -9,7 +9,7 @@ import pytest
 
 from tf_util import ort_run, tf, tf1_graph, tf_run
 
-from onnxgrad.converters.tensorflow import ConversionError, convert
+from onnxgrad.converters.tensorflow import ConversionError, ConversionWarning, convert
 
 v1 = tf.compat.v1
 R = np.random.RandomState(0)
@@ -398,6 +398,33 @@ def test_resize_computed_size():
         return grads(lambda v: tf.compat.v1.image.resize_bilinear(v, size) +
                      tf.compat.v1.image.resize_nearest_neighbor(v, size), x)
     run_case(build)
+
+
+UNKNOWN_RANK = {  # name: (fn, input): the placeholder has no static shape at all
+    "BiasAdd": (lambda x: tf.nn.bias_add(x, [1.0, -2.0, 0.5]), rnd(2, 4, 3)),
+    "BiasAdd_NCHW": (lambda x: tf.nn.bias_add(x, [1.0, -2.0], data_format="NCHW"),
+                     rnd(2, 2, 3, 2)),
+    "BiasAddGrad": (lambda x: grads(lambda v: tf.nn.bias_add(v, [1.0, -2.0, 0.5]), x),
+                    rnd(2, 2, 4, 3)),
+    "BiasAddGrad_NCHW": (lambda x: tf.raw_ops.BiasAddGrad(out_backprop=x, data_format="NCHW"),
+                         rnd(2, 3, 4, 2)),
+    "FusedBatchNorm_training": (lambda x: list(v1.nn.fused_batch_norm(
+        x, [1.0, 2.0, 0.5], [0.1, 0.0, -0.3], epsilon=1e-3, is_training=True))[:3],
+        rnd(2, 4, 3, 3)),
+    "FusedBatchNorm_inference": (lambda x: v1.nn.fused_batch_norm(
+        x, [1.0, 2.0], [0.1, 0.0], [0.5, -0.5], [1.0, 2.0], is_training=False)[0],
+        rnd(2, 4, 3, 2)),
+    "Select_rows": (lambda x: v1.where(x[:, 0, 0] > 0, x, -x), rnd(4, 3, 2)),
+}
+
+
+@pytest.mark.parametrize("name", UNKNOWN_RANK)
+def test_unknown_rank(name):
+    """Inputs whose rank TF does not know statically: the run-time shapes serve (the input is
+    declared without a shape, which a ConversionWarning says)."""
+    fn, x = UNKNOWN_RANK[name]
+    with pytest.warns(ConversionWarning, match="in0:0"):
+        run_case(lambda P: fn(P(x, None)), rtol=1e-4, atol=1e-5)
 
 
 def convert_vs_oracle(converted, oracle, to_oracle, rtol=1e-4, atol=1e-5):

@@ -42,6 +42,7 @@ class Resource:
     dtype: int  # ONNX element type
     fixed_size: bool = True
     unwritten: tuple | None = None  # (empty state, size) of an array made without shapes
+    elem_shape: list | None = None  # TF's static element shape (None dims unknown), if known
 
     def __repr__(self):
         return f"{self.kind} {self.key[-1]!r}"
@@ -328,7 +329,8 @@ def needed_nodes(g: Graph, outputs: list[str]) -> list[TFNode]:
 
 
 def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
-            name: str = "tf_graph", signature: str | None = None) -> onnx.ModelProto:
+            name: str = "tf_graph", signature: str | None = None,
+            tf_shapes: bool = True) -> onnx.ModelProto:
     """Convert a TensorFlow GraphDef (proto, bytes or path to a .pb/.pbtxt) or a SavedModel
     directory to an ONNX model.
 
@@ -337,7 +339,8 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
     their TF names ("y:0"); frozen variables (Const nodes) become initializers named after their
     nodes. A SavedModel (:mod:`.savedmodel`, needs TensorFlow) is frozen first; its
     ``signature`` (default "serving_default") gives the default inputs and outputs, which may
-    also be named by the signature's keys.
+    also be named by the signature's keys. ``tf_shapes``: ask TensorFlow (when installed) for the
+    static shapes of a GraphDef written without them (:mod:`.tf_shapes`).
     """
     from . import cudnn_rnn, functions, ops, tensor_list  # noqa: F401  (register the handlers)
 
@@ -349,6 +352,9 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
         raise ConversionError("signature: only a SavedModel directory has signatures")
     gd = proto.load_graph_def(graph_def) if isinstance(graph_def, (str, bytes)) or hasattr(
         graph_def, "__fspath__") else graph_def
+    if tf_shapes:
+        from .tf_shapes import with_tf_shapes
+        gd = with_tf_shapes(gd)
     if not outputs:
         raise ConversionError("outputs: name the tensors to convert, e.g. outputs=['y:0']")
     outputs = list(dict.fromkeys(  # a tensor named twice is one output
@@ -420,18 +426,60 @@ def _finish(c: Converter, name: str) -> onnx.ModelProto:
     if "onnxgrad" in c.domains:
         from ...rnn import attach_functions
         m = attach_functions(m)
-    m = _infer(m, _tf_shapes(c))
-    known = {vi.name: vi for vi in list(m.graph.value_info) + list(m.graph.input)}
+    from .ranks import infer
+    m = infer(m, _tf_shapes(c))
+    return _declare_outputs(c, m)
+
+
+def _declare_outputs(c: Converter, m: onnx.ModelProto) -> onnx.ModelProto:
+    """Graph outputs typed as inference found them. An output whose rank neither TF nor ONNX
+    can tell (a value popped from a stack, read from a TensorArray without element shapes), like
+    a placeholder of unknown rank, is declared with its element type only: onnxruntime runs it,
+    but onnx.checker wants a shape on every main-graph input and output, so the model is
+    checked with those declared as scalars and a ConversionWarning names them."""
+    import warnings
+
+    from .errors import ConversionWarning
+    from .ranks import rank
+    known = {vi.name: vi for vi in [*m.graph.value_info, *m.graph.input, *m.graph.output]}
+    unranked = []
     for out in m.graph.output:
         vi = known.get(out.name)
-        if vi is None or vi.type.WhichOneof("value") != "tensor_type" or not \
-                vi.type.tensor_type.HasField("shape"):
-            raise ConversionError(f"output {out.name!r}: its rank cannot be inferred from the "
-                                  "graph (export the GraphDef with add_shapes=True, or name a "
-                                  "tensor of known rank)")
-        out.type.CopyFrom(vi.type)
-    onnx.checker.check_model(m)
+        if vi is not None and rank(vi.type) is not None:
+            out.type.CopyFrom(vi.type)
+            continue
+        elem = vi.type.tensor_type.elem_type if vi is not None and vi.type.HasField(
+            "tensor_type") else 0
+        if not elem:
+            elem = _tf_dtype(c, out.name)
+        out.type.CopyFrom(helper.make_tensor_type_proto(elem, None))
+        unranked.append(out.name)
+    unranked += [i.name for i in m.graph.input if rank(i.type) is None]
+    if not unranked:
+        onnx.checker.check_model(m)
+        return m
+    probe = onnx.ModelProto()
+    probe.CopyFrom(m)
+    for vi in [*probe.graph.input, *probe.graph.output]:
+        if vi.name in unranked:
+            vi.type.tensor_type.shape.SetInParent()
+    onnx.checker.check_model(probe)
+    warnings.warn(ConversionWarning(
+        f"{unranked}: their rank is known only at run time (TensorFlow does not know it "
+        "either), so they are declared without a shape; onnxruntime runs the model, "
+        "onnx.checker wants shapes on main-graph inputs and outputs. Give the placeholders a "
+        "shape, reshape such outputs in TF, or export with add_shapes=True where TF knows "
+        "their shapes"), stacklevel=4)
     return m
+
+
+def _tf_dtype(c: Converter, ref: str) -> int:
+    """The ONNX element type of TF tensor ``ref``, from its node's attributes."""
+    n = c.g.nodes[split_ref(ref)[0]]
+    for key in ("T", "dtype", "elem_type", "element_dtype", "out_type", "DstT"):
+        if key in n.attr and n.attr[key].WhichOneof("value") == "type":
+            return onnx_dtype(n.attr[key].type, n)
+    raise ConversionError(f"output {ref!r}: cannot tell its element type")
 
 
 def _tf_shapes(c: Converter) -> dict:
@@ -445,55 +493,3 @@ def _tf_shapes(c: Converter) -> dict:
                 out.setdefault(v, shape)
                 out.setdefault(f"{n.name}:{i}", shape)  # graph outputs keep TF's names
     return out
-
-
-def _infer(m: onnx.ModelProto, tf_shapes: dict, rounds: int = 3) -> onnx.ModelProto:
-    """ONNX shape inference, helped by TF's static shapes where ONNX finds none, and by ranks
-    for loop-carried values: a Loop body's inputs are declared without shapes (TF lets a loop
-    value's dims change between iterations), so each round gives them the rank of the value the
-    Loop starts from, with unknown dims."""
-    for _ in range(rounds):
-        m = onnx.shape_inference.infer_shapes(m)
-        g = m.graph
-        changed = False
-        for vi in list(g.value_info) + list(g.output):
-            shape = tf_shapes.get(vi.name)
-            tt = vi.type.tensor_type
-            if shape is not None and vi.type.WhichOneof("value") == "tensor_type" and \
-                    not tt.HasField("shape"):
-                tt.shape.SetInParent()  # a scalar's shape has no dims but must be present
-                for d in shape:
-                    dim = tt.shape.dim.add()
-                    if d is not None:
-                        dim.dim_value = d
-                changed = True
-        types = {vi.name: vi.type for vi in list(g.value_info) + list(g.input) + list(g.output)}
-        types |= {t.name: helper.make_tensor_type_proto(t.data_type, t.dims)
-                  for t in g.initializer}
-        if not (_loop_ranks(g, types) or changed):
-            break
-    return m
-
-
-def _loop_ranks(g: onnx.GraphProto, types: dict) -> bool:
-    changed = False
-    for node in g.node:
-        for a in node.attribute:
-            if a.type != onnx.AttributeProto.GRAPH:
-                continue
-            body = a.g
-            inner = types | {vi.name: vi.type for vi in list(body.value_info) + list(body.input)}
-            changed |= _loop_ranks(body, inner)
-            if node.op_type != "Loop":
-                continue
-            for vi, src in zip(body.input[2:], node.input[2:]):
-                t = types.get(src)
-                if (t is not None and t.WhichOneof("value") == "tensor_type"
-                        and t.tensor_type.HasField("shape")
-                        and not vi.type.tensor_type.HasField("shape")
-                        and vi.type.WhichOneof("value") == "tensor_type"):
-                    vi.type.tensor_type.shape.SetInParent()
-                    vi.type.tensor_type.shape.dim.extend(
-                        onnx.TensorShapeProto.Dimension() for _ in t.tensor_type.shape.dim)
-                    changed = True
-    return changed

@@ -1,2 +1,6 @@
 class ConversionError(ValueError):
     """A TensorFlow graph that cannot be converted; the message names the node and the reason."""
+
+
+class ConversionWarning(UserWarning):
+    """Converted, with a caveat the message states (an output declared without a shape)."""

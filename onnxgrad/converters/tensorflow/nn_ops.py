@@ -9,6 +9,8 @@ forward op's static spatial sizes (TF knows them whenever the graph was built wi
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
+from onnx import helper as onnx_helper
 
 from .core import handler
 from .errors import ConversionError
@@ -271,22 +273,21 @@ def _fused_batch_norm(c, n):
     """(x, scale, offset, mean, variance) -> y, batch mean, batch variance, reserves. Training
     mode normalizes with the batch's statistics and returns the (unbiased) batch variance."""
     x = c.x(n, 0)
-    r = rank_of(c, n, 0) or 4
-    axis = r - 1 if _channels_last(c, n) else 1
+    r = rank_of(c, n, 0)
     eps = scalar(c, n, c.attr(n, "epsilon", 1e-4), "U")
 
     def chan(v):  # a per-channel vector broadcast against x
-        return v if axis == r - 1 else c.op("Unsqueeze", [v, c.i64(*range(1, r - 1))])
+        return _per_channel(c, n, v, x, r)
 
     scale, offset, mean, var = (c.x(n, i) for i in range(1, 5))
     if c.attr(n, "is_training", True):
-        axes = c.i64(*[a for a in range(r) if a != axis])
-        mean_b = c.op("ReduceMean", [x, axes], keepdims=0)
+        flat, axes = _channels_view(c, n, x, r)
+        mean_b = c.op("ReduceMean", [flat, axes], keepdims=0)
         d = c.op("Sub", [x, chan(mean_b)])
-        var_b = c.op("ReduceMean", [c.op("Mul", [d, d]), axes], keepdims=0)
-        m = c.op("Cast", [c.op("Div", [c.op("Size", [x]), c.op("Gather", [c.op("Shape", [x]),
-                                                                         c.i64(axis)])])],
-                 to=c.onnx_type(n, "U"))
+        flat_d, _ = _channels_view(c, n, c.op("Mul", [d, d]), r)
+        var_b = c.op("ReduceMean", [flat_d, axes], keepdims=0)
+        channels = c.op("Squeeze", [c.op("Shape", [scale]), c.i64(0)])
+        m = c.op("Cast", [c.op("Div", [c.op("Size", [x]), channels])], to=c.onnx_type(n, "U"))
         one = scalar(c, n, 1, "U")
         unbiased = c.op("Div", [c.op("Mul", [var_b, m]),
                                 c.op("Max", [c.op("Sub", [m, one]), one])])
@@ -304,6 +305,33 @@ def _fused_batch_norm(c, n):
     # the reserve outputs: copies (each output its own value, which the driver names)
     outs = [y, out_mean, out_var] + [c.op("Identity", [v]) for v in (mean, var)]
     return outs + [c.op("Identity", [mean])] if n.op == "FusedBatchNormV3" else outs
+
+
+def _per_channel(c, n, v, x, r):
+    """A per-channel vector v shaped to broadcast against x (channels last: as it is; first:
+    [C, 1, ..., 1], computed from x's rank at run time when it is not known statically)."""
+    if _channels_last(c, n):
+        return v
+    if r is not None:
+        return c.op("Unsqueeze", [v, c.i64(*range(1, r - 1))]) if r > 2 else v
+    ones = c.op("ConstantOfShape", [c.op("Reshape", [c.op("Sub", [
+        c.op("Size", [c.op("Shape", [x])]), c.const(2, np.int64)]), c.i64(1)])],
+        value=onnx_helper.make_tensor("one", TensorProto.INT64, [1], [1]))
+    return c.op("Reshape", [v, c.op("Concat", [c.i64(-1), ones], axis=0)])
+
+
+def _channels_view(c, n, x, r):
+    """(x viewed so that one axis holds the channels, the axes to reduce for per-channel sums):
+    x itself when its rank is known, else [-1, C] (channels last) or [N, C, -1] (first)."""
+    last = _channels_last(c, n)
+    if r is not None:
+        keep = r - 1 if last else 1
+        return x, c.i64(*[a for a in range(r) if a != keep])
+    if last:
+        shape = c.op("Concat", [c.i64(-1), c.op("Shape", [x], start=-1)], axis=0)
+        return c.op("Reshape", [x, shape]), c.i64(0)
+    shape = c.op("Concat", [c.op("Shape", [x], end=2), c.i64(-1)], axis=0)
+    return c.op("Reshape", [x, shape]), c.i64(0, 2)
 
 
 # -- activations ---------------------------------------------------------------------------------
@@ -324,18 +352,19 @@ def _softmax(c, n):
 
 @handler("BiasAdd", "BiasAddV1")
 def _bias_add(c, n):
-    b = c.x(n, 1)
-    if c.attr(n, "data_format", "NHWC") == "NCHW":
-        r = rank_of(c, n, 0, required="BiasAdd NCHW")
-        b = c.op("Unsqueeze", [b, c.i64(*range(1, r - 1))])
-    return [c.op("Add", [c.x(n, 0), b])]
+    x, r = c.x(n, 0), rank_of(c, n, 0)
+    y = c.op("Add", [x, _per_channel(c, n, c.x(n, 1), x, r)])
+    # (channels first of unknown rank: the result has x's shape, which tells inference its rank)
+    return [y if r is not None or _channels_last(c, n) else c.op("Reshape", [
+        y, c.op("Shape", [x])])]
 
 
 @handler("BiasAddGrad")
 def _bias_add_grad(c, n):
-    r = rank_of(c, n, 0, required="BiasAddGrad")
-    keep = 1 if c.attr(n, "data_format", "NHWC") == "NCHW" else r - 1
-    return [c.op("ReduceSum", [c.x(n), c.i64(*[a for a in range(r) if a != keep])], keepdims=0)]
+    """The sum over every axis but the channels' (of any rank: TF's gradient of a while loop's
+    BiasAdd may not know it)."""
+    flat, axes = _channels_view(c, n, c.x(n), rank_of(c, n, 0))
+    return [c.op("ReduceSum", [flat, axes], keepdims=0)]
 
 
 @handler("L2Loss")

@@ -369,10 +369,13 @@ def _select(c, n):
         if rc != ra:
             cond = c.op("Unsqueeze", [cond, c.i64(*range(rc, ra))])
         return [c.op("Where", [cond, a, c.x(n, 2)])]
-    pad = c.op("Sub", [c.op("Size", [c.op("Shape", [a])]), c.op("Size", [c.op("Shape", [cond])])])
+    a_shape = c.op("Shape", [a])
+    pad = c.op("Sub", [c.op("Size", [a_shape]), c.op("Size", [c.op("Shape", [cond])])])
     ones = c.op("Expand", [c.i64(1), c.op("Reshape", [pad, c.i64(1)])])
     shape = c.op("Concat", [c.op("Shape", [cond]), ones], axis=0)
-    return [c.op("Where", [c.op("Reshape", [cond, shape]), a, c.x(n, 2)])]
+    y = c.op("Where", [c.op("Reshape", [cond, shape]), a, c.x(n, 2)])
+    # the result has a's shape: a Reshape to it tells ONNX shape inference the rank
+    return [c.op("Reshape", [y, a_shape])]
 
 
 # -- linear algebra ----------------------------------------------------------------------------

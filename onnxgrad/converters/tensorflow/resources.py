@@ -78,7 +78,7 @@ def _tensor_array(c: Converter, n: TFNode):
     dtype = c.onnx_type(n, "dtype")
     size = c.const_input(n, 0)
     shape = c.attr(n, "element_shape")
-    r = Resource((n.name,), "tensor_array", dtype)
+    r = Resource((n.name,), "tensor_array", dtype, elem_shape=shape)
     c.resources[r.key] = r
     full = shape is not None and all(d is not None for d in shape)
     if size is not None and int(size) > 0 and full and not c.attr(n, "dynamic_size", False):
@@ -138,9 +138,20 @@ def _write(c: Converter, n: TFNode):
     return [c.set_state(r, write(c, r, c.get_state(r), c.x(n, 1), c.x(n, 2)))]
 
 
+def _shaped(c: Converter, v: str, dims, lead: int = 0) -> str:
+    """v reshaped to TF's static element shape ``dims`` (None dims kept: 0 in Reshape's shape)
+    after ``lead`` leading dims, so that ONNX shape inference knows its rank (sequence elements
+    carry no shapes); a no-op at run time."""
+    if dims is None:
+        return v
+    shape = np.array([0] * lead + [0 if d is None else d for d in dims], np.int64)
+    return c.op("Reshape", [v, c.const(shape)])
+
+
 @handler("TensorArrayReadV3")
 def _read(c: Converter, n: TFNode):
-    return [c.op("SequenceAt", [c.get_state(c.resource(n)), c.x(n, 1)])]
+    r = c.resource(n)
+    return [_shaped(c, c.op("SequenceAt", [c.get_state(r), c.x(n, 1)]), r.elem_shape)]
 
 
 def _stack(c: Converter, seq: str) -> str:
@@ -149,7 +160,9 @@ def _stack(c: Converter, seq: str) -> str:
 
 @handler("TensorArrayGatherV3")
 def _gather(c: Converter, n: TFNode):
-    return [c.op("Gather", [_stack(c, c.get_state(c.resource(n))), c.x(n, 1)], axis=0)]
+    r = c.resource(n)
+    dims = c.attr(n, "element_shape") or r.elem_shape
+    return [_shaped(c, c.op("Gather", [_stack(c, c.get_state(r)), c.x(n, 1)], axis=0), dims, 1)]
 
 
 @handler("TensorArraySizeV3")
@@ -233,7 +246,8 @@ def _concat(c: Converter, n: TFNode):
         [helper.make_tensor_value_info("e", c.onnx_type(n, "dtype"), None)],
         [helper.make_tensor_value_info("d", TensorProto.INT64, [1])])
     lengths = c.op("SequenceMap", [seq], body=first_dim)
-    return [c.op("ConcatFromSequence", [seq], axis=0, new_axis=0),
+    rest = c.attr(n, "element_shape_except0")
+    return [_shaped(c, c.op("ConcatFromSequence", [seq], axis=0, new_axis=0), rest, 1),
             c.op("ConcatFromSequence", [lengths], axis=0, new_axis=0)]
 
 
