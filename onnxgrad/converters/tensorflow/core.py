@@ -43,6 +43,7 @@ class Resource:
     fixed_size: bool = True
     unwritten: tuple | None = None  # (empty state, size) of an array made without shapes
     elem_shape: list | None = None  # TF's static element shape (None dims unknown), if known
+    reserved: str | None = None  # a lazy TF list's reserved length (ONNX int64 scalar value)
 
     def __repr__(self):
         return f"{self.kind} {self.key[-1]!r}"
@@ -74,6 +75,7 @@ class Converter:
         self._names: set[str] = set()
         self.stop_gradients: list[str] = []  # outputs of StopGradient (see ops._stop_gradient)
         self.node: TFNode | None = None  # the node being converted (names what it emits)
+        self.weights: list[str] | None = None  # a SavedModel's variable nodes
 
     # -- names and emission ------------------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -347,9 +349,12 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
     if not isinstance(graph_def, bytes) and isinstance(graph_def, (str, os.PathLike)) and \
             os.path.isdir(graph_def):
         from .savedmodel import load_saved_model
-        graph_def, inputs, outputs = load_saved_model(graph_def, inputs, outputs, signature)
+        graph_def, inputs, outputs, weights = load_saved_model(graph_def, inputs, outputs,
+                                                               signature)
     elif signature is not None:
         raise ConversionError("signature: only a SavedModel directory has signatures")
+    else:
+        weights = None
     gd = proto.load_graph_def(graph_def) if isinstance(graph_def, (str, bytes)) or hasattr(
         graph_def, "__fspath__") else graph_def
     if tf_shapes:
@@ -365,6 +370,7 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
         if nm not in g.nodes:
             raise ConversionError(f"output {o!r}: the graph has no node {nm!r}")
     c = Converter(g, opset or DEFAULT_OPSET)
+    c.weights = weights
     feeds = [_ref(i) for i in ([inputs] if isinstance(inputs, str) else inputs or [])]
     for ref in feeds:
         nm, _ = split_ref(ref)
@@ -423,6 +429,11 @@ def _finish(c: Converter, name: str) -> onnx.ModelProto:
     if stops:
         from ...autodiff import STOP_GRADIENTS_KEY
         m.metadata_props.add(key=STOP_GRADIENTS_KEY, value=json.dumps(stops))
+    if c.weights is not None:  # a SavedModel's variables: what training may change
+        from ...training.step import WEIGHTS_KEY
+        inits = {t.name for t in m.graph.initializer}
+        m.metadata_props.add(key=WEIGHTS_KEY, value=json.dumps(
+            [f"{w}:0" for w in c.weights if f"{w}:0" in inits]))
     if "onnxgrad" in c.domains:
         from ...rnn import attach_functions
         m = attach_functions(m)

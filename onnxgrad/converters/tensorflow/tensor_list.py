@@ -6,14 +6,15 @@ onto a loop-carried sequence; nothing is threaded by hand as for TF1 TensorArray
 (:mod:`.resources`).
 
 ``TensorListReserve`` with a fully known element shape (a constant, or a shape computed at run
-time, as TF2 gradients do) makes ``num_elements`` zeros. With a constant, partly known one (Keras's ``[-1, units]``: the batch is unknown) it makes an empty *lazy* list
-that grows as it is written: ``TensorListSetItem`` at an index past the end first appends zeros
-shaped like the written value (what TF reads from an unwritten element), so writes in any order
-work and ONNX never sees stand-in elements of a wrong shape. Elements never written are then
-missing (``TensorListStack`` gives fewer, ``TensorListGetItem`` of one fails), where TF would
-give zeros of a shape it infers. ``TensorListSetItem`` replaces an element (``SequenceErase`` +
-``SequenceInsert``); ``resize_if_index_out_of_bounds`` (``dynamic_size=True`` arrays) grows the
-list the same way.
+time, as TF2 gradients do) makes ``num_elements`` zeros. With a constant, partly known one
+(Keras's ``[-1, units]``: the batch is unknown) it makes an empty *lazy* list that grows as it
+is written: ``TensorListSetItem`` first grows it to its reserved length (or past it, to the
+index) with zeros shaped like the written value (what TF reads from an unwritten element), so
+writes in any order work and ONNX never sees stand-in elements of a wrong shape;
+``TensorListLength`` says the reserved length from the start. A list never written stays empty
+(``TensorListStack`` of it fails where TF would give zeros of a shape it infers).
+``TensorListSetItem`` replaces an element (``SequenceErase`` + ``SequenceInsert``);
+``resize_if_index_out_of_bounds`` (``dynamic_size=True`` arrays) grows the list the same way.
 
 Reads that take an ``element_shape`` input (GetItem, Stack, Gather, PopBack) reshape their result
 to it (0 for unknown dims: a no-op at run time) so that ONNX shape inference knows its rank.
@@ -71,6 +72,11 @@ def is_lazy(c: Converter, value) -> bool:
     return r is not None and r.kind == "tensor_list" and not r.fixed_size
 
 
+def _reserved(c: Converter, value) -> str | None:
+    """A lazy list's reserved length (int64 scalar value), when TensorListReserve gave one."""
+    return c.seq_of[value].reserved if is_lazy(c, value) else None
+
+
 def _seq(c: Converter, n: TFNode, i: int = 0) -> str:
     v = c.x(n, i)
     if elem_type(c, v) is None:
@@ -120,9 +126,15 @@ def _set(c: Converter, seq: str, idx: str, value: str, grow: bool | None = None)
 
 
 def _pad(c: Converter, seq: str, idx: str, value: str) -> str:
+    """Grow ``seq`` to idx + 1 elements, and a lazy list at once to its reserved length (TF's
+    length from the start, which TensorListLength must say)."""
     elem = elem_type(c, seq)
-    count = c.op("Max", [c.op("Sub", [c.op("Add", [idx, c.const(1, np.int64)]),
-                                      c.op("SequenceLength", [seq])]), c.const(0, np.int64)])
+    size = c.op("Add", [idx, c.const(1, np.int64)])
+    reserved = _reserved(c, seq)
+    if reserved is not None:
+        size = c.op("Max", [size, reserved])
+    count = c.op("Max", [c.op("Sub", [size, c.op("SequenceLength", [seq])]),
+                         c.const(0, np.int64)])
     zero = c.op("ConstantOfShape", [c.op("Shape", [value])],
                 value=helper.make_tensor("zero", elem, [1], [0]))
     return seq_loop(c, count, seq, elem, lambda k, s: c.op("SequenceInsert", [s, zero]), "grow")
@@ -164,7 +176,9 @@ def _reserve(c, n):
         return [mark(c, _zeros_seq(c, n, count, shape), _elem(c, n))]
     if c.const_input(n, 0) is None:
         return [mark(c, _zeros_seq(c, n, count, as_i64(c, c.x(n, 0))), _elem(c, n))]
-    return [mark(c, c.op("SequenceEmpty", [], dtype=_elem(c, n)), _elem(c, n), lazy=True)]
+    seq = mark(c, c.op("SequenceEmpty", [], dtype=_elem(c, n)), _elem(c, n), lazy=True)
+    c.seq_of[seq].reserved = count
+    return [seq]
 
 
 @handler("TensorListFromTensor")
@@ -196,7 +210,9 @@ def _scatter(c, n):  # (tensor, indices, element_shape[, num_elements])
 @handler("TensorListGetItem")
 def _get(c, n):  # (handle, index, element_shape)
     seq = _seq(c, n)
-    if not is_lazy(c, seq):
+    if not is_lazy(c, seq) or (c.const_input(n, 2) is not None and _known_shape(c, n, 2) is None):
+        # (a lazy list whose element shape TF does not know fully: an unwritten element has no
+        # shape to give, TF fails to read it as well)
         return [_with_shape(c, n, 2, c.op("SequenceAt", [seq, c.x(n, 1)]))]
     # a lazy list may not have grown to the index yet: TF reads zeros of element_shape there
     from .control_flow import Body, graph_output
@@ -257,7 +273,11 @@ def _concat(c, n):  # -> (tensor, lengths)
 
 @handler("TensorListLength")
 def _length(c, n):
-    return [c.op("Cast", [c.op("SequenceLength", [_seq(c, n)])], to=TensorProto.INT32)]
+    seq = _seq(c, n)
+    length = c.op("SequenceLength", [seq])
+    if _reserved(c, seq) is not None:  # a lazy list not grown yet has its reserved length
+        length = c.op("Max", [length, _reserved(c, seq)])
+    return [c.op("Cast", [length], to=TensorProto.INT32)]
 
 
 @handler("TensorListElementShape")
