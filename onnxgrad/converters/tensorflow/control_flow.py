@@ -10,12 +10,13 @@ backward loop see one stack. A cond's branches become the ``If``'s two graphs; i
 """
 from __future__ import annotations
 
+import numpy as np
 from onnx import TensorProto, helper
 
 from .core import Converter, Resource, Scope, onnx_dtype
 from .errors import ConversionError
 from .graph import TFNode
-from .resources import MUTATING, ensure_grad, flow_key, mutated
+from .resources import MUTATING, apply_scan_writes, ensure_grad, flow_key, mutated, scan_arrays
 
 ENTER, EXIT = ("Enter", "RefEnter"), ("Exit", "RefExit")
 NEXT, SWITCH = ("NextIteration", "RefNextIteration"), ("Switch", "RefSwitch")
@@ -119,7 +120,12 @@ def convert_loop(c: Converter, fprefix: tuple, members: list[TFNode]) -> None:
         if f"{m.name}:0" in switches:
             c.env[f"{switches[f'{m.name}:0'].name}:1"] = init[m.name]
     merges = [m for m in merges if m not in handles]
-    carried = _carried(c, members)
+    written = scan_arrays(c, fprefix, members)
+    carried = [r for r in _carried(c, members)
+               if r.key not in c.scan_stacks and r.key not in written]
+    names = {n.name for n in members}
+    scans = [key for key, push in c.scan_stacks.items()
+             if push.ctx == fprefix and push.name in names]
     flow_of = {}
     for m in merges:  # TensorArray flows (incl. accumulators that start as ZerosLike(flow))
         r = c.seq_of.get(init[m.name])
@@ -129,7 +135,18 @@ def convert_loop(c: Converter, fprefix: tuple, members: list[TFNode]) -> None:
                 raise ConversionError(f"{m} carries the flow of a TensorArray the converter has "
                                       "not seen created")
             init[m.name] = c.get_state(r)
+        if r is not None and r.key in written:  # the flow of an array written as scan outputs
+            r, init[m.name] = None, c.const(np.zeros((), np.float32))
         flow_of[m.name] = r
+    # the flow of an array the loop does not change (TF carries the flows of what it reads, for
+    # its gradient accumulators): its state, as it is, not carried round (and copied)
+    fixed = [m for m in merges if flow_of[m.name] is not None and flow_of[m.name] not in carried]
+    for m in fixed:
+        c.env[f"{m.name}:0"] = init[m.name]
+        if f"{m.name}:0" in switches:
+            c.env[f"{switches[f'{m.name}:0'].name}:1"] = init[m.name]
+    handles += fixed
+    merges = [m for m in merges if m not in fixed]
     extra = [r for r in carried if r not in flow_of.values()]
 
     # the condition's own nodes (frame level, between the Merges and LoopCond)
@@ -146,6 +163,7 @@ def convert_loop(c: Converter, fprefix: tuple, members: list[TFNode]) -> None:
 
     cond_init = condition([init[m.name] for m in merges])
     outer_states = [c.get_state(r) for r in extra]
+    body_parent = c.scope
     with Body(c) as body:
         it, cin = c.fresh(f"{frame}/iteration"), c.fresh(f"{frame}/cond_in")
         body.inputs += [helper.make_tensor_value_info(it, TensorProto.INT64, []),
@@ -163,20 +181,31 @@ def convert_loop(c: Converter, fprefix: tuple, members: list[TFNode]) -> None:
             v = c.fresh(f"{r.key[0]}/state")
             body.inputs.append(helper.make_tensor_sequence_value_info(v, r.dtype, None))
             c.set_state(r, v)
+        outer = c.iteration, c.loop_scope
+        c.iteration, c.loop_scope = it, body_parent
+        c.scan_writes.update(dict.fromkeys(written))
         c.convert_nodes(fprefix, [n for n in members if n.name not in construct])
+        c.iteration, c.loop_scope = outer
         nexts = [c.get_state(flow_of[m.name]) if flow_of[m.name] is not None
                  else c.value(nxt[m.name]) for m in merges]
         states = [c.get_state(r) for r in extra]
+        pushed, scan_types, stacked_at = _scans(c, body, scans)
+        for key in written:
+            pushed.extend(c.scan_writes.pop(key))  # (index, value)
+            scan_types += [TensorProto.INT64, c.resources[key].dtype]
         cond_out = condition(nexts)
-        outs = [cond_out] + nexts + states
+        outs = [cond_out] + nexts + states + pushed
         outs = [graph_output(c, body, v, f"{frame}/out") for v in outs]
         body.outputs += [helper.make_tensor_value_info(outs[0], TensorProto.BOOL, [])]
         body.outputs += [_tensor_vi(c, o, v, m) for o, v, m in zip(outs[1:], nexts, merges)]
         body.outputs += [helper.make_tensor_sequence_value_info(o, r.dtype, None)
                          for o, r in zip(outs[1 + len(merges):], extra)]
+        body.outputs += [helper.make_tensor_value_info(o, t, None)
+                         for o, t in zip(outs[1 + len(merges) + len(extra):], scan_types)]
         graph = body.graph(frame.replace("/", "_"))
     results = c.op("Loop", ["", cond_init] + [init[m.name] for m in merges] + outer_states,
-                   n_out=len(merges) + len(extra), name=f"{frame}/Loop", body=graph)
+                   n_out=len(merges) + len(extra) + len(scan_types), name=f"{frame}/Loop",
+                   body=graph)
     results = [results] if isinstance(results, str) else results
     final = dict(zip((m.name for m in merges), results))
     for m in merges:
@@ -184,6 +213,18 @@ def convert_loop(c: Converter, fprefix: tuple, members: list[TFNode]) -> None:
             c.set_state(flow_of[m.name], final[m.name])
     for r, v in zip(extra, results[len(merges):]):
         c.set_state(r, v)
+    first = len(merges) + len(extra)
+    last = None  # the last iteration's number: all the pops of one backward iteration share it
+    if any(isinstance(k, int) for k in stacked_at.values()):
+        count = c.op("Shape", [results[first]], end=1)
+        last = c.op("Sub", [c.op("Squeeze", [count, c.i64(0)]), c.const(1, np.int64)])
+    for key in scans:  # the pushes, stacked, and the last one's index (resources._pop)
+        k = stacked_at[key]
+        # (a value pushed the same every iteration: the pops read it)
+        c.state[key] = (results[first + k], last) if isinstance(k, int) else (k, None)
+    rest = results[first + len({v for v in stacked_at.values() if isinstance(v, int)}):]
+    for k, key in enumerate(written):
+        apply_scan_writes(c, c.resources[key], rest[2 * k], rest[2 * k + 1])
     for n in at:
         if n.op in EXIT:
             sw = g.producer(n.inputs[0])
@@ -192,6 +233,25 @@ def convert_loop(c: Converter, fprefix: tuple, members: list[TFNode]) -> None:
                 raise ConversionError(f"{n} does not leave the loop through its Switch")
             mname = sw.inputs[0].split(":")[0]
             c.env[f"{n.name}:0"] = final.get(mname) or c.env[f"{mname}:0"]
+
+
+def _scans(c: Converter, body: Scope, scans: list) -> tuple[list, list, dict]:
+    """The stacks' pushes in a Loop body as its scan outputs: (values, their types, {key: the
+    scan output's position, or the pushed value itself when it is the same every iteration
+    (made outside the body)}); a value pushed onto several stacks is one scan output."""
+    made = {o for nd in body.nodes for o in nd.output} | {i.name for i in body.inputs}
+    values, types, at = [], [], {}
+    for key in scans:
+        v = c.scan_pushes.pop(key)
+        if v not in made:
+            at[key] = v
+        elif v in values:
+            at[key] = values.index(v)
+        else:
+            at[key] = len(values)
+            values.append(v)
+            types.append(c.scan_dtype.get(key, c.resources[key].dtype))
+    return values, types, at
 
 
 def _ancestors(g, node: TFNode, at: list[TFNode], stop: set) -> list[TFNode]:

@@ -76,6 +76,16 @@ class Converter:
         self.stop_gradients: list[str] = []  # outputs of StopGradient (see ops._stop_gradient)
         self.node: TFNode | None = None  # the node being converted (names what it emits)
         self.weights: list[str] | None = None  # a SavedModel's variable nodes
+        self.scan_stacks: dict = {}  # stack key -> its push node (resources.scan_stacks)
+        self.scan_pushes: dict = {}  # stack key -> the value pushed in the Loop body being made
+        self.scan_dtype: dict = {}  # stack key -> its pushes' ONNX type where not the stack's
+        self.iteration: str | None = None  # the iteration number of the Loop body being made
+        self.scan_writes: dict = {}  # array key -> (index, value) written in the Loop body
+        self.stacked: dict[str, str] = {}  # sequence value -> the tensor of its elements stacked
+        self.loop_scope: Scope | None = None  # the scope around the Loop body being made
+        self.int64_of: dict[str, str] = {}  # int32 shape value -> the int64 value it is a cast of
+        self.popped: dict[str, tuple] = {}  # value -> (stacked pushes, index) it was popped at
+        self._memo: dict = {}  # per-scope reuse of values computed once (pop indices, masks)
 
     # -- names and emission ------------------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -106,6 +116,18 @@ class Converter:
 
     def i64(self, *vals) -> str:
         return self.const(np.array(vals, np.int64))
+
+    def memo(self, key, make, scope: Scope | None = None) -> str:
+        """``make()``'s value, emitted once per key into ``scope`` (default the current one)."""
+        scope = scope or self.scope
+        key = (id(scope), key)
+        if key not in self._memo:
+            saved, self.scope = self.scope, scope
+            try:
+                self._memo[key] = make()
+            finally:
+                self.scope = saved
+        return self._memo[key]
 
     # -- reading a node's inputs and attributes ------------------------------------------------
     def value(self, ref: str):
@@ -239,6 +261,9 @@ class Converter:
             t.name = name
         if v in self.consts:
             self.consts[name] = self.consts.pop(v)
+        for table in (self.int64_of, self.popped):
+            if v in table:
+                table[name] = table.pop(v)
         self.stop_gradients = [name if x == v else x for x in self.stop_gradients]
         self._names.add(name)
         return name
@@ -371,6 +396,8 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
             raise ConversionError(f"output {o!r}: the graph has no node {nm!r}")
     c = Converter(g, opset or DEFAULT_OPSET)
     c.weights = weights
+    from .resources import scan_stacks
+    c.scan_stacks = scan_stacks(g)
     feeds = [_ref(i) for i in ([inputs] if isinstance(inputs, str) else inputs or [])]
     for ref in feeds:
         nm, _ = split_ref(ref)

@@ -27,9 +27,12 @@ BIG = np.iinfo(np.int64).max
 # -- helpers -----------------------------------------------------------------------------------
 def as_i64(c: Converter, v: str) -> str:
     """v as int64 (ONNX's type for shapes, axes, repeats); folded when v is a constant, so that
-    ONNX shape inference can read it."""
+    ONNX shape inference can read it, and the int64 value an int32 shape was cast from (TF's
+    shapes are int32, ONNX's int64: no round trip)."""
     k = c.consts.get(v)
-    return c.op("Cast", [v], to=I64) if k is None else c.const(k.astype(np.int64))
+    if k is not None:
+        return c.const(k.astype(np.int64))
+    return c.int64_of.get(v) or c.op("Cast", [v], to=I64)
 
 
 def _vec64(c: Converter, n: TFNode, i: int) -> str:
@@ -524,8 +527,13 @@ def _top_k(c, n):
 
 # -- shapes ------------------------------------------------------------------------------------
 def _out_type(c, n, v, key="out_type"):
+    """An int64 shape value v in the node's output type (TF's default int32)."""
     t = onnx_dtype(n.attr[key].type, n) if key in n.attr else TensorProto.INT32
-    return v if t == I64 else c.op("Cast", [v], to=t)
+    if t == I64:
+        return v
+    out = c.op("Cast", [v], to=t)
+    c.int64_of[out] = v
+    return out
 
 
 def _shape_of(c, n, i):
@@ -1022,6 +1030,9 @@ def _broadcast_gradient_args(c, n):
     y = [_fold(c, n, lambda a, b, j=j: _bga_np(a, b)[j], 0, 1) for j in (0, 1)]
     if y[0] is not None:
         return y
+    popped = [c.popped.get(c.x(n, i)) for i in (0, 1)]
+    if all(popped) and popped[0][1] == popped[1][1] and c.loop_scope is not None:
+        return _bga_of_pops(c, n, popped[0][0], popped[1][0], popped[0][1])
     s = [as_i64(c, c.x(n, i)) for i in (0, 1)]
     lens = [c.op("Shape", [v]) for v in s]
     r = c.op("Max", lens)
@@ -1035,6 +1046,30 @@ def _broadcast_gradient_args(c, n):
     return [c.op("Compress", [axes, c.op("And", [c.op("Equal", [p, c.i64(1)]),
                                                   c.op("Not", [same])])], axis=0)
             for p in padded]
+
+
+def _bga_of_pops(c, n, s0, s1, idx):
+    """BroadcastGradientArgs of two shapes a backward loop pops (tf.gradients' pattern in a
+    while loop): the forward loop's shapes are all stacked (s0, s1: [iterations, rank]), so
+    which axes each iteration reduces is worked out once for all iterations before the loop
+    (an [iterations, rank] mask per side), and each iteration only picks its row."""
+    def masks():
+        w = [c.op("Shape", [v], start=1, end=2) for v in (s0, s1)]
+        r = c.op("Max", w)
+        zero = c.i64(0)
+        padded = [c.op("Pad", [v, c.op("Concat", [zero, c.op("Sub", [r, wi]), zero, zero],
+                                        axis=0), c.const(1, np.int64)])
+                  for v, wi in zip((s0, s1), w)]
+        rows_equal = c.op("Cast", [c.op("ReduceMin", [c.op("Cast", [c.op("Equal", padded)],
+                                                           to=TensorProto.INT32), c.i64(1)],
+                                        keepdims=1)], to=TensorProto.BOOL)
+        differ = c.op("Not", [c.op("And", [rows_equal, c.op("Equal", w)])])
+        axes = c.op("Range", [c.const(0, np_type(n)), c.op("Cast", [c.op("Squeeze", [r])],
+                              to=c.onnx_type(n)), c.const(1, np_type(n))])
+        return [c.op("And", [c.op("Equal", [p, c.const(1, np.int64)]), differ])
+                for p in padded] + [axes]
+    m0, m1, axes = c.memo(("bga", s0, s1, n.attr["T"].type), masks, scope=c.loop_scope)
+    return [c.op("Compress", [axes, c.op("Gather", [m, idx], axis=0)], axis=0) for m in (m0, m1)]
 
 
 def _bga_np(a, b):
