@@ -172,8 +172,18 @@ def _lstm_loop():  # an LSTM written as a while_loop
         "x:0": rand(3, 4, 3), "lens:0": np.array([4, 2, 3], np.int32)}
 
 
+def _broadcast_loop():  # a loop whose gradient sums over broadcast axes (w: [4] against [B, 4])
+    x = tf.compat.v1.placeholder(tf.float32, [4, None, 4], name="x")
+    w = tf.compat.v1.get_variable("w", [4], initializer=tf.compat.v1.ones_initializer())
+    b = tf.compat.v1.get_variable("b", [1, 4], initializer=tf.compat.v1.zeros_initializer())
+    xs = tf.TensorArray(tf.float32, size=4).unstack(x)
+    _, h = tf.compat.v1.while_loop(lambda t, h: t < 4, lambda t, h: (
+        t + 1, tf.tanh(h * w + xs.read(t) * 0.5 + b)), [0, tf.zeros_like(x[0])])
+    return tf.reduce_sum(h * h, name="y"), [x, w, b], {"x:0": rand(4, 3, 4)}
+
+
 @pytest.mark.parametrize("add_shapes", [True, False])
-@pytest.mark.parametrize("build", [_unstack_sum, _write_stack, _lstm_loop])
+@pytest.mark.parametrize("build", [_unstack_sum, _write_stack, _lstm_loop, _broadcast_loop])
 def test_frozen_tensor_array_loops(build, add_shapes):
     """tf.gradients over TensorArray while loops, frozen the usual way with and without
     add_shapes: TF's gradient graph converts and equals TF, and so do onnxgrad's gradients of

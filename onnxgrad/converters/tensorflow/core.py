@@ -86,6 +86,12 @@ class Converter:
         self.int64_of: dict[str, str] = {}  # int32 shape value -> the int64 value it is a cast of
         self.popped: dict[str, tuple] = {}  # value -> (stacked pushes, index) it was popped at
         self._memo: dict = {}  # per-scope reuse of values computed once (pop indices, masks)
+        self.outputs: set[str] = set()  # the TF tensors asked for (their values must stay)
+        # BroadcastGradientArgs of popped shapes: the masks of the backward loop being made,
+        # and whether its body is being made again assuming none broadcasts (see control_flow)
+        self.bga_masks: list[str] = []
+        self.no_broadcast = False
+        self.bga_shapes: dict[str, str] = {}  # BGA axes / a gradient -> the shape it sums to
 
     # -- names and emission ------------------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -416,6 +422,7 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
         c.env[ref] = ref
     for o in outputs:  # output names are the TF names: keep them free for the outputs
         c.fresh(o)
+    c.outputs = set(outputs)
     nodes = [n for n in needed_nodes(g, outputs) if f"{n.name}:0" not in c.env]
     c.convert_nodes((), nodes)
     for o in outputs:

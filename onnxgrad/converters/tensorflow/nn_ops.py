@@ -14,7 +14,7 @@ from onnx import helper as onnx_helper
 
 from .core import handler
 from .errors import ConversionError
-from .ops import as_i64, np_type, rank_of, scalar, static_shape
+from .ops import as_i64, gemm_plus, np_type, rank_of, scalar, static_shape
 
 
 # -- layouts and conv geometry ------------------------------------------------------------------
@@ -353,6 +353,10 @@ def _softmax(c, n):
 @handler("BiasAdd", "BiasAddV1")
 def _bias_add(c, n):
     x, r = c.x(n, 0), rank_of(c, n, 0)
+    if r == 2 and _channels_last(c, n):
+        y = gemm_plus(c, n, 0, c.x(n, 1))  # MatMul + bias: the Gemm's C
+        if y is not None:
+            return [y]
     y = c.op("Add", [x, _per_channel(c, n, c.x(n, 1), x, r)])
     # (channels first of unknown rank: the result has x's shape, which tells inference its rank)
     return [y if r is not None or _channels_last(c, n) else c.op("Reshape", [

@@ -40,7 +40,9 @@ def _vec64(c: Converter, n: TFNode, i: int) -> str:
     k = c.const_input(n, i)
     if k is not None:
         return c.const(np.asarray(k, np.int64).reshape(-1))
-    return c.op("Reshape", [as_i64(c, c.x(n, i)), c.i64(-1)])
+    s = static_shape(c, n.inputs[i])
+    v = as_i64(c, c.x(n, i))
+    return v if s is not None and len(s) == 1 else c.op("Reshape", [v, c.i64(-1)])
 
 
 def _shape_arg(c: Converter, n: TFNode, i: int) -> str:
@@ -48,8 +50,8 @@ def _shape_arg(c: Converter, n: TFNode, i: int) -> str:
     ONNX infers the rank of what it shapes (Reshape, Expand)."""
     v = as_i64(c, c.x(n, i))
     s = static_shape(c, n.inputs[i])
-    if v in c.consts or s is None or len(s) != 1 or s[0] is None:
-        return v
+    if v in c.consts or v in c.popped or s is None or len(s) != 1 or s[0] is None:
+        return v  # (a popped row of stacked shapes has its length already, see control_flow)
     return c.op("Reshape", [v, c.i64(s[0])])
 
 
@@ -189,10 +191,37 @@ def _fold_int(c, n):
     return _fold(c, n, lambda *v: fn(*v).astype(v[0].dtype), *range(len(n.inputs)))
 
 
+def gemm_plus(c: Converter, n: TFNode, i: int, other: str):
+    """``MatMul + other`` (input i of n the MatMul's result) as the Gemm's C, when ONNX's
+    Gemm takes it: the product read by n alone, ``other`` of a static shape that broadcasts to
+    the product's without growing it (a bias, a loop's gradient accumulator). One pass over the
+    data instead of two (TF's per-step weight gradient sums: [in, out] every step). Else None."""
+    ref = n.inputs[i]
+    p = c.g.producer(ref)
+    y = c.value(ref)
+    if p.op != "MatMul" or c.g.uses(ref) != 1 or ref in c.outputs:
+        return None
+    gemm = next((nd for nd in reversed(c.scope.nodes) if y in nd.output), None)
+    out, extra = static_shape(c, ref), static_shape(c, n.inputs[1 - i]) if i < 2 else None
+    if extra is None and i == 0:  # (BiasAdd: the bias, a vector)
+        extra = static_shape(c, n.inputs[1])
+    if (gemm is None or gemm.op_type != "Gemm" or len(gemm.input) != 2 or out is None
+            or extra is None or len(extra) > 2 or None in extra or None in out[-len(extra):]
+            or any(e not in (1, o) for e, o in zip(extra[::-1], out[::-1]))):
+        return None
+    gemm.input.append(other)
+    return y
+
+
 def _same(c, n, onnx_op):
     y = _fold_int(c, n)
     if y is not None:
         return [y]
+    if onnx_op == "Add" and len(n.inputs) == 2:
+        for i in (0, 1):
+            y = gemm_plus(c, n, i, c.x(n, 1 - i))
+            if y is not None:
+                return [y]
     attrs = {"equation": c.attr(n, "equation")} if n.op == "Einsum" else {}
     return [c.op(onnx_op, [c.x(n, i) for i in range(len(n.inputs))], **attrs)]
 
@@ -366,12 +395,15 @@ def _cast(c, n):
 @handler("Select")
 def _select(c, n):
     cond, a = c.x(n, 0), c.x(n, 1)
+    if c.g.producer(n.inputs[1]).op != "ZerosLike" and _is_zeros_like(c, n, 2):
+        # (Select's gradient: where(c, g, zeros_like(x)); the zeros a broadcast scalar)
+        return [c.op("Where", [_rows(c, n, cond), a, scalar(c, n, 0)])]
+    if _is_zeros_like(c, n, 1) and c.g.producer(n.inputs[2]).op != "ZerosLike":
+        return [c.op("Where", [_rows(c, n, cond), scalar(c, n, 0), c.x(n, 2)])]
     # TF1 Select with a vector condition picks whole rows: make it broadcast over the rest
     rc, ra = rank_of(c, n, 0), rank_of(c, n, 1)
     if rc is not None and ra is not None:
-        if rc != ra:
-            cond = c.op("Unsqueeze", [cond, c.i64(*range(rc, ra))])
-        return [c.op("Where", [cond, a, c.x(n, 2)])]
+        return [c.op("Where", [_rows(c, n, cond), a, c.x(n, 2)])]
     a_shape = c.op("Shape", [a])
     pad = c.op("Sub", [c.op("Size", [a_shape]), c.op("Size", [c.op("Shape", [cond])])])
     ones = c.op("Expand", [c.i64(1), c.op("Reshape", [pad, c.i64(1)])])
@@ -379,6 +411,22 @@ def _select(c, n):
     y = c.op("Where", [c.op("Reshape", [cond, shape]), a, c.x(n, 2)])
     # the result has a's shape: a Reshape to it tells ONNX shape inference the rank
     return [c.op("Reshape", [y, a_shape])]
+
+
+def _is_zeros_like(c, n, i) -> bool:
+    """Input i is TF's ZerosLike of a tensor of the other branch's shape (then a broadcast
+    scalar zero is the same Where)."""
+    return (c.g.producer(n.inputs[i]).op == "ZerosLike" and rank_of(c, n, 0) is not None
+            and rank_of(c, n, 3 - i) is not None)
+
+
+def _rows(c, n, cond):
+    """Select's condition made to broadcast over the rest when it picks rows (TF1: a vector
+    condition), once per condition (a loop's gradient selects twice on each)."""
+    rc, ra = rank_of(c, n, 0), rank_of(c, n, 1) or rank_of(c, n, 2)
+    if rc is None or ra is None or rc == ra:
+        return cond
+    return c.memo(("rows", cond, rc, ra), lambda: c.op("Unsqueeze", [cond, c.i64(*range(rc, ra))]))
 
 
 # -- linear algebra ----------------------------------------------------------------------------
@@ -454,6 +502,10 @@ NP_REDUCE = {"Sum": np.sum, "Prod": np.prod, "Max": np.max, "Min": np.min}
 
 def _reduce(c, n, onnx_op):
     keep = int(c.attr(n, "keep_dims", False))
+    shape = c.bga_shapes.get(c.x(n, 1)) if n.op == "Sum" else None
+    if shape is not None and c.no_broadcast:  # summed over no axis: the gradient itself,
+        c.bga_shapes[c.x(n, 0)] = shape  # which has the shape it is reshaped to (_reshape)
+        return [c.x(n, 0)]
     if n.op in NP_REDUCE and not _is_float(n):  # shape arithmetic (Prod of a shape) folds
         y = _fold(c, n, lambda x, a: NP_REDUCE[n.op](x, axis=tuple(np.reshape(a, -1)),
                                                      keepdims=bool(keep)).astype(x.dtype), 0, 1)
@@ -571,7 +623,10 @@ def _rank_op(c, n):
 
 @handler("Reshape")
 def _reshape(c, n):
-    return [c.op("Reshape", [c.x(n, 0), _shape_arg(c, n, 1)])]
+    shape = _shape_arg(c, n, 1)
+    if c.no_broadcast and c.bga_shapes.get(c.x(n, 0)) == shape:  # (see _reduce)
+        return [c.x(n, 0)]
+    return [c.op("Reshape", [c.x(n, 0), shape])]
 
 
 @handler("Squeeze")
@@ -637,15 +692,18 @@ def _concat_v1(c, n):
 @handler("ConcatOffset")
 def _concat_offset(c, n):
     """(axis, shape_0..shape_k-1) -> the offset of each input in the concatenation: zeros but
-    the sum of the earlier inputs' sizes along the axis."""
+    the sum of the earlier inputs' sizes along the axis. Constant when the axis and the inputs'
+    sizes along it are known statically (the other dims do not matter)."""
     k = len(n.inputs) - 1
-    vals = [c.const_input(n, i) for i in range(k + 1)]
-    if all(v is not None for v in vals):
-        shapes = vals[1:]
-        axis = int(vals[0]) % len(shapes[0])
-        offs = np.cumsum([0] + [int(v[axis]) for v in shapes[:-1]])
-        return [c.const(np.where(np.arange(len(v)) == axis, o, 0).astype(v.dtype))
-                for v, o in zip(shapes, offs)]
+    axis = c.const_input(n, 0)
+    known = [shape_value(c, ref) for ref in n.inputs[1:]]
+    if axis is not None and all(v is not None for v in known):
+        a = int(axis) % len(known[0])
+        if all(len(v) == len(known[0]) and v[a] is not None for v in known):
+            offs = np.cumsum([0] + [v[a] for v in known[:-1]])
+            dt = np_type(n, "shape_type") if "shape_type" in n.attr else np.int32
+            return [c.const(np.where(np.arange(len(v)) == a, o, 0).astype(dt))
+                    for v, o in zip(known, offs)]
     axis, shapes = c.x(n, 0), [c.x(n, i) for i in range(1, k + 1)]
     t = c.onnx_type(n, "shape_type") if "shape_type" in n.attr else TensorProto.INT32
     iota = c.op("Range", [c.const(0, np.int32), c.op("Cast", [c.op("Size", [shapes[0]])],
@@ -905,8 +963,47 @@ def _where_op(c, n):  # the coordinates of the true (nonzero) elements, one row 
 
 
 # -- slices ------------------------------------------------------------------------------------
+def shape_value(c: Converter, ref: str):
+    """The value of shape vector ``ref`` as far as it is known statically (a list of ints and
+    None), or None: a constant, the Shape of a tensor of known rank, through identities and a
+    loop's stack (what a backward loop pops, the forward loop pushed)."""
+    v = c.value(ref)
+    if isinstance(v, str) and v in c.consts:
+        return [int(d) for d in np.reshape(c.consts[v], -1)]
+    p, k = c.g.producer(ref), split_ref(ref)[1]
+    if p.op in ("Shape", "ShapeN"):
+        return static_shape(c, p.inputs[k if p.op == "ShapeN" else 0])
+    if p.op in ("Identity", "Enter", "RefEnter", "Switch", "RefSwitch"):
+        return shape_value(c, p.inputs[0])
+    if p.op == "StackPopV2":
+        from .resources import static_key
+        push = c.scan_stacks.get(static_key(c.g, p.inputs[0]))
+        return None if push is None else shape_value(c, push.inputs[1])
+    return None
+
+
+def _concat_slice(c, n):
+    """TF's gradient of a concat, Slice(dy, ConcatOffset, Shape(x_k)): the slice along the axis
+    when the offsets are constant (see ConcatOffset) and x_k's size along it is known (the
+    other dims are dy's whole extent)."""
+    p = c.g.producer(n.inputs[1])
+    while p.op in ("Identity", "Enter", "RefEnter", "Switch", "RefSwitch"):
+        p = c.g.producer(p.inputs[0])
+    begin, size = c.const_input(n, 1), shape_value(c, n.inputs[2])
+    if p.op != "ConcatOffset" or begin is None or size is None or len(size) != len(begin):
+        return None
+    axis = int(c.const_input(p, 0)) % len(begin)
+    if size[axis] is None or any(b for i, b in enumerate(begin) if i != axis):
+        return None
+    return c.op("Slice", [c.x(n, 0), c.i64(int(begin[axis])),
+                          c.i64(int(begin[axis]) + size[axis]), c.i64(axis)])
+
+
 @handler("Slice")
 def _slice(c, n):
+    y = _concat_slice(c, n)
+    if y is not None:
+        return [y]
     begin, size = as_i64(c, c.x(n, 1)), as_i64(c, c.x(n, 2))
     b, s = c.consts.get(begin), c.consts.get(size)
     if b is not None and s is not None:
@@ -1032,7 +1129,10 @@ def _broadcast_gradient_args(c, n):
         return y
     popped = [c.popped.get(c.x(n, i)) for i in (0, 1)]
     if all(popped) and popped[0][1] == popped[1][1] and c.loop_scope is not None:
-        return _bga_of_pops(c, n, popped[0][0], popped[1][0], popped[0][1])
+        outs = _bga_of_pops(c, n, popped[0][0], popped[1][0], popped[0][1])
+        for i, o in enumerate(outs):  # (Sum then Reshape to input i: see _reduce, _reshape)
+            c.bga_shapes[c.int64_of.get(o, o)] = c.bga_shapes[o] = as_i64(c, c.x(n, i))
+        return outs
     s = [as_i64(c, c.x(n, i)) for i in (0, 1)]
     lens = [c.op("Shape", [v]) for v in s]
     r = c.op("Max", lens)
@@ -1064,12 +1164,19 @@ def _bga_of_pops(c, n, s0, s1, idx):
                                                            to=TensorProto.INT32), c.i64(1)],
                                         keepdims=1)], to=TensorProto.BOOL)
         differ = c.op("Not", [c.op("And", [rows_equal, c.op("Equal", w)])])
-        axes = c.op("Range", [c.const(0, np_type(n)), c.op("Cast", [c.op("Squeeze", [r])],
-                              to=c.onnx_type(n)), c.const(1, np_type(n))])
+        axes = c.op("Range", [c.const(0, np.int64), c.op("Squeeze", [r]),
+                              c.const(1, np.int64)])
         return [c.op("And", [c.op("Equal", [p, c.const(1, np.int64)]), differ])
                 for p in padded] + [axes]
-    m0, m1, axes = c.memo(("bga", s0, s1, n.attr["T"].type), masks, scope=c.loop_scope)
-    return [c.op("Compress", [axes, c.op("Gather", [m, idx], axis=0)], axis=0) for m in (m0, m1)]
+    if c.no_broadcast:  # the body made assuming no iteration broadcasts: no axes
+        return [c.const(np.zeros(0, np_type(n))) for _ in (0, 1)]
+    m0, m1, axes = c.memo(("bga", s0, s1), masks, scope=c.loop_scope)
+    c.bga_masks += [m0, m1]
+    outs = []
+    for m in (m0, m1):
+        wide = c.op("Compress", [axes, c.op("Gather", [m, idx], axis=0)], axis=0)
+        outs.append(_out_type(c, n, wide, "T"))  # (the int64 axes for the Sum that reads them)
+    return outs
 
 
 def _bga_np(a, b):

@@ -46,6 +46,7 @@ def _types(g: onnx.GraphProto, outer: dict | None = None) -> dict:
 def _set_rank(t: onnx.TypeProto, r: int) -> None:
     shape = t.tensor_type.shape
     shape.SetInParent()  # a scalar's shape has no dims but must be present
+    del shape.dim[:]
     shape.dim.extend(onnx.TensorShapeProto.Dimension() for _ in range(r))
 
 
@@ -81,34 +82,47 @@ def _loop_ranks(g: onnx.GraphProto, types: dict) -> bool:
                         vi.type.WhichOneof("value") == "tensor_type":
                     _set_rank(vi.type, r)
                     changed = True
-            changed |= _loop_output_ranks(g, node, body, types)
+            changed |= _output_ranks(g, node.output, _loop_output_ranks(node, types), types)
+        if node.op_type == "If":  # a backward loop made twice (control_flow._one_node)
+            loops = [a.g.node[0] for a in node.attribute if a.type == onnx.AttributeProto.GRAPH
+                     and len(a.g.node) == 1 and a.g.node[0].op_type == "Loop"]
+            if len(loops) == 2:
+                both = [_loop_output_ranks(lp, types) for lp in loops]
+                changed |= _output_ranks(g, node.output, [a if a == b else None
+                                                           for a, b in zip(*both)], types)
     return changed
 
 
-def _loop_output_ranks(g: onnx.GraphProto, node: onnx.NodeProto, body: onnx.GraphProto,
-                       types: dict) -> bool:
+def _loop_output_ranks(node: onnx.NodeProto, types: dict) -> list:
+    """The rank of each output of a Loop, as far as known: a carried value's when its start
+    value and the body's output agree on it (a Loop may run no iteration), a scan output's the
+    body value's plus one."""
+    body = next(a.g for a in node.attribute if a.name == "body")
     inner = _types(body)
     n_carried = len(node.input) - 2
-    changed = False
-    for k, out in enumerate(node.output):
-        if not out or rank(types.get(out)) is not None:
-            continue
+    ranks = []
+    for k in range(len(node.output)):
         r = rank(inner.get(body.output[1 + k].name))
-        if r is None:
+        if r is not None and k < n_carried and rank(types.get(node.input[2 + k])) != r:
+            r = None
+        ranks.append(r if r is None or k < n_carried else r + 1)
+    return ranks
+
+
+def _output_ranks(g: onnx.GraphProto, outputs, ranks: list, types: dict) -> bool:
+    """Give the node outputs of unknown rank the ranks found (value_info of graph ``g``)."""
+    changed = False
+    for out, r in zip(outputs, ranks):
+        if not out or r is None or rank(types.get(out)) is not None:
             continue
-        if k < n_carried:
-            if rank(types.get(node.input[2 + k])) != r:
-                continue
-        else:
-            r += 1  # a scan output stacks the body's values
+        t = types.get(out)
+        if t is None or t.WhichOneof("value") != "tensor_type":
+            continue
         vi = next((v for v in [*g.value_info, *g.output] if v.name == out), None)
         if vi is None:
-            t = types.get(out)
-            elem = t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else \
-                inner[body.output[1 + k].name].tensor_type.elem_type
             vi = g.value_info.add()
-            vi.CopyFrom(helper.make_tensor_value_info(out, elem, None))
-        if vi.type.WhichOneof("value") != "tensor_type":
+            vi.CopyFrom(helper.make_tensor_value_info(out, t.tensor_type.elem_type, None))
+        if vi.type.WhichOneof("value") != "tensor_type" or rank(vi.type) is not None:
             continue
         _set_rank(vi.type, r)
         types[out] = vi.type

@@ -119,6 +119,8 @@ def _grad(c: Converter, n: TFNode):
     fwd = c.resource(n)
     prepend = _i64(c, c.x(n, 2)) if n.op == "TensorArrayGradWithShape" else None
     r = ensure_grad(c, fwd, c.attr(n, "source"), prepend)
+    if r.key in c.scan_writes:  # written as scan outputs here: its flow is a placeholder
+        return [r, c.const(np.zeros((), np.float32))]
     return [r, c.get_state(r)]
 
 
@@ -136,7 +138,8 @@ def _write(c: Converter, n: TFNode):
     r = c.resource(n)
     if r.key in c.scan_writes:  # a scan output of the Loop being made (see scan_arrays)
         c.scan_writes[r.key] = (_i64(c, c.x(n, 1)), c.x(n, 2))
-        return [c.x(n, 3)]  # (the flow: a placeholder the Loop carries)
+        flow = c.x(n, 3)  # (the flow: a placeholder float the Loop carries)
+        return [flow if flow not in c.seq_of else c.const(np.zeros((), np.float32))]
     # (sequence positions may be int32, TF's index type: no Cast per write)
     return [c.set_state(r, write(c, r, c.get_state(r), c.x(n, 1), c.x(n, 2)))]
 
