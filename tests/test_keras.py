@@ -10,6 +10,7 @@ model. TF's references run as tf.functions (graph mode, what the SavedModel runs
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 from tf_util import ort_run, tf  # (skips the module without TF)
@@ -164,6 +165,7 @@ def assert_close(got, want, scale, what):
 def test_keras_model_converts_and_differentiates(cases, name):
     case = cases[name]
     model = convert(case.path)
+    onnx.checker.check_model(model, full_check=True)
     (x_in,), (y_out,) = model.graph.input, model.graph.output
     inits = {t.name for t in model.graph.initializer}
     assert set(case.weights) <= inits, "weights are named after their variables"
@@ -171,6 +173,7 @@ def test_keras_model_converts_and_differentiates(cases, name):
     assert_close(y, case.y, np.abs(case.y).max(), "output")
     xs = ([] if case.int_input else [x_in.name]) + case.weights
     res = onnxgrad.gradients(model, y_out.name, xs, grad_ys=["gy"])
+    onnx.checker.check_model(res.model, full_check=True)
     got = ort_run(res.model, {x_in.name: case.x, "gy": case.gy}, res.grads)
     scale = max(np.abs(g).max() for g in case.grads)
     for x, g, want in zip(xs, got, case.grads):

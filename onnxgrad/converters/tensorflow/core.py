@@ -92,6 +92,7 @@ class Converter:
         self.bga_masks: list[str] = []
         self.no_broadcast = False
         self.bga_shapes: dict[str, str] = {}  # BGA axes / a gradient -> the shape it sums to
+        self.list_scans: dict[str, str | None] = {}  # TF2 list -> the item a While body writes
 
     # -- names and emission ------------------------------------------------------------------
     def fresh(self, base: str) -> str:

@@ -184,6 +184,7 @@ def _reserve(c, n):
 @handler("TensorListFromTensor")
 def _from_tensor(c, n):
     seq = c.op("SplitToSequence", [c.x(n, 0)], axis=0, keepdims=0)
+    c.stacked[seq] = c.x(n, 0)  # (reads gather from the tensor itself)
     return [mark(c, seq, _elem(c, n))]
 
 
@@ -210,6 +211,8 @@ def _scatter(c, n):  # (tensor, indices, element_shape[, num_elements])
 @handler("TensorListGetItem")
 def _get(c, n):  # (handle, index, element_shape)
     seq = _seq(c, n)
+    if seq in c.stacked:
+        return [_with_shape(c, n, 2, c.op("Gather", [c.stacked[seq], c.x(n, 1)], axis=0))]
     if not is_lazy(c, seq) or (c.const_input(n, 2) is not None and _known_shape(c, n, 2) is None):
         # (a lazy list whose element shape TF does not know fully: an unwritten element has no
         # shape to give, TF fails to read it as well)
@@ -235,6 +238,8 @@ def _get(c, n):  # (handle, index, element_shape)
 @handler("TensorListStack")
 def _stack_op(c, n):  # (handle, element_shape)
     seq = _seq(c, n)
+    if seq in c.stacked:
+        return [_with_shape(c, n, 1, c.stacked[seq], lead=1)]
     shape = _known_shape(c, n, 1)
     if shape is None:
         return [_with_shape(c, n, 1, _stack(c, seq), lead=1)]
@@ -255,8 +260,9 @@ def _stack_op(c, n):  # (handle, element_shape)
 
 @handler("TensorListGather")
 def _gather(c, n):  # (handle, indices, element_shape)
-    return [_with_shape(c, n, 2, c.op("Gather", [_stack(c, _seq(c, n)), c.x(n, 1)], axis=0),
-                        lead=1)]
+    seq = _seq(c, n)
+    return [_with_shape(c, n, 2, c.op("Gather", [c.stacked.get(seq) or _stack(c, seq),
+                                                c.x(n, 1)], axis=0), lead=1)]
 
 
 @handler("TensorListConcat", "TensorListConcatV2")
@@ -291,6 +297,9 @@ def _element_shape(c, n):
 @handler("TensorListSetItem")
 def _set_item(c, n):  # (handle, index, item)
     seq, idx, value = _seq(c, n), as_i64(c, c.x(n, 1)), c.x(n, 2)
+    if seq in c.list_scans:  # the loop's write at its iteration number: a scan output
+        c.list_scans[seq] = value
+        return [seq]
     grow = bool(c.attr(n, "resize_if_index_out_of_bounds", False)) or is_lazy(c, seq)
     return [mark(c, _set(c, seq, idx, value, grow), None, like=seq)]
 
@@ -360,6 +369,29 @@ def _resize(c, n):  # (handle, size): drop elements past size, or append zeros (
         graph = body.graph("resize_pad")
     pad = c.op("Max", [c.op("Sub", [size, length]), c.const(0, np.int64)])
     return [mark(c, c.op("Loop", [pad, "", kept], body=graph), None, like=seq)]
+
+
+def written_by_scan(c: Converter, init: str, stacked: str) -> str:
+    """The list ``init`` after a Loop wrote element k at iteration k: ``stacked`` [n, *elem],
+    the values written (scan outputs), over the list's first n elements (a lazy list: zeros past
+    them to its reserved length), as a new list whose stacked form reads use directly."""
+    n = c.op("Shape", [stacked], end=1)
+    if is_lazy(c, init):
+        rest = c.op("Max", [c.op("Sub", [c.op("Reshape", [_reserved(c, init) or c.const(
+            0, np.int64), c.i64(1)]), n]), c.i64(0)])
+        zeros = c.op("ConstantOfShape", [c.op("Concat", [rest, c.op("Shape", [stacked], start=1)],
+                                              axis=0)],
+                     value=helper.make_tensor("zero", elem_type(c, init), [1], [0]))
+        dense = c.op("Concat", [stacked, zeros], axis=0)
+    else:
+        old = c.stacked.get(init) or _stack(c, init)
+        iota = c.op("Range", [c.const(0, np.int64), c.op("Squeeze", [n, c.i64(0)]),
+                              c.const(1, np.int64)])
+        dense = c.op("ScatterND", [old, c.op("Unsqueeze", [iota, c.i64(1)]), stacked])
+    seq = mark(c, c.op("SplitToSequence", [dense], axis=0, keepdims=0), elem_type(c, init),
+               lazy=False)
+    c.stacked[seq] = dense
+    return seq
 
 
 # -- arithmetic on lists (TF2 gradients: ZerosLike of a list, AddN of gradient lists) -----------
