@@ -208,7 +208,8 @@ def convert_loop(c: Converter, fprefix: tuple, members: list[TFNode]) -> None:
                              for o, t in zip(outs[1 + len(merges) + len(extra):], scan_types)]
             return body.graph(frame.replace("/", "_")), scan_types, stacked_at
 
-    masks, c.bga_masks = c.bga_masks, []
+    # (each loop decides for itself: a loop nested in a body made assuming no broadcast is not)
+    (masks, assumed), c.bga_masks, c.no_broadcast = (c.bga_masks, c.no_broadcast), [], False
     graph, scan_types, stacked_at = make_body()
     loop_in = ["", cond_init] + [init[m.name] for m in merges] + outer_states
     n_out = len(merges) + len(extra) + len(scan_types)
@@ -222,7 +223,7 @@ def convert_loop(c: Converter, fprefix: tuple, members: list[TFNode]) -> None:
         results = c.op("If", [uniform], n_out=n_out, name=f"{frame}/If",
                        then_branch=_one_node(c, "Loop", loop_in, n_out, fast, f"{frame}_fast"),
                        else_branch=_one_node(c, "Loop", loop_in, n_out, graph, frame))
-    c.bga_masks = masks
+    c.bga_masks, c.no_broadcast = masks, assumed
     results = [results] if isinstance(results, str) else results
     final = dict(zip((m.name for m in merges), results))
     for m in merges:

@@ -202,9 +202,7 @@ def gemm_plus(c: Converter, n: TFNode, i: int, other: str):
     if p.op != "MatMul" or c.g.uses(ref) != 1 or ref in c.outputs:
         return None
     gemm = next((nd for nd in reversed(c.scope.nodes) if y in nd.output), None)
-    out, extra = static_shape(c, ref), static_shape(c, n.inputs[1 - i]) if i < 2 else None
-    if extra is None and i == 0:  # (BiasAdd: the bias, a vector)
-        extra = static_shape(c, n.inputs[1])
+    out, extra = static_shape(c, ref), static_shape(c, n.inputs[1 - i])
     if (gemm is None or gemm.op_type != "Gemm" or len(gemm.input) != 2 or out is None
             or extra is None or len(extra) > 2 or None in extra or None in out[-len(extra):]
             or any(e not in (1, o) for e, o in zip(extra[::-1], out[::-1]))):
