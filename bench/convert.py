@@ -1,7 +1,8 @@
 """Converter benchmark: a TF1 LSTM written the way dynamic_rnn runs it (TensorArrays in a while
 loop) plus its tf.gradients graph (stacks, a backward while loop), converted to ONNX and run on
 onnxruntime CPU, against TensorFlow running the same GraphDef and PyTorch's nn.LSTM doing the
-same forward+backward, in one run. Also the conversion time.
+same forward+backward, in one run, the three interleaved; wall-clock and process CPU time (the
+latter leaves out waiting for a core on a shared machine). Also the conversion time.
 
     python bench/convert.py [--threads 1] [--batch 32] [--steps 50] [--units 128] [--repeat 20]
 """
@@ -18,14 +19,22 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
-def median_ms(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
+def interleaved_ms(fns: dict, repeat: int) -> dict:
+    """{name: (median wall ms, median process-CPU ms)}, the sides run in turn each round (so
+    that load from other jobs hits all alike). CPU time counts every thread of the process
+    (TensorFlow runs its kernels on its own pool threads), and leaves out time spent waiting
+    for a core on a shared machine."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+    wall = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            cpu[k].append(time.process_time() - c)
+            wall[k].append(time.perf_counter() - t)
+    return {k: (1e3 * float(np.median(wall[k])), 1e3 * float(np.median(cpu[k]))) for k in fns}
 
 
 def main(argv=None):
@@ -91,15 +100,16 @@ def main(argv=None):
         out, _ = lstm(xt)
         (out * out).sum().backward()
 
-    ms_ort = median_ms(lambda: sess.run(fetch, feeds), a.repeat)
-    ms_tf = median_ms(lambda: sess_tf.run(fetch, feeds), a.repeat)
-    ms_torch = median_ms(torch_step, a.repeat)
+    ms = interleaved_ms({"ours": lambda: sess.run(fetch, feeds),
+                         "tf": lambda: sess_tf.run(fetch, feeds), "torch": torch_step}, a.repeat)
     print(f"LSTM T={T} B={B} I={I} H={H}, forward + tf.gradients, {a.threads} thread(s); "
           f"{len(model.graph.node)} ONNX nodes, converted in {convert_s:.2f} s, "
           f"max rel. difference to TF {err:.1e}")
-    print(f"  onnxruntime (converted) {ms_ort:8.2f} ms")
-    print(f"  TensorFlow (same graph) {ms_tf:8.2f} ms   ours/TF    {ms_ort / ms_tf:.2f}x time")
-    print(f"  PyTorch nn.LSTM         {ms_torch:8.2f} ms   ours/torch {ms_ort / ms_torch:.2f}x time")
+    (w_o, c_o), (w_t, c_t), (w_p, c_p) = ms["ours"], ms["tf"], ms["torch"]
+    print(f"  {'':24s} {'wall':>9s} {'CPU':>9s}   ours/other: wall, CPU")
+    print(f"  onnxruntime (converted) {w_o:7.2f}ms {c_o:7.2f}ms")
+    print(f"  TensorFlow (same graph) {w_t:7.2f}ms {c_t:7.2f}ms   {w_o / w_t:.2f}x, {c_o / c_t:.2f}x")
+    print(f"  PyTorch nn.LSTM         {w_p:7.2f}ms {c_p:7.2f}ms   {w_o / w_p:.2f}x, {c_o / c_p:.2f}x")
 
 
 if __name__ == "__main__":

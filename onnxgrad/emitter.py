@@ -289,13 +289,14 @@ class Emitter:
         return self.op("Reshape", r, sx, _shape=x.shape)
 
     # -- appended for control flow (issue 4) ---------------------------------------------------
-    def child(self, graph: ir.Graph, prefix: str) -> Emitter:
+    def child(self, graph: ir.Graph, prefix: str, outer_consts: bool = True) -> Emitter:
         """An emitter for a subgraph: its own graph and node list, names unique across the call
-        (shared counters), and the constants made so far reused (outer-scope values)."""
+        (shared counters), and the constants made so far reused (outer-scope values), unless
+        ``outer_consts`` is False: a forward node's own body runs before them."""
         c = Emitter(graph, self.scope, self.opset)
         c.prefix = prefix
         c._counts, c._issued, c.unranked = self._counts, self._issued, self.unranked
-        c._consts = dict(self._consts)
+        c._consts = dict(self._consts) if outer_consts else {}
         return c
 
 

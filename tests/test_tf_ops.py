@@ -9,7 +9,7 @@ import pytest
 
 from tf_util import ort_run, tf, tf1_graph, tf_run
 
-from onnxgrad.converters.tensorflow import ConversionError, convert
+from onnxgrad.converters.tensorflow import ConversionError, ConversionWarning, convert
 
 v1 = tf.compat.v1
 R = np.random.RandomState(0)
@@ -88,6 +88,7 @@ def ops_of(g) -> set:
 # -- one op at a time -------------------------------------------------------------------------
 X = rnd(4, 3)
 POS = rnd(4, 3, lo=0.1, hi=3.0)
+IMG_S2B = rnd(2, 5, 4, 3)
 UNARY = {
     "Tanh": (tf.tanh, X), "Sigmoid": (tf.sigmoid, X), "Relu": (tf.nn.relu, X),
     "Exp": (tf.exp, X), "Log": (tf.math.log, POS), "Neg": (tf.negative, X), "Abs": (tf.abs, X),
@@ -101,6 +102,13 @@ UNARY = {
     "Log1p": (tf.math.log1p, np.array([[1e-8, -1e-6, 0.5, 3.0, -0.9]], np.float32)),
     "Expm1": (tf.math.expm1, np.array([[1e-8, -1e-6, 0.5, 3.0, -20.0]], np.float32)),
     "Erf": (tf.math.erf, X), "Sin": (tf.sin, X), "Cos": (tf.cos, X),
+    "Erfc": (tf.math.erfc, np.array([[-4, -1.5, -0.1, 0, 0.3, 0.49, 0.5, 0.51, 1, 2.5]],
+                                    np.float32)),
+    "MatrixBandPart_causal": (lambda x: tf.linalg.band_part(x, -1, 0), rnd(2, 4, 5)),
+    "MatrixBandPart_bool": (lambda x: tf.linalg.band_part(x, 1, -1), rnd(3, 5) > 0),
+    "SpaceToBatchND": (lambda x: tf.space_to_batch_nd(x, [2, 3], [[1, 0], [2, 0]]), IMG_S2B),
+    "BatchToSpaceND": (lambda x: tf.compat.v1.batch_to_space_nd(x, [2, 1], [[1, 2], [0, 0]]),
+                       rnd(4, 3, 2, 3)),
     "IsFinite": (tf.math.is_finite, np.array([[1, np.inf, -np.inf, np.nan]], np.float32)),
     "IsNan": (tf.math.is_nan, np.array([[1, np.inf, -np.inf, np.nan]], np.float32)),
     "IsInf": (tf.math.is_inf, np.array([[1, np.inf, -np.inf, np.nan]], np.float32)),
@@ -207,6 +215,10 @@ BINARY = {
                                                                          np.int32)),
     "MirrorPad_reflect": (lambda x, p: tf.pad(x, p, "REFLECT"), A,
                           np.array([[1, 2], [2, 1]], np.int32)),
+    "MatrixBandPart": (lambda x, k: tf.linalg.band_part(x, k, k - 1), rnd(2, 4, 5),
+                       np.int64(1)),
+    "SpaceToBatchND_computed": (lambda x, p: tf.space_to_batch_nd(x, [2], p), rnd(3, 5, 2),
+                                static(np.array([[2, 1]], np.int32))),
 }
 
 
@@ -283,6 +295,13 @@ GRAD = {  # name: (forward, inputs, *Grad ops tf.gradients must emit)
     "Softmax": (tf.nn.softmax, [X], set()),
     "Cumsum": (lambda x: tf.cumsum(x, 1), [X], set()),
     "Maximum": (tf.maximum, [A, B], set()),
+    "Erfc": (tf.math.erfc, [X], set()),
+    "MatrixBandPart": (lambda x: tf.linalg.band_part(x, 1, 0), [rnd(2, 3, 4)],
+                       {"MatrixBandPart"}),
+    "SpaceToBatchND": (lambda x: tf.space_to_batch_nd(x, [2, 2], [[1, 0], [0, 2]]), [IMG_S2B],
+                       {"BatchToSpaceND"}),
+    "BatchToSpaceND": (lambda x: tf.compat.v1.batch_to_space_nd(x, [2], [[1, 2]]),
+                       [rnd(4, 3, 2)], {"SpaceToBatchND"}),
 }
 
 
@@ -335,6 +354,77 @@ POOL = {
 def test_pool(name):
     g, _ = run_case(lambda P: grads(POOL[name], P(IMG)))
     assert any(op.endswith("Grad") for op in ops_of(g))
+
+
+def test_dilated_conv_through_space_to_batch():
+    """tf.nn.atrous_conv2d: SpaceToBatchND -> Conv2D -> BatchToSpaceND, and its gradients."""
+    w = rnd(3, 2, 3, 4)
+    g, _ = run_case(lambda P: grads(lambda x, k: tf.nn.atrous_conv2d(x, k, 2, "SAME"),
+                                    P(IMG), P(w, "static")), rtol=1e-4, atol=1e-5)
+    assert {"SpaceToBatchND", "BatchToSpaceND"} <= ops_of(g)
+
+
+def test_erfc_keeps_its_digits_in_the_tail():
+    """erfc(x) for large x is far below 1 - erf(x)'s resolution: relative error only (float32's
+    exp of -x^2 alone costs x^2 * 6e-8 near x = 9)."""
+    x = np.linspace(-3, 9, 97).astype(np.float32)
+    run_case(lambda P: tf.math.erfc(P(x)), rtol=1e-5, atol=0)
+
+
+RESIZE = {  # name: (resize, size)
+    f"{kind}_{flags}_{size[0]}x{size[1]}": (kind, flags, size)
+    for kind in ("bilinear", "nearest")
+    for flags in ("half_pixel", "align_corners", "asymmetric")
+    for size in ((11, 9), (4, 3))}
+
+
+@pytest.mark.parametrize("name", RESIZE)
+def test_resize(name):
+    """ResizeBilinear / ResizeNearestNeighbor with each coordinate convention, up and down,
+    and their gradients (ResizeBilinearGrad, ResizeNearestNeighborGrad)."""
+    kind, flags, size = RESIZE[name]
+    op = tf.raw_ops.ResizeBilinear if kind == "bilinear" else tf.raw_ops.ResizeNearestNeighbor
+    fn = lambda x: op(images=x, size=size, align_corners=flags == "align_corners",  # noqa: E731
+                      half_pixel_centers=flags == "half_pixel")
+    g, _ = run_case(lambda P: grads(fn, P(rnd(2, 6, 5, 3), [None, 6, 5, 3])))
+    assert {"ResizeBilinearGrad" if kind == "bilinear" else "ResizeNearestNeighborGrad"} <= ops_of(g)
+
+
+def test_resize_computed_size():
+    """A size computed at run time (the gradients need no static sizes either)."""
+    def build(P):
+        x = P(rnd(2, 6, 5, 3), [None, None, None, 3])
+        size = tf.shape(x)[1:3] * 2 - 1
+        return grads(lambda v: tf.compat.v1.image.resize_bilinear(v, size) +
+                     tf.compat.v1.image.resize_nearest_neighbor(v, size), x)
+    run_case(build)
+
+
+UNKNOWN_RANK = {  # name: (fn, input): the placeholder has no static shape at all
+    "BiasAdd": (lambda x: tf.nn.bias_add(x, [1.0, -2.0, 0.5]), rnd(2, 4, 3)),
+    "BiasAdd_NCHW": (lambda x: tf.nn.bias_add(x, [1.0, -2.0], data_format="NCHW"),
+                     rnd(2, 2, 3, 2)),
+    "BiasAddGrad": (lambda x: grads(lambda v: tf.nn.bias_add(v, [1.0, -2.0, 0.5]), x),
+                    rnd(2, 2, 4, 3)),
+    "BiasAddGrad_NCHW": (lambda x: tf.raw_ops.BiasAddGrad(out_backprop=x, data_format="NCHW"),
+                         rnd(2, 3, 4, 2)),
+    "FusedBatchNorm_training": (lambda x: list(v1.nn.fused_batch_norm(
+        x, [1.0, 2.0, 0.5], [0.1, 0.0, -0.3], epsilon=1e-3, is_training=True))[:3],
+        rnd(2, 4, 3, 3)),
+    "FusedBatchNorm_inference": (lambda x: v1.nn.fused_batch_norm(
+        x, [1.0, 2.0], [0.1, 0.0], [0.5, -0.5], [1.0, 2.0], is_training=False)[0],
+        rnd(2, 4, 3, 2)),
+    "Select_rows": (lambda x: v1.where(x[:, 0, 0] > 0, x, -x), rnd(4, 3, 2)),
+}
+
+
+@pytest.mark.parametrize("name", UNKNOWN_RANK)
+def test_unknown_rank(name):
+    """Inputs whose rank TF does not know statically: the run-time shapes serve (the input is
+    declared without a shape, which a ConversionWarning says)."""
+    fn, x = UNKNOWN_RANK[name]
+    with pytest.warns(ConversionWarning, match="in0:0"):
+        run_case(lambda P: fn(P(x, None)), rtol=1e-4, atol=1e-5)
 
 
 def convert_vs_oracle(converted, oracle, to_oracle, rtol=1e-4, atol=1e-5):

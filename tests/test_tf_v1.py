@@ -132,6 +132,82 @@ def test_dynamic_rnn_lstm():
     assert "Loop" in {n.op_type for n in fwd.graph.node}
 
 
+def _frozen(graph, fetch, add_shapes):
+    with graph.as_default(), tf.compat.v1.Session() as s:
+        s.run(tf.compat.v1.global_variables_initializer())
+        return tf.compat.v1.graph_util.convert_variables_to_constants(
+            s, graph.as_graph_def(add_shapes=add_shapes), [t.split(":")[0] for t in fetch])
+
+
+def _unstack_sum():  # a TensorArray unstack/read loop whose result is summed
+    x = tf.compat.v1.placeholder(tf.float32, [6, None], name="x")
+    w = tf.compat.v1.get_variable("w", [1], initializer=tf.compat.v1.ones_initializer())
+    ta = tf.TensorArray(tf.float32, size=6, clear_after_read=False).unstack(x * w)
+    _, acc = tf.compat.v1.while_loop(lambda i, a: i < 6, lambda i, a: (
+        i + 1, a + tf.sin(ta.read(i)) * ta.read(i)), [0, tf.zeros_like(x[0])])
+    return tf.reduce_sum(acc * acc, name="y"), [x, w], {"x:0": rand(6, 4)}
+
+
+def _write_stack():  # a write/stack loop
+    x = tf.compat.v1.placeholder(tf.float32, [5, None, 3], name="x")
+    w = tf.compat.v1.get_variable("w", [3, 4], initializer=tf.compat.v1.glorot_uniform_initializer(
+        seed=3))
+    xs = tf.TensorArray(tf.float32, size=5).unstack(x)
+    hs = tf.TensorArray(tf.float32, size=5)
+
+    def body(t, h, hs):
+        h = tf.tanh(tf.matmul(xs.read(t), w) + h)
+        return t + 1, h, hs.write(t, h)
+    _, _, hs = tf.compat.v1.while_loop(lambda t, *_: t < 5, body, [
+        0, tf.zeros(tf.stack([tf.shape(x)[1], 4])), hs])
+    return tf.reduce_sum(tf.sin(hs.stack()), name="y"), [x, w], {"x:0": rand(5, 2, 3)}
+
+
+def _lstm_loop():  # an LSTM written as a while_loop
+    x = tf.compat.v1.placeholder(tf.float32, [None, 4, 3], name="x")
+    lens = tf.compat.v1.placeholder(tf.int32, [None], name="lens")
+    out, c, h = dynamic_rnn_lstm(x, lens, 5)
+    y = tf.add(tf.reduce_sum(out * out), tf.reduce_sum(h * c), name="y")
+    return y, [x, tf.compat.v1.trainable_variables()[0]], {
+        "x:0": rand(3, 4, 3), "lens:0": np.array([4, 2, 3], np.int32)}
+
+
+def _broadcast_loop():  # a loop whose gradient sums over broadcast axes (w: [4] against [B, 4])
+    x = tf.compat.v1.placeholder(tf.float32, [4, None, 4], name="x")
+    w = tf.compat.v1.get_variable("w", [4], initializer=tf.compat.v1.ones_initializer())
+    b = tf.compat.v1.get_variable("b", [1, 4], initializer=tf.compat.v1.zeros_initializer())
+    xs = tf.TensorArray(tf.float32, size=4).unstack(x)
+    _, h = tf.compat.v1.while_loop(lambda t, h: t < 4, lambda t, h: (
+        t + 1, tf.tanh(h * w + xs.read(t) * 0.5 + b)), [0, tf.zeros_like(x[0])])
+    return tf.reduce_sum(h * h, name="y"), [x, w, b], {"x:0": rand(4, 3, 4)}
+
+
+@pytest.mark.parametrize("add_shapes", [True, False])
+@pytest.mark.parametrize("build", [_unstack_sum, _write_stack, _lstm_loop, _broadcast_loop])
+def test_frozen_tensor_array_loops(build, add_shapes):
+    """tf.gradients over TensorArray while loops, frozen the usual way with and without
+    add_shapes: TF's gradient graph converts and equals TF, and so do onnxgrad's gradients of
+    the converted forward graph (the frozen weights under their variables' names)."""
+    g, (y, xs, feeds) = tf1_graph(build)
+    with control_flow(v2=False), g.as_default():
+        gs = tf.gradients(y, xs)
+    fetch = [y.name] + [t.name for t in gs]
+    frozen = _frozen(g, fetch, add_shapes)
+    gf = tf.Graph()
+    with gf.as_default():
+        tf.import_graph_def(frozen, name="")
+    check_conversion(gf, fetch, feeds, graph_def=frozen, rtol=1e-4, atol=1e-5)
+    expected = tf_run(gf, fetch, feeds)
+    if not add_shapes:  # without TF's shapes at all (as where TensorFlow is not installed)
+        bare = convert(frozen, inputs=list(feeds), outputs=fetch, tf_shapes=False)
+        for e, got in zip(expected, ort_run(bare, feeds, fetch)):
+            np.testing.assert_allclose(got, e, rtol=1e-4, atol=1e-5)
+    fwd = convert(_frozen(g, [y.name], add_shapes), inputs=list(feeds), outputs=[y.name])
+    res = onnxgrad.gradients(fwd, y.name, [t.name for t in xs])
+    for e, got in zip(expected[1:], ort_run(res.model, feeds, res.grads)):
+        np.testing.assert_allclose(got, e, rtol=1e-4, atol=1e-5)
+
+
 def test_scatter_gather_concat_split_with_stop_gradient():
     def build():
         x = tf.compat.v1.placeholder(tf.float32, [4, 3], name="x")

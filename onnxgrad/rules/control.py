@@ -13,7 +13,11 @@ seeds the cloned outputs with the incoming gradients, and lets the engine differ
   loop-carried values (tensors and sequences) and sums the gradients of outer-scope values as
   extra loop-carried values. Only what the backward body really reads is saved: a loop that writes
   a sequence (a TensorArray) needs nothing saved for it, since SequenceInsert's gradient only reads
-  the gradient sequence.
+  the gradient sequence. A carried sequence the backward body does read (a TensorArray read and
+  written in the loop, a stack pushed and popped) cannot be a scan output: the backward Loop
+  carries it too, from its final value back, rebuilding the state at the start of each iteration
+  by undoing the body's inserts and erases (their positions, and the elements an erase removed,
+  are saved per iteration), as TF's stacks replay a while loop in reverse.
 - Scan: the forward Scan also emits its state at the start of every iteration; the backward Scan
   runs over the saved states, the scan inputs and the scan outputs' gradients, each in the
   reverse of its forward direction, and emits the scan inputs' gradients along the same axes.
@@ -29,7 +33,7 @@ from onnx_ir._cloner import Cloner
 from ..emitter import V, dims
 from ..errors import NotDifferentiableError
 from ..registry import Grads, captured, register, subgraphs
-from .sequence import float_value, is_seq, zeros_for
+from .sequence import float_value, is_seq, norm_position, position, sop, zeros_for
 
 _INT64_MIN = np.iinfo(np.int64).min
 
@@ -193,19 +197,34 @@ def _loop(n, g):
         outs.append(a if r is None else _add(be, a, r))
     finish_body(be, bb, outs)
 
-    # save what the backward body reads of the state at the start of each iteration
+    # save what the backward body reads of the state at the start of each iteration: tensors
+    # as scan outputs; a carried sequence is rebuilt instead, iteration by iteration in reverse
+    # from its final value, by undoing the body's inserts and erases (see _undo_log)
     need = [j for j in range(nv) if ph[j].uses()]
-    for j in need:
-        if is_seq(b_vin[j]):
+    seqs = [j for j in need if is_seq(b_vin[j])]
+    need = [j for j in need if j not in seqs]
+    chains = {j: _seq_chain(body, b_vin[j], b_vout[j]) for j in seqs}
+    for j, chain in chains.items():
+        if chain is None:
             raise NotDifferentiableError(
                 "Loop", node.domain, n.opset, node.name,
-                [f"(the backward loop reads the carried sequence {b_vin[j].name!r} itself; "
-                 "only sequences that the body writes or that come from outside are supported)"])
+                [f"(the backward loop reads the carried sequence {b_vin[j].name!r}, which the "
+                 "body changes by other ops than SequenceInsert and SequenceErase: its state "
+                 "at each iteration cannot be rebuilt)"])
     saved = _augment(e, node, body, [b_vin[j] for j in need], "saved")
+    logs = {j: _undo_log(e, node, body, chains[j]) for j in seqs}
     be.prefix = f"{e.prefix}/body"
     for j, s in zip(need, saved):
         got = be.Gather(V(s.value, be, s.dtype, None), V(ph_t, be), axis=0)
         ph[j].replace_all_uses_with(got.value)
+    for j in seqs:  # carried: the state at the end of forward iteration t -> at its start
+        end = _typed(e.unique(f"{e.prefix}/end_{b_vin[j].name}"), b_vin[j])
+        bb.inputs.append(end)
+        start = _rebuild(be, chains[j], logs[j], V(ph_t, be), V(end, be))
+        ph[j].replace_all_uses_with(start.value)
+        if start.value is end:
+            start = sop(be, "Identity", start)
+        bb.outputs.append(start.value)
     if ph_t.uses():
         t = V(last.value, be, last.dtype, ()) - V(b_k, be)
         ph_t.replace_all_uses_with(t.value)
@@ -215,6 +234,7 @@ def _loop(n, g):
     for j, gj in zip(carried, (gs_final[j] for j in carried)):
         inits.append(gj if gj is not None else zeros_for(e, n.outs[j]))
     inits += [zeros_for(e, V(c, e)) for c in caps]
+    inits += [n.outs[j] for j in seqs]  # rebuilt backwards from the final state
     outs = e.op("Loop", trips, None, *inits, body=bb, _outputs=len(inits),
                 _dtype=[v.dtype for v in inits])
     outs = outs if isinstance(outs, tuple) else (outs,)
@@ -239,6 +259,100 @@ def _same_shape_each_iteration(n, values) -> None:
                 "Loop", n.node.domain, n.opset, n.node.name, [],
                 reason=f"the loop-carried tensor {values[1].name!r} changes shape between "
                        f"iterations ({list(a)} -> {list(b)}), which is not supported")
+
+
+# -- carried sequences, rebuilt in reverse -------------------------------------------------------
+def _seq_chain(body: ir.Graph, v_in: ir.Value, v_out: ir.Value) -> list[ir.Node] | None:
+    """The body nodes that turn carried sequence ``v_in`` into ``v_out``, in order, when each is
+    a SequenceInsert, SequenceErase, Identity or appending Loop of the state before it (a
+    TensorArray's reads, writes, pushes and pops, a list grown to an index); None when the state
+    changes in another way."""
+    chain, v = [], v_out
+    while v is not v_in:
+        p = v.producer()
+        if p is None or p.graph is not body or not (p.op_type in _CHAIN_OPS or _appends(p)):
+            return None
+        chain.append(p)
+        v = p.inputs[2] if p.op_type == "Loop" else p.inputs[0]
+    return chain[::-1]
+
+
+_CHAIN_OPS = ("SequenceInsert", "SequenceErase", "Identity")
+
+
+def _appends(node: ir.Node) -> bool:
+    """A Loop whose one carried value is a sequence that its body only appends to."""
+    if node.op_type != "Loop" or len(node.inputs) != 3 or len(node.outputs) != 1:
+        return False
+    body = node.attributes["body"].value
+    if len(body.inputs) != 3 or len(body.outputs) != 2:
+        return False
+    p = body.outputs[1].producer()
+    return (p is not None and p.op_type == "SequenceInsert" and _input(p, 2) is None
+            and p.inputs[0] is body.inputs[2])
+
+
+def _undo_log(e, node: ir.Node, body: ir.Graph, chain: list[ir.Node]) -> list[tuple]:
+    """Per chain node, what undoing it takes, saved per iteration as scan outputs of the forward
+    Loop: an insert's position made non-negative (undone by erasing there), an erase's position
+    and the element it removed (put back there), an appending Loop's starting length (undone by
+    erasing from the end down to it). One tuple of saved values per node."""
+    fe = e.child(body, f"{e.scope}/{node.name or node.op_type}_fwd", outer_consts=False)
+    per_node = []
+    for op in chain:
+        if op.op_type == "Identity":
+            per_node.append(())
+            continue
+        s = V(op.inputs[2] if op.op_type == "Loop" else op.inputs[0], fe)
+        length = fe.SequenceLength(s, _dtype=ir.DataType.INT64)
+        if op.op_type == "Loop":
+            per_node.append((length,))
+            continue
+        insert = op.op_type == "SequenceInsert"
+        p = _input(op, 2 if insert else 1)
+        if p is None:  # the end: appended there / the last one erased
+            pos = length if insert else length - _i64(fe, 1)
+        else:
+            pos = norm_position(fe, position(fe, V(p, fe)), length)
+        per_node.append((pos,) if insert else (pos, fe.SequenceAt(s, pos, _dtype=s.dtype)))
+    flat = _augment(e, node, body, [v.value for vals in per_node for v in vals], "undo")
+    out, k = [], 0
+    for vals in per_node:
+        out.append(tuple(flat[k:k + len(vals)]))
+        k += len(vals)
+    return out
+
+
+def _rebuild(be, chain: list[ir.Node], log: list[tuple], t: V, s: V) -> V:
+    """The carried sequence at the start of forward iteration ``t``, from ``s``, its state at
+    the end: the chain undone from the last node back."""
+    for op, saved in reversed(list(zip(chain, log))):
+        if not saved:
+            continue
+        at = [be.Gather(V(v.value, be, v.dtype, None), t, axis=0) for v in saved]
+        if op.op_type == "SequenceInsert":
+            s = sop(be, "SequenceErase", s, at[0], _dtype=s.dtype)
+        elif op.op_type == "SequenceErase":
+            s = sop(be, "SequenceInsert", s, at[1], at[0], _dtype=s.dtype)
+        else:
+            s = _erase_last(be, s, be.SequenceLength(s, _dtype=ir.DataType.INT64) - at[0])
+    return s
+
+
+def _erase_last(e, s: V, count: V) -> V:
+    """``s`` without its last ``count`` elements (a Loop of SequenceErase)."""
+    k, c = _scalar(e, f"{e.prefix}/k", ir.DataType.INT64), _scalar(e, f"{e.prefix}/c",
+                                                                    ir.DataType.BOOL)
+    si = ir.Value(name=e.unique(f"{e.prefix}/s"), type=s.value.type)
+    g = ir.Graph([k, c, si], [], nodes=[], name=e.unique(f"{e.prefix}/erase_last"))
+    ge = e.child(g, f"{e.prefix}/erase_last")
+    g.outputs.extend([ge.op("Identity", V(c, ge)).value,
+                      sop(ge, "SequenceErase", V(si, ge), _dtype=s.dtype).value])
+    return sop(e, "Loop", count, None, s, body=g, _dtype=s.dtype)
+
+
+def _input(node: ir.Node, i: int) -> ir.Value | None:
+    return node.inputs[i] if len(node.inputs) > i else None
 
 
 def _add(e, a: V, b: V) -> V:

@@ -71,13 +71,14 @@ def zeros_for(e, v: V) -> V:
     return seq_zeros_like(e, v) if is_seq(v) else e.zeros_like(v)
 
 
-def _pos(e, p: V | None) -> V | None:
+def position(e, p: V | None) -> V | None:
+    """A sequence position as int64 (ONNX takes int32 too)."""
     if p is None:
         return None
     return p if p.dtype == ir.DataType.INT64 else e.Cast(p, to=ir.DataType.INT64)
 
 
-def _norm(e, p: V, length: V) -> V:
+def norm_position(e, p: V, length: V) -> V:
     """A position made non-negative against ``length``."""
     zero = e.const(np.array(0, np.int64))
     return e.Where(e.Less(p, zero), p + length, p)
@@ -86,7 +87,7 @@ def _norm(e, p: V, length: V) -> V:
 def one_hot(e, s: V, pos: V, g: V) -> V:
     """zeros like ``s`` with ``g`` at ``pos``."""
     z = seq_zeros_like(e, s)
-    p = _norm(e, _pos(e, pos), e.SequenceLength(s, _dtype=ir.DataType.INT64))
+    p = norm_position(e, position(e, pos), e.SequenceLength(s, _dtype=ir.DataType.INT64))
     return sop(e, "SequenceInsert", sop(e, "SequenceErase", z, p), g, p)
 
 
@@ -115,12 +116,12 @@ def _at(n, g):
 @register("SequenceInsert")
 def _insert(n, g):
     e = n.e
-    p = _pos(e, n.input(2))
+    p = position(e, n.input(2))
     if p is None:  # appended: the last element of g
         gt = e.SequenceAt(g, e.const(np.array(-1, np.int64))) if n.wants(n.ins[1]) else None
         return sop(e, "SequenceErase", g), gt, None
     # normalized against len(S) = len(g) - 1, so the forward sequence is not needed
-    p = _norm(e, p, e.SequenceLength(g, _dtype=ir.DataType.INT64) - _one(e))
+    p = norm_position(e, p, e.SequenceLength(g, _dtype=ir.DataType.INT64) - _one(e))
     gt = e.SequenceAt(g, p) if n.wants(n.ins[1]) else None
     return sop(e, "SequenceErase", g, p), gt, None
 
@@ -128,11 +129,11 @@ def _insert(n, g):
 @register("SequenceErase")
 def _erase(n, g):
     e, s = n.e, n.x
-    p = _pos(e, n.input(1))
+    p = position(e, n.input(1))
     if p is None:
         last = e.SequenceAt(s, e.const(np.array(-1, np.int64)))
         return sop(e, "SequenceInsert", g, e.zeros_like(last)), None
-    p = _norm(e, p, e.SequenceLength(s, _dtype=ir.DataType.INT64))
+    p = norm_position(e, p, e.SequenceLength(s, _dtype=ir.DataType.INT64))
     return sop(e, "SequenceInsert", g, e.zeros_like(e.SequenceAt(s, p)), p), None
 
 

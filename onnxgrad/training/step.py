@@ -18,6 +18,8 @@ step -> updated params and state).
 """
 from __future__ import annotations
 
+import json
+
 import os
 from dataclasses import dataclass, field
 
@@ -77,8 +79,21 @@ def with_defaults(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx
     return m
 
 
+# a JSON list of the initializers that are the model's weights, under this metadata_props key
+# (the TF converter writes it for a SavedModel's variables): trained by default, rather than every
+# float initializer (a converted graph's constants, 0.5 in gelu, a norm's epsilon, are some)
+WEIGHTS_KEY = "onnxgrad.weights"
+
+
 def float_initializers(model: onnx.ModelProto) -> list[str]:
-    return [t.name for t in model.graph.initializer if t.data_type in _FLOATS]
+    """The initializers trained by default: the model's weights when its metadata lists them
+    (``WEIGHTS_KEY``), else every float initializer."""
+    floats = [t.name for t in model.graph.initializer if t.data_type in _FLOATS]
+    listed = next((p.value for p in model.metadata_props if p.key == WEIGHTS_KEY), None)
+    if listed is None:
+        return floats
+    weights = set(json.loads(listed))
+    return [n for n in floats if n in weights]
 
 
 def _resolve_params(m: onnx.ModelProto, params, frozen) -> tuple[list[str], list[str]]:

@@ -9,6 +9,6 @@ Reading a GraphDef needs only protobuf (:mod:`.proto` carries the schema); Tenso
 needed only to freeze a SavedModel's variables.
 """
 from .core import HANDLERS, convert
-from .errors import ConversionError
+from .errors import ConversionError, ConversionWarning
 
-__all__ = ["convert", "ConversionError", "HANDLERS"]
+__all__ = ["convert", "ConversionError", "ConversionWarning", "HANDLERS"]

@@ -43,6 +43,8 @@ class Resource:
     dtype: int  # ONNX element type
     fixed_size: bool = True
     unwritten: tuple | None = None  # (empty state, size) of an array made without shapes
+    elem_shape: list | None = None  # TF's static element shape (None dims unknown), if known
+    reserved: str | None = None  # a lazy TF list's reserved length (ONNX int64 scalar value)
 
     def __repr__(self):
         return f"{self.kind} {self.key[-1]!r}"
@@ -74,6 +76,24 @@ class Converter:
         self._names: set[str] = set()
         self.stop_gradients: list[str] = []  # outputs of StopGradient (see ops._stop_gradient)
         self.node: TFNode | None = None  # the node being converted (names what it emits)
+        self.weights: list[str] | None = None  # a SavedModel's variable nodes
+        self.scan_stacks: dict = {}  # stack key -> its push node (resources.scan_stacks)
+        self.scan_pushes: dict = {}  # stack key -> the value pushed in the Loop body being made
+        self.scan_dtype: dict = {}  # stack key -> its pushes' ONNX type where not the stack's
+        self.iteration: str | None = None  # the iteration number of the Loop body being made
+        self.scan_writes: dict = {}  # array key -> (index, value) written in the Loop body
+        self.stacked: dict[str, str] = {}  # sequence value -> the tensor of its elements stacked
+        self.loop_scope: Scope | None = None  # the scope around the Loop body being made
+        self.int64_of: dict[str, str] = {}  # int32 shape value -> the int64 value it is a cast of
+        self.popped: dict[str, tuple] = {}  # value -> (stacked pushes, index) it was popped at
+        self._memo: dict = {}  # per-scope reuse of values computed once (pop indices, masks)
+        self.outputs: set[str] = set()  # the TF tensors asked for (their values must stay)
+        # BroadcastGradientArgs of popped shapes: the masks of the backward loop being made,
+        # and whether its body is being made again assuming none broadcasts (see control_flow)
+        self.bga_masks: list[str] = []
+        self.no_broadcast = False
+        self.bga_shapes: dict[str, str] = {}  # BGA axes / a gradient -> the shape it sums to
+        self.list_scans: dict[str, str | None] = {}  # TF2 list -> the item a While body writes
 
     # -- names and emission ------------------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -104,6 +124,18 @@ class Converter:
 
     def i64(self, *vals) -> str:
         return self.const(np.array(vals, np.int64))
+
+    def memo(self, key, make, scope: Scope | None = None) -> str:
+        """``make()``'s value, emitted once per key into ``scope`` (default the current one)."""
+        scope = scope or self.scope
+        key = (id(scope), key)
+        if key not in self._memo:
+            saved, self.scope = self.scope, scope
+            try:
+                self._memo[key] = make()
+            finally:
+                self.scope = saved
+        return self._memo[key]
 
     # -- reading a node's inputs and attributes ------------------------------------------------
     def value(self, ref: str):
@@ -237,6 +269,9 @@ class Converter:
             t.name = name
         if v in self.consts:
             self.consts[name] = self.consts.pop(v)
+        for table in (self.int64_of, self.popped):
+            if v in table:
+                table[name] = table.pop(v)
         self.stop_gradients = [name if x == v else x for x in self.stop_gradients]
         self._names.add(name)
         return name
@@ -294,7 +329,7 @@ def _item_order(g: Graph, items: dict, item_of: dict) -> list:
     return order
 
 
-def _needed(g: Graph, outputs: list[str]) -> list[TFNode]:
+def needed_nodes(g: Graph, outputs: list[str]) -> list[TFNode]:
     """The nodes the outputs depend on, in TF order: data and control edges, plus the ops that
     change a TensorArray or stack that a needed node reads (a push has no consumers, but the
     pop that returns its value does). So the forward part of a graph that also holds
@@ -329,7 +364,8 @@ def _needed(g: Graph, outputs: list[str]) -> list[TFNode]:
 
 
 def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
-            name: str = "tf_graph", signature: str | None = None) -> onnx.ModelProto:
+            name: str = "tf_graph", signature: str | None = None,
+            tf_shapes: bool = True) -> onnx.ModelProto:
     """Convert a TensorFlow GraphDef (proto, bytes or path to a .pb/.pbtxt) or a SavedModel
     directory to an ONNX model.
 
@@ -338,18 +374,25 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
     their TF names ("y:0"); frozen variables (Const nodes) become initializers named after their
     nodes. A SavedModel (:mod:`.savedmodel`, needs TensorFlow) is frozen first; its
     ``signature`` (default "serving_default") gives the default inputs and outputs, which may
-    also be named by the signature's keys.
+    also be named by the signature's keys. ``tf_shapes``: ask TensorFlow (when installed) for the
+    static shapes of a GraphDef written without them (:mod:`.tf_shapes`).
     """
     from . import cudnn_rnn, functions, ops, tensor_list  # noqa: F401  (register the handlers)
 
     if not isinstance(graph_def, bytes) and isinstance(graph_def, (str, os.PathLike)) and \
             os.path.isdir(graph_def):
         from .savedmodel import load_saved_model
-        graph_def, inputs, outputs = load_saved_model(graph_def, inputs, outputs, signature)
+        graph_def, inputs, outputs, weights = load_saved_model(graph_def, inputs, outputs,
+                                                               signature)
     elif signature is not None:
         raise ConversionError("signature: only a SavedModel directory has signatures")
+    else:
+        weights = None
     gd = proto.load_graph_def(graph_def) if isinstance(graph_def, (str, bytes)) or hasattr(
         graph_def, "__fspath__") else graph_def
+    if tf_shapes:
+        from .tf_shapes import with_tf_shapes
+        gd = with_tf_shapes(gd)
     if not outputs:
         raise ConversionError("outputs: name the tensors to convert, e.g. outputs=['y:0']")
     opset = _check_opset(opset)
@@ -363,6 +406,9 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
         if nm not in g.nodes:
             raise ConversionError(f"output {o!r}: the graph has no node {nm!r}")
     c = Converter(g, DEFAULT_OPSET)
+    c.weights = weights
+    from .resources import scan_stacks
+    c.scan_stacks = scan_stacks(g)
     feeds = [_ref(i, "input") for i in ([inputs] if isinstance(inputs, str) else inputs or [])]
     read = {r for n in g.nodes.values() for r in n.inputs}
     for ref in feeds:
@@ -387,7 +433,8 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
         c.env[ref] = ref
     for o in outputs:  # output names are the TF names: keep them free for the outputs
         c.fresh(o)
-    nodes = [n for n in _needed(g, outputs) if f"{n.name}:0" not in c.env]
+    c.outputs = set(outputs)
+    nodes = [n for n in needed_nodes(g, outputs) if f"{n.name}:0" not in c.env]
     c.convert_nodes((), nodes)
     for o in outputs:
         nm, idx = split_ref(o)
@@ -447,21 +494,60 @@ def _finish(c: Converter, name: str, opset: int = DEFAULT_OPSET) -> onnx.ModelPr
     if stops:
         from ...autodiff import STOP_GRADIENTS_KEY
         m.metadata_props.add(key=STOP_GRADIENTS_KEY, value=json.dumps(stops))
+    if c.weights is not None:  # a SavedModel's variables: what training may change
+        from ...training.step import WEIGHTS_KEY
+        inits = {t.name for t in m.graph.initializer}
+        m.metadata_props.add(key=WEIGHTS_KEY, value=json.dumps(
+            [f"{w}:0" for w in c.weights if f"{w}:0" in inits]))
     if "onnxgrad" in c.domains:
         from ...rnn import attach_functions
         m = attach_functions(m)
-    m = _infer(m, _tf_shapes(c))
-    known = {vi.name: vi for vi in list(m.graph.value_info) + list(m.graph.input)}
+    from .ranks import infer
+    m = infer(m, _tf_shapes(c))
+    m = _declare_outputs(c, m)
+    return m if opset == c.opset else _to_opset(m, opset)
+
+
+def _declare_outputs(c: Converter, m: onnx.ModelProto) -> onnx.ModelProto:
+    """Graph outputs typed as inference found them. An output whose rank neither TF nor ONNX
+    can tell (a value popped from a stack, read from a TensorArray without element shapes), like
+    a placeholder of unknown rank, is declared with its element type only: onnxruntime runs it,
+    but onnx.checker wants a shape on every main-graph input and output, so the model is
+    checked with those declared as scalars and a ConversionWarning names them."""
+    import warnings
+
+    from .errors import ConversionWarning
+    from .ranks import rank
+    known = {vi.name: vi for vi in [*m.graph.value_info, *m.graph.input, *m.graph.output]}
+    unranked = []
     for out in m.graph.output:
         vi = known.get(out.name)
-        if vi is None or vi.type.WhichOneof("value") != "tensor_type" or not \
-                vi.type.tensor_type.HasField("shape"):
-            raise ConversionError(f"output {out.name!r}: its rank cannot be inferred from the "
-                                  "graph (export the GraphDef with add_shapes=True, or name a "
-                                  "tensor of known rank)")
-        out.type.CopyFrom(vi.type)
-    onnx.checker.check_model(m)
-    return m if opset == c.opset else _to_opset(m, opset)
+        if vi is not None and rank(vi.type) is not None:
+            out.type.CopyFrom(vi.type)
+            continue
+        elem = vi.type.tensor_type.elem_type if vi is not None and vi.type.HasField(
+            "tensor_type") else 0
+        if not elem:
+            elem = _tf_dtype(c, out.name)
+        out.type.CopyFrom(helper.make_tensor_type_proto(elem, None))
+        unranked.append(out.name)
+    unranked += [i.name for i in m.graph.input if rank(i.type) is None]
+    if not unranked:
+        onnx.checker.check_model(m)
+        return m
+    probe = onnx.ModelProto()
+    probe.CopyFrom(m)
+    for vi in [*probe.graph.input, *probe.graph.output]:
+        if vi.name in unranked:
+            vi.type.tensor_type.shape.SetInParent()
+    onnx.checker.check_model(probe)
+    warnings.warn(ConversionWarning(
+        f"{unranked}: their rank is known only at run time (TensorFlow does not know it "
+        "either), so they are declared without a shape; onnxruntime runs the model, "
+        "onnx.checker wants shapes on main-graph inputs and outputs. Give the placeholders a "
+        "shape, reshape such outputs in TF, or export with add_shapes=True where TF knows "
+        "their shapes"), stacklevel=4)
+    return m
 
 
 def _to_opset(m: onnx.ModelProto, opset: int) -> onnx.ModelProto:
@@ -477,6 +563,15 @@ def _to_opset(m: onnx.ModelProto, opset: int) -> onnx.ModelProto:
 
 
 
+def _tf_dtype(c: Converter, ref: str) -> int:
+    """The ONNX element type of TF tensor ``ref``, from its node's attributes."""
+    n = c.g.nodes[split_ref(ref)[0]]
+    for key in ("T", "dtype", "elem_type", "element_dtype", "out_type", "DstT"):
+        if key in n.attr and n.attr[key].WhichOneof("value") == "type":
+            return onnx_dtype(n.attr[key].type, n)
+    raise ConversionError(f"output {ref!r}: cannot tell its element type")
+
+
 def _tf_shapes(c: Converter) -> dict:
     """ONNX name -> TF's static shape, for main-graph values of nodes that carry
     ``_output_shapes`` (GraphDefs written with add_shapes=True)."""
@@ -488,55 +583,3 @@ def _tf_shapes(c: Converter) -> dict:
                 out.setdefault(v, shape)
                 out.setdefault(f"{n.name}:{i}", shape)  # graph outputs keep TF's names
     return out
-
-
-def _infer(m: onnx.ModelProto, tf_shapes: dict, rounds: int = 3) -> onnx.ModelProto:
-    """ONNX shape inference, helped by TF's static shapes where ONNX finds none, and by ranks
-    for loop-carried values: a Loop body's inputs are declared without shapes (TF lets a loop
-    value's dims change between iterations), so each round gives them the rank of the value the
-    Loop starts from, with unknown dims."""
-    for _ in range(rounds):
-        m = onnx.shape_inference.infer_shapes(m)
-        g = m.graph
-        changed = False
-        for vi in list(g.value_info) + list(g.output):
-            shape = tf_shapes.get(vi.name)
-            tt = vi.type.tensor_type
-            if shape is not None and vi.type.WhichOneof("value") == "tensor_type" and \
-                    not tt.HasField("shape"):
-                tt.shape.SetInParent()  # a scalar's shape has no dims but must be present
-                for d in shape:
-                    dim = tt.shape.dim.add()
-                    if d is not None:
-                        dim.dim_value = d
-                changed = True
-        types = {vi.name: vi.type for vi in list(g.value_info) + list(g.input) + list(g.output)}
-        types |= {t.name: helper.make_tensor_type_proto(t.data_type, t.dims)
-                  for t in g.initializer}
-        if not (_loop_ranks(g, types) or changed):
-            break
-    return m
-
-
-def _loop_ranks(g: onnx.GraphProto, types: dict) -> bool:
-    changed = False
-    for node in g.node:
-        for a in node.attribute:
-            if a.type != onnx.AttributeProto.GRAPH:
-                continue
-            body = a.g
-            inner = types | {vi.name: vi.type for vi in list(body.value_info) + list(body.input)}
-            changed |= _loop_ranks(body, inner)
-            if node.op_type != "Loop":
-                continue
-            for vi, src in zip(body.input[2:], node.input[2:]):
-                t = types.get(src)
-                if (t is not None and t.WhichOneof("value") == "tensor_type"
-                        and t.tensor_type.HasField("shape")
-                        and not vi.type.tensor_type.HasField("shape")
-                        and vi.type.WhichOneof("value") == "tensor_type"):
-                    vi.type.tensor_type.shape.SetInParent()
-                    vi.type.tensor_type.shape.dim.extend(
-                        onnx.TensorShapeProto.Dimension() for _ in t.tensor_type.shape.dim)
-                    changed = True
-    return changed

@@ -45,11 +45,12 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from . import tensor_list
-from .control_flow import _Body
-from .core import Converter, _needed, handler, onnx_dtype
+from .control_flow import Body
+from .core import Converter, needed_nodes, handler, onnx_dtype
 from .errors import ConversionError
 from .graph import Graph, TFNode
 from .proto import DT
+from .resources import SPLITTABLE
 
 # op -> its output arguments, in order: (name, None) for one tensor, (name, "attr") for a list
 # sized by an int attr (number_attr) or by a list-of-types attr (type_list_attr). Ops missing here
@@ -182,7 +183,37 @@ class Function:
                                   f"{missing} are")
         self.rets = [flat(fdef.ret[o]) for o in self.outputs]
         self.graph = Graph(SimpleNamespace(node=nodes, library=library))
-        self.nodes = [n for n in _needed(self.graph, self.rets) if n.op != "_Arg"]
+        self.nodes = [n for n in needed_nodes(self.graph, self.rets) if n.op != "_Arg"]
+
+    def _through(self, ref: str) -> TFNode:
+        p = self.graph.producer(ref)
+        while p.op in ("Identity", "Snapshot") and len(p.inputs) == 1:
+            p = self.graph.producer(p.inputs[0])
+        return p
+
+    def counter(self, j: int) -> bool:
+        """Loop var j goes up by one per iteration (its output is input + 1)."""
+        p = self._through(self.rets[j])
+        if p.op not in ("Add", "AddV2") or len(p.inputs) != 2:
+            return False
+        ins = [self._through(r) for r in p.inputs]
+        one = [q for q in ins if q.op == "Const"]
+        arg = [q for q in ins if q.op == "_Arg"]
+        return len(one) == 1 and len(arg) == 1 and arg[0].name == self.args[j] and np.array_equal(
+            np.reshape(_const_value(one[0]), -1), [1])
+
+    def writes_at_counter(self, i: int):
+        """(item ref, counter var j) when list loop var i's only use is a TensorListSetItem at
+        the index of a counter loop var j whose result the body returns as var i; else None."""
+        p = self._through(self.rets[i])
+        arg = f"{self.args[i]}:0"
+        if p.op != "TensorListSetItem" or self.graph.uses(arg) != 1 or p.inputs[0] != arg:
+            return None
+        idx = self._through(p.inputs[1])
+        if idx.op != "_Arg" or idx.name not in self.args:
+            return None
+        j = self.args.index(idx.name)
+        return (p.inputs[2], j) if self.counter(j) else None
 
     def passthrough(self, i: int) -> bool:
         """Output i is input arg i itself, maybe through Identity ops (a While body's unchanged
@@ -197,6 +228,11 @@ class Function:
             if p.op not in ("Identity", "Snapshot") or len(p.inputs) != 1:
                 return False
             ref = p.inputs[0]
+
+
+def _const_value(nd):
+    from .core import attr_value
+    return attr_value(nd.attr["value"])
 
 
 def _type_attr(dtype: int):
@@ -404,9 +440,11 @@ def _while(c, n):
     cond_t = cond.out_types[0] if cond.out_types else None
     cond_init = _as_bool(c, call(c, cond_name, init)[0], cond_t, n)
     carried = [i for i in range(len(init)) if not body.passthrough(i)]
+    scans = _scanned_lists(c, body, cond, init, types, carried)
+    carried = [i for i in carried if i not in scans]
     shapes = _output_shapes(c, n, len(init))
     base = n.name
-    with _Body(c) as scope:
+    with Body(c) as scope:
         it, cin = c.fresh(f"{base}/iteration"), c.fresh(f"{base}/cond_in")
         scope.inputs += [helper.make_tensor_value_info(it, TensorProto.INT64, []),
                          helper.make_tensor_value_info(cin, TensorProto.BOOL, [])]
@@ -415,20 +453,25 @@ def _while(c, n):
             v = c.fresh(f"{base}/{body.args[i]}")
             scope.inputs.append(_value_info(c, v, types[i], init[i], n, shapes[i]))
             vals[i] = v
+        pending = {init[i]: None for i in scans}
+        c.list_scans.update(pending)
         nxt = call(c, body_name, vals)
+        items = [c.list_scans.pop(init[i]) for i in scans]
         for i in range(len(init)):
             if i not in carried:
                 nxt[i] = vals[i]
         cond_out = _as_bool(c, call(c, cond_name, nxt)[0], cond_t, n)
-        outs = _outputs(c, scope, [cond_out] + [nxt[i] for i in carried], f"{base}/out")
+        outs = _outputs(c, scope, [cond_out] + [nxt[i] for i in carried] + items, f"{base}/out")
         scope.outputs.append(helper.make_tensor_value_info(outs[0], TensorProto.BOOL, []))
         scope.outputs += [_value_info(c, o, types[i], init[i], n, shapes[i])
                           for o, i in zip(outs[1:], carried)]
+        scope.outputs += [helper.make_tensor_value_info(o, tensor_list.elem_type(c, init[i]), None)
+                          for o, i in zip(outs[1 + len(carried):], scans)]
         graph = scope.graph(base.replace("/", "_") + "_body")
-    if not carried:  # nothing changes: the loop only runs (or never ends)
+    if not carried and not scans:  # nothing changes: the loop only runs (or never ends)
         return init
-    res = c.op("Loop", ["", cond_init] + [init[i] for i in carried], n_out=len(carried),
-               name=f"{base}/Loop", body=graph)
+    res = c.op("Loop", ["", cond_init] + [init[i] for i in carried],
+               n_out=len(carried) + len(scans), name=f"{base}/Loop", body=graph)
     res = [res] if isinstance(res, str) else res
     out = list(init)
     for i, r in zip(carried, res):
@@ -436,6 +479,29 @@ def _while(c, n):
             out[i] = tensor_list.mark(c, r, None, like=init[i])
         else:
             out[i] = _rank_hint(c, r, shapes[i])
+    for i, r in zip(scans, res[len(carried):]):
+        out[i] = tensor_list.written_by_scan(c, init[i], r)
+    return out
+
+
+def _scanned_lists(c: Converter, body: Function, cond: Function, init: list, types: list,
+                   carried: list) -> list[int]:
+    """The list loop vars a While writes once per iteration at its iteration number (a Keras
+    RNN's outputs) and reads nowhere else: the Loop emits the items as scan outputs and the list
+    is made after it (tensor_list.written_by_scan), instead of a list copied on every write (and
+    carried, and rebuilt by the gradient)."""
+    out = []
+    for i in carried:
+        if types[i] != VARIANT or tensor_list.elem_type(c, init[i]) not in SPLITTABLE:
+            continue
+        w = body.writes_at_counter(i)
+        if w is None or (i < len(cond.args) and cond.graph.uses(f"{cond.args[i]}:0")):
+            continue
+        start = c.consts.get(init[w[1]]) if isinstance(init[w[1]], str) else None
+        if start is None or int(np.reshape(start, -1)[0]) != 0 or init[i] in (
+                init[k] for k in out):
+            continue
+        out.append(i)
     return out
 
 
@@ -451,7 +517,7 @@ def _rank_hint(c: Converter, v: str, shape) -> str:
 
 def _branch(c: Converter, n: TFNode, fname: str, args: list, tout: list[int], tag: str):
     """One If branch: function ``fname`` on ``args`` as an ONNX graph; returns (graph, values)."""
-    with _Body(c) as scope:
+    with Body(c) as scope:
         vals = call(c, fname, args)
         if len(vals) != len(tout):
             raise ConversionError(f"{n}: branch {fname!r} returns {len(vals)} values, "
@@ -501,7 +567,7 @@ def _case(c, n):
             return call(c, branches[k], args)
         pred = c.op("Equal", [idx, c.const(k, np.int32)])
         then = _branch(c, n, branches[k], args, tout, f"branch{k}")
-        with _Body(c) as scope:
+        with Body(c) as scope:
             vals = chain(k + 1)
             outs = _outputs(c, scope, vals, f"{n.name}/case{k}/out")
             shapes = _output_shapes(c, n, len(tout))

@@ -86,6 +86,15 @@ class Graph:
     def producer(self, ref: str) -> TFNode:
         return self.nodes[split_ref(ref)[0]]
 
+    def uses(self, ref: str) -> int:
+        """How many data inputs of the graph's nodes read tensor ``ref``."""
+        if not hasattr(self, "_uses"):
+            self._uses = {}
+            for n in self.nodes.values():
+                for r in n.inputs:
+                    self._uses[r] = self._uses.get(r, 0) + 1
+        return self._uses.get(ref, 0)
+
     def is_loop_merge(self, n: TFNode) -> bool:
         return n.op in ("Merge", "RefMerge") and any(
             self.producer(r).op in ("NextIteration", "RefNextIteration") for r in n.inputs)

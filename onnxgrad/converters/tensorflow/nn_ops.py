@@ -9,10 +9,12 @@ forward op's static spatial sizes (TF knows them whenever the graph was built wi
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
+from onnx import helper as onnx_helper
 
 from .core import handler
 from .errors import ConversionError
-from .ops import _i64, _k, _np, _rank, _static_shape
+from .ops import as_i64, gemm_plus, np_type, rank_of, scalar, static_shape
 
 
 # -- layouts and conv geometry ------------------------------------------------------------------
@@ -102,7 +104,7 @@ def _known(c, n, i, what, spatial=False) -> list:
 
 def _input_sizes(c, n, ref) -> list[int]:
     """The spatial sizes of the forward op's input ``ref``."""
-    s = _static_shape(c, ref)
+    s = static_shape(c, ref)
     size = None if s is None else _spatial(c, n, s)
     if size is None or None in size:
         raise ConversionError(f"{n}: the spatial sizes of {ref} must be known statically")
@@ -110,7 +112,7 @@ def _input_sizes(c, n, ref) -> list[int]:
 
 
 def _filter_shape(c, n, ref) -> list[int]:
-    s = _static_shape(c, ref)
+    s = static_shape(c, ref)
     if s is None or None in s:
         raise ConversionError(f"{n}: the filter's shape must be known statically")
     return [int(d) for d in s]
@@ -233,7 +235,7 @@ def _max_pool_grad(c, n):
         c, n, 3 if n.op.endswith("V2") else None), **g.attrs(dilations=False))
     flat = c.op("Reshape", [x, c.i64(-1)])
     dy = c.op("Reshape", [_to_cf(c, n, c.x(n, 2), r), c.i64(-1)])
-    zeros = c.op("Expand", [_k(c, n, 0), c.op("Shape", [flat])])
+    zeros = c.op("Expand", [scalar(c, n, 0), c.op("Shape", [flat])])
     dx = c.op("ScatterElements", [zeros, c.op("Reshape", [idx, c.i64(-1)]), dy], reduction="add")
     return [_from_cf(c, n, c.op("Reshape", [dx, c.op("Shape", [x])]), r)]
 
@@ -258,8 +260,8 @@ def _avg_pool_grad(c, n):
         count = np.multiply.outer(count, cnt)
     dy = _to_cf(c, n, c.x(n, 1), r)
     per = c.op("Div", [c.op("Reshape", [dy, c.i64(-1, 1, *[0] * (r - 2))]),
-                       c.const(count.astype(_np(n)))])
-    ones = c.const(np.ones([1, 1, *kernel], _np(n)))
+                       c.const(count.astype(np_type(n)))])
+    ones = c.const(np.ones([1, 1, *kernel], np_type(n)))
     dx = c.op("ConvTranspose", [per, ones], strides=g.strides, pads=b + e, output_padding=extra)
     shape = c.op("Concat", [c.op("Shape", [dy], end=2), c.i64(*size)], axis=0)
     return [_from_cf(c, n, c.op("Reshape", [dx, shape]), r)]
@@ -271,30 +273,29 @@ def _fused_batch_norm(c, n):
     """(x, scale, offset, mean, variance) -> y, batch mean, batch variance, reserves. Training
     mode normalizes with the batch's statistics and returns the (unbiased) batch variance."""
     x = c.x(n, 0)
-    r = _rank(c, n, 0) or 4
-    axis = r - 1 if _channels_last(c, n) else 1
-    eps = _k(c, n, c.attr(n, "epsilon", 1e-4), "U")
+    r = rank_of(c, n, 0)
+    eps = scalar(c, n, c.attr(n, "epsilon", 1e-4), "U")
 
     def chan(v):  # a per-channel vector broadcast against x
-        return v if axis == r - 1 else c.op("Unsqueeze", [v, c.i64(*range(1, r - 1))])
+        return _per_channel(c, n, v, x, r)
 
     scale, offset, mean, var = (c.x(n, i) for i in range(1, 5))
     if c.attr(n, "is_training", True):
-        axes = c.i64(*[a for a in range(r) if a != axis])
-        mean_b = c.op("ReduceMean", [x, axes], keepdims=0)
+        flat, axes = _channels_view(c, n, x, r)
+        mean_b = c.op("ReduceMean", [flat, axes], keepdims=0)
         d = c.op("Sub", [x, chan(mean_b)])
-        var_b = c.op("ReduceMean", [c.op("Mul", [d, d]), axes], keepdims=0)
-        m = c.op("Cast", [c.op("Div", [c.op("Size", [x]), c.op("Gather", [c.op("Shape", [x]),
-                                                                         c.i64(axis)])])],
-                 to=c.onnx_type(n, "U"))
-        one = _k(c, n, 1, "U")
+        flat_d, _ = _channels_view(c, n, c.op("Mul", [d, d]), r)
+        var_b = c.op("ReduceMean", [flat_d, axes], keepdims=0)
+        channels = c.op("Squeeze", [c.op("Shape", [scale]), c.i64(0)])
+        m = c.op("Cast", [c.op("Div", [c.op("Size", [x]), channels])], to=c.onnx_type(n, "U"))
+        one = scalar(c, n, 1, "U")
         unbiased = c.op("Div", [c.op("Mul", [var_b, m]),
                                 c.op("Max", [c.op("Sub", [m, one]), one])])
         f = float(c.attr(n, "exponential_avg_factor", 1.0))
         out_mean, out_var = mean_b, unbiased
         if f != 1.0:
-            out_mean, out_var = (c.op("Add", [c.op("Mul", [old, _k(c, n, 1 - f, "U")]),
-                                              c.op("Mul", [new, _k(c, n, f, "U")])])
+            out_mean, out_var = (c.op("Add", [c.op("Mul", [old, scalar(c, n, 1 - f, "U")]),
+                                              c.op("Mul", [new, scalar(c, n, f, "U")])])
                                  for old, new in ((mean, mean_b), (var, unbiased)))
         mean, var = mean_b, var_b
     else:
@@ -306,10 +307,37 @@ def _fused_batch_norm(c, n):
     return outs + [c.op("Identity", [mean])] if n.op == "FusedBatchNormV3" else outs
 
 
+def _per_channel(c, n, v, x, r):
+    """A per-channel vector v shaped to broadcast against x (channels last: as it is; first:
+    [C, 1, ..., 1], computed from x's rank at run time when it is not known statically)."""
+    if _channels_last(c, n):
+        return v
+    if r is not None:
+        return c.op("Unsqueeze", [v, c.i64(*range(1, r - 1))]) if r > 2 else v
+    ones = c.op("ConstantOfShape", [c.op("Reshape", [c.op("Sub", [
+        c.op("Size", [c.op("Shape", [x])]), c.const(2, np.int64)]), c.i64(1)])],
+        value=onnx_helper.make_tensor("one", TensorProto.INT64, [1], [1]))
+    return c.op("Reshape", [v, c.op("Concat", [c.i64(-1), ones], axis=0)])
+
+
+def _channels_view(c, n, x, r):
+    """(x viewed so that one axis holds the channels, the axes to reduce for per-channel sums):
+    x itself when its rank is known, else [-1, C] (channels last) or [N, C, -1] (first)."""
+    last = _channels_last(c, n)
+    if r is not None:
+        keep = r - 1 if last else 1
+        return x, c.i64(*[a for a in range(r) if a != keep])
+    if last:
+        shape = c.op("Concat", [c.i64(-1), c.op("Shape", [x], start=-1)], axis=0)
+        return c.op("Reshape", [x, shape]), c.i64(0)
+    shape = c.op("Concat", [c.op("Shape", [x], end=2), c.i64(-1)], axis=0)
+    return c.op("Reshape", [x, shape]), c.i64(0, 2)
+
+
 # -- activations ---------------------------------------------------------------------------------
 @handler("Relu6")
 def _relu6(c, n):
-    return [c.op("Clip", [c.x(n), _k(c, n, 0), _k(c, n, 6)])]
+    return [c.op("Clip", [c.x(n), scalar(c, n, 0), scalar(c, n, 6)])]
 
 
 @handler("LeakyRelu")
@@ -324,24 +352,29 @@ def _softmax(c, n):
 
 @handler("BiasAdd", "BiasAddV1")
 def _bias_add(c, n):
-    b = c.x(n, 1)
-    if c.attr(n, "data_format", "NHWC") == "NCHW":
-        r = _rank(c, n, 0, required="BiasAdd NCHW")
-        b = c.op("Unsqueeze", [b, c.i64(*range(1, r - 1))])
-    return [c.op("Add", [c.x(n, 0), b])]
+    x, r = c.x(n, 0), rank_of(c, n, 0)
+    if r == 2 and _channels_last(c, n):
+        y = gemm_plus(c, n, 0, c.x(n, 1))  # MatMul + bias: the Gemm's C
+        if y is not None:
+            return [y]
+    y = c.op("Add", [x, _per_channel(c, n, c.x(n, 1), x, r)])
+    # (channels first of unknown rank: the result has x's shape, which tells inference its rank)
+    return [y if r is not None or _channels_last(c, n) else c.op("Reshape", [
+        y, c.op("Shape", [x])])]
 
 
 @handler("BiasAddGrad")
 def _bias_add_grad(c, n):
-    r = _rank(c, n, 0, required="BiasAddGrad")
-    keep = 1 if c.attr(n, "data_format", "NHWC") == "NCHW" else r - 1
-    return [c.op("ReduceSum", [c.x(n), c.i64(*[a for a in range(r) if a != keep])], keepdims=0)]
+    """The sum over every axis but the channels' (of any rank: TF's gradient of a while loop's
+    BiasAdd may not know it)."""
+    flat, axes = _channels_view(c, n, c.x(n), rank_of(c, n, 0))
+    return [c.op("ReduceSum", [flat, axes], keepdims=0)]
 
 
 @handler("L2Loss")
 def _l2_loss(c, n):
     x = c.x(n)
-    return [c.op("Div", [c.op("ReduceSum", [c.op("Mul", [x, x])], keepdims=0), _k(c, n, 2)])]
+    return [c.op("Div", [c.op("ReduceSum", [c.op("Mul", [x, x])], keepdims=0), scalar(c, n, 2)])]
 
 
 # -- elementwise gradients (tf.gradients' *Grad ops) ---------------------------------------------
@@ -360,27 +393,27 @@ def _mul(c, *xs):
 
 
 def _pick(c, n, cond, a, b=None):
-    return c.op("Where", [cond, a, _k(c, n, 0) if b is None else b])
+    return c.op("Where", [cond, a, scalar(c, n, 0) if b is None else b])
 
 
 @_grad("TanhGrad")
 def _tanh_grad(c, n, y, dy):  # dy * (1 - y^2)
-    return _mul(c, dy, c.op("Sub", [_k(c, n, 1), _mul(c, y, y)]))
+    return _mul(c, dy, c.op("Sub", [scalar(c, n, 1), _mul(c, y, y)]))
 
 
 @_grad("SigmoidGrad")
 def _sigmoid_grad(c, n, y, dy):  # dy * y * (1 - y)
-    return _mul(c, dy, y, c.op("Sub", [_k(c, n, 1), y]))
+    return _mul(c, dy, y, c.op("Sub", [scalar(c, n, 1), y]))
 
 
 @_grad("RsqrtGrad")
 def _rsqrt_grad(c, n, y, dy):  # -dy * y^3 / 2
-    return _mul(c, dy, y, y, y, _k(c, n, -0.5))
+    return _mul(c, dy, y, y, y, scalar(c, n, -0.5))
 
 
 @_grad("SqrtGrad")
 def _sqrt_grad(c, n, y, dy):  # dy / (2 y)
-    return c.op("Div", [_mul(c, dy, _k(c, n, 0.5)), y])
+    return c.op("Div", [_mul(c, dy, scalar(c, n, 0.5)), y])
 
 
 @_grad("ReciprocalGrad", "InvGrad")
@@ -390,25 +423,25 @@ def _reciprocal_grad(c, n, y, dy):  # -dy * y^2
 
 @_grad("ReluGrad")
 def _relu_grad(c, n, dy, x):
-    return _pick(c, n, c.op("Greater", [x, _k(c, n, 0)]), dy)
+    return _pick(c, n, c.op("Greater", [x, scalar(c, n, 0)]), dy)
 
 
 @_grad("Relu6Grad")
 def _relu6_grad(c, n, dy, x):
-    inside = c.op("And", [c.op("Greater", [x, _k(c, n, 0)]), c.op("Less", [x, _k(c, n, 6)])])
+    inside = c.op("And", [c.op("Greater", [x, scalar(c, n, 0)]), c.op("Less", [x, scalar(c, n, 6)])])
     return _pick(c, n, inside, dy)
 
 
 @_grad("LeakyReluGrad")
 def _leaky_relu_grad(c, n, dy, x):
-    alpha = _k(c, n, c.attr(n, "alpha", 0.2))
-    return _pick(c, n, c.op("Greater", [x, _k(c, n, 0)]), dy, _mul(c, dy, alpha))
+    alpha = scalar(c, n, c.attr(n, "alpha", 0.2))
+    return _pick(c, n, c.op("Greater", [x, scalar(c, n, 0)]), dy, _mul(c, dy, alpha))
 
 
 @_grad("EluGrad")
 def _elu_grad(c, n, dy, y):  # y > 0: dy, else dy * (y + 1)
-    return _pick(c, n, c.op("Greater", [y, _k(c, n, 0)]), dy,
-                 _mul(c, dy, c.op("Add", [y, _k(c, n, 1)])))
+    return _pick(c, n, c.op("Greater", [y, scalar(c, n, 0)]), dy,
+                 _mul(c, dy, c.op("Add", [y, scalar(c, n, 1)])))
 
 
 SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
@@ -416,8 +449,8 @@ SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.050700987355480493
 
 @_grad("SeluGrad")
 def _selu_grad(c, n, dy, y):  # y > 0: dy * scale, else dy * (y + scale * alpha)
-    return _pick(c, n, c.op("Greater", [y, _k(c, n, 0)]), _mul(c, dy, _k(c, n, SELU_SCALE)),
-                 _mul(c, dy, c.op("Add", [y, _k(c, n, SELU_SCALE * SELU_ALPHA)])))
+    return _pick(c, n, c.op("Greater", [y, scalar(c, n, 0)]), _mul(c, dy, scalar(c, n, SELU_SCALE)),
+                 _mul(c, dy, c.op("Add", [y, scalar(c, n, SELU_SCALE * SELU_ALPHA)])))
 
 
 @_grad("SoftplusGrad")
@@ -427,7 +460,7 @@ def _softplus_grad(c, n, dy, x):
 
 @_grad("SoftsignGrad")
 def _softsign_grad(c, n, dy, x):  # dy / (1 + |x|)^2
-    d = c.op("Add", [c.op("Abs", [x]), _k(c, n, 1)])
+    d = c.op("Add", [c.op("Abs", [x]), scalar(c, n, 1)])
     return c.op("Div", [dy, _mul(c, d, d)])
 
 
@@ -444,7 +477,7 @@ def _softmax_xent(c, n):
 @handler("SparseSoftmaxCrossEntropyWithLogits")
 def _sparse_softmax_xent(c, n):
     """(logits, class ids) -> (loss = -log_softmax[id], backprop = softmax - one_hot(id))."""
-    logits, ids = c.x(n, 0), _i64(c, c.x(n, 1))
+    logits, ids = c.x(n, 0), as_i64(c, c.x(n, 1))
     logp = c.op("LogSoftmax", [logits], axis=-1)
     col = c.op("Unsqueeze", [ids, c.i64(-1)])
     loss = c.op("Neg", [c.op("Squeeze", [c.op("GatherElements", [logp, col], axis=-1),

@@ -25,11 +25,14 @@ BIG = np.iinfo(np.int64).max
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _i64(c: Converter, v: str) -> str:
+def as_i64(c: Converter, v: str) -> str:
     """v as int64 (ONNX's type for shapes, axes, repeats); folded when v is a constant, so that
-    ONNX shape inference can read it."""
+    ONNX shape inference can read it, and the int64 value an int32 shape was cast from (TF's
+    shapes are int32, ONNX's int64: no round trip)."""
     k = c.consts.get(v)
-    return c.op("Cast", [v], to=I64) if k is None else c.const(k.astype(np.int64))
+    if k is not None:
+        return c.const(k.astype(np.int64))
+    return c.int64_of.get(v) or c.op("Cast", [v], to=I64)
 
 
 def _vec64(c: Converter, n: TFNode, i: int) -> str:
@@ -37,16 +40,18 @@ def _vec64(c: Converter, n: TFNode, i: int) -> str:
     k = c.const_input(n, i)
     if k is not None:
         return c.const(np.asarray(k, np.int64).reshape(-1))
-    return c.op("Reshape", [_i64(c, c.x(n, i)), c.i64(-1)])
+    s = static_shape(c, n.inputs[i])
+    v = as_i64(c, c.x(n, i))
+    return v if s is not None and len(s) == 1 else c.op("Reshape", [v, c.i64(-1)])
 
 
 def _shape_arg(c: Converter, n: TFNode, i: int) -> str:
     """Input i, a shape vector, as int64; reshaped to its static length when computed, so that
     ONNX infers the rank of what it shapes (Reshape, Expand)."""
-    v = _i64(c, c.x(n, i))
-    s = _static_shape(c, n.inputs[i])
-    if v in c.consts or s is None or len(s) != 1 or s[0] is None:
-        return v
+    v = as_i64(c, c.x(n, i))
+    s = static_shape(c, n.inputs[i])
+    if v in c.consts or v in c.popped or s is None or len(s) != 1 or s[0] is None:
+        return v  # (a popped row of stacked shapes has its length already, see control_flow)
     return c.op("Reshape", [v, c.i64(s[0])])
 
 
@@ -54,21 +59,21 @@ def _const_axis(c: Converter, n: TFNode, i: int, what="axis") -> int:
     return int(c.const_input(n, i, required=what))
 
 
-def _np(n: TFNode, key: str = "T"):
+def np_type(n: TFNode, key: str = "T"):
     return dtype_info(n.attr[key].type).np
 
 
 def _is_float(n: TFNode, key: str = "T") -> bool:
-    return np.issubdtype(np.dtype(_np(n, key)), np.floating) or \
+    return np.issubdtype(np.dtype(np_type(n, key)), np.floating) or \
         dtype_info(n.attr[key].type).name in ("DT_HALF", "DT_BFLOAT16")
 
 
-def _k(c: Converter, n: TFNode, value, key: str = "T") -> str:
+def scalar(c: Converter, n: TFNode, value, key: str = "T") -> str:
     """A scalar constant of the node's dtype ``key``."""
-    return c.const(value, _np(n, key))
+    return c.const(value, np_type(n, key))
 
 
-def _static_shape(c: Converter, ref: str):
+def static_shape(c: Converter, ref: str):
     """TF's static shape of tensor ``ref`` (a list, None for unknown dims) or None: from the
     producer's ``_output_shapes`` (add_shapes=True) or from a constant's value."""
     v = c.value(ref)
@@ -79,8 +84,8 @@ def _static_shape(c: Converter, ref: str):
     return shapes[k] if shapes and k < len(shapes) else None
 
 
-def _rank(c: Converter, n: TFNode, i: int, required: str | None = None):
-    s = _static_shape(c, n.inputs[i])
+def rank_of(c: Converter, n: TFNode, i: int, required: str | None = None):
+    s = static_shape(c, n.inputs[i])
     if s is None and required:
         raise ConversionError(f"{n}: the rank of input {i} ({n.inputs[i]}) must be known "
                               f"statically ({required}; export with add_shapes=True)")
@@ -186,10 +191,35 @@ def _fold_int(c, n):
     return _fold(c, n, lambda *v: fn(*v).astype(v[0].dtype), *range(len(n.inputs)))
 
 
+def gemm_plus(c: Converter, n: TFNode, i: int, other: str):
+    """``MatMul + other`` (input i of n the MatMul's result) as the Gemm's C, when ONNX's
+    Gemm takes it: the product read by n alone, ``other`` of a static shape that broadcasts to
+    the product's without growing it (a bias, a loop's gradient accumulator). One pass over the
+    data instead of two (TF's per-step weight gradient sums: [in, out] every step). Else None."""
+    ref = n.inputs[i]
+    p = c.g.producer(ref)
+    y = c.value(ref)
+    if p.op != "MatMul" or c.g.uses(ref) != 1 or ref in c.outputs:
+        return None
+    gemm = next((nd for nd in reversed(c.scope.nodes) if y in nd.output), None)
+    out, extra = static_shape(c, ref), static_shape(c, n.inputs[1 - i])
+    if (gemm is None or gemm.op_type != "Gemm" or len(gemm.input) != 2 or out is None
+            or extra is None or len(extra) > 2 or None in extra or None in out[-len(extra):]
+            or any(e not in (1, o) for e, o in zip(extra[::-1], out[::-1]))):
+        return None
+    gemm.input.append(other)
+    return y
+
+
 def _same(c, n, onnx_op):
     y = _fold_int(c, n)
     if y is not None:
         return [y]
+    if onnx_op == "Add" and len(n.inputs) == 2:
+        for i in (0, 1):
+            y = gemm_plus(c, n, i, c.x(n, 1 - i))
+            if y is not None:
+                return [y]
     attrs = {"equation": c.attr(n, "equation")} if n.op == "Einsum" else {}
     return [c.op(onnx_op, [c.x(n, i) for i in range(len(n.inputs))], **attrs)]
 
@@ -235,12 +265,33 @@ def _is_finite(c, n):
     return [c.op("Not", [c.op("Or", [c.op("IsNaN", [x]), c.op("IsInf", [x])])])]
 
 
+ERFC_TAIL = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
+             -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+
+
+@handler("Erfc")
+def _erfc(c, n):
+    """1 - erf(x) below 0.5; above, where that difference loses its digits (erfc(5) = 1.5e-12),
+    the Chebyshev fit t * exp(-x^2 + P(t)), t = 1 / (1 + x / 2) (Numerical Recipes' erfcc:
+    relative error under 1.2e-7, its derivative's under 4e-7), on max(x, 0.5) so that the branch
+    not taken stays finite."""
+    x = c.x(n)
+    z = c.op("Max", [x, scalar(c, n, 0.5)])
+    t = c.op("Reciprocal", [c.op("Add", [scalar(c, n, 1), c.op("Mul", [z, scalar(c, n, 0.5)])])])
+    p = scalar(c, n, ERFC_TAIL[-1])
+    for coef in reversed(ERFC_TAIL[:-1]):
+        p = c.op("Add", [c.op("Mul", [p, t]), scalar(c, n, coef)])
+    tail = c.op("Mul", [t, c.op("Exp", [c.op("Sub", [p, c.op("Mul", [z, z])])])])
+    head = c.op("Sub", [scalar(c, n, 1), c.op("Erf", [x])])
+    return [c.op("Where", [c.op("Less", [x, scalar(c, n, 0.5)]), head, tail])]
+
+
 @handler("Log1p")
 def _log1p(c, n):  # log(u) * x / (u - 1) with u = 1 + x: exact to rounding for small x
     x = c.x(n)
-    u = c.op("Add", [x, _k(c, n, 1)])
-    d = c.op("Sub", [u, _k(c, n, 1)])
-    return [c.op("Where", [c.op("Equal", [d, _k(c, n, 0)]), x,
+    u = c.op("Add", [x, scalar(c, n, 1)])
+    d = c.op("Sub", [u, scalar(c, n, 1)])
+    return [c.op("Where", [c.op("Equal", [d, scalar(c, n, 0)]), x,
                            c.op("Div", [c.op("Mul", [c.op("Log", [u]), x]), d])])]
 
 
@@ -248,8 +299,8 @@ def _log1p(c, n):  # log(u) * x / (u - 1) with u = 1 + x: exact to rounding for 
 def _expm1(c, n):  # (u - 1) * x / log(u) with u = exp(x) (Kahan)
     x = c.x(n)
     u = c.op("Exp", [x])
-    um1, lu = c.op("Sub", [u, _k(c, n, 1)]), c.op("Log", [u])
-    small = c.op("Equal", [um1, _k(c, n, 0)])
+    um1, lu = c.op("Sub", [u, scalar(c, n, 1)]), c.op("Log", [u])
+    small = c.op("Equal", [um1, scalar(c, n, 0)])
     big = c.op("Equal", [lu, x])  # inf, or where the correction changes nothing
     exact = c.op("Div", [c.op("Mul", [um1, x]), lu])
     return [c.op("Where", [small, x, c.op("Where", [big, um1, exact])])]
@@ -258,7 +309,7 @@ def _expm1(c, n):  # (u - 1) * x / log(u) with u = exp(x) (Kahan)
 def _x_is_zero(c, n, y):
     """0 where x == 0, else y (Xlogy, Xdivy, Xlog1py)."""
     x = c.x(n, 0)
-    zero = _k(c, n, 0)
+    zero = scalar(c, n, 0)
     return c.op("Where", [c.op("Equal", [x, zero]), zero, y])
 
 
@@ -286,7 +337,7 @@ def _floor_int(c, n, q):
     # the division is inexact
     a, b = c.x(n, 0), c.x(n, 1)
     inexact = c.op("Not", [c.op("Equal", [c.op("Mul", [q, b]), a])])
-    zero = _k(c, n, 0)
+    zero = scalar(c, n, 0)
     neg = c.op("Xor", [c.op("Less", [a, zero]), c.op("Less", [b, zero])])
     fix = c.op("Cast", [c.op("And", [inexact, neg])], to=c.onnx_type(n))
     return c.op("Sub", [q, fix])
@@ -314,7 +365,7 @@ def _floormod(c, n):
     if not _is_float(n):
         return [c.op("Mod", [a, b], fmod=0)]  # integer Mod takes the divisor's sign, like TF
     m = c.op("Mod", [a, b], fmod=1)  # TF: fmod, plus b where it is nonzero and signs differ
-    zero = _k(c, n, 0)
+    zero = scalar(c, n, 0)
     fix = c.op("And", [c.op("Not", [c.op("Equal", [m, zero])]),
                        c.op("Xor", [c.op("Less", [m, zero]), c.op("Less", [b, zero])])])
     return [c.op("Where", [fix, c.op("Add", [m, b]), m])]
@@ -342,24 +393,81 @@ def _cast(c, n):
 @handler("Select")
 def _select(c, n):
     cond, a = c.x(n, 0), c.x(n, 1)
+    if c.g.producer(n.inputs[1]).op != "ZerosLike" and _is_zeros_like(c, n, 2):
+        # (Select's gradient: where(c, g, zeros_like(x)); the zeros a broadcast scalar)
+        return [c.op("Where", [_rows(c, n, cond), a, scalar(c, n, 0)])]
+    if _is_zeros_like(c, n, 1) and c.g.producer(n.inputs[2]).op != "ZerosLike":
+        return [c.op("Where", [_rows(c, n, cond), scalar(c, n, 0), c.x(n, 2)])]
     # TF1 Select with a vector condition picks whole rows: make it broadcast over the rest
-    rc, ra = _rank(c, n, 0), _rank(c, n, 1)
+    rc, ra = rank_of(c, n, 0), rank_of(c, n, 1)
     if rc is not None and ra is not None:
-        if rc != ra:
-            cond = c.op("Unsqueeze", [cond, c.i64(*range(rc, ra))])
-        return [c.op("Where", [cond, a, c.x(n, 2)])]
-    pad = c.op("Sub", [c.op("Size", [c.op("Shape", [a])]), c.op("Size", [c.op("Shape", [cond])])])
+        return [c.op("Where", [_rows(c, n, cond), a, c.x(n, 2)])]
+    a_shape = c.op("Shape", [a])
+    pad = c.op("Sub", [c.op("Size", [a_shape]), c.op("Size", [c.op("Shape", [cond])])])
     ones = c.op("Expand", [c.i64(1), c.op("Reshape", [pad, c.i64(1)])])
     shape = c.op("Concat", [c.op("Shape", [cond]), ones], axis=0)
-    return [c.op("Where", [c.op("Reshape", [cond, shape]), a, c.x(n, 2)])]
+    y = c.op("Where", [c.op("Reshape", [cond, shape]), a, c.x(n, 2)])
+    # the result has a's shape: a Reshape to it tells ONNX shape inference the rank
+    return [c.op("Reshape", [y, a_shape])]
+
+
+def _is_zeros_like(c, n, i) -> bool:
+    """Input i is TF's ZerosLike of a tensor of the other branch's shape (then a broadcast
+    scalar zero is the same Where)."""
+    return (c.g.producer(n.inputs[i]).op == "ZerosLike" and rank_of(c, n, 0) is not None
+            and rank_of(c, n, 3 - i) is not None)
+
+
+def _rows(c, n, cond):
+    """Select's condition made to broadcast over the rest when it picks rows (TF1: a vector
+    condition), once per condition (a loop's gradient selects twice on each)."""
+    rc, ra = rank_of(c, n, 0), rank_of(c, n, 1) or rank_of(c, n, 2)
+    if rc is None or ra is None or rc == ra:
+        return cond
+    return c.memo(("rows", cond, rc, ra), lambda: c.op("Unsqueeze", [cond, c.i64(*range(rc, ra))]))
 
 
 # -- linear algebra ----------------------------------------------------------------------------
+@handler("MatrixBandPart")
+def _matrix_band_part(c, n):
+    """(x, num_lower, num_upper): x[..., i, j] where (num_lower < 0 or i - j <= num_lower) and
+    (num_upper < 0 or j - i <= num_upper), else 0 (a causal attention mask: (ones, -1, 0))."""
+    y = _fold(c, n, _band_np, 0, 1, 2)
+    if y is not None:
+        return [y]
+    x = c.x(n, 0)
+    zero, one = c.const(0, np.int64), c.const(1, np.int64)
+    rows = c.op("Range", [zero, c.op("Squeeze", [c.op("Shape", [x], start=-2, end=-1)]), one])
+    cols = c.op("Range", [zero, c.op("Squeeze", [c.op("Shape", [x], start=-1)]), one])
+    d = c.op("Sub", [c.op("Unsqueeze", [cols, c.i64(0)]), c.op("Unsqueeze", [rows, c.i64(1)])])
+    keep = None
+    for i, dist in ((1, c.op("Neg", [d])), (2, d)):  # i - j against num_lower, j - i num_upper
+        bound = c.const_input(n, i)
+        if bound is not None and int(bound) < 0:
+            continue
+        b = as_i64(c, c.x(n, i))
+        ok = c.op("LessOrEqual", [dist, b])
+        if bound is None:
+            ok = c.op("Or", [c.op("Less", [b, zero]), ok])
+        keep = ok if keep is None else c.op("And", [keep, ok])
+    if keep is None:
+        return [x]
+    if np_type(n) == np.bool_:
+        return [c.op("And", [keep, x])]
+    return [c.op("Where", [keep, x, scalar(c, n, 0)])]
+
+
+def _band_np(x, lower, upper):
+    i, j = np.indices(x.shape[-2:])
+    keep = ((lower < 0) | (i - j <= lower)) & ((upper < 0) | (j - i <= upper))
+    return np.where(keep, x, np.zeros((), x.dtype))
+
+
 @handler("MatMul")
 def _matmul(c, n):
     a, b = c.x(n, 0), c.x(n, 1)
     ta, tb = c.attr(n, "transpose_a", False), c.attr(n, "transpose_b", False)
-    if _np(n) in (np.float32, np.float64):  # Gemm: 2-D, float (what ORT's CPU Gemm takes)
+    if np_type(n) in (np.float32, np.float64):  # Gemm: 2-D, float (what ORT's CPU Gemm takes)
         return [c.op("Gemm", [a, b], transA=int(ta), transB=int(tb))]
     a = c.op("Transpose", [a], perm=[1, 0]) if ta else a
     b = c.op("Transpose", [b], perm=[1, 0]) if tb else b
@@ -367,7 +475,7 @@ def _matmul(c, n):
 
 
 def _swap_last(c, n, i):
-    r = _rank(c, n, i)
+    r = rank_of(c, n, i)
     if r is None:
         return c.op("Einsum", [c.x(n, i)], equation="...ij->...ji")
     return c.op("Transpose", [c.x(n, i)], perm=[*range(r - 2), r - 1, r - 2])
@@ -392,6 +500,10 @@ NP_REDUCE = {"Sum": np.sum, "Prod": np.prod, "Max": np.max, "Min": np.min}
 
 def _reduce(c, n, onnx_op):
     keep = int(c.attr(n, "keep_dims", False))
+    shape = c.bga_shapes.get(c.x(n, 1)) if n.op == "Sum" else None
+    if shape is not None and c.no_broadcast:  # summed over no axis: the gradient itself,
+        c.bga_shapes[c.x(n, 0)] = shape  # which has the shape it is reshaped to (_reshape)
+        return [c.x(n, 0)]
     if n.op in NP_REDUCE and not _is_float(n):  # shape arithmetic (Prod of a shape) folds
         y = _fold(c, n, lambda x, a: NP_REDUCE[n.op](x, axis=tuple(np.reshape(a, -1)),
                                                      keepdims=bool(keep)).astype(x.dtype), 0, 1)
@@ -440,7 +552,7 @@ def _cumsum(c, n):
 def _cumprod(c, n):
     """No ONNX op: y[i] = prod over j of (x[j] where j <= i (or <, >=, >) else 1), with i and j
     on two axes (O(L^2) for an axis of length L)."""
-    r = _rank(c, n, 0, required="Cumprod")
+    r = rank_of(c, n, 0, required="Cumprod")
     a = _const_axis(c, n, 1) % r
     x = c.x(n, 0)
     length = c.op("Gather", [c.op("Shape", [x]), c.i64(a)])
@@ -451,13 +563,13 @@ def _cumprod(c, n):
     mask = c.op(cmp[int(rev), int(excl)], [j, i])
     if r - a - 1:
         mask = c.op("Unsqueeze", [mask, c.i64(*range(2, r - a + 1))])
-    pairs = c.op("Where", [mask, c.op("Unsqueeze", [x, c.i64(a)]), _k(c, n, 1)])
+    pairs = c.op("Where", [mask, c.op("Unsqueeze", [x, c.i64(a)]), scalar(c, n, 1)])
     return [c.op("ReduceProd", [pairs, c.i64(a + 1)], keepdims=0)]
 
 
 @handler("TopKV2")
 def _top_k(c, n):
-    k = c.op("Reshape", [_i64(c, c.x(n, 1)), c.i64(1)])
+    k = c.op("Reshape", [as_i64(c, c.x(n, 1)), c.i64(1)])
     v, i = c.op("TopK", [c.x(n, 0), k], n_out=2, axis=-1, largest=1, sorted=1)
     return [v, c.op("Cast", [i], to=c.onnx_type(n, "index_type") if "index_type" in n.attr
                     else TensorProto.INT32)]
@@ -465,16 +577,21 @@ def _top_k(c, n):
 
 # -- shapes ------------------------------------------------------------------------------------
 def _out_type(c, n, v, key="out_type"):
+    """An int64 shape value v in the node's output type (TF's default int32)."""
     t = onnx_dtype(n.attr[key].type, n) if key in n.attr else TensorProto.INT32
-    return v if t == I64 else c.op("Cast", [v], to=t)
+    if t == I64:
+        return v
+    out = c.op("Cast", [v], to=t)
+    c.int64_of[out] = v
+    return out
 
 
 def _shape_of(c, n, i):
     """Shape of input i; a constant when TF knows it fully (a frozen weight's, a placeholder's
     without None dims): TF checks fed and computed tensors against their static shapes."""
-    s = _static_shape(c, n.inputs[i])
+    s = static_shape(c, n.inputs[i])
     if s is not None and None not in s:
-        t = _np(n, "out_type") if "out_type" in n.attr else np.int32
+        t = np_type(n, "out_type") if "out_type" in n.attr else np.int32
         return c.const(np.array(s, t))
     return _out_type(c, n, c.op("Shape", [c.x(n, i)]))
 
@@ -496,7 +613,7 @@ def _size(c, n):
 
 @handler("Rank")
 def _rank_op(c, n):
-    r = _rank(c, n, 0)
+    r = rank_of(c, n, 0)
     if r is not None:
         return [c.const(r, np.int32)]
     return [c.op("Cast", [c.op("Size", [c.op("Shape", [c.x(n)])])], to=TensorProto.INT32)]
@@ -504,7 +621,10 @@ def _rank_op(c, n):
 
 @handler("Reshape")
 def _reshape(c, n):
-    return [c.op("Reshape", [c.x(n, 0), _shape_arg(c, n, 1)])]
+    shape = _shape_arg(c, n, 1)
+    if c.no_broadcast and c.bga_shapes.get(c.x(n, 0)) == shape:  # (see _reduce)
+        return [c.x(n, 0)]
+    return [c.op("Reshape", [c.x(n, 0), shape])]
 
 
 @handler("Squeeze")
@@ -528,8 +648,8 @@ def _transpose(c, n):
 
 def _transpose_dynamic(c, n):
     """y[i] = x[i[inv(perm)]]: GatherND over the grid of output indices (rank must be known)."""
-    r = _rank(c, n, 0, required="Transpose with a computed permutation")
-    x, perm = c.x(n, 0), _i64(c, c.x(n, 1))
+    r = rank_of(c, n, 0, required="Transpose with a computed permutation")
+    x, perm = c.x(n, 0), as_i64(c, c.x(n, 1))
     out_shape = c.op("Gather", [c.op("Shape", [x]), perm])
     zero, one = c.const(0, np.int64), c.const(1, np.int64)
     grids = []
@@ -549,9 +669,9 @@ def _invert_permutation(c, n):
     if y is not None:
         return [y]
     p = c.x(n)
-    r = c.op("Range", [c.const(0, _np(n)), c.op("Cast", [c.op("Size", [p])], to=c.onnx_type(n)),
-                       c.const(1, _np(n))])
-    return [c.op("ScatterElements", [r, _i64(c, p), r])]
+    r = c.op("Range", [c.const(0, np_type(n)), c.op("Cast", [c.op("Size", [p])], to=c.onnx_type(n)),
+                       c.const(1, np_type(n))])
+    return [c.op("ScatterElements", [r, as_i64(c, p), r])]
 
 
 @handler("ConcatV2")
@@ -570,15 +690,18 @@ def _concat_v1(c, n):
 @handler("ConcatOffset")
 def _concat_offset(c, n):
     """(axis, shape_0..shape_k-1) -> the offset of each input in the concatenation: zeros but
-    the sum of the earlier inputs' sizes along the axis."""
+    the sum of the earlier inputs' sizes along the axis. Constant when the axis and the inputs'
+    sizes along it are known statically (the other dims do not matter)."""
     k = len(n.inputs) - 1
-    vals = [c.const_input(n, i) for i in range(k + 1)]
-    if all(v is not None for v in vals):
-        shapes = vals[1:]
-        axis = int(vals[0]) % len(shapes[0])
-        offs = np.cumsum([0] + [int(v[axis]) for v in shapes[:-1]])
-        return [c.const(np.where(np.arange(len(v)) == axis, o, 0).astype(v.dtype))
-                for v, o in zip(shapes, offs)]
+    axis = c.const_input(n, 0)
+    known = [shape_value(c, ref) for ref in n.inputs[1:]]
+    if axis is not None and all(v is not None for v in known):
+        a = int(axis) % len(known[0])
+        if all(len(v) == len(known[0]) and v[a] is not None for v in known):
+            offs = np.cumsum([0] + [v[a] for v in known[:-1]])
+            dt = np_type(n, "shape_type") if "shape_type" in n.attr else np.int32
+            return [c.const(np.where(np.arange(len(v)) == a, o, 0).astype(dt))
+                    for v, o in zip(known, offs)]
     axis, shapes = c.x(n, 0), [c.x(n, i) for i in range(1, k + 1)]
     t = c.onnx_type(n, "shape_type") if "shape_type" in n.attr else TensorProto.INT32
     iota = c.op("Range", [c.const(0, np.int32), c.op("Cast", [c.op("Size", [shapes[0]])],
@@ -626,14 +749,14 @@ def _split_v(c, n):
         return [c.x(n, 0)]
     sizes = c.const_input(n, 1)
     if sizes is not None and (sizes < 0).any():  # one -1: the rest of the axis
-        s = _static_shape(c, n.inputs[0])
+        s = static_shape(c, n.inputs[0])
         if s is None or s[axis] is None:
             sizes = None
         else:
             sizes = np.where(sizes < 0, s[axis] - sizes[sizes >= 0].sum(), sizes)
     if sizes is None and c.const_input(n, 1) is not None:
         raise ConversionError(f"{n}: size_splits with -1 needs the axis' size known statically")
-    split = c.const(sizes.astype(np.int64)) if sizes is not None else _i64(c, c.x(n, 1))
+    split = c.const(sizes.astype(np.int64)) if sizes is not None else as_i64(c, c.x(n, 1))
     return c.op("Split", [c.x(n, 0), split], n_out=num, axis=axis)
 
 
@@ -643,14 +766,14 @@ def _list_diff(c, n):
     k = c.const_input(n, 0), c.const_input(n, 1)
     if k[0] is not None and k[1] is not None:
         keep = ~np.isin(k[0], k[1])
-        return [c.const(k[0][keep]), c.const(np.flatnonzero(keep).astype(_np(n, "out_idx")))]
+        return [c.const(k[0][keep]), c.const(np.flatnonzero(keep).astype(np_type(n, "out_idx")))]
     x, y = c.x(n, 0), c.x(n, 1)
     hit = c.op("Cast", [c.op("Equal", [c.op("Unsqueeze", [x, c.i64(1)]),
                                        c.op("Unsqueeze", [y, c.i64(0)])])], to=TensorProto.INT32)
     keep = c.op("Not", [c.op("Cast", [c.op("ReduceMax", [hit, c.i64(1)], keepdims=0)],
                              to=TensorProto.BOOL)])
-    pos = c.op("Range", [c.const(0, _np(n, "out_idx")), c.op("Cast", [c.op("Size", [x])],
-                         to=c.onnx_type(n, "out_idx")), c.const(1, _np(n, "out_idx"))])
+    pos = c.op("Range", [c.const(0, np_type(n, "out_idx")), c.op("Cast", [c.op("Size", [x])],
+                         to=c.onnx_type(n, "out_idx")), c.const(1, np_type(n, "out_idx"))])
     return [c.op("Compress", [x, keep], axis=0), c.op("Compress", [pos, keep], axis=0)]
 
 
@@ -666,7 +789,7 @@ def _broadcast_to(c, n):
 
 @handler("ZerosLike", "OnesLike")
 def _zeros_like(c, n):
-    v = c.const(0 if n.op == "ZerosLike" else 1, _np(n))
+    v = c.const(0 if n.op == "ZerosLike" else 1, np_type(n))
     return [c.op("Expand", [v, c.op("Shape", [c.x(n)])])]
 
 
@@ -679,7 +802,7 @@ def _range(c, n):
 
 @handler("Tile")
 def _tile(c, n):
-    return [c.op("Tile", [c.x(n, 0), _i64(c, c.x(n, 1))])]
+    return [c.op("Tile", [c.x(n, 0), as_i64(c, c.x(n, 1))])]
 
 
 @handler("Pad", "PadV2", "MirrorPad")
@@ -689,7 +812,7 @@ def _pad(c, n):
         return [_pad_symmetric(c, n)]
     p = c.const_input(n, 1)
     pads = c.const(p.T.reshape(-1).astype(np.int64)) if p is not None else c.op(
-        "Reshape", [c.op("Transpose", [_i64(c, c.x(n, 1))], perm=[1, 0]), c.i64(-1)])
+        "Reshape", [c.op("Transpose", [as_i64(c, c.x(n, 1))], perm=[1, 0]), c.i64(-1)])
     value = [c.x(n, 2)] if n.op == "PadV2" else []
     return [c.op("Pad", [c.x(n, 0), pads] + value, mode=mode)]
 
@@ -746,13 +869,13 @@ def _gather_v1(c, n):
 
 @handler("GatherNd")
 def _gather_nd(c, n):
-    return [c.op("GatherND", [c.x(n, 0), _i64(c, c.x(n, 1))])]
+    return [c.op("GatherND", [c.x(n, 0), as_i64(c, c.x(n, 1))])]
 
 
 @handler("ScatterNd")
 def _scatter_nd(c, n):  # (indices, updates, shape): duplicates add up
-    zeros = _zeros(c, _shape_arg(c, n, 2), _np(n))
-    return [c.op("ScatterND", [zeros, _i64(c, c.x(n, 0)), c.x(n, 1)], reduction="add")]
+    zeros = _zeros(c, _shape_arg(c, n, 2), np_type(n))
+    return [c.op("ScatterND", [zeros, as_i64(c, c.x(n, 0)), c.x(n, 1)], reduction="add")]
 
 
 TENSOR_SCATTER = {"TensorScatterUpdate": "none", "TensorScatterAdd": "add",
@@ -762,7 +885,7 @@ TENSOR_SCATTER = {"TensorScatterUpdate": "none", "TensorScatterAdd": "add",
 @handler(*TENSOR_SCATTER)
 def _tensor_scatter(c, n):
     upd = c.op("Neg", [c.x(n, 2)]) if n.op == "TensorScatterSub" else c.x(n, 2)
-    return [c.op("ScatterND", [c.x(n, 0), _i64(c, c.x(n, 1)), upd],
+    return [c.op("ScatterND", [c.x(n, 0), as_i64(c, c.x(n, 1)), upd],
                  reduction=TENSOR_SCATTER[n.op])]
 
 
@@ -775,13 +898,13 @@ def _unsorted_segment(c, n):
     """(data, ids, num): out[ids[i], ...] (+)= data[i, ...], out's other rows TF's identity
     for the reduction (0, 1, the dtype's lowest/highest)."""
     red, init = SEGMENT[n.op]
-    dt = np.dtype(_np(n))
+    dt = np.dtype(np_type(n))
     if isinstance(init, str):
         info = np.finfo(dt) if dt.kind == "f" else np.iinfo(dt)
         init = info.min if init == "lowest" else info.max
-    data, ids = c.x(n, 0), _i64(c, c.x(n, 1))
+    data, ids = c.x(n, 0), as_i64(c, c.x(n, 1))
     tail = _shape_after(c, data, ids)
-    shape = c.op("Concat", [c.op("Reshape", [_i64(c, c.x(n, 2)), c.i64(1)]), tail], axis=0)
+    shape = c.op("Concat", [c.op("Reshape", [as_i64(c, c.x(n, 2)), c.i64(1)]), tail], axis=0)
     flat_ids = c.op("Reshape", [ids, c.i64(-1, 1)])
     flat = c.op("Reshape", [data, c.op("Concat", [c.i64(-1), tail], axis=0)])
     return [c.op("ScatterND", [c.op("Expand", [c.const(init, dt), shape]), flat_ids, flat],
@@ -805,13 +928,13 @@ def _dynamic_stitch(c, n):
         for idx, d in zip(vals[:k], vals[k:]):
             out[idx.reshape(-1)] = d.reshape((-1,) + tail)
         return [c.const(out)]
-    ids = [_i64(c, c.x(n, i)) for i in range(k)]
+    ids = [as_i64(c, c.x(n, i)) for i in range(k)]
     tail = _shape_after(c, c.x(n, k), ids[0])
     flat_ids = c.op("Concat", [c.op("Reshape", [i, c.i64(-1)]) for i in ids], axis=0)
     rows = c.op("Concat", [c.i64(-1), tail], axis=0)
     flat = c.op("Concat", [c.op("Reshape", [c.x(n, k + m), rows]) for m in range(k)], axis=0)
     size = c.op("Add", [c.op("ReduceMax", [flat_ids], keepdims=1), c.i64(1)])
-    zeros = _zeros(c, c.op("Concat", [size, tail], axis=0), _np(n))
+    zeros = _zeros(c, c.op("Concat", [size, tail], axis=0), np_type(n))
     return [c.op("ScatterND", [zeros, c.op("Unsqueeze", [flat_ids, c.i64(-1)]), flat])]
 
 
@@ -819,14 +942,14 @@ def _dynamic_stitch(c, n):
 def _one_hot(c, n):
     """(indices, depth, on, off): compare with Range(depth) (out-of-range indices: all off)."""
     idx, axis = c.x(n, 0), c.attr(n, "axis", -1)
-    depth = c.op("Range", [c.const(0, _np(n, "TI")), c.op("Cast", [c.x(n, 1)],
+    depth = c.op("Range", [c.const(0, np_type(n, "TI")), c.op("Cast", [c.x(n, 1)],
                                                           to=c.onnx_type(n, "TI")),
-                           c.const(1, _np(n, "TI"))])
+                           c.const(1, np_type(n, "TI"))])
     y = c.op("Where", [c.op("Equal", [c.op("Unsqueeze", [idx, c.i64(-1)]), depth]),
                        c.x(n, 2), c.x(n, 3)])
     if axis == -1:
         return [y]
-    r = _rank(c, n, 0, required="OneHot with an axis") + 1
+    r = rank_of(c, n, 0, required="OneHot with an axis") + 1
     perm = list(range(r - 1))
     perm.insert(axis, r - 1)
     return [c.op("Transpose", [y], perm=perm)]
@@ -838,9 +961,48 @@ def _where_op(c, n):  # the coordinates of the true (nonzero) elements, one row 
 
 
 # -- slices ------------------------------------------------------------------------------------
+def shape_value(c: Converter, ref: str):
+    """The value of shape vector ``ref`` as far as it is known statically (a list of ints and
+    None), or None: a constant, the Shape of a tensor of known rank, through identities and a
+    loop's stack (what a backward loop pops, the forward loop pushed)."""
+    v = c.value(ref)
+    if isinstance(v, str) and v in c.consts:
+        return [int(d) for d in np.reshape(c.consts[v], -1)]
+    p, k = c.g.producer(ref), split_ref(ref)[1]
+    if p.op in ("Shape", "ShapeN"):
+        return static_shape(c, p.inputs[k if p.op == "ShapeN" else 0])
+    if p.op in ("Identity", "Enter", "RefEnter", "Switch", "RefSwitch"):
+        return shape_value(c, p.inputs[0])
+    if p.op == "StackPopV2":
+        from .resources import static_key
+        push = c.scan_stacks.get(static_key(c.g, p.inputs[0]))
+        return None if push is None else shape_value(c, push.inputs[1])
+    return None
+
+
+def _concat_slice(c, n):
+    """TF's gradient of a concat, Slice(dy, ConcatOffset, Shape(x_k)): the slice along the axis
+    when the offsets are constant (see ConcatOffset) and x_k's size along it is known (the
+    other dims are dy's whole extent)."""
+    p = c.g.producer(n.inputs[1])
+    while p.op in ("Identity", "Enter", "RefEnter", "Switch", "RefSwitch"):
+        p = c.g.producer(p.inputs[0])
+    begin, size = c.const_input(n, 1), shape_value(c, n.inputs[2])
+    if p.op != "ConcatOffset" or begin is None or size is None or len(size) != len(begin):
+        return None
+    axis = int(c.const_input(p, 0)) % len(begin)
+    if size[axis] is None or any(b for i, b in enumerate(begin) if i != axis):
+        return None
+    return c.op("Slice", [c.x(n, 0), c.i64(int(begin[axis])),
+                          c.i64(int(begin[axis]) + size[axis]), c.i64(axis)])
+
+
 @handler("Slice")
 def _slice(c, n):
-    begin, size = _i64(c, c.x(n, 1)), _i64(c, c.x(n, 2))
+    y = _concat_slice(c, n)
+    if y is not None:
+        return [y]
+    begin, size = as_i64(c, c.x(n, 1)), as_i64(c, c.x(n, 2))
     b, s = c.consts.get(begin), c.consts.get(size)
     if b is not None and s is not None:
         end = c.const(np.where(s < 0, BIG, b + s))
@@ -940,18 +1102,18 @@ def _gathered(c, n, i, pos):
     k = c.const_input(n, i)
     if k is not None:
         return np.asarray(k, np.int64)[pos]
-    return c.op("Gather", [_i64(c, c.x(n, i)), c.const(pos.astype(np.int64))])
+    return c.op("Gather", [as_i64(c, c.x(n, i)), c.const(pos.astype(np.int64))])
 
 
 @handler("StridedSliceGrad")
 def _strided_slice_grad(c, n):  # (shape, begin, end, strides, dy): dy scattered into zeros
-    shape = _i64(c, c.x(n, 0))
+    shape = as_i64(c, c.x(n, 0))
     count = c.op("ReduceProd", [shape], keepdims=1)
     zero, one = c.const(0, np.int64), c.const(1, np.int64)
     index = c.op("Reshape", [c.op("Range", [zero, c.op("Squeeze", [count]), one]), shape])
     where = c.op("Unsqueeze", [c.op("Reshape", [_slice_like(c, n, index, 1), c.i64(-1)]),
                                c.i64(-1)])
-    zeros = _zeros(c, count, _np(n))
+    zeros = _zeros(c, count, np_type(n))
     flat = c.op("ScatterND", [zeros, where, c.op("Reshape", [c.x(n, 4), c.i64(-1)])])
     return [c.op("Reshape", [flat, shape])]
 
@@ -963,7 +1125,13 @@ def _broadcast_gradient_args(c, n):
     y = [_fold(c, n, lambda a, b, j=j: _bga_np(a, b)[j], 0, 1) for j in (0, 1)]
     if y[0] is not None:
         return y
-    s = [_i64(c, c.x(n, i)) for i in (0, 1)]
+    popped = [c.popped.get(c.x(n, i)) for i in (0, 1)]
+    if all(popped) and popped[0][1] == popped[1][1] and c.loop_scope is not None:
+        outs = _bga_of_pops(c, n, popped[0][0], popped[1][0], popped[0][1])
+        for i, o in enumerate(outs):  # (Sum then Reshape to input i: see _reduce, _reshape)
+            c.bga_shapes[c.int64_of.get(o, o)] = c.bga_shapes[o] = as_i64(c, c.x(n, i))
+        return outs
+    s = [as_i64(c, c.x(n, i)) for i in (0, 1)]
     lens = [c.op("Shape", [v]) for v in s]
     r = c.op("Max", lens)
     padded = [c.op("Concat", [c.op("Expand", [c.i64(1), c.op("Sub", [r, ln])]), v], axis=0)
@@ -971,11 +1139,42 @@ def _broadcast_gradient_args(c, n):
     same = c.op("And", [c.op("Equal", [lens[0], lens[1]]), c.op("Cast", [c.op("ReduceMin", [
         c.op("Cast", [c.op("Equal", padded)], to=TensorProto.INT32)], keepdims=1)],
         to=TensorProto.BOOL)])
-    axes = c.op("Range", [c.const(0, _np(n)), c.op("Cast", [c.op("Squeeze", [r])],
-                                                       to=c.onnx_type(n)), c.const(1, _np(n))])
+    axes = c.op("Range", [c.const(0, np_type(n)), c.op("Cast", [c.op("Squeeze", [r])],
+                                                       to=c.onnx_type(n)), c.const(1, np_type(n))])
     return [c.op("Compress", [axes, c.op("And", [c.op("Equal", [p, c.i64(1)]),
                                                   c.op("Not", [same])])], axis=0)
             for p in padded]
+
+
+def _bga_of_pops(c, n, s0, s1, idx):
+    """BroadcastGradientArgs of two shapes a backward loop pops (tf.gradients' pattern in a
+    while loop): the forward loop's shapes are all stacked (s0, s1: [iterations, rank]), so
+    which axes each iteration reduces is worked out once for all iterations before the loop
+    (an [iterations, rank] mask per side), and each iteration only picks its row."""
+    def masks():
+        w = [c.op("Shape", [v], start=1, end=2) for v in (s0, s1)]
+        r = c.op("Max", w)
+        zero = c.i64(0)
+        padded = [c.op("Pad", [v, c.op("Concat", [zero, c.op("Sub", [r, wi]), zero, zero],
+                                        axis=0), c.const(1, np.int64)])
+                  for v, wi in zip((s0, s1), w)]
+        rows_equal = c.op("Cast", [c.op("ReduceMin", [c.op("Cast", [c.op("Equal", padded)],
+                                                           to=TensorProto.INT32), c.i64(1)],
+                                        keepdims=1)], to=TensorProto.BOOL)
+        differ = c.op("Not", [c.op("And", [rows_equal, c.op("Equal", w)])])
+        axes = c.op("Range", [c.const(0, np.int64), c.op("Squeeze", [r]),
+                              c.const(1, np.int64)])
+        return [c.op("And", [c.op("Equal", [p, c.const(1, np.int64)]), differ])
+                for p in padded] + [axes]
+    if c.no_broadcast:  # the body made assuming no iteration broadcasts: no axes
+        return [c.const(np.zeros(0, np_type(n))) for _ in (0, 1)]
+    m0, m1, axes = c.memo(("bga", s0, s1), masks, scope=c.loop_scope)
+    c.bga_masks += [m0, m1]
+    outs = []
+    for m in (m0, m1):
+        wide = c.op("Compress", [axes, c.op("Gather", [m, idx], axis=0)], axis=0)
+        outs.append(_out_type(c, n, wide, "T"))  # (the int64 axes for the Sum that reads them)
+    return outs
 
 
 def _bga_np(a, b):
@@ -986,4 +1185,4 @@ def _bga_np(a, b):
     return [np.flatnonzero(p == 1).astype(a.dtype) for p in pad]
 
 
-from . import nn_ops  # noqa: E402,F401  (neural-network ops register on import)
+from . import image_ops, nn_ops  # noqa: E402,F401  (their handlers register on import)

@@ -68,8 +68,8 @@ def mutated(g: Graph, members: list[TFNode]):
 
 
 def _i64(c: Converter, idx: str) -> str:
-    from .ops import _i64 as cast
-    return cast(c, idx)
+    from .ops import as_i64
+    return as_i64(c, idx)
 
 
 # -- TensorArray ---------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def _tensor_array(c: Converter, n: TFNode):
     dtype = c.onnx_type(n, "dtype")
     size = c.const_input(n, 0)
     shape = c.attr(n, "element_shape")
-    r = Resource((n.name,), "tensor_array", dtype)
+    r = Resource((n.name,), "tensor_array", dtype, elem_shape=shape)
     c.resources[r.key] = r
     full = shape is not None and all(d is not None for d in shape)
     if size is not None and int(size) > 0 and full and not c.attr(n, "dynamic_size", False):
@@ -119,6 +119,8 @@ def _grad(c: Converter, n: TFNode):
     fwd = c.resource(n)
     prepend = _i64(c, c.x(n, 2)) if n.op == "TensorArrayGradWithShape" else None
     r = ensure_grad(c, fwd, c.attr(n, "source"), prepend)
+    if r.key in c.scan_writes:  # written as scan outputs here: its flow is a placeholder
+        return [r, c.const(np.zeros((), np.float32))]
     return [r, c.get_state(r)]
 
 
@@ -134,13 +136,76 @@ def write(c: Converter, r: Resource, seq: str, idx: str, value: str) -> str:
 @handler("TensorArrayWriteV3")
 def _write(c: Converter, n: TFNode):
     r = c.resource(n)
+    if r.key in c.scan_writes:  # a scan output of the Loop being made (see scan_arrays)
+        c.scan_writes[r.key] = (_i64(c, c.x(n, 1)), c.x(n, 2))
+        flow = c.x(n, 3)  # (the flow: a placeholder float the Loop carries)
+        return [flow if flow not in c.seq_of else c.const(np.zeros((), np.float32))]
     # (sequence positions may be int32, TF's index type: no Cast per write)
     return [c.set_state(r, write(c, r, c.get_state(r), c.x(n, 1), c.x(n, 2)))]
 
 
+SPLITTABLE = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT32)  # onnxruntime's
+
+
+def scan_arrays(c: Converter, fprefix: tuple, members: list[TFNode]) -> dict:
+    """TensorArrays that a while frame only writes, once per iteration at its own level (a
+    dynamic_rnn's outputs; the gradient arrays of what it reads, in the backward loop): {key:
+    write node}. The Loop emits the written values and their indices as scan outputs and the
+    writes are applied after it at once (:func:`apply_scan_writes`), instead of a sequence that
+    every write copies whole. Arrays of elements of one shape (identical_element_shapes) only,
+    of a dtype onnxruntime splits into sequences, with a known size when not written yet."""
+    if c.opset < 16:  # ScatterND's reduction
+        return {}
+    names = {n.name for n in members}
+    touched: dict[tuple, list[TFNode]] = {}
+    for n in members:
+        if n.op.startswith("TensorArray") and n.op != "TensorArrayV3" and n.op not in GRAD_OPS:
+            touched.setdefault(static_key(c.g, n.inputs[0]), []).append(n)
+    out = {}
+    for key, ns in touched.items():
+        fwd = c.g.nodes[key[0]]
+        if (len(ns) != 1 or ns[0].op != "TensorArrayWriteV3" or ns[0].ctx != fprefix
+                or key[0] in names or fwd.op != "TensorArrayV3"
+                or not c.attr(fwd, "identical_element_shapes", False)
+                or c.attr(fwd, "dynamic_size", False)
+                or c.onnx_type(fwd, "dtype") not in SPLITTABLE):
+            continue
+        out[key] = ns[0]
+    return out
+
+
+def apply_scan_writes(c: Converter, r: Resource, idx: str, values: str) -> None:
+    """The array after the writes of every iteration of a Loop: ``values`` [n, *elem] at
+    ``idx`` [n], scattered into its elements (added, for a gradient array), as a sequence again,
+    whose stacked form later gathers read directly."""
+    seq = c.get_state(r)
+    if r.unwritten is not None and r.unwritten[0] == seq:  # zeros of the rows' shape first
+        size = c.op("Reshape", [_i64(c, r.unwritten[1]), c.i64(1)])
+        shape = c.op("Concat", [size, c.op("Shape", [values], start=1)], axis=0)
+        dense = c.op("Expand", [c.const(0, helper.tensor_dtype_to_np_dtype(r.dtype)), shape])
+        r.unwritten, r.fixed_size = None, True
+    else:
+        dense = c.stacked.get(seq) or _stack(c, seq)
+    dense = c.op("ScatterND", [dense, c.op("Unsqueeze", [idx, c.i64(-1)]), values],
+                 reduction="add" if len(r.key) > 1 else "none")
+    seq = c.set_state(r, c.op("SplitToSequence", [dense], axis=0, keepdims=0))
+    c.stacked[seq] = dense
+
+
+def _shaped(c: Converter, v: str, dims, lead: int = 0) -> str:
+    """v reshaped to TF's static element shape ``dims`` (None dims kept: 0 in Reshape's shape)
+    after ``lead`` leading dims, so that ONNX shape inference knows its rank (sequence elements
+    carry no shapes); a no-op at run time."""
+    if dims is None:
+        return v
+    shape = np.array([0] * lead + [0 if d is None else d for d in dims], np.int64)
+    return c.op("Reshape", [v, c.const(shape)])
+
+
 @handler("TensorArrayReadV3")
 def _read(c: Converter, n: TFNode):
-    return [c.op("SequenceAt", [c.get_state(c.resource(n)), c.x(n, 1)])]
+    r = c.resource(n)
+    return [_shaped(c, c.op("SequenceAt", [c.get_state(r), c.x(n, 1)]), r.elem_shape)]
 
 
 def _stack(c: Converter, seq: str) -> str:
@@ -149,7 +214,11 @@ def _stack(c: Converter, seq: str) -> str:
 
 @handler("TensorArrayGatherV3")
 def _gather(c: Converter, n: TFNode):
-    return [c.op("Gather", [_stack(c, c.get_state(c.resource(n))), c.x(n, 1)], axis=0)]
+    r = c.resource(n)
+    dims = c.attr(n, "element_shape") or r.elem_shape
+    seq = c.get_state(r)
+    stacked = c.stacked.get(seq) or _stack(c, seq)
+    return [_shaped(c, c.op("Gather", [stacked, c.x(n, 1)], axis=0), dims, 1)]
 
 
 @handler("TensorArraySizeV3")
@@ -233,7 +302,8 @@ def _concat(c: Converter, n: TFNode):
         [helper.make_tensor_value_info("e", c.onnx_type(n, "dtype"), None)],
         [helper.make_tensor_value_info("d", TensorProto.INT64, [1])])
     lengths = c.op("SequenceMap", [seq], body=first_dim)
-    return [c.op("ConcatFromSequence", [seq], axis=0, new_axis=0),
+    rest = c.attr(n, "element_shape_except0")
+    return [_shaped(c, c.op("ConcatFromSequence", [seq], axis=0, new_axis=0), rest, 1),
             c.op("ConcatFromSequence", [lengths], axis=0, new_axis=0)]
 
 
@@ -255,14 +325,56 @@ def _push(c: Converter, n: TFNode):
         from .proto import DTYPES
         np_type = next(d.np for d in DTYPES.values() if d.onnx == r.dtype)
         value = c.const(np.zeros((), np_type))
-    c.set_state(r, c.op("SequenceInsert", [c.get_state(r), value]))
+    if r.key in c.scan_stacks:  # a scan output of the Loop being converted (see scan_stacks)
+        if value in c.int64_of:  # a shape: pushed as the int64 it was cast from
+            value = c.int64_of[value]
+            c.scan_dtype[r.key] = TensorProto.INT64
+        c.scan_pushes[r.key] = value
+    else:
+        c.set_state(r, c.op("SequenceInsert", [c.get_state(r), value]))
     return [c.x(n, 1)]
 
 
 @handler("StackPopV2")
 def _pop(c: Converter, n: TFNode):
     r = c.resource(n)
+    if r.key in c.scan_stacks:  # the pushes stacked: read iteration k's from the end
+        stacked, last = c.get_state(r)
+        if last is None:  # pushed the same value every iteration
+            return [stacked]
+        idx = c.memo(("pop", last, c.iteration), lambda: c.op("Sub", [last, c.iteration]))
+        value = c.op("Gather", [stacked, idx], axis=0)
+        c.popped[value] = (stacked, idx)
+        if c.scan_dtype.get(r.key, r.dtype) != r.dtype:  # int64 shapes (see _push)
+            wide, value = value, c.op("Cast", [value], to=r.dtype)
+            c.int64_of[value] = wide
+            c.popped[value] = (stacked, idx)
+        return [value]
     seq, last = c.get_state(r), c.i64(-1)
     value = c.op("SequenceAt", [seq, last])
     c.set_state(r, c.op("SequenceErase", [seq, last]))
     return [value]
+
+
+def scan_stacks(g: Graph) -> dict:
+    """Stacks pushed once per iteration by one while loop and popped once per iteration by
+    another (how tf.gradients carries a loop's values to its backward loop), both loops at the
+    level where the stack is made: {key: push node}. The pushes become scan outputs of the
+    forward Loop and each pop a read of that stacked tensor from the end (the backward loop's
+    iteration k pops the push of iteration n - 1 - k), instead of a sequence that every push
+    and pop copies whole."""
+    ops: dict[tuple, list[TFNode]] = {}
+    for n in g.order:
+        if n.op in ("StackPushV2", "StackPopV2"):
+            ops.setdefault(static_key(g, n.inputs[0]), []).append(n)
+    out = {}
+    for key, ns in ops.items():
+        pushes = [n for n in ns if n.op == "StackPushV2"]
+        pops = [n for n in ns if n.op == "StackPopV2"]
+        base = g.nodes[key[0]].ctx
+        level = [len(n.ctx) == len(base) + 1 and n.ctx[:-1] == base and n.ctx[-1][0] == "F"
+                 for n in ns]
+        if len(pushes) == 1 and len(pops) <= 1 and all(level) and (
+                not pops or pops[0].ctx != pushes[0].ctx):
+            out[key] = pushes[0]
+    return out

@@ -10,7 +10,9 @@ without it.
 The signature (default ``serving_default``) gives the default inputs and outputs; either can also
 be named by the signature's keys (``keras_tensor``, ``output_0``) instead of tensor names. The
 ONNX model's inputs and outputs keep the frozen graph's tensor names (``keras_tensor:0``,
-``Identity:0``): :func:`signature_names` maps keys to them.
+``Identity:0``): :func:`signature_names` maps keys to them. The frozen variables are initializers
+named after the variables (``dense/kernel:0``), listed in the model's metadata as its weights
+(what :class:`onnxgrad.Trainer` trains by default).
 """
 from __future__ import annotations
 
@@ -46,7 +48,9 @@ def is_saved_model(path) -> bool:
 
 def freeze(path, signature: str | None = None):
     """Freeze signature ``signature`` of the SavedModel at ``path``. Returns (GraphDef as bytes,
-    {input key: tensor name}, {output key: tensor name}), keys in the signature's order.
+    {input key: tensor name}, {output key: tensor name}, the names of the Const nodes that hold
+    its variables), keys in the signature's order. Those Consts are named after their variables
+    ("dense/kernel"), not after the function's placeholders ("unknown", "unknown_0", ...).
 
     Freezing runs in TF's eager mode, also in a process that switched it off (TF1-style code).
     The last result is kept per directory state, so converting one SavedModel again (other
@@ -107,10 +111,48 @@ def _freeze(tf, path, sig: str):
     out_struct = fn.structured_outputs
     out_keys = sorted(out_struct) if isinstance(out_struct, dict) else [
         f"output_{i}" for i in range(len(frozen.outputs))]
-    inputs = dict(zip(in_keys, (t.name for t in ins)))
-    outputs = dict(zip(out_keys, (t.name for t in frozen.outputs)))
     gd = frozen.graph.as_graph_def(add_shapes=True)
-    return gd.SerializeToString(), inputs, outputs
+    rename = _variable_names(fn, {n.name for n in gd.node})
+    _rename_nodes(gd, rename)
+    inputs = dict(zip(in_keys, (_renamed(t.name, rename) for t in ins)))
+    outputs = dict(zip(out_keys, (_renamed(t.name, rename) for t in frozen.outputs)))
+    return gd.SerializeToString(), inputs, outputs, list(rename.values())
+
+
+def _variable_names(fn, taken: set) -> dict:
+    """{frozen constant's node name: its variable's name}: freezing turns each captured
+    variable into a Const named after the function's placeholder for it ("unknown",
+    "unknown_0", ...); the variable's own name ("dense/kernel") says what it is."""
+    by_handle = {id(v.handle): v for v in getattr(fn, "variables", ())}
+    out, used = {}, set(taken)
+    for external, internal in getattr(fn.graph, "captures", ()):
+        v = by_handle.get(id(external))
+        if v is None:
+            continue
+        base = v.name.split(":")[0]
+        name, k = base, 0
+        while name in used:
+            k += 1
+            name = f"{base}_{k}"
+        used.add(name)
+        out[internal.op.name] = name
+    return out
+
+
+def _rename_nodes(gd, rename: dict) -> None:
+    for n in gd.node:
+        if n.name in rename:
+            n.name = rename[n.name]
+        for i, ref in enumerate(n.input):
+            ctrl = ref.startswith("^")
+            name, sep, idx = ref.lstrip("^").partition(":")
+            if name in rename:
+                n.input[i] = ("^" if ctrl else "") + rename[name] + sep + idx
+
+
+def _renamed(tensor: str, rename: dict) -> str:
+    name, sep, idx = tensor.partition(":")
+    return rename.get(name, name) + sep + idx
 
 
 def _eager_mode():
@@ -126,16 +168,17 @@ def _eager_mode():
 
 def signature_names(path, signature: str | None = None) -> tuple[dict, dict]:
     """({input key: tensor name}, {output key: tensor name}) of a SavedModel's signature."""
-    _, ins, outs = freeze(path, signature)
+    _, ins, outs, _ = freeze(path, signature)
     return ins, outs
 
 
 def load_saved_model(path, inputs=None, outputs=None, signature: str | None = None):
-    """(GraphDef, input names, output names) for :func:`.core.convert`: the frozen signature,
-    with names given as signature keys turned into tensor names and defaults filled in."""
+    """(GraphDef, input names, output names, variable nodes) for :func:`.core.convert`: the
+    frozen signature, with names given as signature keys turned into tensor names and defaults
+    filled in."""
     from .proto import load_graph_def
 
-    gd_bytes, sig_in, sig_out = freeze(path, signature)
+    gd_bytes, sig_in, sig_out, variables = freeze(path, signature)
 
     def resolve(names, table):
         if names is None:
@@ -143,5 +186,6 @@ def load_saved_model(path, inputs=None, outputs=None, signature: str | None = No
         names = [names] if isinstance(names, str) else list(names)
         return [table.get(nm, nm) for nm in names]
 
-    return load_graph_def(gd_bytes), resolve(inputs, sig_in), resolve(outputs, sig_out)
+    return (load_graph_def(gd_bytes), resolve(inputs, sig_in), resolve(outputs, sig_out),
+            variables)
 

@@ -6,14 +6,15 @@ onto a loop-carried sequence; nothing is threaded by hand as for TF1 TensorArray
 (:mod:`.resources`).
 
 ``TensorListReserve`` with a fully known element shape (a constant, or a shape computed at run
-time, as TF2 gradients do) makes ``num_elements`` zeros. With a constant, partly known one (Keras's ``[-1, units]``: the batch is unknown) it makes an empty *lazy* list
-that grows as it is written: ``TensorListSetItem`` at an index past the end first appends zeros
-shaped like the written value (what TF reads from an unwritten element), so writes in any order
-work and ONNX never sees stand-in elements of a wrong shape. Elements never written are then
-missing (``TensorListStack`` gives fewer, ``TensorListGetItem`` of one fails), where TF would
-give zeros of a shape it infers. ``TensorListSetItem`` replaces an element (``SequenceErase`` +
-``SequenceInsert``); ``resize_if_index_out_of_bounds`` (``dynamic_size=True`` arrays) grows the
-list the same way.
+time, as TF2 gradients do) makes ``num_elements`` zeros. With a constant, partly known one
+(Keras's ``[-1, units]``: the batch is unknown) it makes an empty *lazy* list that grows as it
+is written: ``TensorListSetItem`` first grows it to its reserved length (or past it, to the
+index) with zeros shaped like the written value (what TF reads from an unwritten element), so
+writes in any order work and ONNX never sees stand-in elements of a wrong shape;
+``TensorListLength`` says the reserved length from the start. A list never written stays empty
+(``TensorListStack`` of it fails where TF would give zeros of a shape it infers).
+``TensorListSetItem`` replaces an element (``SequenceErase`` + ``SequenceInsert``);
+``resize_if_index_out_of_bounds`` (``dynamic_size=True`` arrays) grows the list the same way.
 
 Reads that take an ``element_shape`` input (GetItem, Stack, Gather, PopBack) reshape their result
 to it (0 for unknown dims: a no-op at run time) so that ONNX shape inference knows its rank.
@@ -34,6 +35,7 @@ from .control_flow import seq_loop
 from .core import Converter, Resource, handler
 from .errors import ConversionError
 from .graph import TFNode
+from .ops import as_i64
 from .proto import dtype_info
 
 I64 = TensorProto.INT64
@@ -70,6 +72,11 @@ def is_lazy(c: Converter, value) -> bool:
     return r is not None and r.kind == "tensor_list" and not r.fixed_size
 
 
+def _reserved(c: Converter, value) -> str | None:
+    """A lazy list's reserved length (int64 scalar value), when TensorListReserve gave one."""
+    return c.seq_of[value].reserved if is_lazy(c, value) else None
+
+
 def _seq(c: Converter, n: TFNode, i: int = 0) -> str:
     v = c.x(n, i)
     if elem_type(c, v) is None:
@@ -84,11 +91,6 @@ def _elem(c: Converter, n: TFNode, key: str = "element_dtype") -> int:
 
 def _np_elem(n: TFNode, key: str = "element_dtype"):
     return dtype_info(n.attr[key].type).np
-
-
-def _i64(c: Converter, v: str) -> str:
-    k = c.consts.get(v)
-    return c.op("Cast", [v], to=I64) if k is None else c.const(np.asarray(k, np.int64))
 
 
 def _known_shape(c: Converter, n: TFNode, i: int) -> list[int] | None:
@@ -124,9 +126,15 @@ def _set(c: Converter, seq: str, idx: str, value: str, grow: bool | None = None)
 
 
 def _pad(c: Converter, seq: str, idx: str, value: str) -> str:
+    """Grow ``seq`` to idx + 1 elements, and a lazy list at once to its reserved length (TF's
+    length from the start, which TensorListLength must say)."""
     elem = elem_type(c, seq)
-    count = c.op("Max", [c.op("Sub", [c.op("Add", [idx, c.const(1, np.int64)]),
-                                      c.op("SequenceLength", [seq])]), c.const(0, np.int64)])
+    size = c.op("Add", [idx, c.const(1, np.int64)])
+    reserved = _reserved(c, seq)
+    if reserved is not None:
+        size = c.op("Max", [size, reserved])
+    count = c.op("Max", [c.op("Sub", [size, c.op("SequenceLength", [seq])]),
+                         c.const(0, np.int64)])
     zero = c.op("ConstantOfShape", [c.op("Shape", [value])],
                 value=helper.make_tensor("zero", elem, [1], [0]))
     return seq_loop(c, count, seq, elem, lambda k, s: c.op("SequenceInsert", [s, zero]), "grow")
@@ -163,32 +171,35 @@ def _reserve(c, n):
     partly known shape makes an empty, *lazy* list: it grows as it is written, so ONNX never sees
     stand-ins of a wrong shape."""
     shape = _known_shape(c, n, 0)
-    count = _i64(c, c.x(n, 1))
+    count = as_i64(c, c.x(n, 1))
     if shape is not None:
         return [mark(c, _zeros_seq(c, n, count, shape), _elem(c, n))]
     if c.const_input(n, 0) is None:
-        return [mark(c, _zeros_seq(c, n, count, _i64(c, c.x(n, 0))), _elem(c, n))]
-    return [mark(c, c.op("SequenceEmpty", [], dtype=_elem(c, n)), _elem(c, n), lazy=True)]
+        return [mark(c, _zeros_seq(c, n, count, as_i64(c, c.x(n, 0))), _elem(c, n))]
+    seq = mark(c, c.op("SequenceEmpty", [], dtype=_elem(c, n)), _elem(c, n), lazy=True)
+    c.seq_of[seq].reserved = count
+    return [seq]
 
 
 @handler("TensorListFromTensor")
 def _from_tensor(c, n):
     seq = c.op("SplitToSequence", [c.x(n, 0)], axis=0, keepdims=0)
+    c.stacked[seq] = c.x(n, 0)  # (reads gather from the tensor itself)
     return [mark(c, seq, _elem(c, n))]
 
 
 @handler("TensorListSplit")
 def _split(c, n):  # (tensor, element_shape, lengths)
-    seq = c.op("SplitToSequence", [c.x(n, 0), _i64(c, c.x(n, 2))], axis=0)
+    seq = c.op("SplitToSequence", [c.x(n, 0), as_i64(c, c.x(n, 2))], axis=0)
     return [mark(c, seq, _elem(c, n))]
 
 
 @handler("TensorListScatter", "TensorListScatterV2")
 def _scatter(c, n):  # (tensor, indices, element_shape[, num_elements])
-    t, idx = c.x(n, 0), _i64(c, c.x(n, 1))
+    t, idx = c.x(n, 0), as_i64(c, c.x(n, 1))
     length = c.op("Add", [c.op("ReduceMax", [idx], keepdims=1), c.i64(1)])
     if n.op == "TensorListScatterV2":
-        length = c.op("Max", [length, c.op("Reshape", [_i64(c, c.x(n, 3)), c.i64(1)])])
+        length = c.op("Max", [length, c.op("Reshape", [as_i64(c, c.x(n, 3)), c.i64(1)])])
     shape = c.op("Concat", [length, c.op("Shape", [t], start=1)], axis=0)
     zeros = c.op("ConstantOfShape", [shape], value=helper.make_tensor(
         "zero", _elem(c, n), [1], np.zeros(1, _np_elem(n))))
@@ -200,20 +211,24 @@ def _scatter(c, n):  # (tensor, indices, element_shape[, num_elements])
 @handler("TensorListGetItem")
 def _get(c, n):  # (handle, index, element_shape)
     seq = _seq(c, n)
-    if not is_lazy(c, seq):
+    if seq in c.stacked:
+        return [_with_shape(c, n, 2, c.op("Gather", [c.stacked[seq], c.x(n, 1)], axis=0))]
+    if not is_lazy(c, seq) or (c.const_input(n, 2) is not None and _known_shape(c, n, 2) is None):
+        # (a lazy list whose element shape TF does not know fully: an unwritten element has no
+        # shape to give, TF fails to read it as well)
         return [_with_shape(c, n, 2, c.op("SequenceAt", [seq, c.x(n, 1)]))]
     # a lazy list may not have grown to the index yet: TF reads zeros of element_shape there
-    from .control_flow import _Body, _output
-    idx = _i64(c, c.x(n, 1))
+    from .control_flow import Body, graph_output
+    idx = as_i64(c, c.x(n, 1))
     inside = c.op("Less", [idx, c.op("SequenceLength", [seq])])
     elem = elem_type(c, seq)
     branches = []
     for k in (1, 0):
-        with _Body(c) as body:
+        with Body(c) as body:
             v = c.op("SequenceAt", [seq, idx]) if k else c.op(
-                "ConstantOfShape", [_i64(c, c.x(n, 2))],
+                "ConstantOfShape", [as_i64(c, c.x(n, 2))],
                 value=helper.make_tensor("zero", elem, [1], [0]))
-            out = _output(c, body, v, f"{n.name}/item")
+            out = graph_output(c, body, v, f"{n.name}/item")
             body.outputs.append(helper.make_tensor_value_info(out, elem, None))
             branches.append(body.graph(f"{n.name.replace('/', '_')}_{k}"))
     return [_with_shape(c, n, 2, c.op("If", [inside], then_branch=branches[0],
@@ -223,18 +238,20 @@ def _get(c, n):  # (handle, index, element_shape)
 @handler("TensorListStack")
 def _stack_op(c, n):  # (handle, element_shape)
     seq = _seq(c, n)
+    if seq in c.stacked:
+        return [_with_shape(c, n, 1, c.stacked[seq], lead=1)]
     shape = _known_shape(c, n, 1)
     if shape is None:
         return [_with_shape(c, n, 1, _stack(c, seq), lead=1)]
     # a fully known element shape: an empty list stacks to [0, *shape] (ONNX's concat of an
     # empty sequence fails)
-    from .control_flow import _Body, _output
+    from .control_flow import Body, graph_output
     empty = c.op("Equal", [c.op("SequenceLength", [seq]), c.const(0, np.int64)])
     branches = []
     for k in (1, 0):
-        with _Body(c) as body:
+        with Body(c) as body:
             v = c.const(np.zeros([0, *shape], _np_elem(n))) if k else _stack(c, seq)
-            out = _output(c, body, v, f"{n.name}/stacked")
+            out = graph_output(c, body, v, f"{n.name}/stacked")
             body.outputs.append(helper.make_tensor_value_info(out, _elem(c, n), None))
             branches.append(body.graph(f"{n.name.replace('/', '_')}_{k}"))
     return [_with_shape(c, n, 1, c.op("If", [empty], then_branch=branches[0],
@@ -243,8 +260,9 @@ def _stack_op(c, n):  # (handle, element_shape)
 
 @handler("TensorListGather")
 def _gather(c, n):  # (handle, indices, element_shape)
-    return [_with_shape(c, n, 2, c.op("Gather", [_stack(c, _seq(c, n)), c.x(n, 1)], axis=0),
-                        lead=1)]
+    seq = _seq(c, n)
+    return [_with_shape(c, n, 2, c.op("Gather", [c.stacked.get(seq) or _stack(c, seq),
+                                                c.x(n, 1)], axis=0), lead=1)]
 
 
 @handler("TensorListConcat", "TensorListConcatV2")
@@ -261,7 +279,11 @@ def _concat(c, n):  # -> (tensor, lengths)
 
 @handler("TensorListLength")
 def _length(c, n):
-    return [c.op("Cast", [c.op("SequenceLength", [_seq(c, n)])], to=TensorProto.INT32)]
+    seq = _seq(c, n)
+    length = c.op("SequenceLength", [seq])
+    if _reserved(c, seq) is not None:  # a lazy list not grown yet has its reserved length
+        length = c.op("Max", [length, _reserved(c, seq)])
+    return [c.op("Cast", [length], to=TensorProto.INT32)]
 
 
 @handler("TensorListElementShape")
@@ -274,7 +296,10 @@ def _element_shape(c, n):
 # -- changing ----------------------------------------------------------------------------------
 @handler("TensorListSetItem")
 def _set_item(c, n):  # (handle, index, item)
-    seq, idx, value = _seq(c, n), _i64(c, c.x(n, 1)), c.x(n, 2)
+    seq, idx, value = _seq(c, n), as_i64(c, c.x(n, 1)), c.x(n, 2)
+    if seq in c.list_scans:  # the loop's write at its iteration number: a scan output
+        c.list_scans[seq] = value
+        return [seq]
     grow = bool(c.attr(n, "resize_if_index_out_of_bounds", False)) or is_lazy(c, seq)
     return [mark(c, _set(c, seq, idx, value, grow), None, like=seq)]
 
@@ -294,10 +319,10 @@ def _pop(c, n):  # -> (output_handle, tensor)
 
 @handler("TensorListScatterIntoExistingList")
 def _scatter_into(c, n):  # (handle, tensor, indices): one replacement per index, in a Loop
-    from .control_flow import _Body
-    seq, t, idx = _seq(c, n), c.x(n, 1), _i64(c, c.x(n, 2))
+    from .control_flow import Body
+    seq, t, idx = _seq(c, n), c.x(n, 1), as_i64(c, c.x(n, 2))
     elem = elem_type(c, seq)
-    with _Body(c) as body:
+    with Body(c) as body:
         k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
         body.inputs += [helper.make_tensor_value_info(k, I64, []),
                         helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
@@ -314,13 +339,13 @@ def _scatter_into(c, n):  # (handle, tensor, indices): one replacement per index
 
 @handler("TensorListResize")
 def _resize(c, n):  # (handle, size): drop elements past size, or append zeros (scalar stand-ins)
-    seq, size = _seq(c, n), _i64(c, c.x(n, 1))
+    seq, size = _seq(c, n), as_i64(c, c.x(n, 1))
     elem = elem_type(c, seq)
-    from .control_flow import _Body
+    from .control_flow import Body
     length = c.op("SequenceLength", [seq])
     # keep min(size, length) elements, then append max(0, size - length) stand-ins
     keep = c.op("Min", [size, length])
-    with _Body(c) as body:
+    with Body(c) as body:
         k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
         body.inputs += [helper.make_tensor_value_info(k, I64, []),
                         helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
@@ -332,7 +357,7 @@ def _resize(c, n):  # (handle, size): drop elements past size, or append zeros (
         graph = body.graph("resize_keep")
     kept = c.op("Loop", [keep, "", c.op("SequenceEmpty", [], dtype=elem)], body=graph)
     zero = c.const(np.zeros((), helper.tensor_dtype_to_np_dtype(elem)))
-    with _Body(c) as body:
+    with Body(c) as body:
         k, cond, s = c.fresh("k"), c.fresh("cond"), c.fresh("seq")
         body.inputs += [helper.make_tensor_value_info(k, I64, []),
                         helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
@@ -344,6 +369,29 @@ def _resize(c, n):  # (handle, size): drop elements past size, or append zeros (
         graph = body.graph("resize_pad")
     pad = c.op("Max", [c.op("Sub", [size, length]), c.const(0, np.int64)])
     return [mark(c, c.op("Loop", [pad, "", kept], body=graph), None, like=seq)]
+
+
+def written_by_scan(c: Converter, init: str, stacked: str) -> str:
+    """The list ``init`` after a Loop wrote element k at iteration k: ``stacked`` [n, *elem],
+    the values written (scan outputs), over the list's first n elements (a lazy list: zeros past
+    them to its reserved length), as a new list whose stacked form reads use directly."""
+    n = c.op("Shape", [stacked], end=1)
+    if is_lazy(c, init):
+        rest = c.op("Max", [c.op("Sub", [c.op("Reshape", [_reserved(c, init) or c.const(
+            0, np.int64), c.i64(1)]), n]), c.i64(0)])
+        zeros = c.op("ConstantOfShape", [c.op("Concat", [rest, c.op("Shape", [stacked], start=1)],
+                                              axis=0)],
+                     value=helper.make_tensor("zero", elem_type(c, init), [1], [0]))
+        dense = c.op("Concat", [stacked, zeros], axis=0)
+    else:
+        old = c.stacked.get(init) or _stack(c, init)
+        iota = c.op("Range", [c.const(0, np.int64), c.op("Squeeze", [n, c.i64(0)]),
+                              c.const(1, np.int64)])
+        dense = c.op("ScatterND", [old, c.op("Unsqueeze", [iota, c.i64(1)]), stacked])
+    seq = mark(c, c.op("SplitToSequence", [dense], axis=0, keepdims=0), elem_type(c, init),
+               lazy=False)
+    c.stacked[seq] = dense
+    return seq
 
 
 # -- arithmetic on lists (TF2 gradients: ZerosLike of a list, AddN of gradient lists) -----------

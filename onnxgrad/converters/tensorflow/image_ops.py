@@ -1,0 +1,205 @@
+"""Image resampling and spatial rearrangement: ResizeBilinear / ResizeNearestNeighbor and their
+gradients, SpaceToBatchND / BatchToSpaceND (how TF runs a dilated convolution).
+
+TF's resize maps output pixel i of an axis to input coordinate ``in = (i + 0.5) * s - 0.5``
+(half_pixel_centers), ``i * s`` (neither flag) or ``i * (n - 1) / (m - 1)`` (align_corners), with
+``s = n / m``; bilinear takes ``lower = max(floor(in), 0)``, ``upper = min(ceil(in), n - 1)`` and
+weight ``in - floor(in)``; nearest takes ``floor((i + 0.5) * s)`` with half pixel centers, else
+``floor(i * s)`` or, aligned, ``round(i * s)``, clamped to ``n - 1``. Bilinear is ONNX ``Resize``
+with the coordinate mode that says the same; nearest is a Gather per axis of those rows (ONNX's
+nearest modes round ties differently). The gradients are the adjoints: each
+resized axis is a linear map, an (m x n) interpolation matrix built at run time from those
+formulas, so ``dx = einsum(dy, A_h, A_w)`` (sizes need not be known statically).
+"""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from .core import handler
+from .errors import ConversionError
+from .ops import as_i64, np_type, rank_of
+
+BIG = np.iinfo(np.int64).max
+
+
+def _flags(c, n) -> tuple[bool, bool]:
+    return bool(c.attr(n, "align_corners", False)), bool(c.attr(n, "half_pixel_centers", False))
+
+
+@handler("ResizeBilinear")
+def _resize_bilinear(c, n):
+    """(images [B, H, W, C], size [2]) -> Resize (linear) over axes 1, 2 to ``size``."""
+    align, half = _flags(c, n)
+    x = c.x(n, 0)
+    if np_type(n) != np.float32:
+        x = c.op("Cast", [x], to=TensorProto.FLOAT)  # TF's bilinear output is float32
+    mode = "align_corners" if align else "half_pixel" if half else "asymmetric"
+    return [c.op("Resize", [x, "", "", as_i64(c, c.x(n, 1))], axes=[1, 2], mode="linear",
+                 coordinate_transformation_mode=mode)]
+
+
+@handler("ResizeNearestNeighbor")
+def _resize_nearest(c, n):
+    """A Gather per axis of the source rows TF picks, computed as TF does (float32): ONNX's
+    nearest modes round differently (half to even) or are not standard any more
+    (tf_half_pixel_for_nn)."""
+    x = c.x(n, 0)
+    size = as_i64(c, c.x(n, 1))
+    for axis in (1, 2):
+        n_in = c.op("Squeeze", [c.op("Shape", [x], start=axis, end=axis + 1), c.i64(0)])
+        n_out = c.op("Squeeze", [c.op("Slice", [size, c.i64(axis - 1), c.i64(axis)]), c.i64(0)])
+        x = c.op("Gather", [x, _nearest(c, n, n_in, n_out)], axis=axis)
+    return [x]
+
+
+def _scale(c, n, n_in, n_out, dtype=TensorProto.FLOAT):
+    """TF's CalculateResizeScale: n_in / n_out, or (n_in - 1) / (n_out - 1) aligned."""
+    f = lambda v: c.op("Cast", [v], to=dtype)  # noqa: E731
+    one = c.const(1, np.int64)
+    if not _flags(c, n)[0]:
+        return c.op("Div", [f(n_in), f(n_out)])
+    return c.op("Where", [c.op("Greater", [n_out, one]),
+                          c.op("Div", [f(c.op("Sub", [n_in, one])),
+                                       f(c.op("Max", [c.op("Sub", [n_out, one]), one]))]),
+                          c.op("Cast", [c.const(0, np.int64)], to=dtype)])
+
+
+def _nearest(c, n, n_in, n_out):
+    """The int64 source index of each of the n_out output positions of one axis."""
+    align, half = _flags(c, n)
+    i = c.op("Cast", [c.op("Range", [c.const(0, np.int64), n_out, c.const(1, np.int64)])],
+             to=TensorProto.FLOAT)
+    if half:
+        i = c.op("Add", [i, c.const(0.5, np.float32)])
+    pos = c.op("Mul", [i, _scale(c, n, n_in, n_out)])
+    if align:  # roundf: half away from zero (pos >= 0)
+        pos = c.op("Add", [pos, c.const(0.5, np.float32)])
+    src = c.op("Cast", [c.op("Floor", [pos])], to=TensorProto.INT64)
+    return c.op("Min", [src, c.op("Sub", [n_in, c.const(1, np.int64)])])
+
+
+def _axis_matrix(c, n, n_in, n_out, dtype):
+    """The (n_out x n_in) matrix of one resized axis (see the module docstring), its weights
+    computed in float32 as TF's kernels do; ``n_in`` and ``n_out`` are int64 scalars."""
+    zero, one = c.const(0, np.int64), c.const(1, np.int64)
+    if n.op.startswith("ResizeBilinear"):
+        half = _flags(c, n)[1]
+        i = c.op("Cast", [c.op("Range", [zero, n_out, one])], to=TensorProto.FLOAT)
+        pos = c.op("Mul", [c.op("Add", [i, c.const(0.5, np.float32)]) if half else i,
+                           _scale(c, n, n_in, n_out)])
+        if half:
+            pos = c.op("Sub", [pos, c.const(0.5, np.float32)])
+        lo = c.op("Floor", [pos])
+        lerp = c.op("Sub", [pos, lo])
+        lower = c.op("Max", [c.op("Cast", [lo], to=TensorProto.INT64), zero])
+        upper = c.op("Min", [c.op("Cast", [c.op("Ceil", [pos])], to=TensorProto.INT64),
+                             c.op("Sub", [n_in, one])])
+        weights = [(lower, c.op("Sub", [c.const(1.0, np.float32), lerp])), (upper, lerp)]
+    else:
+        weights = [(_nearest(c, n, n_in, n_out), None)]
+    cols = c.op("Unsqueeze", [c.op("Range", [zero, n_in, one]), c.i64(0)])
+    total = None
+    for idx, w in weights:
+        hit = c.op("Cast", [c.op("Equal", [c.op("Unsqueeze", [idx, c.i64(1)]), cols])],
+                   to=TensorProto.FLOAT)
+        part = hit if w is None else c.op("Mul", [hit, c.op("Unsqueeze", [w, c.i64(1)])])
+        total = part if total is None else c.op("Add", [total, part])
+    return total if dtype == TensorProto.FLOAT else c.op("Cast", [total], to=dtype)
+
+
+@handler("ResizeBilinearGrad", "ResizeNearestNeighborGrad")
+def _resize_grad(c, n):
+    """ResizeBilinearGrad(grads, original_image), ResizeNearestNeighborGrad(grads, size):
+    dx[b, h, w, ch] = sum over (i, j) of A_h[i, h] A_w[j, w] dy[b, i, j, ch]."""
+    dy = c.x(n, 0)
+    out_hw = c.op("Shape", [dy], start=1, end=3)
+    if n.op == "ResizeBilinearGrad":
+        in_hw = c.op("Shape", [c.x(n, 1)], start=1, end=3)
+    else:
+        in_hw = as_i64(c, c.x(n, 1))
+    dims = [[c.op("Squeeze", [c.op("Slice", [v, c.i64(k), c.i64(k + 1)]), c.i64(0)])
+             for k in (0, 1)] for v in (in_hw, out_hw)]
+    a_h, a_w = (_axis_matrix(c, n, dims[0][k], dims[1][k], c.onnx_type(n)) for k in (0, 1))
+    return [c.op("Einsum", [dy, a_h, a_w], equation="bijc,ih,jw->bhwc")]
+
+
+# -- SpaceToBatchND / BatchToSpaceND ----------------------------------------------------------
+def _block(c, n):
+    b = c.const_input(n, 1, required="block_shape")
+    return [int(v) for v in np.reshape(b, -1)]
+
+
+def _rest_rank(c, n, m):
+    r = rank_of(c, n, 0, required=n.op)
+    if r < m + 1:
+        raise ConversionError(f"{n}: input of rank {r} has no {m} spatial dims after the batch")
+    return r - 1 - m
+
+
+@handler("SpaceToBatchND")
+def _space_to_batch(c, n):
+    """(x [B, *spatial, *rest], block_shape [M], paddings [M, 2]) -> [B * prod(block),
+    *(padded spatial / block), *rest]: pad, split each spatial dim into (dim / b, b), move the
+    block factors in front of the batch."""
+    block = _block(c, n)
+    m = len(block)
+    k = _rest_rank(c, n, m)
+    pads = c.const_input(n, 2)
+    if pads is not None:
+        full = np.zeros((1 + m + k, 2), np.int64)
+        full[1:1 + m] = np.reshape(pads, (m, 2))
+        pads = c.const(full.T.reshape(-1))
+    else:
+        p = as_i64(c, c.x(n, 2))
+        zeros = c.i64(*[0] * (2 * k))
+        p = c.op("Concat", [c.i64(0, 0), c.op("Reshape", [p, c.i64(-1)]), zeros], axis=0)
+        pads = c.op("Reshape", [c.op("Transpose", [c.op("Reshape", [p, c.i64(-1, 2)])],
+                                     perm=[1, 0]), c.i64(-1)])
+    x = c.op("Pad", [c.x(n, 0), pads])
+    shape = c.op("Shape", [x])
+    dims = [c.op("Slice", [shape, c.i64(d), c.i64(d + 1)]) for d in range(1 + m)]
+    rest = c.op("Slice", [shape, c.i64(1 + m), c.i64(BIG)])
+    split = [dims[0]]
+    for d, b in zip(dims[1:], block):
+        split += [c.op("Div", [d, c.i64(b)]), c.i64(b)]
+    x = c.op("Reshape", [x, c.op("Concat", split + [rest], axis=0)])
+    # [B, s1, b1, ..., sM, bM, *rest] -> [b1, ..., bM, B, s1, ..., sM, *rest]
+    perm = [2 + 2 * i for i in range(m)] + [0] + [1 + 2 * i for i in range(m)] + [
+        1 + 2 * m + i for i in range(k)]
+    x = c.op("Transpose", [x], perm=perm)
+    batch = c.op("Mul", [dims[0], c.i64(int(np.prod(block)))])
+    return [c.op("Reshape", [x, c.op("Concat", [batch] + split[1::2] + [rest], axis=0)])]
+
+
+@handler("BatchToSpaceND")
+def _batch_to_space(c, n):
+    """(x [B * prod(block), *spatial, *rest], block_shape [M], crops [M, 2]) -> [B,
+    *(spatial * block - crops), *rest]: the inverse rearrangement, then the crops cut."""
+    block = _block(c, n)
+    m = len(block)
+    k = _rest_rank(c, n, m)
+    x = c.x(n, 0)
+    shape = c.op("Shape", [x])
+    dims = [c.op("Slice", [shape, c.i64(d), c.i64(d + 1)]) for d in range(1 + m)]
+    rest = c.op("Slice", [shape, c.i64(1 + m), c.i64(BIG)])
+    batch = c.op("Div", [dims[0], c.i64(int(np.prod(block)))])
+    x = c.op("Reshape", [x, c.op("Concat", [c.i64(*block), batch] + dims[1:] + [rest], axis=0)])
+    # [b1, ..., bM, B, s1, ..., sM, *rest] -> [B, s1, b1, ..., sM, bM, *rest]
+    perm = [m] + [v for i in range(m) for v in (m + 1 + i, i)] + [2 * m + 1 + i for i in range(k)]
+    x = c.op("Transpose", [x], perm=perm)
+    spatial = [c.op("Mul", [d, c.i64(b)]) for d, b in zip(dims[1:], block)]
+    x = c.op("Reshape", [x, c.op("Concat", [batch] + spatial + [rest], axis=0)])
+    crops = c.const_input(n, 2)
+    if crops is not None:
+        crops = np.reshape(crops, (m, 2)).astype(np.int64)
+        if not crops.any():
+            return [x]
+        begin = c.const(crops[:, 0])
+        end = c.op("Sub", [c.op("Concat", spatial, axis=0), c.const(crops[:, 1])])
+    else:
+        cr = c.op("Reshape", [as_i64(c, c.x(n, 2)), c.i64(m, 2)])
+        begin = c.op("Reshape", [c.op("Slice", [cr, c.i64(0), c.i64(1), c.i64(1)]), c.i64(-1)])
+        end = c.op("Sub", [c.op("Concat", spatial, axis=0), c.op(
+            "Reshape", [c.op("Slice", [cr, c.i64(1), c.i64(2), c.i64(1)]), c.i64(-1)])])
+    return [c.op("Slice", [x, begin, end, c.i64(*range(1, 1 + m))])]
