@@ -102,6 +102,7 @@ async function train() {
   buttons();
   app.epochs = [];
   stepsPerEpoch = Math.ceil(app.info.rows.train / batchSize);
+  $('s-step').textContent = '0';  // not the step count of a model loaded before this one
   say('Training…', 'training');
   try {
     const done = await request({type: 'train', epochs, batchSize, lr, seed: 0});
