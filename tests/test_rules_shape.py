@@ -685,3 +685,75 @@ def test_tensor_scatter_second_order_and_float16():
     h = op_model("TensorScatter", {"x": (np.float16, [2, 4, 2]), "u": (np.float16, [2, 2, 2])},
                  inits={"w": np.array([3, 1], I64)}, opset=24, mode="circular")
     check(h, xs=["x", "u"])
+
+
+# -- gradients between Transposes, at every onnxruntime optimization level (issue 12, item 15) --
+# onnxruntime's transpose optimizer (1.31, from ORT_ENABLE_BASIC up) pushes a Transpose through
+# Pad and permutes run-time pads as if they covered every axis, ignoring Pad's ``axes`` input
+# (a Gather out of bounds, or silently wrong pads). The gradient of Transpose -> op ->
+# Transpose puts the gradient's Transposes on either side of the op's adjoint, which is where
+# the optimizer looks; exported models (MobileViT's unfold/fold) are full of that pattern.
+def _between_transposes(op, ins, inits, rank=4, perm=(0, 2, 3, 1), **attrs):
+    inv = [int(i) for i in np.argsort(perm)]
+    nodes = [helper.make_node("Transpose", ["x"], ["a"], perm=list(perm)),
+             helper.make_node(op, ["a", *ins], ["b"], **attrs),
+             helper.make_node("Transpose", ["b"], ["t"], perm=inv),
+             helper.make_node("Mul", ["t", "t"], ["y"])]
+    return make_model(nodes, {"x": (F32, ["N", 3, 4, 5][:rank])}, ["y"], inits=inits)
+
+
+def _at_every_level(m, xs=("x",), **feeds):
+    """The gradient graph gives the same values at every optimization level (and passes the
+    float64 check, whose float32 rerun runs at ORT_ENABLE_ALL)."""
+    import onnxruntime as ort
+    from onnxgrad.runtime import session, session_options
+    assert_gradients(m, ["y"], list(xs), feeds=feeds)
+    res = onnxgrad.gradients(m, "y", list(xs))
+    got = []
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                  ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                  ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        so = session_options()
+        so.graph_optimization_level = level
+        got.append(session(res.model, options=so).run(res.grads, feeds))
+    for other in got[1:]:
+        for a, b in zip(got[0], other):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("starts,ends,axes,steps", [
+    ([1], [3], [1], None), ([-3, 0], [END, 2], [2, 1], None), ([1], [4], [3], [2]),
+    ([3], [0], [1], [-1])])
+def test_slice_between_transposes(starts, ends, axes, steps):
+    inits = {"st": np.array(starts), "en": np.array(ends), "ax": np.array(axes)}
+    ins = ["st", "en", "ax"]
+    if steps is not None:
+        inits["sp"] = np.array(steps)
+        ins.append("sp")
+    _at_every_level(_between_transposes("Slice", ins, inits), x=rnd(2, 3, 4, 5))
+
+
+@pytest.mark.parametrize("mode,pads", [
+    ("constant", [0, 1, -1, 0, 0, 0, 1, 1]), ("constant", [0, -1, 0, 1, 0, 0, -2, 0]),
+    ("reflect", [0, 1, 0, 2, 0, 0, 1, 1]), ("edge", [0, 0, 2, 1, 0, 1, 0, 1])])
+def test_pad_between_transposes(mode, pads):
+    """(A forward Pad with an ``axes`` input between Transposes is itself run wrongly by
+    onnxruntime's optimizer; the forward here pads every axis, its gradient crops and pads.)"""
+    m = _between_transposes("Pad", ["p"], {"p": np.array(pads)}, mode=mode)
+    _at_every_level(m, x=rnd(2, 3, 4, 5))
+
+
+@pytest.mark.parametrize("op,ins,inits,attrs", [
+    ("Slice", ["st", "en", "ax"], {"st": np.array([1]), "en": np.array([3]),
+                                   "ax": np.array([1])}, {}),
+    ("Pad", ["p", "", "ax"], {"p": np.array([1, -1]), "ax": np.array([2])}, {}),
+    ("Pad", ["p", "", "ax"], {"p": np.array([0, -1, 1, 0]), "ax": np.array([-1, 1])}, {}),
+])
+def test_gradient_pads_cover_every_axis(op, ins, inits, attrs):
+    """No Pad that a gradient adds takes Pad's ``axes`` input (see above)."""
+    m = model(op, ["x", *ins], {"x": ["N", 3, 4, 5]}, inits, **attrs)
+    check(m, x=rnd(2, 3, 4, 5))
+    res = onnxgrad.gradients(m, "y", "x")
+    pads = [nd for nd in res.model.graph.node
+            if nd.op_type == "Pad" and nd.name.startswith("gradients/")]
+    assert pads and all(len(nd.input) < 4 or not nd.input[3] for nd in pads)

@@ -85,11 +85,12 @@ def _halves(n, pads):
 
 
 def _zero_pad(n, t, begin, end, axes):
-    """t padded with zeros: begin/end (1-D, >= 0) elements before/after it on each of ``axes``."""
+    """t padded with zeros: begin/end (1-D, >= 0) elements before/after it on each of ``axes``.
+
+    The pads are written for every axis (scattered into zeros), never as Pad's ``axes`` input:
+    onnxruntime's transpose optimizer (1.31, from ORT_ENABLE_BASIC up) permutes run-time pads as
+    if they covered every axis, ignoring ``axes``, which reads out of bounds downstream."""
     e = n.e
-    if n.opset >= 18:
-        return e.Pad(t, e.Concat(begin, end, axis=0), None, axes)
-    # Pad takes no axes before opset 18: scatter the pads into zeros for every axis
     rank = e.Size(e.Shape(t))
     axes = e.Where(e.Less(axes, 0), axes + rank, axes)
     zeros = e.ConstantOfShape(e.Reshape(rank * 2, [1]), value=ir.tensor(np.zeros(1, np.int64)))
@@ -104,7 +105,10 @@ def _unpad(n, t, pads, axes, crop_only=False):
     e, axes = n.e, _i64(n, axes)
     begin, end = _halves(n, e.Max(pads, 0))
     t = e.Slice(t, begin, _dims(n, t, axes) - end, axes)
-    return t if crop_only else e.Pad(t, e.Max(-pads, 0), None, axes)
+    if crop_only:
+        return t
+    grow = e.Max(-pads, 0)
+    return e.Pad(t, grow) if axes is None else _zero_pad(n, t, *_halves(n, grow), axes)
 
 
 # -- ops that only reshape or permute -------------------------------------------------------------
