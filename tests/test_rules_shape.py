@@ -757,3 +757,21 @@ def test_gradient_pads_cover_every_axis(op, ins, inits, attrs):
     pads = [nd for nd in res.model.graph.node
             if nd.op_type == "Pad" and nd.name.startswith("gradients/")]
     assert pads and all(len(nd.input) < 4 or not nd.input[3] for nd in pads)
+
+
+@pytest.mark.parametrize("target,axes", [([2, 7], [1, 2]), ([4], [-1]), ([1, 6, 3], None)])
+def test_center_crop_pad_gradient_pads_every_axis(target, axes):
+    """CenterCropPad's function body pads through Pad's axes input, so onnxruntime's optimizer
+    breaks the op itself between Transposes; its gradient is a Slice and a full-rank Pad."""
+    m = model("CenterCropPad", ["x", "s"], {"x": ["N", 4, 5]}, {"s": np.array(target)},
+              axes=axes)
+    check(m, x=rnd(2, 4, 5))
+    res = onnxgrad.gradients(m, "y", "x")
+    assert not [nd for nd in res.model.graph.node
+                if nd.name.startswith("gradients/") and nd.op_type == "CenterCropPad"]
+    # g comes out of a Transpose (the gradient of the one after the op)
+    nodes = [helper.make_node("CenterCropPad", ["x", "s"], ["c"], axes=axes),
+             helper.make_node("Transpose", ["c"], ["t"], perm=[2, 0, 1]),
+             helper.make_node("Mul", ["t", "t"], ["y"])]
+    m = make_model(nodes, {"x": (F32, ["N", 4, 5])}, ["y"], inits={"s": np.array(target)})
+    _at_every_level(m, x=rnd(2, 4, 5))

@@ -226,9 +226,19 @@ def _pad(n, g):
 
 
 @register("CenterCropPad")
-def _center_crop_pad(n, g):  # a centred crop and a centred zero pad are each other's adjoints
-    axes = n.attr("axes")
-    return n.e.CenterCropPad(g, _dims(n, n.x, axes), axes=axes), None
+def _center_crop_pad(n, g):
+    """A centred crop and a centred zero pad are each other's adjoints: g is cropped where x
+    was padded and zero-padded where x was cropped, floor(difference / 2) in front (as the
+    forward). Written as Slice and a full-rank Pad, not as CenterCropPad, whose function body
+    pads through Pad's axes input (see _zero_pad)."""
+    e, axes = n.e, n.attr("axes")
+    axes = e.const(np.arange(_rank(n.x)) if axes is None else np.array(axes))
+    d, t = _dims(n, n.x, axes), _dims(n, g, axes)
+    start = e.Div(e.Max(t - d, 0), 2)
+    cut = e.Slice(g, start, start + e.Min(d, t), axes)
+    grow = e.Max(d - t, 0)
+    front = e.Div(grow, 2)
+    return _zero_pad(n, cut, front, grow - front, axes), None
 
 
 # -- broadcasting copies -----------------------------------------------------------------------
