@@ -56,6 +56,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..registry import register
+from .spec import attr
 
 INT64 = ir.DataType.INT64
 _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -65,7 +66,7 @@ _MAX_TAPS = 49  # kernels up to 7x7 get the per-tap weight gradient (one Gemm pe
 
 # -- helpers ---------------------------------------------------------------------------------------
 def _auto_pad(n) -> str:
-    a = n.attr("auto_pad", "NOTSET")
+    a = attr(n, "auto_pad")
     return a.decode() if isinstance(a, bytes) else a
 
 
@@ -400,7 +401,7 @@ def _window_geo(n, k, s, d, x, g, ceil=False, w=None):
 
 def _conv_attrs(n, nsp):
     return (_ints(n.attr("strides"), nsp, 1), _ints(n.attr("dilations"), nsp, 1),
-            int(n.attr("group", 1)))
+            int(attr(n, "group")))
 
 
 # -- Conv and ConvTranspose ------------------------------------------------------------------------
@@ -470,7 +471,7 @@ def _pool_geo(n):
     k = n.attr("kernel_shape")
     nsp = len(k)
     s, d = _ints(n.attr("strides"), nsp, 1), _ints(n.attr("dilations"), nsp, 1)
-    return _window_geo(n, k, s, d, n.x, n.gs[0], ceil=bool(n.attr("ceil_mode", 0)))
+    return _window_geo(n, k, s, d, n.x, n.gs[0], ceil=bool(attr(n, "ceil_mode")))
 
 
 def _spread(n, geo, t):
@@ -521,7 +522,7 @@ def _inverse_counts(n, geo, incl, dtype):
     """1 / the divisor of each window of AveragePool: a python number when every window counts
     prod(k) taps, else a tensor broadcasting against g."""
     nsp, full = geo.nsp, math.prod(geo.k)
-    ceil = bool(n.attr("ceil_mode", 0))
+    ceil = bool(attr(n, "ceil_mode"))
     padded = geo.bv is not None or any(geo.b) or any(geo.pe)
     if not ceil and (incl or not padded):  # every window lies inside the (padded) input
         return 1.0 / full
@@ -543,14 +544,14 @@ def _inverse_counts(n, geo, incl, dtype):
 @register("AveragePool")
 def _average_pool(n, g):
     geo = _pool_geo(n)
-    w = _inverse_counts(n, geo, bool(n.attr("count_include_pad", 0)), g.dtype)
+    w = _inverse_counts(n, geo, bool(attr(n, "count_include_pad")), g.dtype)
     return _spread(n, geo, g * w)
 
 
 def _lp_parts(n, g, y):
     """g / y^(p-1) and x|x|^(p-2) (sign(x) for p=1): their product is the Lp norm's gradient."""
     e, x = n.e, n.x
-    p = n.attr("p", 2)
+    p = attr(n, "p")
     p = int(p) if float(p).is_integer() else float(p)
     if p == 1:
         return g, e.Sign(x)
@@ -659,7 +660,7 @@ def _max_pool(n, g):
     if idx is None:  # recompute the argmax (row-major) with the forward's own attributes
         attrs = {a: v for a, v in n.node.attributes.items() if a != "storage_order"}
         _, idx = e.op("MaxPool", x, _outputs=2, _dtype=[x.dtype, INT64], **attrs)
-    elif n.attr("storage_order", 0) == 1:
+    elif attr(n, "storage_order") == 1:
         idx = _row_major(n, idx, x, nsp)
     # onnxruntime's CPU ScatterElements adds no float16/bfloat16: those add in float32
     dtype = ir.DataType.FLOAT if overlap and g.dtype in _HALF else g.dtype

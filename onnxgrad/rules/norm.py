@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..registry import register, table
+from .spec import attr
 
 _BITS = {ir.DataType.FLOAT16: 16, ir.DataType.BFLOAT16: 16, ir.DataType.FLOAT: 32,
          ir.DataType.DOUBLE: 64}
@@ -53,7 +54,7 @@ def _rank(n, v) -> int:
 
 def _compute_dtype(n, x):
     """The wider of x's dtype and the node's stash_type (default float32)."""
-    stash = ir.DataType(n.attr("stash_type", 1))
+    stash = ir.DataType(attr(n, "stash_type"))
     return stash if _BITS.get(stash, 0) > _BITS.get(x.dtype, 0) else x.dtype
 
 
@@ -106,13 +107,13 @@ def _batch_norm(n, g):
         return (None,) * 5
     e, x = n.e, n.x
     scale, bias, mean, var = n.ins[1:5]
-    eps = n.attr("epsilon", 1e-5)
+    eps = attr(n, "epsilon")
     rank = _rank(n, x)
     axes = [0] + list(range(2, rank))
     dt = x.dtype
     s = _cast(e, scale, dt)
     if n.opset >= 14:
-        training = bool(n.attr("training_mode", 0))
+        training = bool(attr(n, "training_mode"))
     else:  # BatchNormalization-9: the optional statistics outputs mean training mode
         training = any(_out(n, i) is not None for i in range(1, len(n.outs)))
     if training:
@@ -123,7 +124,7 @@ def _batch_norm(n, g):
             gs = _cast(e, _sum(e, g * xh, axes), scale.dtype)
             gb = _cast(e, _sum(e, g, axes), bias.dtype)
         if g_rm is not None or g_rv is not None:
-            momentum = n.attr("momentum", 0.9)
+            momentum = attr(n, "momentum")
             # d mean_A(x)/dx = 1/M, d var_A(x)/dx = 2 (x - mean_A x) / M, M the count over A
             count = e.Cast(e.Div(e.Size(x), _dim1(e, x)), to=dt)
             extra = None
@@ -159,7 +160,7 @@ def _instance_norm(n, g):
             f"InstanceNormalization node {n.node.name!r}: input of rank {rank} has no spatial "
             f"axes to normalize over")
     axes = list(range(2, rank))
-    _, r, xh = _standardize(e, x, axes, n.attr("epsilon", 1e-5))
+    _, r, xh = _standardize(e, x, axes, attr(n, "epsilon"))
     gx = _std_backward(e, g * _chan(e, scale, rank), xh, r, axes)
     return gx, _sum(e, g * xh, [0] + axes), _sum(e, g, [0] + axes)
 
@@ -172,9 +173,9 @@ def _layer_norm(n, g):
     e, x = n.e, n.x
     scale, bias = n.ins[1], n.input(2)
     rank = _rank(n, x)
-    axis = n.attr("axis", -1)
+    axis = attr(n, "axis")
     axes = list(range(axis + rank if axis < 0 else axis, rank))
-    eps = n.attr("epsilon", 1e-5)
+    eps = attr(n, "epsilon")
     dt = _compute_dtype(n, x)
     xc = _cast(e, x, dt)
     mean_out, inv_out = _out(n, 1), _out(n, 2)
@@ -212,7 +213,7 @@ def _group_norm(n, g, per_channel):
     dt = _compute_dtype(n, x) if per_channel else x.dtype
     gc, s = _cast(e, g, dt), _cast(e, scale, dt)
     x3 = e.Reshape(_cast(e, x, dt), [0, groups, -1])   # (N, G, C/G * D1 * ...)
-    _, r, xh3 = _standardize(e, x3, [2], n.attr("epsilon", 1e-5))
+    _, r, xh3 = _standardize(e, x3, [2], attr(n, "epsilon"))
     if per_channel:  # opset 21: scale and bias per channel, on the (N, C, D1 * ...) view
         nc = e.Concat(e.Shape(x, end=2), [-1], axis=0)
         g_nc, xh_nc = e.Reshape(gc, nc), e.Reshape(xh3, nc)
@@ -235,11 +236,11 @@ register("GroupNormalization", lambda n, g: _group_norm(n, g, True), since=21)
 def _rms_norm(n, g):
     e, x, scale = n.e, n.x, n.ins[1]
     rank = _rank(n, x)
-    axis = n.attr("axis", -1)
+    axis = attr(n, "axis")
     axes = list(range(axis + rank if axis < 0 else axis, rank))
     dt = _compute_dtype(n, x)
     xc, gc = _cast(e, x, dt), _cast(e, g, dt)
-    r = e.Reciprocal(e.Sqrt(_mean(e, xc * xc, axes) + n.attr("epsilon", 1e-5)))
+    r = e.Reciprocal(e.Sqrt(_mean(e, xc * xc, axes) + attr(n, "epsilon")))
     xh = xc * r
     gxh = gc * _cast(e, scale, dt)
     gx = r * (gxh - xh * _mean(e, gxh * xh, axes))
@@ -251,7 +252,7 @@ def _rms_norm(n, g):
 def _lp_norm(n, g):
     """y = x / ||x||_p along ``axis``: dx = (g - d||x||/dx * sum(g y)) / ||x||."""
     e, x, y = n.e, n.x, n.y
-    axis, p = n.attr("axis", -1), n.attr("p", 2)
+    axis, p = attr(n, "axis"), attr(n, "p")
     sgy = e.reduce("ReduceSum", g * y, [axis])
     if p == 2:   # ||x|| = sum(x * y); d||x||/dx = y
         return (g - y * sgy) / e.reduce("ReduceSum", x * y, [axis])
@@ -265,7 +266,7 @@ def _mvn(n, g):
     """y = (x - m) / (s + 1e-9), s = sqrt(var) (ONNX's epsilon sits outside the root):
     dx = (g - mean(g) - mean(g y) (x - m) / s) / (s + 1e-9)."""
     e, x, y = n.e, n.x, n.y
-    axes = n.attr("axes", [0, 2, 3])
+    axes = attr(n, "axes")
     c = x - _mean(e, x, axes)
     s = e.Sqrt(_mean(e, c * c, axes))
     return (g - _mean(e, g, axes) - _mean(e, g * y, axes) * c / s) / (s + 1e-9)
@@ -277,7 +278,7 @@ def _lrn(n, g):
     dx = g s^-beta - 2 alpha beta / size * x * W'(g y / s), W' the mirrored window."""
     e, x, y = n.e, n.x, n.y
     size = n.attr("size")
-    alpha, beta, bias = n.attr("alpha", 1e-4), n.attr("beta", 0.75), n.attr("bias", 1.0)
+    alpha, beta, bias = attr(n, "alpha"), attr(n, "beta"), attr(n, "bias")
     rank = _rank(n, x)
     lo = (size - 1) // 2
     hi = size - 1 - lo
@@ -334,7 +335,7 @@ def _one_hot(n, g):
     """y = where(one_hot(indices), values[1], values[0]): only ``values`` gets a gradient."""
     e = n.e
     hot = e.OneHot(n.ins[0], n.ins[1], e.const(np.array([0, 1]), g.dtype),
-                   axis=n.attr("axis", -1), _dtype=g.dtype)
+                   axis=attr(n, "axis"), _dtype=g.dtype)
     on = e.ReduceSum(g * hot, keepdims=0)
     off = e.ReduceSum(g, keepdims=0) - on
     values = e.Concat(e.Reshape(off, [1]), e.Reshape(on, [1]), axis=0)

@@ -25,6 +25,7 @@ from onnx import helper
 
 from ..registry import register
 from .shape import END, _replay
+from .spec import attr
 
 
 def _s(v):
@@ -120,7 +121,7 @@ def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
             if isinstance(xs[a], int):  # the spec's floor(in * scale); a static y overrides
                 out[a] = int(np.floor(xs[a] * np.float32(s)))
     elif sizes is not None and sizes.size > 0:
-        policy = _s(n.attr("keep_aspect_ratio_policy", "stretch"))
+        policy = _s(attr(n, "keep_aspect_ratio_policy"))
         static = [xs[a] for a in axes]
         if not all(isinstance(d, int) for d in static):
             raise NotImplementedError(f"Resize gradient at node {n.node.name!r}: the resized "
@@ -232,7 +233,7 @@ def _resize(n, g):
 
 @register("Resize", since=10, until=10)
 def _resize10(n, g):  # Resize-10: asymmetric coordinates (as version_converter maps it to 11)
-    mode = _s(n.attr("mode", "nearest"))
+    mode = _s(attr(n, "mode"))
     attrs = {"mode": mode, "coordinate_transformation_mode": "asymmetric",
              "nearest_mode": "floor" if mode == "nearest" else None}
     return _resize_grad(n, g, mode, attrs, _folded(n, 1), None, None, None), None
@@ -240,7 +241,7 @@ def _resize10(n, g):  # Resize-10: asymmetric coordinates (as version_converter 
 
 @register("Upsample")
 def _upsample(n, g):
-    mode = _s(n.attr("mode", "nearest"))
+    mode = _s(attr(n, "mode"))
     mode = "linear" if mode in ("linear", "bilinear") else mode
     attrs = {"mode": mode, "coordinate_transformation_mode": "asymmetric",
              "nearest_mode": "floor" if mode == "nearest" else None}
@@ -262,7 +263,7 @@ def _affine_grid(n, g):
     k = theta.shape[1]  # 2 (2-D) or 3 (3-D)
     eye = e.const(np.eye(k, k + 1)[None], theta.dtype)
     one_size = e.Concat([1], e.Slice(size, [1], [END]), axis=0)
-    base = e.AffineGrid(eye, one_size, align_corners=n.attr("align_corners", 0))
+    base = e.AffineGrid(eye, one_size, align_corners=attr(n, "align_corners"))
     base = e.Squeeze(base, [0])
     base = e.Concat(base, e.fill_like(e.Slice(base, [0], [1], [-1]), 1), axis=-1)
     sp = "hw" if k == 2 else "dhw"
@@ -396,9 +397,9 @@ def _grid_sample(n, g):
     number of spatial axes). dX scatters g * w_t back to i_t (ScatterElements, reduction add);
     dgrid = sum_c g * sum_t X[i_t] dw_t/dgrid (a GatherElements), zero for nearest."""
     e, x, grid = n.e, n.x, n.ins[1]
-    mode = _s(n.attr("mode", "linear" if n.opset >= 20 else "bilinear"))
-    padding = _s(n.attr("padding_mode", "zeros"))
-    align = bool(n.attr("align_corners", 0))
+    mode = _s(attr(n, "mode"))
+    padding = _s(attr(n, "padding_mode"))
+    align = bool(attr(n, "align_corners"))
     rank = x.rank if x.rank is not None else grid.rank
     if rank is None:
         raise NotImplementedError(f"GridSample gradient at node {n.node.name!r}: the rank of "
@@ -493,12 +494,12 @@ def _roi_align(n, g):
     e, x = n.e, n.x
     rois, batch = n.ins[1], n.ins[2]
     dt = x.dtype
-    mode = _s(n.attr("mode", "avg"))
-    half = _s(n.attr("coordinate_transformation_mode", "half_pixel")) == "half_pixel" \
+    mode = _s(attr(n, "mode"))
+    half = _s(attr(n, "coordinate_transformation_mode")) == "half_pixel" \
         if n.opset >= 16 else False
-    oh, ow = int(n.attr("output_height", 1)), int(n.attr("output_width", 1))
-    sr = int(n.attr("sampling_ratio", 0))
-    scale = float(n.attr("spatial_scale", 1.0))
+    oh, ow = int(attr(n, "output_height")), int(attr(n, "output_width"))
+    sr = int(attr(n, "sampling_ratio"))
+    scale = float(attr(n, "spatial_scale"))
     shape = e.Shape(x)
     hw = [e.Cast(e.Gather(shape, e.const(np.array(i, np.int64))), to=dt) for i in (2, 3)]
     hw_i = [e.Gather(shape, e.const(np.array(i, np.int64))) for i in (2, 3)]
@@ -590,7 +591,7 @@ def _max_roi_pool(n, g):
     ph, pw = (int(v) for v in n.attr("pooled_shape"))
     r = e.Cast(n.ins[1], to=_F32)
     batch = e.Cast(e.Squeeze(e.Slice(r, [0], [1], [1]), [1]), to=_I64)      # truncated, as C
-    c = e.Slice(r, [1], [5], [1]) * float(n.attr("spatial_scale", 1.0))   # x1, y1, x2, y2
+    c = e.Slice(r, [1], [5], [1]) * float(attr(n, "spatial_scale"))   # x1, y1, x2, y2
     a = e.Abs(c)
     f = e.Floor(a)
     c = e.Cast(e.Sign(c) * e.Where(e.GreaterOrEqual(a - f, 0.5), f + 1.0, f), to=_I64)
@@ -630,7 +631,7 @@ def _deform_attrs(n, w):
                                   "W) is supported")
     ints = lambda name, d: [int(i) for i in (n.attr(name) or d)]  # noqa: E731
     return ([int(i) for i in k], ints("strides", [1, 1]), ints("dilations", [1, 1]),
-            ints("pads", [0, 0, 0, 0]), int(n.attr("group", 1)), int(n.attr("offset_group", 1)))
+            ints("pads", [0, 0, 0, 0]), int(attr(n, "group")), int(attr(n, "offset_group")))
 
 
 def _deform_sample(e, x, offset, kernel, strides, dilations, pads, og):
