@@ -620,21 +620,26 @@ def test_grid_sample_symbolic_shapes_and_float16():
 
 # -- RoiAlign -----------------------------------------------------------------------------------
 ROIS = np.array([[0.3, 0.4, 3.6, 2.7], [1.2, 0.1, 4.4, 3.9], [-0.5, 2.0, 2.2, 5.5],
-                 [4.0, 3.5, 4.2, 3.6]], f)  # the last roi is tiny (an empty grid in half_pixel)
+                 [4.0, 3.5, 4.2, 3.6], [2.1, 1.2, 2.7, 1.6]], f)
+# the fourth roi is tiny (an empty grid in half_pixel); the fifth is narrower than one pixel
+# after spatial_scale (output_half_pixel clamps its size to 1: its end gets no gradient there)
 
 
 @pytest.mark.parametrize("mode", ["avg", "max"])
 @pytest.mark.parametrize("ctm", ["half_pixel", "output_half_pixel"])
 @pytest.mark.parametrize("sr", [0, 2])
 def test_roi_align_finite_differences(mode, ctm, sr):
-    """Every element of x probed (rois partly outside the image, sampling_ratio 0 giving a
-    different grid per roi); rois and batch_indices are constants (not differentiable)."""
-    m = op_model("RoiAlign", {"x": (f, [2, 3, 5, 6])}, opset=16,
-                 inits={"rois": ROIS, "bi": np.array([0, 1, 1, 0], np.int64)}, mode=mode,
+    """Every element of x and of rois probed (rois partly outside the image, sampling_ratio 0
+    giving a different grid per roi): Y moves with the rois through the bilinear sample
+    positions, as TF's crop_and_resize with its boxes."""
+    m = op_model("RoiAlign", {"x": (f, [2, 3, 5, 6]), "rois": (f, ["R", 4])}, opset=16,
+                 inits={"bi": np.array([0, 1, 1, 0, 1], np.int64)}, mode=mode,
                  coordinate_transformation_mode=ctm, sampling_ratio=sr, output_height=2,
                  output_width=3, spatial_scale=0.9)
-    rep = assert_gradients(m, "y", "x", max_elements=200)
-    assert rep.results[0].checked == 180
+    x = np.random.default_rng(0).standard_normal((2, 3, 5, 6)).astype(f)
+    rep = assert_gradients(m, "y", ["x", "rois"], {"x": x, "rois": ROIS}, max_elements=200)
+    assert [r.checked for r in rep.results] == [180, 20]
+    assert np.abs(rep.results[1].grad).min() > 0 or ctm == "output_half_pixel"
 
 
 def test_roi_align_10_symbolic_batch():
@@ -642,9 +647,21 @@ def test_roi_align_10_symbolic_batch():
     m = op_model("RoiAlign", {"x": (f, ["N", 2, 4, 5]), "rois": (f, ["R", 4])}, opset=10,
                  inits={"bi": np.array([1, 0], np.int64)}, output_height=2, output_width=2)
     rng = np.random.default_rng(1)
-    feeds = {"x": rng.standard_normal((2, 2, 4, 5)).astype(f), "rois": ROIS[:2]}
-    rep = assert_gradients(m, "y", "x", feeds, max_elements=100)
-    assert rep.results[0].checked == 80
+    # (ROIS[1] puts samples exactly on the last column of this 5-wide image: a kink)
+    rois = np.array([[0.3, 0.4, 3.6, 2.7], [1.15, 0.1, 4.35, 3.9]], f)
+    feeds = {"x": rng.standard_normal((2, 2, 4, 5)).astype(f), "rois": rois}
+    rep = assert_gradients(m, "y", ["x", "rois"], feeds, max_elements=100)
+    assert [r.checked for r in rep.results] == [80, 8]
+
+
+def test_roi_align_rois_only_skips_the_scatter():
+    """Only the rois' gradient wanted: no ScatterElements for X's."""
+    m = op_model("RoiAlign", {"x": (f, [1, 1, 6, 6]), "rois": (f, [1, 4])}, opset=16,
+                 inits={"bi": np.array([0], np.int64)}, output_height=2, output_width=2)
+    res = onnxgrad.gradients(m, "y", "rois")
+    assert not [nd for nd in res.model.graph.node if nd.op_type == "ScatterElements"]
+    x = np.random.default_rng(3).standard_normal((1, 1, 6, 6)).astype(f)
+    assert_gradients(m, "y", "rois", {"x": x, "rois": np.array([[0.7, 1.3, 4.6, 5.2]], f)})
 
 
 # -- DeformConv ---------------------------------------------------------------------------------

@@ -459,7 +459,8 @@ def _grid_sample(n, g):
 # -- RoiAlign ------------------------------------------------------------------------------------
 def _roi_axis(e, c, size):
     """RoiAlign's bilinear taps along one axis at sample coordinates c (the spec's clamping):
-    (in range, [(int64 index, weight)] * 2)."""
+    (in range, [(int64 index, weight)] * 2, d frac / d c). frac, the high tap's weight, moves
+    with c except where c is clamped (c <= 0) or sits on the last row (both taps there)."""
     ok = e.And(e.GreaterOrEqual(c, -1.0), e.LessOrEqual(c, size))
     c0 = e.Max(c, 0.0)
     f = e.Floor(c0)
@@ -467,12 +468,14 @@ def _roi_axis(e, c, size):
     lo = e.Where(top, e.Expand(size - 1.0, e.Shape(f)), f)
     hi = e.Where(top, lo, f + 1.0)
     frac = e.Where(top, e.zeros_like(f), c0 - f)
-    return ok, [(e.Cast(lo, to=_I64), 1.0 - frac), (e.Cast(hi, to=_I64), frac)]
+    moves = e.Cast(e.And(e.Greater(c, 0.0), e.Not(top)), to=c.dtype)
+    return ok, [(e.Cast(lo, to=_I64), 1.0 - frac), (e.Cast(hi, to=_I64), frac)], moves
 
 
 def _roi_samples(e, start, size, bins, grid, dt):
-    """Sample coordinates [R, bins, G] of one axis (G the largest per-roi grid) and the mask
-    of the samples that exist for each roi (i < grid[r])."""
+    """Sample coordinates [R, bins, G] of one axis (G the largest per-roi grid), the mask of
+    the samples that exist for each roi (i < grid[r]), and u = (p + (i + 0.5) / grid) / bins,
+    the share of the roi's size in front of each sample (c = start + size * u)."""
     b = size / float(bins)                                   # bin size [R]
     gmax = e.Cast(e.reduce("ReduceMax", grid, [0], keepdims=0), to=_I64)
     i = e.Cast(e.Range(e.const(np.array(0, np.int64)), gmax, e.const(np.array(1, np.int64))),
@@ -480,8 +483,10 @@ def _roi_samples(e, start, size, bins, grid, dt):
     r3 = lambda t: e.Unsqueeze(t, [1, 2])                    # noqa: E731  [R] -> [R, 1, 1]
     p = e.const(np.arange(bins, dtype=np.float64).reshape(1, -1, 1), dt)
     safe = e.Max(grid, 1.0)
-    c = r3(start) + p * r3(b) + (e.Unsqueeze(i, [0, 1]) + 0.5) * r3(b / safe)
-    return c, e.Less(e.Unsqueeze(i, [0, 1]), r3(grid))
+    i3 = e.Unsqueeze(i, [0, 1]) + 0.5
+    c = r3(start) + p * r3(b) + i3 * r3(b / safe)            # the forward's own arithmetic
+    u = (p + i3 / r3(safe)) * (1.0 / bins)
+    return c, e.Less(e.Unsqueeze(i, [0, 1]), r3(grid)), u
 
 
 @register("RoiAlign", since=10)
@@ -489,8 +494,13 @@ def _roi_align(n, g):
     """Y[r, c, ph, pw] averages (or takes the max of) bilinear samples of X[batch[r], c] on a
     grid in each bin. The samples' taps and weights are rebuilt from rois (the spec's clamping,
     sampling_ratio 0 meaning ceil(roi size / bins) per roi: samples up to the largest grid, the
-    others masked); dX scatters g times each tap's weight (avg) or to the tap of each bin's
-    maximum (max) with ScatterElements add. rois and batch_indices get no gradient."""
+    others masked). Each bin's cotangent per tap K (g / count for avg; for max, g at the tap
+    w * X of the bin's largest product) gives dX = K * w scattered with ScatterElements add,
+    and the rois' gradient through the sample positions c = start + size * u (as
+    crop_and_resize's boxes): dY/dc = K * X * dw/dc, dc/dstart = 1 - u, dc/dend = u (the size
+    clamped to >= 1 in output_half_pixel mode moves neither), times spatial_scale. The grid
+    count and the in-range test are piecewise constant in rois: no gradient through them.
+    batch_indices are integers."""
     e, x = n.e, n.x
     rois, batch = n.ins[1], n.ins[2]
     dt = x.dtype
@@ -500,6 +510,7 @@ def _roi_align(n, g):
     oh, ow = int(attr(n, "output_height")), int(attr(n, "output_width"))
     sr = int(attr(n, "sampling_ratio"))
     scale = float(attr(n, "spatial_scale"))
+    want_x, want_rois = n.wants(n.node.inputs[0]), n.wants(n.node.inputs[1])
     shape = e.Shape(x)
     hw = [e.Cast(e.Gather(shape, e.const(np.array(i, np.int64))), to=dt) for i in (2, 3)]
     hw_i = [e.Gather(shape, e.const(np.array(i, np.int64))) for i in (2, 3)]
@@ -507,16 +518,18 @@ def _roi_align(n, g):
     col = lambda k: e.Squeeze(e.Slice(r, [k], [k + 1], [1]), [1]) * scale - (0.5 if half else 0.0)  # noqa: E731,E501
     x1, y1, x2, y2 = (col(k) for k in range(4))
     rw, rh = x2 - x1, y2 - y1
+    grow_w = grow_h = None  # where the size follows the roi (not clamped to 1)
     if not half:
+        grow_w, grow_h = (e.Cast(e.Greater(t, 1.0), to=dt) for t in (rw, rh))
         rw, rh = e.Max(rw, 1.0), e.Max(rh, 1.0)
     if sr > 0:
         gh = gw = e.Expand(e.const(float(sr), dt), e.Shape(rw))
     else:
         gh, gw = e.Ceil(rh / float(oh)), e.Ceil(rw / float(ow))
-    cy, my = _roi_samples(e, y1, rh, oh, gh, dt)             # [R, oh, Gh]
-    cx, mx = _roi_samples(e, x1, rw, ow, gw, dt)             # [R, ow, Gw]
-    oky, ty = _roi_axis(e, cy, hw[0])
-    okx, tx = _roi_axis(e, cx, hw[1])
+    cy, my, uy = _roi_samples(e, y1, rh, oh, gh, dt)         # [R, oh, Gh]
+    cx, mx, ux = _roi_samples(e, x1, rw, ow, gw, dt)         # [R, ow, Gw]
+    oky, ty, dfy = _roi_axis(e, cy, hw[0])
+    okx, tx, dfx = _roi_axis(e, cx, hw[1])
     y5 = lambda t: e.Unsqueeze(t, [3, 4])                    # noqa: E731  -> [R, oh, Gh, 1, 1]
     x5 = lambda t: e.Unsqueeze(t, [1, 2])                    # noqa: E731  -> [R, 1, 1, ow, Gw]
     exists = e.And(y5(my), x5(mx))                           # the samples of each roi's grid
@@ -524,40 +537,57 @@ def _roi_align(n, g):
     base = e.Unsqueeze(e.Cast(batch, to=_I64) * (hw_i[0] * hw_i[1]), [1, 2, 3, 4])
     taps = [(base + y5(iy) * hw_i[1] + x5(ix), y5(wy) * x5(wx) * inside)
             for iy, wy in ty for ix, wx in tx]               # 4 x ([R, oh, Gh, ow, Gw])
+    tap7 = lambda ts: e.Concat(*[e.Unsqueeze(t, [5]) for t in ts], axis=5)  # noqa: E731
+    idx7, w7 = tap7([i for i, _ in taps]), tap7([w for _, w in taps])      # [R,oh,Gh,ow,Gw,4]
     xt = e.Reshape(e.Transpose(x, perm=[1, 0, 2, 3]), [0, -1])    # [C, N*H*W]
-    g6 = e.Unsqueeze(g, [3, 5])                              # [R, C, oh, 1, ow, 1]
-    perm = [1, 0, 2, 3, 4, 5]
-    if mode == "avg":
-        count = e.Unsqueeze(e.Max(gh * gw, 1.0), [1, 2, 3, 4])
-        idx = e.Concat(*[e.Reshape(i, [1, -1]) for i, _ in taps], axis=1)
-        upd = e.Concat(*[e.Reshape(e.Transpose(g6 * e.Unsqueeze(
-            w * e.Cast(exists, to=dt) / count, [1]), perm=perm), e.Concat(
-                e.Shape(xt, end=1), [-1], axis=0)) for _, w in taps], axis=1)
+    c_dim = e.Slice(e.Shape(xt), [0], [1])
+    ex7 = e.Unsqueeze(e.Cast(exists, to=dt), [0, 6])          # [1, R, oh, Gh, ow, Gw, 1]
+    vals = None                                               # X at every tap [C, R, ..., 4]
+    if mode == "max" or want_rois:
+        vals = e.Gather(xt, e.Reshape(idx7, [-1]), axis=1)
+        vals = e.Reshape(vals, e.Concat(c_dim, e.Shape(idx7), axis=0))
+    if mode == "avg":  # K: g / count on every tap of every existing sample
+        count = e.Unsqueeze(e.Max(gh * gw, 1.0), [1, 2, 3, 4, 5])
+        k7 = e.Unsqueeze(e.Transpose(e.Unsqueeze(g, [3, 5]), perm=[1, 0, 2, 3, 4, 5]), [6])
+        k7 = k7 * (ex7 / e.Unsqueeze(count, [0]))            # [C, R, oh, Gh, ow, Gw, 1]
     else:  # max: the tap w * X of each bin's largest product, first in (iy, ix, tap) order
-        idx7 = e.Concat(*[e.Unsqueeze(i, [5]) for i, _ in taps], axis=5)    # [R,oh,Gh,ow,Gw,4]
-        w7 = e.Concat(*[e.Unsqueeze(w, [5]) for _, w in taps], axis=5)
-        vals = e.Gather(xt, e.Reshape(idx7, [-1]), axis=1)                  # [C, K]
-        vals = e.Reshape(vals, e.Concat(e.Shape(xt, end=1), e.Shape(idx7), axis=0))
-        vals = vals * e.Unsqueeze(w7, [0])                                  # [C,R,oh,Gh,ow,Gw,4]
-        ex7 = e.Unsqueeze(e.Unsqueeze(exists, [5]), [0])
-        vals = e.Where(ex7, vals, e.const(-np.inf, dt))
-        flat = e.Reshape(e.Transpose(vals, perm=[1, 0, 2, 4, 3, 5, 6]), [0, 0, oh, ow, -1])
+        prod = e.Where(e.Cast(ex7, to=ir.DataType.BOOL), vals * e.Unsqueeze(w7, [0]),
+                       e.const(-np.inf, dt))                  # [C,R,oh,Gh,ow,Gw,4]
+        flat = e.Reshape(e.Transpose(prod, perm=[1, 0, 2, 4, 3, 5, 6]), [0, 0, oh, ow, -1])
         am = e.ArgMax(flat, axis=-1, keepdims=1)
         hit = e.Equal(e.Range(e.const(np.array(0, np.int64)),
                               e.Squeeze(e.Shape(flat, start=-1), [0]),
                               e.const(np.array(1, np.int64))), am)
-        sel = e.Cast(hit, to=dt) * e.Unsqueeze(g, [4])                      # [R,C,oh,ow,S]
-        sel = e.Reshape(sel, e.Concat(e.Shape(g), e.Shape(idx7, start=2, end=3),
-                                      e.Shape(idx7, start=4), axis=0))     # [R,C,oh,ow,Gh,Gw,4]
-        sel = e.Transpose(sel, perm=[1, 0, 2, 4, 3, 5, 6]) * e.Unsqueeze(w7, [0])
-        sel = sel * e.Cast(ex7, to=dt)
-        upd = e.Reshape(sel, e.Concat(e.Shape(xt, end=1), [-1], axis=0))
-        idx = e.Reshape(idx7, [1, -1])
-    idx = e.Expand(idx, e.Concat(e.Shape(xt, end=1), e.Shape(idx, start=1), axis=0))
-    dxt = _scatter_add(e, e.zeros_like(xt), idx, upd, 1)
-    dx = e.Transpose(e.Reshape(dxt, e.Concat(e.Shape(x, start=1, end=2), e.Shape(x, end=1),
-                                             e.Shape(x, start=2), axis=0)), perm=[1, 0, 2, 3])
-    return dx, None, None
+        k7 = e.Cast(hit, to=dt) * e.Unsqueeze(g, [4])                       # [R,C,oh,ow,S]
+        k7 = e.Reshape(k7, e.Concat(e.Shape(g), e.Shape(idx7, start=2, end=3),
+                                    e.Shape(idx7, start=4), axis=0))       # [R,C,oh,ow,Gh,Gw,4]
+        k7 = e.Transpose(k7, perm=[1, 0, 2, 4, 3, 5, 6]) * ex7             # [C,R,oh,Gh,ow,Gw,4]
+    dx = drois = None
+    if want_x:
+        upd = e.Reshape(e.Expand(k7 * e.Unsqueeze(w7, [0]),
+                                 e.Concat(c_dim, e.Shape(idx7), axis=0)),
+                        e.Concat(c_dim, [-1], axis=0))
+        idx = e.Expand(e.Reshape(idx7, [1, -1]), e.Shape(upd))
+        dxt = _scatter_add(e, e.zeros_like(xt), idx, upd, 1)
+        dx = e.Transpose(e.Reshape(dxt, e.Concat(e.Shape(x, start=1, end=2), e.Shape(x, end=1),
+                                                 e.Shape(x, start=2), axis=0)),
+                         perm=[1, 0, 2, 3])
+    if want_rois:
+        d7 = e.reduce("ReduceSum", k7 * vals, [0], keepdims=0)  # dY/dw per tap [R,oh,Gh,ow,Gw,4]
+        sign = (-1.0, 1.0)   # d w / d frac of the low and high tap
+        dwy = tap7([y5(dfy * sy) * x5(wx) * inside for sy in sign for _, wx in tx])
+        dwx = tap7([y5(wy) * x5(dfx * sx) * inside for _, wy in ty for sx in sign])
+        dcy = e.reduce("ReduceSum", d7 * dwy, [3, 4, 5], keepdims=0)       # [R, oh, Gh]
+        dcx = e.reduce("ReduceSum", d7 * dwx, [1, 2, 5], keepdims=0)       # [R, ow, Gw]
+
+        def ends(dc, u, grow):  # d/d(start, end) of c = start + size * u
+            du = dc * u if grow is None else dc * u * e.Unsqueeze(grow, [1, 2])
+            total, moved = (e.reduce("ReduceSum", t, [1, 2], keepdims=0) for t in (dc, du))
+            return total - moved, moved
+        (dx1, dx2), (dy1, dy2) = ends(dcx, ux, grow_w), ends(dcy, uy, grow_h)
+        drois = e.Concat(*[e.Unsqueeze(t, [1]) for t in (dx1, dy1, dx2, dy2)], axis=1) * scale
+        drois = _cast(e, drois, rois.dtype)
+    return dx, drois, None
 
 
 # -- MaxRoiPool ----------------------------------------------------------------------------------
