@@ -6,6 +6,7 @@ Each entry is ``op: lambda n, g: <gradient of each input>``; ``n.x`` is input 0,
 import math
 
 from ..registry import register, table
+from .spec import no_gradient
 
 
 def S(n, t, i):
@@ -53,6 +54,8 @@ table({
     # rounding is piecewise constant: its gradient is zero (not "unconnected")
     "Floor": _zeros, "Ceil": _zeros, "Round": _zeros, "Sign": _zeros,
 })
+# a 0/1 draw from the probabilities x: piecewise constant in x, so zero (not unconnected)
+register("Bernoulli", _zeros, since=15)
 
 
 @register("Pow")
@@ -70,6 +73,9 @@ def _pow(n, g):
 @register(["Cast", "CastLike"])
 def _cast(n, g):
     return n.e.Cast(g, to=n.x.dtype)
+
+
+no_gradient("CastLike", target_type="only its type is read")
 
 
 @register(["Min", "Max"])

@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..registry import register, table
-from .spec import attr
+from .spec import attr, no_gradient
 
 _BITS = {ir.DataType.FLOAT16: 16, ir.DataType.BFLOAT16: 16, ir.DataType.FLOAT: 32,
          ir.DataType.DOUBLE: 64}
@@ -327,6 +327,9 @@ def _dropout(n, g):
     if flag is None:   # decided at run time
         gx = e.Where(training, gx, g)
     return gx, None, None
+
+
+no_gradient("Dropout", ratio="non-differentiable in the ONNX schema")
 
 
 # -- Hardmax, OneHot (CenterCropPad's rule lives with the shape ops in shape.py) ----------

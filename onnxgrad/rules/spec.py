@@ -1,4 +1,5 @@
-"""What the ONNX schemas say about a rule's node: attribute defaults, input differentiability.
+"""What the ONNX schemas say about a rule's node (attribute defaults), and which float inputs
+get no gradient and why (``NO_GRADIENT``, printed by ``onnxgrad ops``).
 
 A rule reads its attributes through :func:`attr`, so an absent attribute takes the default the
 schema of the node's opset gives, the constant the forward itself uses: Selu's alpha is the
@@ -48,3 +49,13 @@ def attr(n, name: str, otherwise=None):
     if d is None:
         return otherwise
     return list(d) if isinstance(d, tuple) else d
+
+
+# op type -> {float input (the schema's name): why it gets no gradient}. A rule returns None
+# for a float input only when its op is listed here; `onnxgrad ops` prints the reasons.
+NO_GRADIENT: dict[str, dict[str, str]] = {}
+
+
+def no_gradient(op_type: str, **why: str) -> None:
+    """Declare float inputs of ``op_type`` that get no gradient, with the reason."""
+    NO_GRADIENT.setdefault(op_type, {}).update(why)

@@ -25,7 +25,7 @@ from onnx import helper
 
 from ..registry import register
 from .shape import END, _replay
-from .spec import attr
+from .spec import attr, no_gradient
 
 
 def _s(v):
@@ -249,6 +249,11 @@ def _upsample(n, g):
     scales = np.array(scales, np.float32) if scales is not None else _folded(n, 1)
     dx = _resize_grad(n, g, mode, attrs, scales, None, None, None)
     return (dx,) + (None,) * (len(n.ins) - 1)
+
+
+no_gradient("Resize", roi="non-differentiable in the ONNX schema",
+            scales="non-differentiable in the ONNX schema")
+no_gradient("Upsample", scales="as Resize's (Upsample is upgraded to Resize)")
 
 
 # -- AffineGrid ---------------------------------------------------------------------------------
@@ -615,8 +620,7 @@ def _max_roi_pool(n, g):
     C's round half away from zero, floor/ceil bin edges, clipping) and every bin's elements
     gathered from X ([C, R, ph, Kh, pw, Kw], the forward's own cost); g goes to the elements equal
     to Y (the forward's max, reused), split evenly among ties, and is added up into X's shape
-    (bins of overlapping rois share elements). rois are proposals: no gradient (as Caffe's and
-    torchvision's roi_pool)."""
+    (bins of overlapping rois share elements). rois get none (see NO_GRADIENT below)."""
     e, x, y = n.e, n.x, n.y
     ph, pw = (int(v) for v in n.attr("pooled_shape"))
     r = e.Cast(n.ins[1], to=_F32)
@@ -645,6 +649,10 @@ def _max_roi_pool(n, g):
     dx = e.Reshape(dxt, e.Concat(e.Shape(x, start=1, end=2), e.Shape(x, end=1),
                                  e.Shape(x, start=2), axis=0))
     return e.Transpose(dx, perm=[1, 0, 2, 3]), None
+
+
+no_gradient("MaxRoiPool", rois="non-differentiable in the ONNX schema (Y is piecewise constant "
+                             "in them: they are rounded to whole bins)")
 
 
 # -- DeformConv ----------------------------------------------------------------------------------
