@@ -7,7 +7,8 @@ over the axes A, and ĝ = dL/dx̂,
 
 Means are ReduceMean (so symbolic dims need no static count, and float16 counts cannot overflow).
 Forward outputs are reused where the node has them (LayerNormalization's Mean and InvStdDev,
-Dropout's mask, the normalized output of LpNormalization, MeanVarianceNormalization and LRN);
+unless they are narrower than the computation, Dropout's mask, the normalized output of
+LpNormalization, MeanVarianceNormalization and LRN);
 the batch statistics that BatchNormalization, InstanceNormalization and GroupNormalization never
 output are recomputed. Ops with a ``stash_type`` (LayerNormalization, GroupNormalization-21,
 RMSNormalization) compute the gradient in the wider of the input type and the stash type, so
@@ -56,6 +57,12 @@ def _compute_dtype(n, x):
     """The wider of x's dtype and the node's stash_type (default float32)."""
     stash = ir.DataType(attr(n, "stash_type"))
     return stash if _BITS.get(stash, 0) > _BITS.get(x.dtype, 0) else x.dtype
+
+
+def _precise(v, dtype):
+    """A forward output v to reuse in a computation in ``dtype``: None (recompute it) when v
+    is absent or narrower than dtype, whose precision it would cap."""
+    return v if v is not None and _BITS.get(v.dtype, 0) >= _BITS.get(dtype, 0) else None
 
 
 def _mean(e, t, axes):
@@ -168,8 +175,10 @@ def _instance_norm(n, g):
 # -- LayerNormalization ----------------------------------------------------------------------
 @register("LayerNormalization", since=17)
 def _layer_norm(n, g):
-    """Reuses the node's Mean / InvStdDev outputs when it has them; differentiates those outputs
-    too (they are live in a second-order gradient that reuses them)."""
+    """Reuses the node's Mean / InvStdDev outputs when it has them and they are as precise as
+    the gradient's dtype (a float64 node with the default float32 stash_type keeps float32
+    statistics: recomputed in float64 then); differentiates those outputs too (they are live in
+    a second-order gradient that reuses them)."""
     e, x = n.e, n.x
     scale, bias = n.ins[1], n.input(2)
     rank = _rank(n, x)
@@ -178,7 +187,7 @@ def _layer_norm(n, g):
     eps = attr(n, "epsilon")
     dt = _compute_dtype(n, x)
     xc = _cast(e, x, dt)
-    mean_out, inv_out = _out(n, 1), _out(n, 2)
+    mean_out, inv_out = (_precise(_out(n, i), dt) for i in (1, 2))
     mu = _cast(e, mean_out, dt) if mean_out is not None else _mean(e, xc, axes)
     c = xc - mu
     r = (_cast(e, inv_out, dt) if inv_out is not None
