@@ -278,6 +278,16 @@ def test_bad_feeds(capsys, tmp_path):
     assert_one_line_error(rc, err, "missing.npz", "no such file")
 
 
+def test_check_needs_feeds_for_integer_inputs(capsys, saved):
+    """A Loop's trip count cannot be drawn at random: a one-line error naming it (the message
+    itself crashed before)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_control_flow import loop_with_body_initializer
+    path = saved(loop_with_body_initializer(np.float32))
+    rc, _, err = cli(capsys, "check", path, "--ys", "hT", "--xs", "h0")
+    assert_one_line_error(rc, err, "'M'", "int64", "--feeds")
+
+
 # -- the bundled models --------------------------------------------------------------------------
 def test_bundled_models_are_what_the_script_makes(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "models"))
