@@ -650,16 +650,24 @@ def test_max_unpool_output_shape_gathers_at_indices():
     (dict(strides=[2, 1], pads=[1, 0, 1, 1]), [5, 4], [2, 3]),
     (dict(dilations=[2, 1], strides=[1, 2]), [6, 5], [2, 2]),
 ])
-def test_col2im_finite_differences_and_torch(attrs, image, block):
+@pytest.mark.parametrize("run_time", [False, True])
+def test_col2im_finite_differences_and_torch(attrs, image, block, run_time):
+    """image_shape and block_shape constants, or graph inputs only the run time knows."""
     s, d = attrs.get("strides", [1, 1]), attrs.get("dilations", [1, 1])
     p = attrs.get("pads", [0, 0, 0, 0])
     blocks = [(image[i] + p[i] + p[i + 2] - d[i] * (block[i] - 1) - 1) // s[i] + 1
               for i in range(2)]
     x = rnd((2, 3 * math.prod(block), math.prod(blocks)))
+    shapes = {"image": np.array(image, np.int64), "block": np.array(block, np.int64)}
+    ins = {"x": (F32, ["N", x.shape[1], x.shape[2]])}
+    if run_time:
+        ins.update({"image": (np.int64, [2]), "block": (np.int64, [2])})
     m = make_model([helper.make_node("Col2Im", ["x", "image", "block"], ["y"], **attrs)],
-                   {"x": (F32, ["N", x.shape[1], x.shape[2]])}, ["y"],
-                   inits={"image": np.array(image, np.int64), "block": np.array(block, np.int64)})
-    fd(m, {"x": x})
+                   ins, ["y"], inits=None if run_time else shapes)
+    feeds = {"x": x, **(shapes if run_time else {})}
+    fd(m, feeds, xs=["x"])
+    if run_time:
+        return
     import torch.nn.functional as F
     padded = [image[0] + p[0] + p[2], image[1] + p[1] + p[3]]  # torch pads symmetrically only
     versus_torch(m, {"x": x}, ["x"], lambda x: F.fold(x, padded, block, dilation=d, stride=s)[

@@ -689,16 +689,27 @@ def _max_unpool(n, g):
 @register("Col2Im")
 def _col2im(n, g):
     """Col2Im sums blocks into an image; its adjoint cuts the blocks out again (im2col), which is
-    a Conv of each channel with one one-hot kernel per block position."""
+    a Conv of each channel with one one-hot kernel per block position (image_shape and
+    block_shape may be known only at run time)."""
     e = n.e
     block = n.const(2)
-    if block is None:
-        raise NotImplementedError(f"the gradient of Col2Im node {n.node.name!r} needs a constant "
-                                  "block_shape")
-    k = [int(i) for i in block]
-    nsp = len(k)
-    kk = math.prod(k)
-    eye = e.const(np.eye(kk).reshape(kk, 1, *k), g.dtype)
+    if block is not None:
+        k = [int(i) for i in block]
+        nsp, kk = len(k), math.prod(k)
+        eye = e.const(np.eye(kk).reshape(kk, 1, *k), g.dtype)
+    else:  # block_shape known at run time: the same one-hot kernels, built there
+        bs = n.ins[2].shape
+        nsp = bs[0] if bs is not None and len(bs) == 1 and isinstance(bs[0], int) else (
+            g.rank - 2 if g.rank is not None else None)
+        if nsp is None:
+            raise NotImplementedError(f"the gradient of Col2Im node {n.node.name!r} needs the "
+                                      "length of its block_shape: run shape inference")
+        kk = e.Reshape(e.reduce("ReduceProd", n.ins[2], [0], keepdims=1), [1])
+        calc = ir.DataType.FLOAT if g.dtype in _HALF else g.dtype  # onnxruntime's EyeLike
+        zero = ir.tensor(np.zeros(1, calc.numpy()))
+        eye = e.EyeLike(e.ConstantOfShape(e.Concat(kk, kk, axis=0), value=zero), _dtype=calc)
+        eye = e.Reshape(eye, e.Concat(kk, [1], n.ins[2], axis=0))
+        eye = eye if calc == g.dtype else e.Cast(eye, to=g.dtype)
     t = e.Reshape(g, e.Concat([-1, 1], _spatial_shape(e, g), axis=0))
     cols = e.Conv(t, eye, strides=_ints(n.attr("strides"), nsp, 1),
                   dilations=_ints(n.attr("dilations"), nsp, 1),

@@ -1,15 +1,18 @@
 """Gradient rules: resampling and vision ops (Resize, Upsample, AffineGrid, Compress, GridSample,
 RoiAlign, MaxRoiPool, DeformConv).
 
-- Resize / Upsample: linear in X. With static sizes on the resized axes the op is separable: each
-  resized axis k applies a constant (out_k x in_k) interpolation matrix M_k (nearest, linear and
-  cubic alike, every coordinate transformation mode, antialias, exclude_outside). M_k is built once
-  with numpy by resizing the identity with onnx's reference implementation (the spec's own
-  semantics), and the gradient applies M_k^T along each axis with MatMul (its rule gives the
-  higher orders). sizes with keep_aspect_ratio_policy not_larger / not_smaller give every resized
-  axis one scale and round_half_up(scale * in) elements; the reference runs that policy itself
-  (see ``_policy_matrix``). Batch and channel dims may be symbolic; a resized axis whose size
-  only the run time knows raises NotImplementedError.
+- Resize / Upsample: linear in X and separable: each resized axis k applies an (out_k x in_k)
+  interpolation matrix M_k (nearest, linear and cubic alike, every coordinate transformation
+  mode, antialias, exclude_outside), and the gradient applies M_k^T along each axis with MatMul
+  (its rule gives the higher orders). Where an axis' scale or size and both its lengths are
+  static, M_k is a numpy constant, built once by resizing the identity with onnx's reference
+  implementation (the spec's own semantics); sizes with keep_aspect_ratio_policy not_larger /
+  not_smaller give every resized axis one scale and round_half_up(scale * in) elements, which
+  the reference runs itself (see ``_policy_matrix``). Otherwise (scales or sizes computed at run
+  time, as every torch export of F.interpolate(size=...) writes them, or symbolic spatial dims)
+  M_k^T is built at run time by the same Resize applied to the identity (``_probe_matrix``);
+  an axis whose size is statically the input's own dim (the batch and channels of those
+  exports) is skipped. Run-time sizes with a keep_aspect_ratio_policy are refused.
 - Compress: the selected elements go back where they came from (replay of element numbers).
 - MaxRoiPool: g goes to the elements of each bin that equal its maximum (bins rebuilt from rois).
 """
@@ -102,15 +105,120 @@ def _policy_matrix(n_in, n_out, roi, attrs, policy, p, q):
     return np.ascontiguousarray(np.concatenate(cols).T / c)
 
 
-def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
-    """Shared by Resize and Upsample. scales/sizes/roi: numpy constants (or None)."""
+def _resize_grad(n, g, attrs, roi, scales, sizes, axes):
+    """Shared by Resize and Upsample: the adjoint of the separable interpolation, one matrix
+    M_k (out_k x in_k) per resized axis, applied as M_k^T along it. roi, scales, sizes: the
+    node's inputs (V), or numpy constants (Upsample's attribute), or None when absent.
+
+    Per axis: an untouched axis (scale 1, or a size that is the input's own dim) is skipped; M_k
+    is a numpy constant (onnx's reference Resize of the identity) where the axis' scale or size
+    and both lengths are static; otherwise it is built at run time by the same Resize (same
+    attributes, that axis' run-time scale or size) applied to the identity, so it is the
+    forward's own interpolation whatever the sizes turn out to be."""
     e, x = n.e, n.x
-    xs, ys = x.shape, n.y.shape
+    xs = x.shape
     if xs is None:
         raise NotImplementedError(f"Resize gradient at node {n.node.name!r}: the rank of its "
                                   "input is unknown; run onnx shape inference first")
     rank = len(xs)
     axes = list(range(rank)) if axes is None else [a % rank for a in axes]
+    sc_el = _elements(scales, len(axes))
+    sz_el = _elements(sizes, len(axes))
+    by_sizes = sizes is not None and (scales is None or sc_el == [])
+    if not by_sizes and (scales is None or sc_el == []):
+        raise NotImplementedError(f"Resize node {n.node.name!r} has neither scales nor sizes")
+    el = sz_el if by_sizes else sc_el
+    if el is None:
+        raise NotImplementedError(
+            f"Resize gradient at node {n.node.name!r}: cannot tell how many entries its run-time "
+            f"{'sizes' if by_sizes else 'scales'} hold (declare its shape or run shape inference)")
+    crop = _s(attrs.get("coordinate_transformation_mode")) == "tf_crop_and_resize"
+    roi_el = _elements(roi, 2 * len(axes)) if crop and roi is not None else None
+    numbers = lambda t: t is not None and all(isinstance(v, (int, float)) for v in t)  # noqa: E731
+    if numbers(el) and (roi_el is None or numbers(roi_el)) and all(
+            isinstance(xs[a], int) for a in axes):
+        static = np.array(el, np.int64 if by_sizes else np.float32)
+        return _resize_static(n, g, attrs, None if roi_el is None else np.array(roi_el),
+                              None if by_sizes else static, static if by_sizes else None, axes)
+    if by_sizes and _s(attr(n, "keep_aspect_ratio_policy", "stretch")) != "stretch":
+        raise NotImplementedError(
+            f"Resize gradient at node {n.node.name!r}: keep_aspect_ratio_policy with sizes known "
+            "only at run time (one scale chosen across the axes) is not supported")
+    dx = g
+    for a in reversed(range(rank)):
+        if a not in axes:
+            continue
+        k = axes.index(a)
+        r = None if roi_el is None else (roi_el[k], roi_el[len(axes) + k])
+        if r in (None, (0.0, 1.0)) and (el[k] == ("dim", x.value, a) if by_sizes
+                                         else el[k] == 1.0):
+            continue  # untouched: the batch and channels of an exported F.interpolate
+        dx = _along(e, dx, a, rank, _probe_matrix(n, g.dtype, a, attrs, crop, roi, scales, sizes,
+                                                  by_sizes, k, len(axes)))
+    return dx
+
+
+def _along(e, t, a, rank, mt):
+    """t contracted along axis a with M (its out x in matrix), given as M^T [in, out]."""
+    if a == rank - 2:
+        return e.MatMul(mt, t)
+    m = e.Transpose(mt, perm=[1, 0])
+    if a == rank - 1:
+        return e.MatMul(t, m)
+    perm = list(range(rank))
+    perm[a], perm[-1] = perm[-1], perm[a]
+    return e.Transpose(e.MatMul(e.Transpose(t, perm=perm), m), perm=perm)
+
+
+def _probe_matrix(n, dtype, a, attrs, crop, roi, scales, sizes, by_sizes, k, count):
+    """M^T [in, out] of axis a, at run time: the identity of the axis' length, each row a
+    probe image [in, 1, 1, in] (the probes along the batch), resized by the node's own op and
+    attributes along its last axis alone with entry k of the node's scales or sizes (and of
+    roi's starts and ends): the interpolation is separable, and an axis' weights depend only
+    on its own lengths, scale and roi. (4-D with unit outer scales: every mode onnxruntime's
+    Resize runs, cubic and antialias included.)"""
+    e, x = n.e, n.x
+    calc = ir.DataType.FLOAT if dtype in _HALF else dtype  # onnxruntime's Resize and EyeLike
+    i64, f32 = ir.DataType.INT64, ir.DataType.FLOAT
+    d = e.Slice(e.Shape(x), [a], [a + 1])
+
+    def cat(dt, *parts):  # lists of numbers as constants of dt, values cast to dt
+        return e.Concat(*[e.const(np.array(q), dt) if isinstance(q, list) else _cast(e, q, dt)
+                          for q in parts], axis=0)
+
+    def entry(v, i):
+        return e.const(v.reshape(-1)[i:i + 1]) if isinstance(v, np.ndarray) else \
+            e.Slice(v, [i], [i + 1])
+
+    zero = ir.tensor(np.zeros(1, calc.numpy()))
+    eye = e.EyeLike(e.ConstantOfShape(cat(i64, d, d), value=zero), _dtype=calc)
+    probe = e.Reshape(eye, cat(i64, d, [1, 1], d))
+    roi_in = scales_in = sizes_in = None
+    if crop and roi is not None:
+        rdt = f32 if isinstance(roi, np.ndarray) else roi.dtype
+        roi_in = cat(rdt, [0.0] * 3, entry(roi, k), [1.0] * 3, entry(roi, count + k))
+    if by_sizes:
+        sizes_in = cat(i64, d, [1, 1], entry(sizes, k))
+    else:
+        scales_in = cat(f32, [1.0] * 3, entry(scales, k))
+    kept = {key: v for key, v in attrs.items() if v is not None and key in _PROBE_ATTRS}
+    if e.opset < 18:
+        kept.pop("antialias", None)
+    y = e.op("Resize", probe, roi_in, scales_in, sizes_in, _dtype=calc, **kept)
+    mt = e.Reshape(y, cat(i64, d, [-1]))
+    return mt if calc == dtype else e.Cast(mt, to=dtype)
+
+
+_PROBE_ATTRS = ("mode", "coordinate_transformation_mode", "cubic_coeff_a", "exclude_outside",
+                "nearest_mode", "antialias")
+
+
+def _resize_static(n, g, attrs, roi, scales, sizes, axes):
+    """The adjoint from numpy matrices: every resized axis' scale or size, and its lengths,
+    are static. scales/sizes/roi: numpy constants (or None)."""
+    e, x = n.e, n.x
+    xs, ys = x.shape, n.y.shape
+    rank = len(xs)
     full_s = [1.0] * rank
     out = list(xs)
     policy_pq, own = None, {}
@@ -120,12 +228,9 @@ def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
             full_s[a] = float(s)
             if isinstance(xs[a], int):  # the spec's floor(in * scale); a static y overrides
                 out[a] = int(np.floor(xs[a] * np.float32(s)))
-    elif sizes is not None and sizes.size > 0:
-        policy = _s(attr(n, "keep_aspect_ratio_policy"))
+    else:
+        policy = _s(attr(n, "keep_aspect_ratio_policy", "stretch"))
         static = [xs[a] for a in axes]
-        if not all(isinstance(d, int) for d in static):
-            raise NotImplementedError(f"Resize gradient at node {n.node.name!r}: the resized "
-                                      "axes need static sizes")
         if policy != "stretch":  # one scale for all resized axes, the spec's round_half_up
             ratios = [s / d for s, d in zip(sizes.tolist(), static)]
             i = int(np.argmin(ratios) if policy == "not_larger" else np.argmax(ratios))
@@ -143,9 +248,6 @@ def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
         else:
             for a, s in zip(axes, sizes.tolist()):
                 out[a] = int(s)
-    else:
-        raise NotImplementedError(f"Resize gradient at node {n.node.name!r}: its scales or sizes "
-                                  "are computed at run time; only constant ones are supported")
     if use_scales and ys is not None:
         for a in axes:
             if isinstance(ys[a], int):
@@ -162,38 +264,79 @@ def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
         r = None if roi_full is None else roi_full.get(a, (0.0, 1.0))
         if full_s[a] == 1.0 and d_in == d_out and r in (None, (0.0, 1.0)):
             continue  # an untouched axis (batch and channels, symbolic or not)
-        if not (isinstance(d_in, int) and isinstance(d_out, int)):
+        if not isinstance(d_out, int):
             raise NotImplementedError(
-                f"Resize gradient at node {n.node.name!r}: axis {a} is resized but its size is "
-                f"not static ({d_in!r} -> {d_out!r}); run shape inference with fixed spatial dims")
+                f"Resize gradient at node {n.node.name!r}: axis {a} is resized to a length "
+                "shape inference did not tell; run shape inference")
         if policy_pq is not None and a in axes and own.get(a) == (d_out, policy_pq[1:]):
             m = _interp_matrix(d_in, d_out, None, r, key_attrs)  # the axis that set the scale
         elif policy_pq is not None and a in axes:
             m = _interp_matrix(d_in, d_out, None, r, key_attrs, policy_pq)
         else:
             m = _interp_matrix(d_in, d_out, full_s[a] if use_scales else None, r, key_attrs)
-        if a == rank - 1:
-            dx = e.MatMul(dx, e.const(m, g.dtype))
-        elif a == rank - 2:
-            dx = e.MatMul(e.const(np.ascontiguousarray(m.T), g.dtype), dx)
-        else:
-            perm = list(range(rank))
-            perm[a], perm[-1] = perm[-1], perm[a]
-            dx = e.Transpose(e.MatMul(e.Transpose(dx, perm=perm), e.const(m, g.dtype)), perm=perm)
+        dx = _along(e, dx, a, rank, e.const(np.ascontiguousarray(m.T), g.dtype))
     return dx
+
+
+def _elements(v, count):
+    """What is known statically of a 1-D input's entries: a list of numbers, ("dim", value,
+    axis) for an entry that is Shape(value)[axis], or None for an entry only the run time
+    knows; None when even the number of entries is unknown. ``v`` a V, a numpy constant
+    (given as is) or None (absent: None)."""
+    if v is None:
+        return None
+    if isinstance(v, np.ndarray):
+        return v.reshape(-1).tolist()
+    got = _entries(v.value, 8)
+    if got is None and v.shape is not None and len(v.shape) == 1 and isinstance(v.shape[0], int):
+        got = [None] * v.shape[0]
+    return got
+
+
+def _entries(v, depth):
+    const = _fold(v, depth)
+    if const is not None:
+        return np.asarray(const).reshape(-1).tolist()
+    p = v.producer()
+    if p is None or depth <= 0 or p.domain not in ("", "ai.onnx"):
+        return None
+    op, ins = p.op_type, list(p.inputs)
+    if op == "Shape" and ins[0].shape is not None:
+        rank = len(ins[0].shape)
+        start, end = p.attributes.get("start"), p.attributes.get("end")
+        lo = 0 if start is None else start.value
+        hi = rank if end is None else end.value
+        return [("dim", ins[0], i) for i in range(rank)][slice(lo, hi)]
+    if op in ("Identity", "Cast", "Squeeze", "Unsqueeze", "Reshape"):
+        return _entries(ins[0], depth - 1)
+    if op == "Concat":
+        parts = [_entries(i, depth - 1) for i in ins]
+        if any(q is None for q in parts):
+            parts = [q if q is not None else _length_unknown(i) for q, i in zip(parts, ins)]
+            if any(q is None for q in parts):
+                return None
+        return [item for q in parts for item in q]
+    if op in ("Slice", "Gather"):
+        data = _entries(ins[0], depth - 1)
+        consts = [None if i is None else _fold(i, depth - 1) for i in ins[1:]]
+        if data is None or any(c is None for i, c in zip(ins[1:], consts) if i is not None):
+            return None
+        if op == "Gather":
+            return [data[int(i)] for i in np.asarray(consts[0]).reshape(-1)]
+        starts, ends = (int(np.asarray(c).reshape(-1)[0]) for c in consts[:2])
+        step = int(np.asarray(consts[3]).reshape(-1)[0]) if len(consts) > 3 and consts[3] is not None else 1
+        return data[slice(starts, ends, step)]
+    return None
+
+
+def _length_unknown(v):
+    """[None] * length for a 1-D value of static length, else None."""
+    s = v.shape
+    return [None] * s[0] if s is not None and len(s) == 1 and isinstance(s[0], int) else None
 
 
 _RESIZE_ATTRS = ("mode", "coordinate_transformation_mode", "cubic_coeff_a", "exclude_outside",
                  "nearest_mode", "antialias", "extrapolation_value")
-
-
-def _folded(n, i, depth=8):
-    """Input i's value when it is a constant or computed from constants only (a Concat of
-    Constants, as exporters write Resize's scales): those few nodes are evaluated with
-    onnx.reference. None when any leaf is not constant."""
-    if i >= len(n.node.inputs):
-        return None
-    return _fold(n.node.inputs[i], depth)
 
 
 def _fold(v, depth):
@@ -226,28 +369,28 @@ def _fold(v, depth):
 def _resize(n, g):
     attrs = {k: _s(n.attr(k)) for k in _RESIZE_ATTRS}
     attrs["extrapolation_value"] = None  # the adjoint of the linear part
-    dx = _resize_grad(n, g, attrs.get("mode"), attrs, _folded(n, 2), _folded(n, 3),
-                      _folded(n, 1), n.attr("axes"))
+    dx = _resize_grad(n, g, attrs, n.input(1), n.input(2), n.input(3), n.attr("axes"))
     return (dx,) + (None,) * (len(n.ins) - 1)
 
 
+def _asymmetric(mode):
+    """Resize's attributes of Resize-10 and Upsample (as version_converter maps them)."""
+    mode = "linear" if mode in ("linear", "bilinear") else mode
+    return {"mode": mode, "coordinate_transformation_mode": "asymmetric",
+            "nearest_mode": "floor" if mode == "nearest" else None}
+
+
 @register("Resize", since=10, until=10)
-def _resize10(n, g):  # Resize-10: asymmetric coordinates (as version_converter maps it to 11)
-    mode = _s(attr(n, "mode"))
-    attrs = {"mode": mode, "coordinate_transformation_mode": "asymmetric",
-             "nearest_mode": "floor" if mode == "nearest" else None}
-    return _resize_grad(n, g, mode, attrs, _folded(n, 1), None, None, None), None
+def _resize10(n, g):
+    return _resize_grad(n, g, _asymmetric(_s(attr(n, "mode"))), None, n.input(1), None,
+                        None), None
 
 
 @register("Upsample")
 def _upsample(n, g):
-    mode = _s(attr(n, "mode"))
-    mode = "linear" if mode in ("linear", "bilinear") else mode
-    attrs = {"mode": mode, "coordinate_transformation_mode": "asymmetric",
-             "nearest_mode": "floor" if mode == "nearest" else None}
-    scales = n.attr("scales")
-    scales = np.array(scales, np.float32) if scales is not None else _folded(n, 1)
-    dx = _resize_grad(n, g, mode, attrs, scales, None, None, None)
+    scales = n.attr("scales")  # Upsample-7 holds them in an attribute, Upsample-9 in an input
+    scales = np.array(scales, np.float32) if scales is not None else n.input(1)
+    dx = _resize_grad(n, g, _asymmetric(_s(attr(n, "mode"))), None, scales, None, None)
     return (dx,) + (None,) * (len(n.ins) - 1)
 
 
