@@ -775,3 +775,62 @@ def test_center_crop_pad_gradient_pads_every_axis(target, axes):
              helper.make_node("Mul", ["t", "t"], ["y"])]
     m = make_model(nodes, {"x": (F32, ["N", 4, 5])}, ["y"], inits={"s": np.array(target)})
     _at_every_level(m, x=rnd(2, 4, 5))
+
+
+def test_dynamo_exported_unfold_fold_block_at_every_level():
+    """A MobileViT-style block exported by torch's dynamo exporter (opset 18): unfold into
+    patches (reshape / permute), a slice of the patches between transposes, attention, fold
+    back. Its gradient graph crashed onnxruntime from ORT_ENABLE_BASIC up (the Slice gradient's
+    Pad with axes, permuted by the transpose optimizer); it must match torch autograd at every
+    optimization level."""
+    import warnings
+
+    import onnxruntime as ort
+    torch = pytest.importorskip("torch")
+    F_ = torch.nn.functional
+
+    class Block(torch.nn.Module):
+        def __init__(self, c=8, p=2):
+            super().__init__()
+            self.p = p
+            self.conv = torch.nn.Conv2d(c, c, 3, padding=1)
+            self.qkv = torch.nn.Linear(c // 2, 3 * (c // 2))
+            self.out = torch.nn.Conv2d(c, c, 1)
+
+        def forward(self, x):
+            n, c, h, w = x.shape
+            p, y = self.p, self.conv(x)
+            a, b = y[:, : c // 2], y[:, c // 2:]
+            t = a.reshape(n, c // 2, h // p, p, w // p, p).permute(0, 3, 5, 2, 4, 1).reshape(
+                n * p * p, (h // p) * (w // p), c // 2)
+            t = torch.cat([t[:, :1], t.transpose(1, 2)[:, :, 1:].transpose(1, 2) * 2.0], 1)
+            q, k, v = self.qkv(t).chunk(3, dim=-1)
+            att = F_.softmax(q @ k.transpose(-1, -2) / 2.0, -1) @ v
+            a2 = att.reshape(n, p, p, h // p, w // p, c // 2).permute(0, 5, 3, 1, 4, 2).reshape(
+                n, c // 2, h, w)
+            z = torch.cat([a2, b[:, :, 1:, :].sum(2, keepdim=True).expand(-1, -1, h, -1)], 1)
+            return self.out(z)[:, :, :, 1:]
+
+    torch.manual_seed(0)
+    net = Block().eval()
+    x0 = torch.randn(2, 8, 4, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = torch.onnx.export(net, (x0,), dynamo=True, opset_version=18, verbose=False).model_proto
+    name, out = m.graph.input[0].name, m.graph.output[0].name
+    tp = dict(net.named_parameters())
+    params = [t.name for t in m.graph.initializer if t.name in tp]
+    res = onnxgrad.gradients(m, out, [name, *params], grad_ys=["gy"])
+    gy = np.random.default_rng(0).standard_normal(tuple(net(x0).shape)).astype(F32)
+    tx = x0.clone().requires_grad_(True)
+    want = torch.autograd.grad(net(tx), [tx] + [tp[p] for p in params], torch.tensor(gy))
+    from onnxgrad.runtime import session, session_options
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                  ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                  ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        so = session_options()
+        so.graph_optimization_level = level
+        got = session(res.model, options=so).run(res.grads, {name: x0.numpy(), "gy": gy})
+        for k, a, b in zip([name, *params], got, want):
+            np.testing.assert_allclose(a, b.numpy(), rtol=1e-5, atol=1e-5 * np.abs(b.numpy()).max(),
+                                       err_msg=f"{level} {k}")
