@@ -122,8 +122,7 @@ def _resize_grad(n, g, attrs, roi, scales, sizes, axes):
                                   "input is unknown; run onnx shape inference first")
     rank = len(xs)
     axes = list(range(rank)) if axes is None else [a % rank for a in axes]
-    sc_el = _elements(scales, len(axes))
-    sz_el = _elements(sizes, len(axes))
+    sc_el, sz_el = _elements(scales), _elements(sizes)
     by_sizes = sizes is not None and (scales is None or sc_el == [])
     if not by_sizes and (scales is None or sc_el == []):
         raise NotImplementedError(f"Resize node {n.node.name!r} has neither scales nor sizes")
@@ -133,7 +132,7 @@ def _resize_grad(n, g, attrs, roi, scales, sizes, axes):
             f"Resize gradient at node {n.node.name!r}: cannot tell how many entries its run-time "
             f"{'sizes' if by_sizes else 'scales'} hold (declare its shape or run shape inference)")
     crop = _s(attrs.get("coordinate_transformation_mode")) == "tf_crop_and_resize"
-    roi_el = _elements(roi, 2 * len(axes)) if crop and roi is not None else None
+    roi_el = _elements(roi) if crop else None
     numbers = lambda t: t is not None and all(isinstance(v, (int, float)) for v in t)  # noqa: E731
     if numbers(el) and (roi_el is None or numbers(roi_el)) and all(
             isinstance(xs[a], int) for a in axes):
@@ -278,7 +277,7 @@ def _resize_static(n, g, attrs, roi, scales, sizes, axes):
     return dx
 
 
-def _elements(v, count):
+def _elements(v):
     """What is known statically of a 1-D input's entries: a list of numbers, ("dim", value,
     axis) for an entry that is Shape(value)[axis], or None for an entry only the run time
     knows; None when even the number of entries is unknown. ``v`` a V, a numpy constant
@@ -323,9 +322,9 @@ def _entries(v, depth):
             return None
         if op == "Gather":
             return [data[int(i)] for i in np.asarray(consts[0]).reshape(-1)]
-        starts, ends = (int(np.asarray(c).reshape(-1)[0]) for c in consts[:2])
-        step = int(np.asarray(consts[3]).reshape(-1)[0]) if len(consts) > 3 and consts[3] is not None else 1
-        return data[slice(starts, ends, step)]
+        first = [None if c is None else int(np.asarray(c).reshape(-1)[0]) for c in consts]
+        step = first[3] if len(first) > 3 and first[3] is not None else 1
+        return data[slice(first[0], first[1], step)]
     return None
 
 
