@@ -45,9 +45,14 @@ the float64 oracle is also run on ours' pieces (``kinks``): each Relu mask and M
 taken from the float32 values the gradient model itself computes (extra outputs of the same run),
 the values in float64. That is the gradient a correct float32 backward computes, and ours
 matches it to rounding (<= 1.7e-6 on all nine): KINK_TOL = 1e-4 per tensor is asserted (30 x
-the largest float32 rounding seen, 3e-6, far below the O(1e-1) of a wrong rule); the plain float64 comparison is
-reported against TORCH_TOL = 1e-3 (ours <= the float32 interpreter's own figure wherever a
-tie flips).
+the largest float32 rounding seen, 3e-6, far below the O(1e-1) of a wrong rule). The same
+tolerance is asserted against float64's own pieces except its near-ties (``tie_rel_err``): a
+Relu input or a MaxPool window whose float64 decision lies within TIE = 1e-4 x max |input| of
+the other side takes the float32 run's decision (either is right there; float32 resolves a
+margin of ~1e-7 relative either way, depending on the machine), every other decision is
+float64's own; inception_v1: 8.8e-7 (the flip lies within 1e-6 of max |input|: TIE = 1e-6
+gives the same, 1e-8 the plain figure). The plain float64 comparison is reported against
+TORCH_TOL = 1e-3 (ours <= the float32 interpreter's own figure wherever a tie flips).
 """
 from __future__ import annotations
 
@@ -78,6 +83,7 @@ FD_ATOL = 1e-2  # x the median over the model's tensors of |g| |d| / sqrt(n)
 FLOATS = (onnx.TensorProto.FLOAT,)
 TORCH_TOL = 1e-3  # ||ours - torch64|| / ||torch64|| per tensor, reported (see torch_check)
 KINK_TOL = 1e-4  # the same on ours' Relu / MaxPool pieces: asserted (see torch_check)
+TIE = 1e-4  # a Relu / MaxPool decision within TIE x max |input| of its other side is a near-tie
 FWD_TOL = 1e-5  # the interpreter's float32 forward against onnxruntime's, max |diff| / max |y|
 
 
@@ -356,11 +362,11 @@ def torch_check(m, data, out, weights, seed=1, ours=None):
     grads_k, kinks = run[:len(xs)], {n: torch.tensor(v) for n, v in zip(kn, run[len(xs):])}
     rerun = max(float(np.max(np.abs(a - b))) for a, b in zip(grads, grads_k))
 
-    def autograd(dtype, kinks=None):
+    def autograd(dtype, kinks=None, tie=None):
         vals = torch_interp.initializers(m, dtype)
         vals[data] = torch.tensor(ours["x0"].astype(np.float64), dtype=dtype)
         leaves = [vals[x].requires_grad_(True) for x in xs]
-        (y,) = torch_interp.run(m, vals, [out], kinks=kinks)
+        (y,) = torch_interp.run(m, vals, [out], kinks=kinks, tie=tie)
         f = (y.to(torch.float64) * c64).sum()
         return y.detach(), [g.to(torch.float64).numpy() for g in torch.autograd.grad(f, leaves)]
 
@@ -368,6 +374,7 @@ def torch_check(m, data, out, weights, seed=1, ours=None):
     _, g64 = autograd(torch.float64)
     t64 = time.perf_counter() - t0
     _, g64k = autograd(torch.float64, kinks)
+    _, g64t = autograd(torch.float64, kinks, TIE)
     y32, g32 = autograd(torch.float32)
     y = ours["y"]
     fwd_err = float(np.max(np.abs(y32.numpy() - y)) / np.max(np.abs(y)))
@@ -377,14 +384,17 @@ def torch_check(m, data, out, weights, seed=1, ours=None):
 
     errs = {x: rel(g, t) for x, g, t in zip(xs, grads, g64)}
     errs_k = {x: rel(g, t) for x, g, t in zip(xs, grads_k, g64k)}
+    errs_t = {x: rel(g, t) for x, g, t in zip(xs, grads_k, g64t)}
     errs32 = {x: rel(g, t) for x, g, t in zip(xs, g32, g64)}
-    worst, worst_k, worst32 = (max(e, key=e.get) for e in (errs, errs_k, errs32))
+    worst, worst_k, worst_t, worst32 = (max(e, key=e.get) for e in (errs, errs_k, errs_t, errs32))
     return {"torch_rel_err": errs[worst], "torch_worst": worst, "torch_input_rel_err": errs[data],
             "kink_rel_err": errs_k[worst_k], "kink_worst": worst_k,
+            "tie_rel_err": errs_t[worst_t], "tie_worst": worst_t,
             "f32_rel_err": errs32[worst32], "f32_worst": worst32, "fwd_err": fwd_err,
             "rerun_diff": rerun, "torch_s": t64, "torch_errs": errs, "kink_errs": errs_k,
             "f32_errs": errs32,
             "torch_failures": {k: v for k, v in errs_k.items() if v > KINK_TOL},
+            "tie_failures": {k: v for k, v in errs_t.items() if v > KINK_TOL},
             "torch_above_tol": {k: v for k, v in errs.items() if v > TORCH_TOL}}
 
 
@@ -405,30 +415,35 @@ def main(argv):
     print("| model | #nodes | #grad-graph nodes | #tensors | build s | fwd+bwd s "
           "| max rel err (weights) | worst | input + 1st layer rel err | FD unresolved "
           "| torch f64: max norm-rel err (worst) | same Relu/MaxPool pieces "
-          "| torch f32 vs f64 | interp fwd err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| f64 pieces but near-ties | torch f32 vs f64 | interp fwd err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ok = True
     for name in names:
         try:
             r = check_model(name, torch=True)
         except Exception as exc:  # noqa: BLE001  (a table row, not a traceback)
-            print(f"| {name} | error: {type(exc).__name__}: {str(exc)[:200]} ||||||||||||",
+            print(f"| {name} | error: {type(exc).__name__}: {str(exc)[:200]} |||||||||||||",
                   flush=True)
             ok = False
             continue
-        ok &= not r["failures"] and not r["torch_failures"] and r["fwd_err"] <= FWD_TOL
+        ok &= (not r["failures"] and not r["torch_failures"] and not r["tie_failures"]
+               and r["fwd_err"] <= FWD_TOL)
         for k, v in {**r["failures"], **r["unresolved"]}.items():
             print(f"    {'FAIL' if k in r['failures'] else 'unresolved'} {k}: {v:.2e}")
         for k, v in r["torch_failures"].items():
             print(f"    FAIL torch (same pieces) {k}: {v:.2e}")
+        for k, v in r["tie_failures"].items():
+            print(f"    FAIL torch (float64 pieces but near-ties) {k}: {v:.2e}")
         print(f"| {name} | {r['nodes']} | {r['grad_nodes']} | {r['tensors']} | {r['build_s']:.2f} "
               f"| {r['fwdbwd_s']:.3f} | {r['max_rel_err']:.2e} | {r['worst']} "
               f"| {r['input_rel_err']:.2e} | {len(r['unresolved'])} "
               f"| {r['torch_rel_err']:.1e} ({r['torch_worst']}) | {r['kink_rel_err']:.1e} "
-              f"| {r['f32_rel_err']:.1e} | {r['fwd_err']:.1e} |", flush=True)
+              f"| {r['tie_rel_err']:.1e} | {r['f32_rel_err']:.1e} | {r['fwd_err']:.1e} |",
+              flush=True)
     print(f"\nFD tolerance {FD_TOL} weights, {INPUT_TOL} input and first layer (float32 central "
           f"differences, steps {FD_LADDER} relative); torch oracle: {KINK_TOL} per tensor on "
-          f"the same Relu / MaxPool pieces (asserted), {TORCH_TOL} plain (reported; MaxPool "
+          f"the same Relu / MaxPool pieces and on float64's own pieces except near-ties "
+          f"(within {TIE} x max |input|; both asserted), {TORCH_TOL} plain (reported; MaxPool "
           f"near-ties), interpreter forward {FWD_TOL}")
     return 0 if ok else 1
 

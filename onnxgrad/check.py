@@ -126,12 +126,19 @@ def _input_feeds(model, feeds, rng, dim):
     for vi in model.graph.input:
         if vi.name in feeds or vi.name in init_names:
             continue
+        kind = vi.type.WhichOneof("value")
+        if kind != "tensor_type":
+            raise ValueError(f"check_gradients: input {vi.name!r} is a "
+                             f"{(kind or 'untyped value').replace('_type', '')}: give its value "
+                             "in feeds (onnxgrad check: --feeds FILE.npz)")
         tt = vi.type.tensor_type
         shape = [d.dim_value if d.HasField("dim_value") else dim for d in tt.shape.dim]
         np_type = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
         if not np.issubdtype(np_type, np.floating):
-            raise ValueError(f"check_gradients: give a value for input {vi.name!r} in feeds "
-                             f"(it is {np_type.__name__}, so no random value is safe)")
+            raise ValueError(f"check_gradients: input {vi.name!r} is {np.dtype(np_type).name}: "
+                             "give its value in feeds (onnxgrad check: --feeds FILE.npz); no "
+                             "random value is safe for an integer or bool input (a trip count, "
+                             "an index, a condition)")
         feeds[vi.name] = rng.standard_normal(shape).astype(np_type)
     return feeds
 

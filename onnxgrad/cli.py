@@ -262,14 +262,22 @@ def _cmd_convert(args, out) -> int:
 
 
 def ops_table(markdown: bool = False) -> str:
-    """The supported-ops table, as ``onnxgrad ops`` prints it."""
+    """The supported-ops table, as ``onnxgrad ops`` prints it: the float inputs that get no
+    gradient are named with the reason (integer and bool inputs never get one)."""
     from .registry import supported_ops
+    from .rules.spec import NO_GRADIENT
 
-    rows = [(d or "ai.onnx", op, str(s), "-" if u is None else str(u))
+    def none_for(op):
+        by_reason: dict[str, list[str]] = {}
+        for name, why in NO_GRADIENT.get(op, {}).items():
+            by_reason.setdefault(why, []).append(name)
+        return "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
+
+    rows = [(d or "ai.onnx", op, str(s), "-" if u is None else str(u), none_for(op))
             for d, op, s, u in supported_ops()]
-    head = ("domain", "op", "since", "until")
+    head = ("domain", "op", "since", "until", "float inputs without a gradient")
     if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|"]
+        lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|---|"]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         return "\n".join(lines)
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]

@@ -184,14 +184,16 @@ def test_ops_plain_and_markdown(capsys):
     rc, stdout, _ = cli(capsys, "ops")
     assert rc == 0
     lines = stdout.splitlines()
-    assert lines[0].split() == ["domain", "op", "since", "until"]
+    assert lines[0].split()[:4] == ["domain", "op", "since", "until"]
     assert any(line.split()[:2] == ["ai.onnx", "Relu"] for line in lines)
     rc, stdout, _ = cli(capsys, "ops", "--markdown")
     assert rc == 0
     lines = stdout.splitlines()
-    assert lines[0] == "| domain | op | since | until |"
+    assert lines[0] == "| domain | op | since | until | float inputs without a gradient |"
     assert lines[1].startswith("|---")
-    assert "| ai.onnx | Relu | 13 | - |" in lines
+    assert "| ai.onnx | Relu | 13 | - |  |" in lines
+    assert ("| ai.onnx | Resize | 13 | - | roi, scales: non-differentiable in the ONNX schema |"
+            in lines)
     assert len(lines) == 2 + len(registry.supported_ops())
 
 
@@ -274,6 +276,16 @@ def test_bad_feeds(capsys, tmp_path):
     rc, _, err = cli(capsys, "check", MLP, "--ys", "loss", "--xs", "b2",
                      "--feeds", tmp_path / "missing.npz")
     assert_one_line_error(rc, err, "missing.npz", "no such file")
+
+
+def test_check_needs_feeds_for_integer_inputs(capsys, saved):
+    """A Loop's trip count cannot be drawn at random: a one-line error naming it (the message
+    itself crashed before)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_control_flow import loop_with_body_initializer
+    path = saved(loop_with_body_initializer(np.float32))
+    rc, _, err = cli(capsys, "check", path, "--ys", "hT", "--xs", "h0")
+    assert_one_line_error(rc, err, "'M'", "int64", "--feeds")
 
 
 # -- the bundled models --------------------------------------------------------------------------

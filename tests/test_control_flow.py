@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto as TP
 from onnx import helper as h
+from onnx import numpy_helper
 
 import onnxgrad
 from onnxgrad.runtime import run
@@ -139,6 +140,36 @@ def while_model():
                   vi("a", shape=[3]), vi("b", shape=[3]), vi("k0", TP.INT64, [])],
                  [vi("y", shape=[3])],
                  inits={"limit": np.array(20, F), "one": np.array(1, np.int64)})
+
+
+def loop_with_body_initializer(dtype):
+    """h <- sin(h * k), k an initializer of the body (of the model's dtype)."""
+    t = h.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    b_ = h.make_graph([N("Mul", ["h_in", "k"], ["m"]), N("Sin", ["m"], ["h_out"]),
+                       N("Identity", ["c_in"], ["c_out"])], "body",
+                      [vi("i", TP.INT64, []), vi("c_in", TP.BOOL, []), vi("h_in", t, [3])],
+                      [vi("c_out", TP.BOOL, []), vi("h_out", t, [3])],
+                      [numpy_helper.from_array(np.array([0.5, 1.5, -2.0], dtype), "k")])
+    return model([N("Loop", ["M", "", "h0"], ["hT"], body=b_)],
+                 [vi("M", TP.INT64, []), vi("h0", t, [3])], [vi("hT", t, [3])])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_loop_body_initializer_keeps_its_dtype(dtype):
+    """A float64 Loop whose body holds an initializer (refused before: "a float constant needs
+    an explicit dtype"; the float32 one too, inside the checker's float64 copy)."""
+    m = loop_with_body_initializer(dtype)
+    feeds = {"M": np.array(3), "h0": np.array([0.3, -0.7, 1.1], dtype)}
+    r = assert_gradients(m, "hT", "h0", feeds=feeds)
+    hh, g = feeds["h0"].astype(np.float64), np.ones(3)
+    k = np.array([0.5, 1.5, -2.0])
+    for _ in range(3):  # numpy: d sin(h k) / dh = cos(h k) k
+        g, hh = g * np.cos(hh * k) * k, np.sin(hh * k)
+    res = onnxgrad.gradients(m, "hT", "h0")
+    (got,) = run(res.model, feeds, res.grads)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got, g, rtol=1e-5 if dtype == np.float32 else 1e-12)
+    assert r.results[0].ok
 
 
 def test_loop_data_dependent_condition():

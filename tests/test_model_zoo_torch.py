@@ -1,10 +1,14 @@
 """Model-zoo gradients against an exact oracle: torch autograd in float64 through
 ``torch_interp`` (the ONNX graph run op by op in torch), see ``bench/model_zoo.py: torch_check``.
 
-Asserted per tensor: on the Relu / MaxPool pieces onnxruntime's float32 forward lies on,
-||ours - torch64|| / ||torch64|| <= KINK_TOL (1e-4; measured <= 1.2e-6 on these three), and the
-plain float64 comparison <= TORCH_TOL (1e-3; measured 5e-4 on inception_v1, whose first MaxPool
-has a near-tie float32 resolves the other way).
+Asserted per tensor, ||ours - torch64|| / ||torch64|| <= KINK_TOL (1e-4) twice: on the Relu /
+MaxPool pieces onnxruntime's float32 forward lies on (measured <= 1.2e-6 on these three), and on
+float64's own pieces except its near-ties (a decision within TIE = 1e-4 x max |input| of its
+other side, where float32 rounding may go either way and either piece is right: taken from
+the float32 run; measured <= 2.3e-6, and 8.8e-7 on inception_v1). The plain float64 comparison
+(every decision float64's own) is not asserted: its outcome depends on how a machine's float32
+resolves such near-ties (inception_v1's first MaxPool has one: 5e-4 .. 7.7e-3 seen); the
+near-tie comparison proves the same thing, the same way on every machine.
 
 The interpreter is itself checked twice: per op type against onnxruntime on small random models
 (attribute corners: asymmetric pads, ceil_mode, count_include_pad, groups, dilations, broadcasting,
@@ -171,5 +175,6 @@ def test_model_zoo_torch_oracle(name):
     # on ours' Relu / MaxPool pieces: float32 rounding only
     assert not row["torch_failures"], row["torch_failures"]
     assert row["kink_rel_err"] <= model_zoo.KINK_TOL
-    # plain float64: MaxPool near-ties resolved the other way in float32 may add up to ~1e-3
-    assert row["torch_rel_err"] <= model_zoo.TORCH_TOL, (row["torch_worst"], row["f32_rel_err"])
+    # on float64's own pieces, but for its near-ties (decided the same on every machine)
+    assert not row["tie_failures"], (row["tie_failures"], row["torch_rel_err"])
+    assert row["tie_rel_err"] <= model_zoo.KINK_TOL

@@ -14,6 +14,7 @@ from onnx import helper
 from util import assert_dtypes_agree, assert_gradients, grads_of, make_model, rand, run_grads
 
 import onnxgrad
+from onnxgrad.check import check_gradients
 from onnxgrad.runtime import run
 
 F32 = np.float32
@@ -215,3 +216,29 @@ def run_in_dtype(case, dtype):
 @pytest.mark.parametrize("case", list(DTYPE_CASES))
 def test_dtypes_agree_with_float32(case):
     assert_dtypes_agree(lambda dtype: run_in_dtype(case, dtype))
+
+
+# -- attribute defaults: the forward's float32 constants (issue 12, item 5) ---------------------
+# An absent attribute means the schema's default, a float32 (AttributeProto.f): Selu's alpha is
+# 1.67326319217681884765625, LeakyRelu's 0.009999999776482582. A derivative built from the
+# more exact constants is off by 1e-8 .. 5e-8 relative, which float64 differences resolve: the
+# piecewise linear ones with a wide step (exact away from the kink), the smooth ones with 1e-5.
+@pytest.mark.parametrize("op,opset,eps", [
+    ("Selu", 18, 1e-5), ("Elu", 18, 1e-5), ("Celu", 18, 1e-5),
+    ("LeakyRelu", 18, 1e-3), ("HardSigmoid", 18, 1e-3), ("ThresholdedRelu", 18, 1e-3)])
+def test_default_attributes_are_the_forwards_constants(op, opset, eps):
+    m = act_model(op, {}, opset, shape=(4, 6))
+    # away from every kink by more than the step: 0, ThresholdedRelu's 1, HardSigmoid's +-2.5
+    x = rand((4, 6), -3, 3, away=(0, 1, -2.5, 2.5), gap=0.2, seed=1)
+    report = check_gradients(m, "y", "x", {"x": x}, eps=eps, rtol=2e-9, atol=1e-13)
+    assert report.ok, str(report)
+
+
+def test_spec_defaults_are_float32():
+    from onnxgrad.rules.spec import default
+    assert default("", "Selu", 18, "alpha") == float(np.float32(1.6732632423543772))
+    assert default("", "LeakyRelu", 18, "alpha") == float(np.float32(0.01))
+    assert default("", "GridSample", 16, "mode") == "bilinear"
+    assert default("", "GridSample", 20, "mode") == "linear"
+    assert default("", "Conv", 18, "pads") is None
+    assert default("", "NoSuchOp", 18, "alpha") is None

@@ -650,16 +650,24 @@ def test_max_unpool_output_shape_gathers_at_indices():
     (dict(strides=[2, 1], pads=[1, 0, 1, 1]), [5, 4], [2, 3]),
     (dict(dilations=[2, 1], strides=[1, 2]), [6, 5], [2, 2]),
 ])
-def test_col2im_finite_differences_and_torch(attrs, image, block):
+@pytest.mark.parametrize("run_time", [False, True])
+def test_col2im_finite_differences_and_torch(attrs, image, block, run_time):
+    """image_shape and block_shape constants, or graph inputs only the run time knows."""
     s, d = attrs.get("strides", [1, 1]), attrs.get("dilations", [1, 1])
     p = attrs.get("pads", [0, 0, 0, 0])
     blocks = [(image[i] + p[i] + p[i + 2] - d[i] * (block[i] - 1) - 1) // s[i] + 1
               for i in range(2)]
     x = rnd((2, 3 * math.prod(block), math.prod(blocks)))
+    shapes = {"image": np.array(image, np.int64), "block": np.array(block, np.int64)}
+    ins = {"x": (F32, ["N", x.shape[1], x.shape[2]])}
+    if run_time:
+        ins.update({"image": (np.int64, [2]), "block": (np.int64, [2])})
     m = make_model([helper.make_node("Col2Im", ["x", "image", "block"], ["y"], **attrs)],
-                   {"x": (F32, ["N", x.shape[1], x.shape[2]])}, ["y"],
-                   inits={"image": np.array(image, np.int64), "block": np.array(block, np.int64)})
-    fd(m, {"x": x})
+                   ins, ["y"], inits=None if run_time else shapes)
+    feeds = {"x": x, **(shapes if run_time else {})}
+    fd(m, feeds, xs=["x"])
+    if run_time:
+        return
     import torch.nn.functional as F
     padded = [image[0] + p[0] + p[2], image[1] + p[1] + p[3]]  # torch pads symmetrically only
     versus_torch(m, {"x": x}, ["x"], lambda x: F.fold(x, padded, block, dilation=d, stride=s)[
@@ -828,3 +836,163 @@ def test_causal_conv_with_state_silu_float32_differences(activation):
     report = onnxgrad.check.check_gradients(m, ["y", "state"], list(feeds), feeds,
                                             dtype="float32", max_elements=16, directions=2)
     assert report.ok, str(report)
+
+
+# -- windows that read only padding, empty crops (issue 12, item 9) ----------------------------
+def _torch_conv(nsp, pads, stride, dilation, groups, transpose=False, output_padding=0):
+    """torch's Conv / ConvTranspose with ONNX's (possibly asymmetric) pads."""
+    import torch.nn.functional as F
+    if not transpose:
+        tpad = [v for i in reversed(range(nsp)) for v in (pads[i], pads[nsp + i])]
+        return lambda x, w: tconv(nsp)(F.pad(x, tpad), w, stride=stride, dilation=dilation,
+                                       groups=groups)
+    fn = [F.conv_transpose1d, F.conv_transpose2d][nsp - 1]
+
+    def run(x, w):  # the full output, cropped by the pads
+        y = fn(x, w, stride=stride, dilation=dilation, groups=groups,
+               output_padding=output_padding)
+        crop = tuple(slice(pads[i], y.shape[2 + i] - pads[nsp + i]) for i in range(nsp))
+        return y[(slice(None), slice(None)) + crop]
+    return run
+
+
+@pytest.mark.parametrize("xs,ws,group,stride,pads", [
+    ((5, 3, 1), (6, 1, 1), 3, [2], [1, 0]),          # the issue's case: "C: 0" in onnxruntime
+    ((2, 3, 1), (6, 1, 1), 3, [3], [2, 0]),          # the pad reaches past the window: dW [6,1,2]
+    ((2, 3, 1, 2), (6, 1, 1, 1), 3, [2, 1], [1, 0, 0, 0]),
+    ((2, 2, 2), (4, 2, 1), 1, [3], [2, 0]),          # ungrouped: the per-tap Gemm form
+])
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+def test_conv_windows_in_padding_only(xs, ws, group, stride, pads, symbolic):
+    """Every window starts in the front padding (pads >= the windows' reach): the weight
+    gradient is exactly zero, and the graph must run (the cropped input is empty)."""
+    feeds = {"x": rnd(xs), "w": rnd(ws, 1)}
+    m = model_of("Conv", feeds, symbolic=symbolic, group=group, strides=stride, pads=pads)
+    versus_torch(m, feeds, ["x", "w"], _torch_conv(len(xs) - 2, pads, stride, 1, group))
+    fd(m, feeds)
+
+
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+def test_conv_transpose_output_padding_only(symbolic):
+    """y = output padding only along an axis (pads begin >= the kernel's reach): dx = dW = 0."""
+    feeds = {"x": rnd((2, 3, 1)), "w": rnd((3, 2, 1), 1)}
+    attrs = dict(group=3, strides=[2], pads=[1, 0], output_padding=[1])
+    m = model_of("ConvTranspose", feeds, symbolic=symbolic, **attrs)
+    versus_torch(m, feeds, ["x", "w"], _torch_conv(1, [1, 0], 2, 1, 3, True, 1))
+    fd(m, feeds)
+
+
+def _edge_geometry():
+    from hypothesis import strategies as st
+
+    @st.composite
+    def geometry(draw):
+        nsp = draw(st.integers(1, 2))
+        k = draw(st.integers(1, 3))
+        d = draw(st.integers(1, 2))
+        s = draw(st.integers(1, 4))
+        ek = d * (k - 1) + 1
+        pads = [draw(st.integers(0, ek + 2)) for _ in range(2)]
+        length = draw(st.integers(1, 3))
+        if length + sum(pads) < ek:
+            length = ek - sum(pads)
+        group = draw(st.sampled_from([1, 3]))
+        transpose = draw(st.booleans())
+        op = draw(st.integers(0, s - 1)) if transpose else 0  # onnxruntime: op < stride
+        if draw(st.booleans()):  # every window in the front padding (one window, pads >= ek)
+            pads = [ek + draw(st.integers(0, 1)), 0]
+            if transpose:
+                length, s, op = 1, max(s, 2), 1
+            else:
+                s = max(s, length + pads[0] - ek + 1)
+        if transpose and s * (length - 1) + op + ek - sum(pads) < 1:
+            pads = [0, 0]
+        symbolic = draw(st.sampled_from([(), ("batch", "spatial")]))
+        return nsp, k, d, s, pads, length, group, transpose, op, symbolic
+    return geometry()
+
+
+def test_conv_edge_geometry_versus_torch():
+    """Generated Conv / ConvTranspose geometries around the edges (kernels wider than the input
+    with padding, strides over the kernel, pads past the kernel's reach, groups, dilations,
+    symbolic dims) against torch autograd: every gradient graph runs and is right."""
+    from hypothesis import given, settings, HealthCheck
+
+    @settings(max_examples=40, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(_edge_geometry())
+    def check(geo):
+        nsp, k, d, s, pads, length, group, transpose, op, symbolic = geo
+        xs = (2, 3) + (length,) * nsp
+        ws = ((3, 2) if transpose else (6, 3 // group)) + (k,) * nsp
+        feeds = {"x": rnd(xs), "w": rnd(ws, 1)}
+        allp = [pads[0]] * nsp + [pads[1]] * nsp
+        attrs = dict(group=group, strides=[s] * nsp, pads=allp, dilations=[d] * nsp)
+        if transpose:
+            attrs["output_padding"] = [op] * nsp
+        m = model_of("ConvTranspose" if transpose else "Conv", feeds, symbolic=symbolic, **attrs)
+        versus_torch(m, feeds, ["x", "w"], _torch_conv(nsp, allp, s, d, group, transpose, op))
+    check()
+
+
+def _max_pool_grad_numpy(x, y_shape, g, kernel, strides, pads, dilations):
+    """MaxPool's gradient from its definition: each window's g goes to the largest of the
+    elements it reads (taps inside x); a window that reads no element passes nothing on."""
+    dx = np.zeros_like(x, np.float64)
+    for n_, c in np.ndindex(*x.shape[:2]):
+        for o in np.ndindex(*y_shape[2:]):
+            taps = [[o[a] * strides[a] - pads[a] + j * dilations[a] for j in range(kernel[a])]
+                    for a in range(2)]
+            inside = [(i, j) for i in taps[0] for j in taps[1]
+                      if 0 <= i < x.shape[2] and 0 <= j < x.shape[3]]
+            if inside:
+                i, j = max(inside, key=lambda t: x[n_, c][t])
+                dx[n_, c, i, j] += g[(n_, c) + o]
+    return dx
+
+
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+@pytest.mark.parametrize("shape,attrs", [
+    ((2, 3, 1, 2), dict(kernel_shape=[2, 1], pads=[1, 0, 1, 0], dilations=[2, 1])),
+    ((1, 2, 3, 3), dict(kernel_shape=[2, 2], pads=[1, 1, 1, 1], dilations=[2, 2], ceil_mode=1)),
+    ((2, 2, 1, 4), dict(kernel_shape=[2, 2], pads=[1, 0, 1, 1], dilations=[2, 3],
+                        strides=[1, 2])),
+])
+@pytest.mark.parametrize("n_out", [1, 2])
+def test_max_pool_windows_in_padding_only(symbolic, shape, attrs, n_out):
+    """A dilated window whose taps all fall in the padding: onnxruntime outputs -FLT_MAX (a
+    constant) and an index off its window, which for later channels lands on another channel's
+    elements; no gradient may flow from such a window. (Finite differences cannot judge: the
+    outputs are -FLT_MAX. The definition, in numpy, can.)"""
+    x = rnd(shape)
+    ins = {"x": (F32, ["N", "C", "H", "W"] if symbolic else list(shape))}
+    outs = ["y", "i"][:n_out]
+    m = make_model([helper.make_node("MaxPool", ["x"], outs, **attrs)], ins, outs)
+    y = session(m).run(["y"], {"x": x})[0]
+    g = rnd(y.shape, 1)
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["g"])
+    got = session(res.model).run(res.grads, {"x": x, "g": g})[0]
+    want = _max_pool_grad_numpy(x, y.shape, g, attrs["kernel_shape"], attrs.get("strides", [1, 1]),
+                                attrs["pads"], attrs["dilations"])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["AveragePool", "LpPool", "MaxPool"])
+@pytest.mark.parametrize("shape,attrs", [
+    ((1, 2, 1, 3), dict(kernel_shape=[3, 2], pads=[1, 1, 1, 0])),           # kernel > input
+    ((1, 2, 2, 5), dict(kernel_shape=[2, 2], strides=[3, 4], pads=[1, 0, 0, 1])),  # stride > k
+    ((1, 2, 4, 3), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[2, 2, 2, 2])),  # pads = k - 1
+    ((2, 1, 5, 1), dict(kernel_shape=[4, 1], strides=[3, 1], pads=[0, 0, 3, 0])),
+])
+@pytest.mark.parametrize("symbolic", [(), ("batch", "spatial")])
+def test_pool_edge_geometry(op, shape, attrs, symbolic):
+    """Kernels wider than the input, strides over the kernel, pads up to the kernel: float32
+    differences on onnxruntime (the runtime whose pools the rules follow; onnx.reference's
+    pools differ from it at these edges)."""
+    if op == "AveragePool":
+        attrs = dict(attrs, count_include_pad=int(shape[0] == 1))
+    x = rnd(shape)
+    x = x + np.sign(x) * 0.2  # |x| >= 0.2: LpPool's kink at 0 stays out of the steps
+    m = model_of(op, {"x": x}, symbolic=symbolic, **attrs)
+    report = assert_gradients(m, "y", "x", {"x": x}, dtype="float32", f32=False)
+    assert report.ok

@@ -353,6 +353,26 @@ def test_clip(lo, hi, opset):
     assert_gradients(m, "y", xs, feeds, **scalar_kw(*(() for _ in xs[1:])))
 
 
+@pytest.mark.parametrize("lo,hi", [(0.6, -0.5), (0.3, 0.2)])
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_clip_min_above_max(lo, hi, symbolic):
+    """min > max: y = max everywhere (min(max(x, lo), hi)), so all of the gradient goes to max;
+    the same with torch.clamp, and by float64 differences."""
+    torch = pytest.importorskip("torch")
+    m = clip_model(True, True, 18, shape=("N", 4) if symbolic else (2, 4))
+    feeds = {"x": rand([2, 4], -1.5, 1.5, away=(lo, hi), seed=2), "lo": np.array(lo, F32),
+             "hi": np.array(hi, F32)}
+    assert_gradients(m, "y", ["x", "lo", "hi"], feeds, **scalar_kw((), ()))
+    cot = rand([2, 4], seed=3)
+    res = onnxgrad.gradients(m, "y", ["x", "lo", "hi"], grad_ys=["cot"])
+    got = run(res.model, {**feeds, "cot": cot}, res.grads)
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in feeds.items()}
+    want = torch.autograd.grad(torch.clamp(t["x"], t["lo"], t["hi"]), list(t.values()),
+                               torch.tensor(cot))
+    for k, a, b in zip(feeds, got, want):
+        np.testing.assert_allclose(a, b.numpy(), rtol=1e-6, atol=1e-6, err_msg=k)
+
+
 def test_clip_opset6_attribute_bounds():
     """Clip-6 keeps its bounds in attributes; onnxgrad upgrades the model to opset 13 first."""
     m = op_model("Clip", {"x": (F32, [2, 4])}, opset=6, min=-0.5, max=0.6)

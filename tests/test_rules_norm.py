@@ -190,9 +190,39 @@ def test_layer_norm_float64_stays_float64():
     check(m, ["y0"], ["x", "s", "b"])
     res = onnxgrad.gradients(m, "y0", ["x", "s", "b"])
     grad_nodes = [n for n in res.model.graph.node if n.name.startswith("gradients/")]
-    # the float32 Mean/InvStdDev are widened; nothing is narrowed to float32
+    # the float32 Mean/InvStdDev are not reused (recomputed in float64); nothing is narrowed
     assert all(a.i != TensorProto.FLOAT for n in grad_nodes if n.op_type == "Cast"
                for a in n.attribute)
+
+
+@pytest.mark.parametrize("outs", [["y", "mean", "inv"], ["y", "", "inv"], ["y", "mean"]])
+def test_layer_norm_float64_with_float32_statistics(outs):
+    """A float64 node with the default stash_type outputs float32 Mean / InvStdDev; reusing
+    them made the float64 gradient float32-accurate (here, x far from 0 against its spread:
+    1e-4 relative off torch's float64 autograd). float64 in, float64 accuracy out: they are
+    recomputed in float64. Oracles: torch float64 autograd to 1e-10, and float64 differences
+    to 1e-6 (the forward itself, on onnxruntime and onnx.reference alike, keeps float32 bits
+    with this stash_type: its y is off float64 by 1e-9, which differences magnify to 1.5e-7)."""
+    torch = pytest.importorskip("torch")
+    node = helper.make_node("LayerNormalization", ["x", "s", "b"], outs, axis=-1)
+    m = make_model([node], {"x": (D, ["N", 3, 5]), "s": (D, [5]), "b": (D, [5])},
+                   [o for o in outs if o])
+    assert m.graph.output[-1].type.tensor_type.elem_type == TensorProto.FLOAT  # the stash type
+    rng = np.random.default_rng(4)
+    feeds = {"x": 50.0 + 0.01 * rng.standard_normal((2, 3, 5)), "s": rng.standard_normal(5),
+             "b": rng.standard_normal(5)}
+    report = check_gradients(m, "y", ["x", "s", "b"], feeds, rtol=1e-6, atol=1e-9)
+    assert report.ok, str(report)
+    cot = rng.standard_normal((2, 3, 5))
+    res = onnxgrad.gradients(m, "y", ["x", "s", "b"], grad_ys=["cot"])
+    got = run(res.model, {**feeds, "cot": cot}, res.grads)
+    t = [torch.tensor(feeds[k], requires_grad=True) for k in ("x", "s", "b")]
+    y = torch.nn.functional.layer_norm(t[0], (5,), t[1], t[2], eps=float(np.float32(1e-5)))
+    for a, w in zip(got, torch.autograd.grad(y, t, torch.tensor(cot))):
+        np.testing.assert_allclose(a, w.numpy(), rtol=1e-10, atol=1e-10 * np.abs(w.numpy()).max())
+    res = onnxgrad.gradients(m, "y", ["x"])
+    read = {i for nd in res.model.graph.node if nd.name.startswith("gradients/") for i in nd.input}
+    assert not read & {"mean", "inv"}
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])

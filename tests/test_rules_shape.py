@@ -685,3 +685,152 @@ def test_tensor_scatter_second_order_and_float16():
     h = op_model("TensorScatter", {"x": (np.float16, [2, 4, 2]), "u": (np.float16, [2, 2, 2])},
                  inits={"w": np.array([3, 1], I64)}, opset=24, mode="circular")
     check(h, xs=["x", "u"])
+
+
+# -- gradients between Transposes, at every onnxruntime optimization level (issue 12, item 15) --
+# onnxruntime's transpose optimizer (1.31, from ORT_ENABLE_BASIC up) pushes a Transpose through
+# Pad and permutes run-time pads as if they covered every axis, ignoring Pad's ``axes`` input
+# (a Gather out of bounds, or silently wrong pads). The gradient of Transpose -> op ->
+# Transpose puts the gradient's Transposes on either side of the op's adjoint, which is where
+# the optimizer looks; exported models (MobileViT's unfold/fold) are full of that pattern.
+def _between_transposes(op, ins, inits, rank=4, perm=(0, 2, 3, 1), **attrs):
+    inv = [int(i) for i in np.argsort(perm)]
+    nodes = [helper.make_node("Transpose", ["x"], ["a"], perm=list(perm)),
+             helper.make_node(op, ["a", *ins], ["b"], **attrs),
+             helper.make_node("Transpose", ["b"], ["t"], perm=inv),
+             helper.make_node("Mul", ["t", "t"], ["y"])]
+    return make_model(nodes, {"x": (F32, ["N", 3, 4, 5][:rank])}, ["y"], inits=inits)
+
+
+def _at_every_level(m, xs=("x",), **feeds):
+    """The gradient graph gives the same values at every optimization level (and passes the
+    float64 check, whose float32 rerun runs at ORT_ENABLE_ALL)."""
+    import onnxruntime as ort
+    from onnxgrad.runtime import session, session_options
+    assert_gradients(m, ["y"], list(xs), feeds=feeds)
+    res = onnxgrad.gradients(m, "y", list(xs))
+    got = []
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                  ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                  ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        so = session_options()
+        so.graph_optimization_level = level
+        got.append(session(res.model, options=so).run(res.grads, feeds))
+    for other in got[1:]:
+        for a, b in zip(got[0], other):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("starts,ends,axes,steps", [
+    ([1], [3], [1], None), ([-3, 0], [END, 2], [2, 1], None), ([1], [4], [3], [2]),
+    ([3], [0], [1], [-1])])
+def test_slice_between_transposes(starts, ends, axes, steps):
+    inits = {"st": np.array(starts), "en": np.array(ends), "ax": np.array(axes)}
+    ins = ["st", "en", "ax"]
+    if steps is not None:
+        inits["sp"] = np.array(steps)
+        ins.append("sp")
+    _at_every_level(_between_transposes("Slice", ins, inits), x=rnd(2, 3, 4, 5))
+
+
+@pytest.mark.parametrize("mode,pads", [
+    ("constant", [0, 1, -1, 0, 0, 0, 1, 1]), ("constant", [0, -1, 0, 1, 0, 0, -2, 0]),
+    ("reflect", [0, 1, 0, 2, 0, 0, 1, 1]), ("edge", [0, 0, 2, 1, 0, 1, 0, 1])])
+def test_pad_between_transposes(mode, pads):
+    """(A forward Pad with an ``axes`` input between Transposes is itself run wrongly by
+    onnxruntime's optimizer; the forward here pads every axis, its gradient crops and pads.)"""
+    m = _between_transposes("Pad", ["p"], {"p": np.array(pads)}, mode=mode)
+    _at_every_level(m, x=rnd(2, 3, 4, 5))
+
+
+@pytest.mark.parametrize("op,ins,inits,attrs", [
+    ("Slice", ["st", "en", "ax"], {"st": np.array([1]), "en": np.array([3]),
+                                   "ax": np.array([1])}, {}),
+    ("Pad", ["p", "", "ax"], {"p": np.array([1, -1]), "ax": np.array([2])}, {}),
+    ("Pad", ["p", "", "ax"], {"p": np.array([0, -1, 1, 0]), "ax": np.array([-1, 1])}, {}),
+])
+def test_gradient_pads_cover_every_axis(op, ins, inits, attrs):
+    """No Pad that a gradient adds takes Pad's ``axes`` input (see above)."""
+    m = model(op, ["x", *ins], {"x": ["N", 3, 4, 5]}, inits, **attrs)
+    check(m, x=rnd(2, 3, 4, 5))
+    res = onnxgrad.gradients(m, "y", "x")
+    pads = [nd for nd in res.model.graph.node
+            if nd.op_type == "Pad" and nd.name.startswith("gradients/")]
+    assert pads and all(len(nd.input) < 4 or not nd.input[3] for nd in pads)
+
+
+@pytest.mark.parametrize("target,axes", [([2, 7], [1, 2]), ([4], [-1]), ([1, 6, 3], None)])
+def test_center_crop_pad_gradient_pads_every_axis(target, axes):
+    """CenterCropPad's function body pads through Pad's axes input, so onnxruntime's optimizer
+    breaks the op itself between Transposes; its gradient is a Slice and a full-rank Pad."""
+    m = model("CenterCropPad", ["x", "s"], {"x": ["N", 4, 5]}, {"s": np.array(target)},
+              axes=axes)
+    check(m, x=rnd(2, 4, 5))
+    res = onnxgrad.gradients(m, "y", "x")
+    assert not [nd for nd in res.model.graph.node
+                if nd.name.startswith("gradients/") and nd.op_type == "CenterCropPad"]
+    # g comes out of a Transpose (the gradient of the one after the op)
+    nodes = [helper.make_node("CenterCropPad", ["x", "s"], ["c"], axes=axes),
+             helper.make_node("Transpose", ["c"], ["t"], perm=[2, 0, 1]),
+             helper.make_node("Mul", ["t", "t"], ["y"])]
+    m = make_model(nodes, {"x": (F32, ["N", 4, 5])}, ["y"], inits={"s": np.array(target)})
+    _at_every_level(m, x=rnd(2, 4, 5))
+
+
+def test_dynamo_exported_unfold_fold_block_at_every_level():
+    """A MobileViT-style block exported by torch's dynamo exporter (opset 18): unfold into
+    patches (reshape / permute), a slice of the patches between transposes, attention, fold
+    back. Its gradient graph crashed onnxruntime from ORT_ENABLE_BASIC up (the Slice gradient's
+    Pad with axes, permuted by the transpose optimizer); it must match torch autograd at every
+    optimization level."""
+    import warnings
+
+    import onnxruntime as ort
+    torch = pytest.importorskip("torch")
+    F_ = torch.nn.functional
+
+    class Block(torch.nn.Module):
+        def __init__(self, c=8, p=2):
+            super().__init__()
+            self.p = p
+            self.conv = torch.nn.Conv2d(c, c, 3, padding=1)
+            self.qkv = torch.nn.Linear(c // 2, 3 * (c // 2))
+            self.out = torch.nn.Conv2d(c, c, 1)
+
+        def forward(self, x):
+            n, c, h, w = x.shape
+            p, y = self.p, self.conv(x)
+            a, b = y[:, : c // 2], y[:, c // 2:]
+            t = a.reshape(n, c // 2, h // p, p, w // p, p).permute(0, 3, 5, 2, 4, 1).reshape(
+                n * p * p, (h // p) * (w // p), c // 2)
+            t = torch.cat([t[:, :1], t.transpose(1, 2)[:, :, 1:].transpose(1, 2) * 2.0], 1)
+            q, k, v = self.qkv(t).chunk(3, dim=-1)
+            att = F_.softmax(q @ k.transpose(-1, -2) / 2.0, -1) @ v
+            a2 = att.reshape(n, p, p, h // p, w // p, c // 2).permute(0, 5, 3, 1, 4, 2).reshape(
+                n, c // 2, h, w)
+            z = torch.cat([a2, b[:, :, 1:, :].sum(2, keepdim=True).expand(-1, -1, h, -1)], 1)
+            return self.out(z)[:, :, :, 1:]
+
+    torch.manual_seed(0)
+    net = Block().eval()
+    x0 = torch.randn(2, 8, 4, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = torch.onnx.export(net, (x0,), dynamo=True, opset_version=18, verbose=False).model_proto
+    name, out = m.graph.input[0].name, m.graph.output[0].name
+    tp = dict(net.named_parameters())
+    params = [t.name for t in m.graph.initializer if t.name in tp]
+    res = onnxgrad.gradients(m, out, [name, *params], grad_ys=["gy"])
+    gy = np.random.default_rng(0).standard_normal(tuple(net(x0).shape)).astype(F32)
+    tx = x0.clone().requires_grad_(True)
+    want = torch.autograd.grad(net(tx), [tx] + [tp[p] for p in params], torch.tensor(gy))
+    from onnxgrad.runtime import session, session_options
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                  ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                  ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        so = session_options()
+        so.graph_optimization_level = level
+        got = session(res.model, options=so).run(res.grads, {name: x0.numpy(), "gy": gy})
+        for k, a, b in zip([name, *params], got, want):
+            np.testing.assert_allclose(a, b.numpy(), rtol=1e-5, atol=1e-5 * np.abs(b.numpy()).max(),
+                                       err_msg=f"{level} {k}")

@@ -123,11 +123,125 @@ def test_resize_symbolic_batch_runs_for_two_batch_sizes():
         np.testing.assert_allclose(gx, gt, rtol=1e-5, atol=1e-5)
 
 
-def test_resize_symbolic_spatial_dims_raise_clearly():
-    m = op_model("Resize", {"x": (f, [1, 3, "H", "W"])}, opset=19,
-                 inits={"roi": np.array([], f), "scales": np.array([1, 1, 2, 2], f)}, mode="linear")
-    with pytest.raises(NotImplementedError, match="not static"):
+def test_resize_symbolic_spatial_dims():
+    """Constant scales, symbolic H and W: the interpolation matrices are built at run time
+    (the same Resize on the identity), one graph for every image size."""
+    m = op_model("Resize", {"x": (f, ["N", 3, "H", "W"])}, opset=19,
+                 inits={"roi": np.array([], f), "scales": np.array([1, 1, 2, 1.5], f)},
+                 mode="linear")
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["gy"])
+    from onnxgrad.runtime import run
+    for shape in [(1, 3, 4, 5), (2, 3, 7, 3)]:
+        x = np.random.default_rng(shape[2]).standard_normal(shape)
+        out = (shape[2] * 2, int(shape[3] * 1.5))
+        gy = np.random.default_rng(1).standard_normal((*shape[:2], *out))
+        (gx,) = run(res.model, {"x": x.astype(f), "gy": gy.astype(f)}, outputs=res.grads)
+        _, gt = _torch_grad(lambda t: F.interpolate(t, scale_factor=(2, 1.5), mode="bilinear",
+                                                    recompute_scale_factor=False), x, gy)
+        np.testing.assert_allclose(gx, gt, rtol=1e-5, atol=1e-5)
+    assert_gradients(m, "y", "x", {"x": np.random.default_rng(2).standard_normal(
+        (2, 3, 3, 4)).astype(f)})
+
+
+# the same cases with roi, scales or sizes fed at run time (graph inputs), symbolic batch
+@pytest.mark.parametrize("case", RESIZE_FD[:-1],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_resize_run_time_scales_and_sizes(case):
+    case = dict(case)
+    ins, names = {"x": (f, ["N", 2, 4, 5])}, ["x", "", "", ""]
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 2, 4, 5)).astype(f)}
+    if case.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+        names[1], ins["roi"] = "roi", (f, [8])
+        feeds["roi"] = np.array([0, 0, 0.1, 0.2, 1, 1, 0.8, 0.9], f)
+    if "scales" in case:
+        # (0.6 puts nearest's half_pixel coordinates exactly on integers, where float32 and
+        # float64 floor differently: the run-time matrices follow each dtype's forward)
+        scales = [0.7 if s == 0.6 else s for s in case.pop("scales")]
+        names[2], feeds["scales"] = "scales", np.array(scales, f)
+        ins["scales"] = (f, [len(feeds["scales"])])
+    else:
+        names[3], feeds["sizes"] = "sizes", np.array(case.pop("sizes"), np.int64)
+        ins["sizes"] = (np.int64, [len(feeds["sizes"])])
+        if "axes" not in case:
+            feeds["sizes"][0] = 2  # the batch
+    while not names[-1]:
+        names.pop()
+    m = make_model([helper.make_node("Resize", names, ["y"], **case)], ins, ["y"], opset=19)
+    assert_gradients(m, "y", "x", feeds)
+
+
+def test_resize_run_time_sizes_with_aspect_ratio_policy_refused():
+    m = make_model([helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode="linear",
+                                     axes=[2, 3], keep_aspect_ratio_policy="not_larger")],
+                   {"x": (f, [1, 2, 4, 5]), "sizes": (np.int64, [2])}, ["y"], opset=19)
+    with pytest.raises(NotImplementedError, match="keep_aspect_ratio_policy"):
         onnxgrad.gradients(m, "y", "x")
+
+
+def test_resize_run_time_second_order():
+    nodes = [helper.make_node("Resize", ["x", "", "scales"], ["r"], mode="cubic"),
+             helper.make_node("Mul", ["r", "r"], ["y"])]
+    m = make_model(nodes, {"x": (f, ["N", 1, "H", 4]), "scales": (f, [4])}, ["y"], opset=19)
+    res = onnxgrad.gradients(m, "y", "x")
+    feeds = {"x": np.random.default_rng(3).standard_normal((1, 1, 3, 4)).astype(f),
+             "scales": np.array([1, 1, 2, 1.5], f)}
+    assert_gradients(res.model, res.grads[0], "x", feeds)
+
+
+class _SegHead(torch.nn.Module):
+    """A tiny LRASPP / FCN-like segmentation head: a strided stem, a dilated branch gated by a
+    global pool, a 1x1 classifier, upsampled back to the input's size with
+    F.interpolate(size=x.shape[-2:]), which the TorchScript exporter writes as
+    Resize(sizes=Concat(Slice(Shape(o), 0:2), Shape(x)[2:4])): sizes only the run time knows."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.aspp = nn.Conv2d(8, 8, 3, padding=2, dilation=2)
+        self.gate = nn.Conv2d(8, 8, 1)
+        self.cls = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.stem(x)))
+        g = torch.sigmoid(self.gate(F.adaptive_avg_pool2d(h, 1)))
+        o = self.cls(F.relu(self.aspp(h)) * g)
+        return F.interpolate(o, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+
+def test_torch_exported_segmentation_head():
+    """The torch-exported head differentiated against torch autograd, at two image sizes (odd
+    ones: the stem halves them with rounding) and batch sizes from one gradient graph."""
+    import io
+    import warnings
+    from onnxgrad.runtime import session
+    torch.manual_seed(0)
+    net = _SegHead().eval()
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, torch.randn(1, 3, 20, 18), buf, dynamo=False, input_names=["x"],
+                          output_names=["y"], opset_version=17,
+                          dynamic_axes={"x": {0: "N", 2: "H", 3: "W"},
+                                        "y": {0: "N", 2: "H", 3: "W"}})
+    m = onnx.load_from_string(buf.getvalue())
+    assert [nd.op_type for nd in m.graph.node].count("Resize") == 1
+    tp = dict(net.named_parameters())
+    params = [t.name for t in m.graph.initializer if t.name in tp]
+    assert len(params) >= 4
+    res = onnxgrad.gradients(m, "y", ["x", *params], grad_ys=["gy"])
+    sess = session(res.model)
+    for shape in [(2, 3, 20, 18), (1, 3, 13, 16)]:
+        x = np.random.default_rng(1).standard_normal(shape).astype(f)
+        gy = np.random.default_rng(2).standard_normal((shape[0], 4, *shape[2:])).astype(f)
+        got = sess.run(res.grads, {"x": x, "gy": gy})
+        tx = torch.tensor(x, requires_grad=True)
+        want = torch.autograd.grad(net(tx), [tx] + [tp[p] for p in params], torch.tensor(gy))
+        for name, a, b in zip(["x", *params], got, want):
+            b = b.numpy()
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(),
+                                       err_msg=f"{shape} {name}")
 
 
 def test_resize_second_order():
@@ -236,6 +350,15 @@ def test_upsample(mode):
                  inits={"scales": np.array([1, 1, 2, 3], f)}, mode=mode)
     # onnxruntime has no float64 Upsample (and onnx.reference no linear one): check in float32
     assert_gradients(m, "y", "x", dtype="float32", f32=False)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_upsample_run_time_scales(mode):
+    m = op_model("Upsample", {"x": (f, ["N", 2, "H", 4]), "scales": (f, [4])}, opset=9,
+                 mode=mode)
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 2, 3, 4)).astype(f),
+             "scales": np.array([1, 1, 2, 3], f)}
+    assert_gradients(m, "y", "x", feeds, dtype="float32", f32=False)
 
 
 def test_upsample_nearest_matches_repeat_adjoint():
@@ -620,21 +743,26 @@ def test_grid_sample_symbolic_shapes_and_float16():
 
 # -- RoiAlign -----------------------------------------------------------------------------------
 ROIS = np.array([[0.3, 0.4, 3.6, 2.7], [1.2, 0.1, 4.4, 3.9], [-0.5, 2.0, 2.2, 5.5],
-                 [4.0, 3.5, 4.2, 3.6]], f)  # the last roi is tiny (an empty grid in half_pixel)
+                 [4.0, 3.5, 4.2, 3.6], [2.1, 1.2, 2.7, 1.6]], f)
+# the fourth roi is tiny (an empty grid in half_pixel); the fifth is narrower than one pixel
+# after spatial_scale (output_half_pixel clamps its size to 1: its end gets no gradient there)
 
 
 @pytest.mark.parametrize("mode", ["avg", "max"])
 @pytest.mark.parametrize("ctm", ["half_pixel", "output_half_pixel"])
 @pytest.mark.parametrize("sr", [0, 2])
 def test_roi_align_finite_differences(mode, ctm, sr):
-    """Every element of x probed (rois partly outside the image, sampling_ratio 0 giving a
-    different grid per roi); rois and batch_indices are constants (not differentiable)."""
-    m = op_model("RoiAlign", {"x": (f, [2, 3, 5, 6])}, opset=16,
-                 inits={"rois": ROIS, "bi": np.array([0, 1, 1, 0], np.int64)}, mode=mode,
+    """Every element of x and of rois probed (rois partly outside the image, sampling_ratio 0
+    giving a different grid per roi): Y moves with the rois through the bilinear sample
+    positions, as TF's crop_and_resize with its boxes."""
+    m = op_model("RoiAlign", {"x": (f, [2, 3, 5, 6]), "rois": (f, ["R", 4])}, opset=16,
+                 inits={"bi": np.array([0, 1, 1, 0, 1], np.int64)}, mode=mode,
                  coordinate_transformation_mode=ctm, sampling_ratio=sr, output_height=2,
                  output_width=3, spatial_scale=0.9)
-    rep = assert_gradients(m, "y", "x", max_elements=200)
-    assert rep.results[0].checked == 180
+    x = np.random.default_rng(0).standard_normal((2, 3, 5, 6)).astype(f)
+    rep = assert_gradients(m, "y", ["x", "rois"], {"x": x, "rois": ROIS}, max_elements=200)
+    assert [r.checked for r in rep.results] == [180, 20]
+    assert np.abs(rep.results[1].grad).min() > 0 or ctm == "output_half_pixel"
 
 
 def test_roi_align_10_symbolic_batch():
@@ -642,9 +770,21 @@ def test_roi_align_10_symbolic_batch():
     m = op_model("RoiAlign", {"x": (f, ["N", 2, 4, 5]), "rois": (f, ["R", 4])}, opset=10,
                  inits={"bi": np.array([1, 0], np.int64)}, output_height=2, output_width=2)
     rng = np.random.default_rng(1)
-    feeds = {"x": rng.standard_normal((2, 2, 4, 5)).astype(f), "rois": ROIS[:2]}
-    rep = assert_gradients(m, "y", "x", feeds, max_elements=100)
-    assert rep.results[0].checked == 80
+    # (ROIS[1] puts samples exactly on the last column of this 5-wide image: a kink)
+    rois = np.array([[0.3, 0.4, 3.6, 2.7], [1.15, 0.1, 4.35, 3.9]], f)
+    feeds = {"x": rng.standard_normal((2, 2, 4, 5)).astype(f), "rois": rois}
+    rep = assert_gradients(m, "y", ["x", "rois"], feeds, max_elements=100)
+    assert [r.checked for r in rep.results] == [80, 8]
+
+
+def test_roi_align_rois_only_skips_the_scatter():
+    """Only the rois' gradient wanted: no ScatterElements for X's."""
+    m = op_model("RoiAlign", {"x": (f, [1, 1, 6, 6]), "rois": (f, [1, 4])}, opset=16,
+                 inits={"bi": np.array([0], np.int64)}, output_height=2, output_width=2)
+    res = onnxgrad.gradients(m, "y", "rois")
+    assert not [nd for nd in res.model.graph.node if nd.op_type == "ScatterElements"]
+    x = np.random.default_rng(3).standard_normal((1, 1, 6, 6)).astype(f)
+    assert_gradients(m, "y", "rois", {"x": x, "rois": np.array([[0.7, 1.3, 4.6, 5.2]], f)})
 
 
 # -- DeformConv ---------------------------------------------------------------------------------

@@ -299,3 +299,39 @@ def test_lower_onnx_gradient_cases_run_on_onnxruntime(case, tmp_path):
     assert args.func(args, io.StringIO()) == 0
     assert all(n.op_type != "Gradient" for n in onnx.load(dst).graph.node)
     del main
+
+
+# -- optionals (issue 12, item 14) ------------------------------------------------------------------
+def test_optional_get_element_of_a_tensor_is_the_identity():
+    m = model([N("OptionalGetElement", ["x"], ["t"]), N("Mul", ["t", "t"], ["y"])],
+              [vi("x", shape=["N", 3])], [vi("y", shape=["N", 3])])
+    r = assert_gradients(m, "y", "x")
+    np.testing.assert_allclose(r.results[0].grad, 2 * r.feeds["x"] * r.cotangents["__cotangent_0"],
+                               rtol=1e-12)
+
+
+def test_optional_read_twice_and_tested():
+    """Optional(x) read by two OptionalGetElements (their optional gradients add up) and by
+    OptionalHasElement (a bool: no gradient); the gradient of an optional is an optional."""
+    m = model([N("Optional", ["x"], ["o"]), N("OptionalGetElement", ["o"], ["a"]),
+               N("OptionalGetElement", ["o"], ["b"]), N("OptionalHasElement", ["o"], ["has"]),
+               N("Sin", ["a"], ["sa"]), N("Mul", ["sa", "b"], ["p"]),
+               N("Where", ["has", "p", "x"], ["y"])],
+              [vi("x", shape=[4])], [vi("y", shape=[4])])
+    r = assert_gradients(m, "y", "x")
+    x, cot = r.feeds["x"], r.cotangents["__cotangent_0"]
+    np.testing.assert_allclose(r.results[0].grad, cot * (np.cos(x) * x + np.sin(x)), rtol=1e-10)
+    res = onnxgrad.gradients(m, "y", "x")  # named like a sequence's gradient
+    assert any(o.startswith("o@gradients") for nd in res.model.graph.node for o in nd.output)
+
+
+def test_optional_of_a_sequence():
+    m = model([N("SequenceConstruct", ["a", "b"], ["s"]), N("Optional", ["s"], ["o"]),
+               N("OptionalGetElement", ["o"], ["s2"]), N("SequenceAt", ["s2", "one"], ["e"]),
+               N("Mul", ["e", "a"], ["y"])],
+              [vi("a", shape=[3]), vi("b", shape=[3])], [vi("y", shape=[3])],
+              inits={"one": i64(1)})
+    r = assert_gradients(m, "y", ["a", "b"])
+    cot = r.cotangents["__cotangent_0"]
+    np.testing.assert_allclose(r.results[0].grad, cot * r.feeds["b"], rtol=1e-10)
+    np.testing.assert_allclose(r.results[1].grad, cot * r.feeds["a"], rtol=1e-10)

@@ -244,27 +244,42 @@ def _node(node, ins, opset):
     raise NotImplementedError(f"torch_interp: op {op}")
 
 
-def _kinked(node, x, ref):
+def _kinked(node, x, ref, tie=None):
     """Relu / MaxPool of ``x`` on the piece that ``ref`` (the same tensor computed elsewhere,
     e.g. in float32) lies on: Relu's mask and MaxPool's argmax are taken from ``ref``, the values
     from ``x``. In float64 this is the gradient a correct float32 backward computes, free of the
-    near-ties (|a - b| ~ 1e-7) that float32 rounding resolves the other way."""
+    near-ties (|a - b| ~ 1e-7) that float32 rounding resolves the other way.
+
+    With ``tie`` (a fraction of max |x|), only the near-ties are taken from ``ref``: a decision
+    is x's own unless x itself puts it within tie * max |x| of the other side (a Relu input that
+    close to 0, a window whose ref-chosen element is that close to its maximum), where
+    rounding may resolve it either way and each choice is right."""
     ref = ref.to(x.dtype)
+    tol = None if tie is None else tie * float(x.detach().abs().max())
     if node.op_type == "Relu":
-        return x * (ref > 0).to(x.dtype)
+        on = ref > 0
+        if tol is not None:
+            on = torch.where(x.detach().abs() <= tol, on, x.detach() > 0)
+        return x * on.to(x.dtype)
     k, s, b, e, extra = _pool_geometry(x, _attrs(node))
     pad = _torch_pad(b, [ei + xi for ei, xi in zip(e, extra)])
     fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[len(k)]
     _, idx = fn(F.pad(ref, pad, value=-math.inf), k, s, return_indices=True)
+    shape, idx = idx.shape, idx.flatten(2)
     xp = F.pad(x, pad, value=-math.inf).flatten(2)
-    return xp.gather(2, idx.flatten(2)).reshape(idx.shape)
+    if tol is not None:
+        best, own = fn(F.pad(x.detach(), pad, value=-math.inf), k, s, return_indices=True)
+        near = best.flatten(2) - xp.detach().gather(2, idx) <= tol
+        idx = torch.where(near, idx, own.flatten(2))
+    return xp.gather(2, idx).reshape(shape)
 
 
-def run(model: onnx.ModelProto, values: dict, outputs=None, kinks=None):
+def run(model: onnx.ModelProto, values: dict, outputs=None, kinks=None, tie=None):
     """Run ``model``'s graph on ``values`` (name -> torch tensor: the graph inputs and every
     initializer, e.g. from ``initializers``); returns the tensors named by ``outputs`` (default:
     the graph outputs), as a list. ``kinks``: name -> reference value of a Relu's or MaxPool's
-    input, whose mask / argmax are used instead of the input's own (``_kinked``)."""
+    input, whose mask / argmax are used instead of the input's own (``_kinked``); with ``tie``,
+    only where the input's own decision is a near-tie."""
     opset = _opset(model)
     env = dict(values)
     kinks = kinks or {}
@@ -273,7 +288,7 @@ def run(model: onnx.ModelProto, values: dict, outputs=None, kinks=None):
             raise NotImplementedError(f"torch_interp: domain {node.domain}")
         ins = [env[n] if n else None for n in node.input]
         if node.op_type in ("Relu", "MaxPool") and node.input[0] in kinks:
-            outs = [_kinked(node, ins[0], kinks[node.input[0]])]
+            outs = [_kinked(node, ins[0], kinks[node.input[0]], tie)]
         else:
             outs = _node(node, ins, opset)
         for name, v in zip(node.output, outs):

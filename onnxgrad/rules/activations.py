@@ -1,7 +1,11 @@
-"""Gradient rules: activations, Softmax and LogSoftmax (these reuse the forward output)."""
+"""Gradient rules: activations, Softmax and LogSoftmax (these reuse the forward output).
+
+Attribute defaults come from the ONNX schema (``spec.attr``): the float32 constants the forward
+uses, not more exact ones."""
 import math
 
 from ..registry import register, table
+from .spec import attr
 
 
 def _where(n, cond, a, b):
@@ -14,7 +18,7 @@ def _pos(n):
 
 def _gelu(n, g):
     e, x = n.e, n.x
-    if n.attr("approximate", "none") == "tanh":
+    if attr(n, "approximate") == "tanh":
         k = math.sqrt(2 / math.pi)
         t = e.Tanh(k * (x + 0.044715 * x * x * x))
         return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x))
@@ -36,7 +40,7 @@ def _mish(n, g):
 
 
 def _swish(n, g):
-    a = n.attr("alpha", 1.0)
+    a = attr(n, "alpha")
     s = n.e.Sigmoid(n.x * a)
     return g * (s + a * n.x * s * (1 - s))
 
@@ -44,27 +48,26 @@ def _swish(n, g):
 def _hard_sigmoid(n, g):
     e, y = n.e, n.y
     inside = e.And(e.Greater(y, e.const(0, y.dtype)), e.Less(y, e.const(1, y.dtype)))
-    return _where(n, inside, g * n.attr("alpha", 0.2), e.const(0, g.dtype))
+    return _where(n, inside, g * attr(n, "alpha"), e.const(0, g.dtype))
 
 
 def _shrink(n, g):
-    e, x, lambd = n.e, n.x, n.attr("lambd", 0.5)
+    e, x, lambd = n.e, n.x, attr(n, "lambd")
     out = e.Or(e.Less(x, e.const(-lambd, x.dtype)), e.Greater(x, e.const(lambd, x.dtype)))
     return _where(n, out, g, e.const(0, g.dtype))
 
 
 table({
     "Relu": lambda n, g: _where(n, _pos(n), g, n.e.const(0, g.dtype)),
-    "LeakyRelu": lambda n, g: _where(n, _pos(n), g, g * n.attr("alpha", 0.01)),
+    "LeakyRelu": lambda n, g: _where(n, _pos(n), g, g * attr(n, "alpha")),
     "PRelu": lambda n, g: (_where(n, _pos(n), g, g * n.ins[1]),
                            n.sum_to(_where(n, _pos(n), n.e.const(0, g.dtype), g * n.x), n.ins[1])),
-    "Elu": lambda n, g: _where(n, _pos(n), g, g * (n.y + n.attr("alpha", 1.0))),
-    "Selu": lambda n, g: _where(n, _pos(n), g * n.attr("gamma", 1.0507009873554805),
-                                g * (n.y + n.attr("gamma", 1.0507009873554805)
-                                     * n.attr("alpha", 1.6732632423543772))),
-    "Celu": lambda n, g: _where(n, _pos(n), g, g * (n.y / n.attr("alpha", 1.0) + 1)),
+    "Elu": lambda n, g: _where(n, _pos(n), g, g * (n.y + attr(n, "alpha"))),
+    "Selu": lambda n, g: _where(n, _pos(n), g * attr(n, "gamma"),
+                                g * (n.y + attr(n, "gamma") * attr(n, "alpha"))),
+    "Celu": lambda n, g: _where(n, _pos(n), g, g * (n.y / attr(n, "alpha") + 1)),
     "ThresholdedRelu": lambda n, g: _where(
-        n, n.e.Greater(n.x, n.e.const(n.attr("alpha", 1.0), n.x.dtype)), g, n.e.const(0, g.dtype)),
+        n, n.e.Greater(n.x, n.e.const(attr(n, "alpha"), n.x.dtype)), g, n.e.const(0, g.dtype)),
     "Sigmoid": lambda n, g: g * n.y * (1 - n.y),
     "Tanh": lambda n, g: g * (1 - n.y * n.y),
     "Softplus": lambda n, g: g * n.e.Sigmoid(n.x),
@@ -80,11 +83,11 @@ table({
 
 @register("Softmax", since=13)
 def _softmax(n, g):
-    axis = n.attr("axis", -1)
+    axis = attr(n, "axis")
     return n.y * (g - n.e.reduce("ReduceSum", g * n.y, [axis], keepdims=1))
 
 
 @register("LogSoftmax", since=13)
 def _log_softmax(n, g):
-    axis = n.attr("axis", -1)
+    axis = attr(n, "axis")
     return g - n.e.Exp(n.y) * n.e.reduce("ReduceSum", g, [axis], keepdims=1)

@@ -44,8 +44,8 @@ def clone_into(e, body: ir.Graph, value_map: dict) -> dict:
     v (outer-scope values stay shared); every value gets a fresh name. Returns the value map (old
     value -> clone)."""
     vmap = dict(value_map)
-    for init in body.initializers.values():
-        vmap[init] = e.const(init.const_value.numpy()).value
+    for init in body.initializers.values():  # typed: a float64 initializer stays float64
+        vmap[init] = e.const(init.const_value.numpy(), init.dtype).value
     cloner = Cloner(attr_map={}, value_map=vmap, metadata_props={}, allow_outer_scope_values=True)
     for node in body:
         new = cloner.clone_node(node)

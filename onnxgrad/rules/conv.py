@@ -63,6 +63,7 @@ import onnx_ir as ir
 from ..errors import NotDifferentiableError
 from ..inference import floor_pads, pool_out_len
 from ..registry import register
+from .spec import attr
 
 INT64 = ir.DataType.INT64
 _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -72,7 +73,7 @@ _MAX_TAPS = 49  # kernels up to 7x7 get the per-tap weight gradient (one Gemm pe
 
 # -- helpers ---------------------------------------------------------------------------------------
 def _auto_pad(n) -> str:
-    a = n.attr("auto_pad", "NOTSET")
+    a = attr(n, "auto_pad")
     return a.decode() if isinstance(a, bytes) else a
 
 
@@ -166,6 +167,14 @@ class _Geo:
         self.mode, self.bv = "runtime", bv
         self.f0 = (_spatial_shape(e, self.short) - 1) * self.s + self.ek
         return self
+
+    def reads_nothing(self) -> bool:
+        """Whether every window lies in the front padding along some axis (static geometry:
+        b >= s*(O-1) + ek, so the long side cropped to the windows' reach is empty): then no
+        product involves the long side, and the weight gradient is exactly zero."""
+        dims = _static_dims(self.long, self.nsp)
+        return (self.mode == "static" and dims is not None
+                and any(d + min(x, 0) <= 0 for d, x in zip(dims, self.end)))
 
     def _attrs(self, pb, pe):
         return {"strides": self.s, "dilations": self.d, "pads": list(pb) + list(pe)}
@@ -292,29 +301,50 @@ class _Geo:
         r = e.Concat(*[e.Unsqueeze(t_, [2]) for t_ in taps], axis=2)   # [Co, C, K]
         return e.Reshape(r, [0, 0, *self.k])
 
+    def _grouped(self, t, group, cg):
+        """[N, group*cg, *L] -> [N, group, cg, *L], and the [1] tensors N * group and cg. Every
+        target dim is explicit (no -1): the long side may be empty (windows that read only
+        padding crop it to length 0), where a -1 cannot be inferred and a 0 needs allowzero."""
+        e, az = self.e, self._allowzero()
+        static = t.shape is not None and all(isinstance(i, int) for i in t.shape)
+        if static and cg is not None:
+            n, *sp = t.shape[0], *t.shape[2:]
+            return (e.Reshape(t, [n, group, cg, *sp], allowzero=az), e.const(np.array([n * group])),
+                    e.const(np.array([cg])))
+        cgv = [cg] if cg is not None else e.Reshape(e.Div(_dim(e, t, 1), group), [1])
+        n = e.Slice(e.Shape(t), [0], [1])
+        u = e.Reshape(t, e.Concat(n, [group], cgv, _spatial_shape(e, t), axis=0), allowzero=az)
+        return u, n * group, e.Reshape(cgv, [1]) if cg is None else e.const(np.array([cg]))
+
     def _stack(self, t, group, cg):
         """[N, group*cg, *L] -> [1, group*N, cg, *L] with channel j*N + n = t[n, j*cg + c]."""
         e = self.e
         if group == 1:
             return e.Unsqueeze(t, [0])
-        cgv = [cg] if cg is not None else e.Reshape(e.Div(_dim(e, t, 1), group), [1])
-        u = e.Transpose(e.Reshape(t, [0, group, -1]), perm=[1, 0, 2])  # [group, N, cg*L]
-        return e.Reshape(u, e.Concat([1, -1], cgv, _spatial_shape(e, t), axis=0))
+        u, gn, cgv = self._grouped(t, group, cg)
+        u = e.Transpose(u, perm=[1, 0, 2, *range(3, 3 + self.nsp)])       # [group, N, cg, *L]
+        return e.Reshape(u, e.Concat([1], gn, cgv, _spatial_shape(e, t), axis=0),
+                         allowzero=self._allowzero())
 
     def _swap(self, t, group, cg):
         """[N, group*cg, *L] -> [cg, group*N, *L] with channel j*N + n = t[n, j*cg + c]."""
         e = self.e
         if group == 1:
             return e.Transpose(t, perm=[1, 0, *self.axes])
-        if cg is None:
-            cg = e.Div(_dim(e, t, 1), group)
-            head = e.Concat([0, group], e.Reshape(cg, [1]), [-1], axis=0)
-            back = e.Concat(e.Reshape(cg, [1]), [-1], _spatial_shape(e, t), axis=0)
-        else:
-            head = [0, group, cg, -1]
-            back = e.Concat([cg, -1], _spatial_shape(e, t), axis=0)
-        u = e.Transpose(e.Reshape(t, head), perm=[2, 1, 0, 3])
-        return e.Reshape(u, back)
+        u, gn, cgv = self._grouped(t, group, cg)
+        u = e.Transpose(u, perm=[2, 1, 0, *range(3, 3 + self.nsp)])       # [cg, group, N, *L]
+        return e.Reshape(u, e.Concat(cgv, gn, _spatial_shape(e, t), axis=0),
+                         allowzero=self._allowzero())
+
+    def _allowzero(self):
+        """allowzero=1 for a Reshape whose target may hold a 0 dim: the long side is cut to
+        length 0 where every window starts in the front padding (pads >= the kernel's extent;
+        Reshape-13 has no allowzero, so such a model is upgraded to opset 14)."""
+        if self.e.opset >= 14:
+            return 1
+        if self.mode == "static" and any(b >= k for b, k in zip(self.b, self.ek)):
+            self.e.need(14)
+        return None
 
 
 def _flipped(e, w, group, nsp):
@@ -367,7 +397,7 @@ def _window_geo(n, k, s, d, x, g, ceil=False, w=None):
 
 def _conv_attrs(n, nsp):
     return (_ints(n.attr("strides"), nsp, 1), _ints(n.attr("dilations"), nsp, 1),
-            int(n.attr("group", 1)))
+            int(attr(n, "group")))
 
 
 # -- Conv and ConvTranspose ------------------------------------------------------------------------
@@ -379,7 +409,7 @@ def _conv(n, g):
     s, d, group = _conv_attrs(n, nsp)
     geo = _window_geo(n, k, s, d, x, g, w=w)
     dx = geo.long_from_short(g, w, group, lambda: _flipped(n.e, w, group, nsp))
-    dw = geo.weight(x, g, group, _group_channels(w))
+    dw = n.e.zeros_like(w) if geo.reads_nothing() else geo.weight(x, g, group, _group_channels(w))
     return dx, dw, _bias_grad(n, g, nsp)
 
 
@@ -425,6 +455,8 @@ def _conv_transpose(n, g):
     nsp = _spatial_rank(n, k, w)
     s, d, group = _conv_attrs(n, nsp)
     geo = _transpose_geo(n, k, s, d, x, g)
+    if geo.reads_nothing():  # y holds nothing but output padding (and bias) along some axis
+        return n.e.zeros_like(x), n.e.zeros_like(w), _bias_grad(n, g, nsp)
     dx = geo.short_from_long(g, w, group)
     dw = geo.weight(g, x, group, _group_channels(w))
     return dx, dw, _bias_grad(n, g, nsp)
@@ -457,7 +489,7 @@ def _pool_attrs(n):
 
 def _pool_geo(n):
     k, s, d = _pool_attrs(n)
-    return _window_geo(n, k, s, d, n.x, n.gs[0], ceil=bool(n.attr("ceil_mode", 0)))
+    return _window_geo(n, k, s, d, n.x, n.gs[0], ceil=bool(attr(n, "ceil_mode")))
 
 
 def _spread(n, geo, t):
@@ -508,7 +540,7 @@ def _inverse_counts(n, geo, incl, dtype):
     """1 / the divisor of each window of AveragePool: a python number when every window counts
     prod(k) taps, else a tensor broadcasting against g."""
     nsp, full = geo.nsp, math.prod(geo.k)
-    ceil = bool(n.attr("ceil_mode", 0))
+    ceil = bool(attr(n, "ceil_mode"))
     padded = geo.bv is not None or any(geo.b) or any(geo.pe)
     if not ceil and (incl or not padded):  # every window lies inside the (padded) input
         return 1.0 / full
@@ -530,14 +562,14 @@ def _inverse_counts(n, geo, incl, dtype):
 @register("AveragePool")
 def _average_pool(n, g):
     geo = _pool_geo(n)
-    w = _inverse_counts(n, geo, bool(n.attr("count_include_pad", 0)), g.dtype)
+    w = _inverse_counts(n, geo, bool(attr(n, "count_include_pad")), g.dtype)
     return _spread(n, geo, g * w)
 
 
 def _lp_parts(n, g, y):
     """g / y^(p-1) and x|x|^(p-2) (sign(x) for p=1): their product is the Lp norm's gradient."""
     e, x = n.e, n.x
-    p = n.attr("p", 2)
+    p = attr(n, "p")
     p = int(p) if float(p).is_integer() else float(p)
     if p == 1:
         return g, e.Sign(x)
@@ -607,22 +639,51 @@ def _row_major(n, idx, x, nsp):
     return base + flat
 
 
+def _blind_windows(n, d):
+    """Where MaxPool's windows read only padding (None when none can): with dilations a
+    window's taps may all skip x. onnxruntime then outputs -FLT_MAX, a constant, and an index
+    off its window, which may even fall into another image or channel, so those windows'
+    gradients are dropped. A window sees x when each axis has a tap inside x: the pools'
+    count of non-padding taps (:func:`_counts_static`, :func:`_counts_runtime`) is nonzero."""
+    auto = _auto_pad(n)
+    padded = auto.startswith("SAME") or (auto == "NOTSET" and any(n.attr("pads") or []))
+    if all(di == 1 for di in d) or not padded:
+        return None
+    e, geo = n.e, _pool_geo(n)
+    if geo.mode == "static" and geo.short_dims is not None:
+        counts = _counts_static(geo, _static_dims(n.x, geo.nsp), False)
+        seen = np.ones([1, 1] + [1] * geo.nsp, bool)
+        for i, c in enumerate(counts):
+            seen = seen & (c > 0).reshape([1, 1] + [-1 if j == i else 1 for j in range(geo.nsp)])
+        return None if seen.all() else e.const(~seen)
+    blind = None
+    for i, c in enumerate(_counts_runtime(n, geo, False)):
+        b = e.Reshape(e.Equal(c, 0), [1, 1] + [-1 if j == i else 1 for j in range(geo.nsp)])
+        blind = b if blind is None else e.Or(blind, b)
+    return blind
+
+
 @register("MaxPool")
 def _max_pool(n, g):
     e, x = n.e, n.x
     k, s, d = _pool_attrs(n)
     nsp = len(k)
     overlap = any(di * (ki - 1) + 1 > si for ki, si, di in zip(k, s, d))
+    blind = _blind_windows(n, d)
+    overlap = overlap or blind is not None  # the blind windows' zeros are added, not written
     if overlap:
         e.need(16)  # ScatterElements reduction="add": one element may be the max of two windows
     idx = n.outs[1] if len(n.outs) > 1 and n.outs[1] is not None and n.outs[1].name else None
     if idx is None:  # recompute the argmax (row-major) with the forward's own attributes
         attrs = {a: v for a, v in n.node.attributes.items() if a != "storage_order"}
         _, idx = e.op("MaxPool", x, _outputs=2, _dtype=[x.dtype, INT64], **attrs)
-    elif n.attr("storage_order", 0) == 1:
+    elif attr(n, "storage_order") == 1:
         idx = _row_major(n, idx, x, nsp)
     # onnxruntime's CPU ScatterElements adds no float16/bfloat16: those add in float32
     dtype = ir.DataType.FLOAT if overlap and g.dtype in _HALF else g.dtype
+    if blind is not None:  # no gradient from windows that see only padding
+        g = e.Where(blind, e.const(0, g.dtype), g)
+        idx = e.Where(blind, e.const(np.array(0, np.int64)), idx)
     src = e.Reshape(g if dtype == g.dtype else e.Cast(g, to=dtype), [-1])
     zeros = e.ConstantOfShape(e.Reshape(e.Size(x), [1]),
                               value=ir.tensor(np.zeros(1, dtype.numpy())), _dtype=dtype)
@@ -645,16 +706,27 @@ def _max_unpool(n, g):
 @register("Col2Im")
 def _col2im(n, g):
     """Col2Im sums blocks into an image; its adjoint cuts the blocks out again (im2col), which is
-    a Conv of each channel with one one-hot kernel per block position."""
+    a Conv of each channel with one one-hot kernel per block position (image_shape and
+    block_shape may be known only at run time)."""
     e = n.e
     block = n.const(2)
-    if block is None:
-        raise NotImplementedError(f"the gradient of Col2Im node {n.node.name!r} needs a constant "
-                                  "block_shape")
-    k = [int(i) for i in block]
-    nsp = len(k)
-    kk = math.prod(k)
-    eye = e.const(np.eye(kk).reshape(kk, 1, *k), g.dtype)
+    if block is not None:
+        k = [int(i) for i in block]
+        nsp, kk = len(k), math.prod(k)
+        eye = e.const(np.eye(kk).reshape(kk, 1, *k), g.dtype)
+    else:  # block_shape known at run time: the same one-hot kernels, built there
+        bs = n.ins[2].shape
+        nsp = bs[0] if bs is not None and len(bs) == 1 and isinstance(bs[0], int) else (
+            g.rank - 2 if g.rank is not None else None)
+        if nsp is None:
+            raise NotImplementedError(f"the gradient of Col2Im node {n.node.name!r} needs the "
+                                      "length of its block_shape: run shape inference")
+        kk = e.Reshape(e.reduce("ReduceProd", n.ins[2], [0], keepdims=1), [1])
+        calc = ir.DataType.FLOAT if g.dtype in _HALF else g.dtype  # onnxruntime's EyeLike
+        zero = ir.tensor(np.zeros(1, calc.numpy()))
+        eye = e.EyeLike(e.ConstantOfShape(e.Concat(kk, kk, axis=0), value=zero), _dtype=calc)
+        eye = e.Reshape(eye, e.Concat(kk, [1], n.ins[2], axis=0))
+        eye = eye if calc == g.dtype else e.Cast(eye, to=g.dtype)
     t = e.Reshape(g, e.Concat([-1, 1], _spatial_shape(e, g), axis=0))
     cols = e.Conv(t, eye, strides=_ints(n.attr("strides"), nsp, 1),
                   dilations=_ints(n.attr("dilations"), nsp, 1),

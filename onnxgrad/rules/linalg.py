@@ -18,6 +18,7 @@ import numpy as np
 
 from ..emitter import FLOAT_DTYPES, broadcast_dims
 from ..registry import register
+from .spec import attr
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -141,8 +142,8 @@ def _gemm(n, g):
     # Y = alpha * A' @ B' + beta * C, A' = A^T if transA, B' = B^T if transB
     e = n.e
     a, b, c = n.ins[0], n.ins[1], n.input(2)
-    alpha, beta = n.attr("alpha", 1.0), n.attr("beta", 1.0)
-    ta, tb = int(n.attr("transA", 0)), int(n.attr("transB", 0))
+    alpha, beta = attr(n, "alpha"), attr(n, "beta")
+    ta, tb = int(attr(n, "transA")), int(attr(n, "transB"))
     al = None if alpha == 1.0 else alpha
 
     def gemm(p, q, tp, tq, shape):

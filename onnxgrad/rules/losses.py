@@ -15,6 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..registry import register
+from .spec import attr
 
 
 class _Loss:
@@ -22,7 +23,7 @@ class _Loss:
         self.n, self.e = n, n.e
         self.x, self.labels, self.w = n.ins[0], n.ins[1], n.input(2)
         self.dtype = self.x.dtype
-        red = n.attr("reduction", "mean")
+        red = attr(n, "reduction")
         self.reduction = red.decode() if isinstance(red, bytes) else red
         if self.reduction not in ("none", "sum", "mean"):
             raise ValueError(f"{n.node.op_type} {n.node.name!r}: reduction={self.reduction!r}")

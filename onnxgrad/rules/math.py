@@ -6,6 +6,7 @@ Each entry is ``op: lambda n, g: <gradient of each input>``; ``n.x`` is input 0,
 import math
 
 from ..registry import register, table
+from .spec import no_gradient
 
 
 def S(n, t, i):
@@ -53,6 +54,8 @@ table({
     # rounding is piecewise constant: its gradient is zero (not "unconnected")
     "Floor": _zeros, "Ceil": _zeros, "Round": _zeros, "Sign": _zeros,
 })
+# a 0/1 draw from the probabilities x: piecewise constant in x, so zero (not unconnected)
+register("Bernoulli", _zeros, since=15)
 
 
 @register("Pow")
@@ -72,6 +75,9 @@ def _cast(n, g):
     return n.e.Cast(g, to=n.x.dtype)
 
 
+no_gradient("CastLike", target_type="only its type is read")
+
+
 @register(["Min", "Max"])
 def _min_max(n, g):
     # the gradient goes to the inputs equal to the result, split evenly among ties (as PyTorch)
@@ -84,16 +90,21 @@ def _min_max(n, g):
 
 @register("Clip")
 def _clip(n, g):
+    """y = min(max(x, lo), hi): with t = max(x, lo), y is hi where t > hi, else t; t is lo
+    where x < lo, else x. So min > max gives all of the gradient to max (as torch.clamp)."""
     x, lo, hi = n.x, n.input(1), n.input(2)
     e, zero = n.e, n.e.const(0, g.dtype)
-    inside = g
-    if lo is not None:
-        inside = e.Where(e.Less(x, lo), zero, inside)
+    d_hi = None
     if hi is not None:
-        inside = e.Where(e.Greater(x, hi), zero, inside)
-    d_lo = None if lo is None else e.ReduceSum(_mask(n, e.Less(x, lo), g), keepdims=0)
-    d_hi = None if hi is None else e.ReduceSum(_mask(n, e.Greater(x, hi), g), keepdims=0)
-    return inside, d_lo, d_hi
+        over = e.Greater(x if lo is None else e.Max(x, lo), hi)
+        d_hi = e.ReduceSum(e.Where(over, g, zero), keepdims=0)
+        g = e.Where(over, zero, g)
+    d_lo = None
+    if lo is not None:
+        under = e.Less(x, lo)
+        d_lo = e.ReduceSum(e.Where(under, g, zero), keepdims=0)
+        g = e.Where(under, zero, g)
+    return g, d_lo, d_hi
 
 
 @register("Mod")

@@ -7,7 +7,8 @@ over the axes A, and ĝ = dL/dx̂,
 
 Means are ReduceMean (so symbolic dims need no static count, and float16 counts cannot overflow).
 Forward outputs are reused where the node has them (LayerNormalization's Mean and InvStdDev,
-Dropout's mask, the normalized output of LpNormalization, MeanVarianceNormalization and LRN);
+unless they are narrower than the computation, Dropout's mask, the normalized output of
+LpNormalization, MeanVarianceNormalization and LRN);
 the batch statistics that BatchNormalization, InstanceNormalization and GroupNormalization never
 output are recomputed. Ops with a ``stash_type`` (LayerNormalization, GroupNormalization-21,
 RMSNormalization) compute the gradient in the wider of the input type and the stash type, so
@@ -17,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..registry import register, table
+from .spec import attr, no_gradient
 
 _BITS = {ir.DataType.FLOAT16: 16, ir.DataType.BFLOAT16: 16, ir.DataType.FLOAT: 32,
          ir.DataType.DOUBLE: 64}
@@ -53,8 +55,14 @@ def _rank(n, v) -> int:
 
 def _compute_dtype(n, x):
     """The wider of x's dtype and the node's stash_type (default float32)."""
-    stash = ir.DataType(n.attr("stash_type", 1))
+    stash = ir.DataType(attr(n, "stash_type"))
     return stash if _BITS.get(stash, 0) > _BITS.get(x.dtype, 0) else x.dtype
+
+
+def _precise(v, dtype):
+    """A forward output v to reuse in a computation in ``dtype``: None (recompute it) when v
+    is absent or narrower than dtype, whose precision it would cap."""
+    return v if v is not None and _BITS.get(v.dtype, 0) >= _BITS.get(dtype, 0) else None
 
 
 def _mean(e, t, axes):
@@ -106,13 +114,13 @@ def _batch_norm(n, g):
         return (None,) * 5
     e, x = n.e, n.x
     scale, bias, mean, var = n.ins[1:5]
-    eps = n.attr("epsilon", 1e-5)
+    eps = attr(n, "epsilon")
     rank = _rank(n, x)
     axes = [0] + list(range(2, rank))
     dt = x.dtype
     s = _cast(e, scale, dt)
     if n.opset >= 14:
-        training = bool(n.attr("training_mode", 0))
+        training = bool(attr(n, "training_mode"))
     else:  # BatchNormalization-9: the optional statistics outputs mean training mode
         training = any(_out(n, i) is not None for i in range(1, len(n.outs)))
     if training:
@@ -123,7 +131,7 @@ def _batch_norm(n, g):
             gs = _cast(e, _sum(e, g * xh, axes), scale.dtype)
             gb = _cast(e, _sum(e, g, axes), bias.dtype)
         if g_rm is not None or g_rv is not None:
-            momentum = n.attr("momentum", 0.9)
+            momentum = attr(n, "momentum")
             # d mean_A(x)/dx = 1/M, d var_A(x)/dx = 2 (x - mean_A x) / M, M the count over A
             count = e.Cast(e.Div(e.Size(x), _dim1(e, x)), to=dt)
             extra = None
@@ -159,7 +167,7 @@ def _instance_norm(n, g):
             f"InstanceNormalization node {n.node.name!r}: input of rank {rank} has no spatial "
             f"axes to normalize over")
     axes = list(range(2, rank))
-    _, r, xh = _standardize(e, x, axes, n.attr("epsilon", 1e-5))
+    _, r, xh = _standardize(e, x, axes, attr(n, "epsilon"))
     gx = _std_backward(e, g * _chan(e, scale, rank), xh, r, axes)
     return gx, _sum(e, g * xh, [0] + axes), _sum(e, g, [0] + axes)
 
@@ -167,17 +175,19 @@ def _instance_norm(n, g):
 # -- LayerNormalization ----------------------------------------------------------------------
 @register("LayerNormalization", since=17)
 def _layer_norm(n, g):
-    """Reuses the node's Mean / InvStdDev outputs when it has them; differentiates those outputs
-    too (they are live in a second-order gradient that reuses them)."""
+    """Reuses the node's Mean / InvStdDev outputs when it has them and they are as precise as
+    the gradient's dtype (a float64 node with the default float32 stash_type keeps float32
+    statistics: recomputed in float64 then); differentiates those outputs too (they are live in
+    a second-order gradient that reuses them)."""
     e, x = n.e, n.x
     scale, bias = n.ins[1], n.input(2)
     rank = _rank(n, x)
-    axis = n.attr("axis", -1)
+    axis = attr(n, "axis")
     axes = list(range(axis + rank if axis < 0 else axis, rank))
-    eps = n.attr("epsilon", 1e-5)
+    eps = attr(n, "epsilon")
     dt = _compute_dtype(n, x)
     xc = _cast(e, x, dt)
-    mean_out, inv_out = _out(n, 1), _out(n, 2)
+    mean_out, inv_out = (_precise(_out(n, i), dt) for i in (1, 2))
     mu = _cast(e, mean_out, dt) if mean_out is not None else _mean(e, xc, axes)
     c = xc - mu
     r = (_cast(e, inv_out, dt) if inv_out is not None
@@ -212,7 +222,7 @@ def _group_norm(n, g, per_channel):
     dt = _compute_dtype(n, x) if per_channel else x.dtype
     gc, s = _cast(e, g, dt), _cast(e, scale, dt)
     x3 = e.Reshape(_cast(e, x, dt), [0, groups, -1])   # (N, G, C/G * D1 * ...)
-    _, r, xh3 = _standardize(e, x3, [2], n.attr("epsilon", 1e-5))
+    _, r, xh3 = _standardize(e, x3, [2], attr(n, "epsilon"))
     if per_channel:  # opset 21: scale and bias per channel, on the (N, C, D1 * ...) view
         nc = e.Concat(e.Shape(x, end=2), [-1], axis=0)
         g_nc, xh_nc = e.Reshape(gc, nc), e.Reshape(xh3, nc)
@@ -235,11 +245,11 @@ register("GroupNormalization", lambda n, g: _group_norm(n, g, True), since=21)
 def _rms_norm(n, g):
     e, x, scale = n.e, n.x, n.ins[1]
     rank = _rank(n, x)
-    axis = n.attr("axis", -1)
+    axis = attr(n, "axis")
     axes = list(range(axis + rank if axis < 0 else axis, rank))
     dt = _compute_dtype(n, x)
     xc, gc = _cast(e, x, dt), _cast(e, g, dt)
-    r = e.Reciprocal(e.Sqrt(_mean(e, xc * xc, axes) + n.attr("epsilon", 1e-5)))
+    r = e.Reciprocal(e.Sqrt(_mean(e, xc * xc, axes) + attr(n, "epsilon")))
     xh = xc * r
     gxh = gc * _cast(e, scale, dt)
     gx = r * (gxh - xh * _mean(e, gxh * xh, axes))
@@ -251,7 +261,7 @@ def _rms_norm(n, g):
 def _lp_norm(n, g):
     """y = x / ||x||_p along ``axis``: dx = (g - d||x||/dx * sum(g y)) / ||x||."""
     e, x, y = n.e, n.x, n.y
-    axis, p = n.attr("axis", -1), n.attr("p", 2)
+    axis, p = attr(n, "axis"), attr(n, "p")
     sgy = e.reduce("ReduceSum", g * y, [axis])
     if p == 2:   # ||x|| = sum(x * y); d||x||/dx = y
         return (g - y * sgy) / e.reduce("ReduceSum", x * y, [axis])
@@ -265,7 +275,7 @@ def _mvn(n, g):
     """y = (x - m) / (s + 1e-9), s = sqrt(var) (ONNX's epsilon sits outside the root):
     dx = (g - mean(g) - mean(g y) (x - m) / s) / (s + 1e-9)."""
     e, x, y = n.e, n.x, n.y
-    axes = n.attr("axes", [0, 2, 3])
+    axes = attr(n, "axes")
     c = x - _mean(e, x, axes)
     s = e.Sqrt(_mean(e, c * c, axes))
     return (g - _mean(e, g, axes) - _mean(e, g * y, axes) * c / s) / (s + 1e-9)
@@ -277,7 +287,7 @@ def _lrn(n, g):
     dx = g s^-beta - 2 alpha beta / size * x * W'(g y / s), W' the mirrored window."""
     e, x, y = n.e, n.x, n.y
     size = n.attr("size")
-    alpha, beta, bias = n.attr("alpha", 1e-4), n.attr("beta", 0.75), n.attr("bias", 1.0)
+    alpha, beta, bias = attr(n, "alpha"), attr(n, "beta"), attr(n, "bias")
     rank = _rank(n, x)
     lo = (size - 1) // 2
     hi = size - 1 - lo
@@ -328,13 +338,16 @@ def _dropout(n, g):
     return gx, None, None
 
 
+no_gradient("Dropout", ratio="non-differentiable in the ONNX schema")
+
+
 # -- Hardmax, OneHot (CenterCropPad's rule lives with the shape ops in shape.py) ----------
 @register("OneHot")
 def _one_hot(n, g):
     """y = where(one_hot(indices), values[1], values[0]): only ``values`` gets a gradient."""
     e = n.e
     hot = e.OneHot(n.ins[0], n.ins[1], e.const(np.array([0, 1]), g.dtype),
-                   axis=n.attr("axis", -1), _dtype=g.dtype)
+                   axis=attr(n, "axis"), _dtype=g.dtype)
     on = e.ReduceSum(g * hot, keepdims=0)
     off = e.ReduceSum(g, keepdims=0) - on
     values = e.Concat(e.Reshape(off, [1]), e.Reshape(on, [1]), axis=0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import register
+from .spec import attr
 
 
 class _Reduce:
@@ -27,8 +28,8 @@ class _Reduce:
 
     def __init__(self, n):
         self.n, self.e = n, n.e
-        self.keepdims = int(n.attr("keepdims", 1))
-        self.noop = int(n.attr("noop_with_empty_axes", 0))
+        self.keepdims = int(attr(n, "keepdims"))
+        self.noop = int(attr(n, "noop_with_empty_axes", 0))  # absent before opset 18
         attr_axes = n.attr("axes")
         if attr_axes is not None:
             axes = [int(a) for a in attr_axes]

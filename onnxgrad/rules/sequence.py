@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from ..emitter import FLOAT_DTYPES, V
 from ..registry import Grads, captured, register, register_add
+from .spec import attr
 
 SEQ_OPSET = 17  # SequenceMap
 
@@ -140,7 +141,7 @@ def _erase(n, g):
 @register("ConcatFromSequence")
 def _concat(n, g):
     e, s = n.e, n.x
-    axis, new_axis = n.attr("axis"), n.attr("new_axis", 0)
+    axis, new_axis = n.attr("axis"), attr(n, "new_axis")
     if new_axis:
         return sop(e, "SplitToSequence", g, axis=axis, keepdims=0, _dtype=g.dtype)
     idx = e.const(np.array([axis], np.int64))
@@ -151,8 +152,8 @@ def _concat(n, g):
 
 @register("SplitToSequence")
 def _split(n, g):
-    axis = n.attr("axis", 0)
-    squeezed = n.input(1) is None and n.attr("keepdims", 1) == 0
+    axis = attr(n, "axis")
+    squeezed = n.input(1) is None and attr(n, "keepdims") == 0
     out = n.e.ConcatFromSequence(g, axis=axis, new_axis=1 if squeezed else 0, _dtype=g.dtype)
     return out, None
 

@@ -16,6 +16,7 @@ import onnx_ir as ir
 
 from ..errors import NotDifferentiableError
 from ..registry import register
+from .spec import attr
 
 INT64 = ir.DataType.INT64
 HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -85,11 +86,12 @@ def _halves(n, pads):
 
 
 def _zero_pad(n, t, begin, end, axes):
-    """t padded with zeros: begin/end (1-D, >= 0) elements before/after it on each of ``axes``."""
+    """t padded with zeros: begin/end (1-D, >= 0) elements before/after it on each of ``axes``.
+
+    The pads are written for every axis (scattered into zeros), never as Pad's ``axes`` input:
+    onnxruntime's transpose optimizer (1.31, from ORT_ENABLE_BASIC up) permutes run-time pads as
+    if they covered every axis, ignoring ``axes``, which reads out of bounds downstream."""
     e = n.e
-    if n.opset >= 18:
-        return e.Pad(t, e.Concat(begin, end, axis=0), None, axes)
-    # Pad takes no axes before opset 18: scatter the pads into zeros for every axis
     rank = e.Size(e.Shape(t))
     axes = e.Where(e.Less(axes, 0), axes + rank, axes)
     zeros = e.ConstantOfShape(e.Reshape(rank * 2, [1]), value=ir.tensor(np.zeros(1, np.int64)))
@@ -104,7 +106,10 @@ def _unpad(n, t, pads, axes, crop_only=False):
     e, axes = n.e, _i64(n, axes)
     begin, end = _halves(n, e.Max(pads, 0))
     t = e.Slice(t, begin, _dims(n, t, axes) - end, axes)
-    return t if crop_only else e.Pad(t, e.Max(-pads, 0), None, axes)
+    if crop_only:
+        return t
+    grow = e.Max(-pads, 0)
+    return e.Pad(t, grow) if axes is None else _zero_pad(n, t, *_halves(n, grow), axes)
 
 
 # -- ops that only reshape or permute -------------------------------------------------------------
@@ -121,7 +126,7 @@ def _transpose(n, g):
 @register("DepthToSpace")
 def _depth_to_space(n, g):
     b = n.attr("blocksize")
-    if n.attr("mode", "DCR") == "DCR":
+    if attr(n, "mode") == "DCR":
         return n.e.SpaceToDepth(g, blocksize=b)
     # CRD: y = [N, C, H*b, W*b] from x viewed as [N, C, b, b, H, W]; undo it
     e, s = n.e, n.e.Shape(n.x)
@@ -132,21 +137,21 @@ def _depth_to_space(n, g):
 
 @register("SpaceToDepth")
 def _space_to_depth(n, g):  # DepthToSpace of the same mode (CRD from opset 28) undoes it
-    mode = n.attr("mode", "DCR")
+    mode = attr(n, "mode")
     return n.e.DepthToSpace(g, blocksize=n.attr("blocksize"),
                             mode=mode.decode() if isinstance(mode, bytes) else mode)
 
 
 @register("ReverseSequence")
 def _reverse_sequence(n, g):
-    return n.e.ReverseSequence(g, n.ins[1], batch_axis=n.attr("batch_axis", 1),
-                               time_axis=n.attr("time_axis", 0)), None
+    return n.e.ReverseSequence(g, n.ins[1], batch_axis=attr(n, "batch_axis"),
+                               time_axis=attr(n, "time_axis")), None
 
 
 @register("CumSum")
 def _cumsum(n, g):
-    return n.e.CumSum(g, n.ins[1], exclusive=n.attr("exclusive", 0),
-                      reverse=1 - n.attr("reverse", 0)), None
+    return n.e.CumSum(g, n.ins[1], exclusive=attr(n, "exclusive"),
+                      reverse=1 - attr(n, "reverse")), None
 
 
 @register("CumProd", since=26)
@@ -155,7 +160,7 @@ def _cumprod(n, g):
     # that is the reverse cumsum of g y over x_i; at the first zero z it is the same sum with x_z
     # taken as 1 (the products of the others); past z every term holds x_z = 0 (as torch.cumprod)
     e, x, y, axis = n.e, n.x, n.y, n.ins[1]
-    ex, rev = n.attr("exclusive", 0), n.attr("reverse", 0)
+    ex, rev = attr(n, "exclusive"), attr(n, "reverse")
     back = lambda t: e.CumSum(t, axis, exclusive=ex, reverse=1 - rev)  # noqa: E731
     zero, one = e.const(0, x.dtype), e.const(1, x.dtype)
     is_zero = e.Equal(x, zero)
@@ -168,7 +173,7 @@ def _cumprod(n, g):
 
 @register("Trilu")
 def _trilu(n, g):
-    return n.e.Trilu(g, n.input(1), upper=n.attr("upper", 1)), None
+    return n.e.Trilu(g, n.input(1), upper=attr(n, "upper")), None
 
 
 # -- concat / split, slice / pad ---------------------------------------------------------------
@@ -185,7 +190,7 @@ def _concat(n, g):
 @register("Split")
 def _split(n, g):
     parts = [gi if gi is not None else n.e.zeros_like(y) for gi, y in zip(n.gs, n.outs)]
-    return n.e.Concat(*parts, axis=n.attr("axis", 0)), None
+    return n.e.Concat(*parts, axis=attr(n, "axis")), None
 
 
 @register("Slice")
@@ -210,7 +215,7 @@ def _slice(n, g):
 @register("Pad")
 def _pad(n, g):
     pads, value, axes = n.ins[1], n.input(2), n.input(3)
-    mode = n.attr("mode", "constant")
+    mode = attr(n, "mode")
     if mode != "constant":  # reflect, edge, wrap: copies of x's elements
         return _replay(n, g, lambda i: n.e.Pad(i, pads, None, axes, mode=mode)), None, None, None
     known = n.const(1)
@@ -222,9 +227,19 @@ def _pad(n, g):
 
 
 @register("CenterCropPad")
-def _center_crop_pad(n, g):  # a centred crop and a centred zero pad are each other's adjoints
-    axes = n.attr("axes")
-    return n.e.CenterCropPad(g, _dims(n, n.x, axes), axes=axes), None
+def _center_crop_pad(n, g):
+    """A centred crop and a centred zero pad are each other's adjoints: g is cropped where x
+    was padded and zero-padded where x was cropped, floor(difference / 2) in front (as the
+    forward). Written as Slice and a full-rank Pad, not as CenterCropPad, whose function body
+    pads through Pad's axes input (see _zero_pad)."""
+    e, axes = n.e, n.attr("axes")
+    axes = e.const(np.arange(_rank(n.x)) if axes is None else np.array(axes))
+    d, t = _dims(n, n.x, axes), _dims(n, g, axes)
+    start = e.Div(e.Max(t - d, 0), 2)
+    cut = e.Slice(g, start, start + e.Min(d, t), axes)
+    grow = e.Max(d - t, 0)
+    front = e.Div(grow, 2)
+    return _zero_pad(n, cut, front, grow - front, axes), None
 
 
 # -- broadcasting copies -----------------------------------------------------------------------
@@ -249,7 +264,7 @@ def _tile(n, g):
 @register("Gather")
 def _gather(n, g):
     e, x, idx = n.e, n.x, n.ins[1]
-    a = _axis(x, n.attr("axis", 0))
+    a = _axis(x, attr(n, "axis"))
     k = n.const(1)
     if k is not None and np.ndim(k) == 0 and g.dtype not in HALF:
         # one constant slice (q, k, v = qkv[0], qkv[1], qkv[2]): g zero-padded back into place,
@@ -294,12 +309,12 @@ def _pad_back(n, x, a, k, g):
 
 @register("GatherElements")
 def _gather_elements(n, g):
-    return _scatter_add(n, "ScatterElements", n.x, n.ins[1], g, axis=n.attr("axis", 0)), None
+    return _scatter_add(n, "ScatterElements", n.x, n.ins[1], g, axis=attr(n, "axis")), None
 
 
 @register("GatherND")
 def _gather_nd(n, g):
-    b = n.attr("batch_dims", 0)
+    b = attr(n, "batch_dims")
     if b:  # ScatterND has no batch_dims: replay the gather on element numbers instead
         return _replay(n, g, lambda i: n.e.GatherND(i, n.ins[1], batch_dims=b)), None
     return _scatter_add(n, "ScatterND", n.x, n.ins[1], g), None
@@ -307,16 +322,16 @@ def _gather_nd(n, g):
 
 @register("TopK")
 def _topk(n, g):  # the values go back where the indices output says they came from
-    return n.e.ScatterElements(n.e.zeros_like(n.x), n.outs[1], g, axis=n.attr("axis", -1)), None
+    return n.e.ScatterElements(n.e.zeros_like(n.x), n.outs[1], g, axis=attr(n, "axis")), None
 
 
 # -- scatters -> gathers -----------------------------------------------------------------------
 def _scatter_rule(gather):
     def scatter(n, g):
         e, (data, idx, upd) = n.e, n.ins
-        kw = {"axis": n.attr("axis", 0)} if gather == "GatherElements" else {}
+        kw = {"axis": attr(n, "axis")} if gather == "GatherElements" else {}
         take = lambda t: e.op(gather, t, idx, **kw)  # noqa: E731  (t at the scattered positions)
-        reduction = n.attr("reduction", "none")
+        reduction = attr(n, "reduction", "none")  # absent before opset 16
         if reduction == "none":  # the scattered positions of data were overwritten
             return e.op(n.node.op_type, g, idx, e.zeros_like(upd), **kw), None, take(g)
         if reduction == "add":
@@ -373,7 +388,7 @@ def _tensor_scatter(n, g):
     gradient is g with those positions overwritten by zeros (the same write); update's is g read
     back at them. write_indices is integer: no gradient."""
     e, past, upd, w = n.e, n.x, n.ins[1], n.input(2)
-    axis, mode = n.attr("axis", -2), n.attr("mode", "linear")
+    axis, mode = attr(n, "axis"), attr(n, "mode")
     mode = mode.decode() if isinstance(mode, bytes) else mode
     dpast = dupd = None
     if n.wants(n.node.inputs[0]):

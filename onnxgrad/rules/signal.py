@@ -30,6 +30,7 @@ import onnx_ir as ir
 
 from ..registry import register
 from .shape import _i64, _scatter_add
+from .spec import attr
 
 END = np.iinfo(np.int64).max  # "to the end" for Slice
 
@@ -94,9 +95,9 @@ def _irfft_adjoint(e, g, L, axis):
 @register("DFT", since=17)
 def _dft_rule(n, g):
     e, x, length = n.e, n.x, n.input(1)
-    inverse, onesided = n.attr("inverse", 0), n.attr("onesided", 0)
+    inverse, onesided = attr(n, "inverse"), attr(n, "onesided")
     if n.opset < 20:
-        axis = n.attr("axis", 1)
+        axis = attr(n, "axis")
     elif n.input(2) is None:
         axis = -2
     else:
@@ -127,7 +128,7 @@ def _stft(n, g):
     idx = e.Unsqueeze(starts, [1]) + e.Range(0, e.Reshape(L, []), 1)
     # gz: the gradient of the windowed frames [batch, frames, L, channels]
     channels = _size(e, x, -1)
-    gz = _adjoint(e, g, L, 2, 0, n.attr("onesided", 1), channels)
+    gz = _adjoint(e, g, L, 2, 0, attr(n, "onesided"), channels)
     gx = gw = None
     if n.wants(x):  # overlap-add gz * w back onto the signal
         t = gz * e.Unsqueeze(w, [1]) if w is not None else gz

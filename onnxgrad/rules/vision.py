@@ -1,15 +1,18 @@
 """Gradient rules: resampling and vision ops (Resize, Upsample, AffineGrid, Compress, GridSample,
 RoiAlign, MaxRoiPool, DeformConv).
 
-- Resize / Upsample: linear in X. With static sizes on the resized axes the op is separable: each
-  resized axis k applies a constant (out_k x in_k) interpolation matrix M_k (nearest, linear and
-  cubic alike, every coordinate transformation mode, antialias, exclude_outside). M_k is built once
-  with numpy by resizing the identity with onnx's reference implementation (the spec's own
-  semantics), and the gradient applies M_k^T along each axis with MatMul (its rule gives the
-  higher orders). sizes with keep_aspect_ratio_policy not_larger / not_smaller give every resized
-  axis one scale and round_half_up(scale * in) elements; the reference runs that policy itself
-  (see ``_policy_matrix``). Batch and channel dims may be symbolic; a resized axis whose size
-  only the run time knows raises NotImplementedError.
+- Resize / Upsample: linear in X and separable: each resized axis k applies an (out_k x in_k)
+  interpolation matrix M_k (nearest, linear and cubic alike, every coordinate transformation
+  mode, antialias, exclude_outside), and the gradient applies M_k^T along each axis with MatMul
+  (its rule gives the higher orders). Where an axis' scale or size and both its lengths are
+  static, M_k is a numpy constant, built once by resizing the identity with onnx's reference
+  implementation (the spec's own semantics); sizes with keep_aspect_ratio_policy not_larger /
+  not_smaller give every resized axis one scale and round_half_up(scale * in) elements, which
+  the reference runs itself (see ``_policy_matrix``). Otherwise (scales or sizes computed at run
+  time, as every torch export of F.interpolate(size=...) writes them, or symbolic spatial dims)
+  M_k^T is built at run time by the same Resize applied to the identity (``_probe_matrix``);
+  an axis whose size is statically the input's own dim (the batch and channels of those
+  exports) is skipped. Run-time sizes with a keep_aspect_ratio_policy are refused.
 - Compress: the selected elements go back where they came from (replay of element numbers).
 - MaxRoiPool: g goes to the elements of each bin that equal its maximum (bins rebuilt from rois).
 """
@@ -25,6 +28,7 @@ from onnx import helper
 
 from ..registry import register
 from .shape import END, _replay
+from .spec import attr, no_gradient
 
 
 def _s(v):
@@ -101,15 +105,119 @@ def _policy_matrix(n_in, n_out, roi, attrs, policy, p, q):
     return np.ascontiguousarray(np.concatenate(cols).T / c)
 
 
-def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
-    """Shared by Resize and Upsample. scales/sizes/roi: numpy constants (or None)."""
+def _resize_grad(n, g, attrs, roi, scales, sizes, axes):
+    """Shared by Resize and Upsample: the adjoint of the separable interpolation, one matrix
+    M_k (out_k x in_k) per resized axis, applied as M_k^T along it. roi, scales, sizes: the
+    node's inputs (V), or numpy constants (Upsample's attribute), or None when absent.
+
+    Per axis: an untouched axis (scale 1, or a size that is the input's own dim) is skipped; M_k
+    is a numpy constant (onnx's reference Resize of the identity) where the axis' scale or size
+    and both lengths are static; otherwise it is built at run time by the same Resize (same
+    attributes, that axis' run-time scale or size) applied to the identity, so it is the
+    forward's own interpolation whatever the sizes turn out to be."""
     e, x = n.e, n.x
-    xs, ys = x.shape, n.y.shape
+    xs = x.shape
     if xs is None:
         raise NotImplementedError(f"Resize gradient at node {n.node.name!r}: the rank of its "
                                   "input is unknown; run onnx shape inference first")
     rank = len(xs)
     axes = list(range(rank)) if axes is None else [a % rank for a in axes]
+    sc_el, sz_el = _elements(scales), _elements(sizes)
+    by_sizes = sizes is not None and (scales is None or sc_el == [])
+    if not by_sizes and (scales is None or sc_el == []):
+        raise NotImplementedError(f"Resize node {n.node.name!r} has neither scales nor sizes")
+    el = sz_el if by_sizes else sc_el
+    if el is None:
+        raise NotImplementedError(
+            f"Resize gradient at node {n.node.name!r}: cannot tell how many entries its run-time "
+            f"{'sizes' if by_sizes else 'scales'} hold (declare its shape or run shape inference)")
+    crop = _s(attrs.get("coordinate_transformation_mode")) == "tf_crop_and_resize"
+    roi_el = _elements(roi) if crop else None
+    numbers = lambda t: t is not None and all(isinstance(v, (int, float)) for v in t)  # noqa: E731
+    if numbers(el) and (roi_el is None or numbers(roi_el)) and all(
+            isinstance(xs[a], int) for a in axes):
+        static = np.array(el, np.int64 if by_sizes else np.float32)
+        return _resize_static(n, g, attrs, None if roi_el is None else np.array(roi_el),
+                              None if by_sizes else static, static if by_sizes else None, axes)
+    if by_sizes and _s(attr(n, "keep_aspect_ratio_policy", "stretch")) != "stretch":
+        raise NotImplementedError(
+            f"Resize gradient at node {n.node.name!r}: keep_aspect_ratio_policy with sizes known "
+            "only at run time (one scale chosen across the axes) is not supported")
+    dx = g
+    for a in reversed(range(rank)):
+        if a not in axes:
+            continue
+        k = axes.index(a)
+        r = None if roi_el is None else (roi_el[k], roi_el[len(axes) + k])
+        if r in (None, (0.0, 1.0)) and (el[k] == ("dim", x.value, a) if by_sizes
+                                         else el[k] == 1.0):
+            continue  # untouched: the batch and channels of an exported F.interpolate
+        dx = _along(e, dx, a, rank, _probe_matrix(n, g.dtype, a, attrs, crop, roi, scales, sizes,
+                                                  by_sizes, k, len(axes)))
+    return dx
+
+
+def _along(e, t, a, rank, mt):
+    """t contracted along axis a with M (its out x in matrix), given as M^T [in, out]."""
+    if a == rank - 2:
+        return e.MatMul(mt, t)
+    m = e.Transpose(mt, perm=[1, 0])
+    if a == rank - 1:
+        return e.MatMul(t, m)
+    perm = list(range(rank))
+    perm[a], perm[-1] = perm[-1], perm[a]
+    return e.Transpose(e.MatMul(e.Transpose(t, perm=perm), m), perm=perm)
+
+
+def _probe_matrix(n, dtype, a, attrs, crop, roi, scales, sizes, by_sizes, k, count):
+    """M^T [in, out] of axis a, at run time: the identity of the axis' length, each row a
+    probe image [in, 1, 1, in] (the probes along the batch), resized by the node's own op and
+    attributes along its last axis alone with entry k of the node's scales or sizes (and of
+    roi's starts and ends): the interpolation is separable, and an axis' weights depend only
+    on its own lengths, scale and roi. (4-D with unit outer scales: every mode onnxruntime's
+    Resize runs, cubic and antialias included.)"""
+    e, x = n.e, n.x
+    calc = ir.DataType.FLOAT if dtype in _HALF else dtype  # onnxruntime's Resize and EyeLike
+    i64, f32 = ir.DataType.INT64, ir.DataType.FLOAT
+    d = e.Slice(e.Shape(x), [a], [a + 1])
+
+    def cat(dt, *parts):  # lists of numbers as constants of dt, values cast to dt
+        return e.Concat(*[e.const(np.array(q), dt) if isinstance(q, list) else _cast(e, q, dt)
+                          for q in parts], axis=0)
+
+    def entry(v, i):
+        return e.const(v.reshape(-1)[i:i + 1]) if isinstance(v, np.ndarray) else \
+            e.Slice(v, [i], [i + 1])
+
+    zero = ir.tensor(np.zeros(1, calc.numpy()))
+    eye = e.EyeLike(e.ConstantOfShape(cat(i64, d, d), value=zero), _dtype=calc)
+    probe = e.Reshape(eye, cat(i64, d, [1, 1], d))
+    roi_in = scales_in = sizes_in = None
+    if crop and roi is not None:
+        rdt = f32 if isinstance(roi, np.ndarray) else roi.dtype
+        roi_in = cat(rdt, [0.0] * 3, entry(roi, k), [1.0] * 3, entry(roi, count + k))
+    if by_sizes:
+        sizes_in = cat(i64, d, [1, 1], entry(sizes, k))
+    else:
+        scales_in = cat(f32, [1.0] * 3, entry(scales, k))
+    kept = {key: v for key, v in attrs.items() if v is not None and key in _PROBE_ATTRS}
+    if e.opset < 18:
+        kept.pop("antialias", None)
+    y = e.op("Resize", probe, roi_in, scales_in, sizes_in, _dtype=calc, **kept)
+    mt = e.Reshape(y, cat(i64, d, [-1]))
+    return mt if calc == dtype else e.Cast(mt, to=dtype)
+
+
+_PROBE_ATTRS = ("mode", "coordinate_transformation_mode", "cubic_coeff_a", "exclude_outside",
+                "nearest_mode", "antialias")
+
+
+def _resize_static(n, g, attrs, roi, scales, sizes, axes):
+    """The adjoint from numpy matrices: every resized axis' scale or size, and its lengths,
+    are static. scales/sizes/roi: numpy constants (or None)."""
+    e, x = n.e, n.x
+    xs, ys = x.shape, n.y.shape
+    rank = len(xs)
     full_s = [1.0] * rank
     out = list(xs)
     policy_pq, own = None, {}
@@ -119,12 +227,9 @@ def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
             full_s[a] = float(s)
             if isinstance(xs[a], int):  # the spec's floor(in * scale); a static y overrides
                 out[a] = int(np.floor(xs[a] * np.float32(s)))
-    elif sizes is not None and sizes.size > 0:
-        policy = _s(n.attr("keep_aspect_ratio_policy", "stretch"))
+    else:
+        policy = _s(attr(n, "keep_aspect_ratio_policy", "stretch"))
         static = [xs[a] for a in axes]
-        if not all(isinstance(d, int) for d in static):
-            raise NotImplementedError(f"Resize gradient at node {n.node.name!r}: the resized "
-                                      "axes need static sizes")
         if policy != "stretch":  # one scale for all resized axes, the spec's round_half_up
             ratios = [s / d for s, d in zip(sizes.tolist(), static)]
             i = int(np.argmin(ratios) if policy == "not_larger" else np.argmax(ratios))
@@ -142,9 +247,6 @@ def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
         else:
             for a, s in zip(axes, sizes.tolist()):
                 out[a] = int(s)
-    else:
-        raise NotImplementedError(f"Resize gradient at node {n.node.name!r}: its scales or sizes "
-                                  "are computed at run time; only constant ones are supported")
     if use_scales and ys is not None:
         for a in axes:
             if isinstance(ys[a], int):
@@ -161,38 +263,79 @@ def _resize_grad(n, g, mode, attrs, scales, sizes, roi, axes):
         r = None if roi_full is None else roi_full.get(a, (0.0, 1.0))
         if full_s[a] == 1.0 and d_in == d_out and r in (None, (0.0, 1.0)):
             continue  # an untouched axis (batch and channels, symbolic or not)
-        if not (isinstance(d_in, int) and isinstance(d_out, int)):
+        if not isinstance(d_out, int):
             raise NotImplementedError(
-                f"Resize gradient at node {n.node.name!r}: axis {a} is resized but its size is "
-                f"not static ({d_in!r} -> {d_out!r}); run shape inference with fixed spatial dims")
+                f"Resize gradient at node {n.node.name!r}: axis {a} is resized to a length "
+                "shape inference did not tell; run shape inference")
         if policy_pq is not None and a in axes and own.get(a) == (d_out, policy_pq[1:]):
             m = _interp_matrix(d_in, d_out, None, r, key_attrs)  # the axis that set the scale
         elif policy_pq is not None and a in axes:
             m = _interp_matrix(d_in, d_out, None, r, key_attrs, policy_pq)
         else:
             m = _interp_matrix(d_in, d_out, full_s[a] if use_scales else None, r, key_attrs)
-        if a == rank - 1:
-            dx = e.MatMul(dx, e.const(m, g.dtype))
-        elif a == rank - 2:
-            dx = e.MatMul(e.const(np.ascontiguousarray(m.T), g.dtype), dx)
-        else:
-            perm = list(range(rank))
-            perm[a], perm[-1] = perm[-1], perm[a]
-            dx = e.Transpose(e.MatMul(e.Transpose(dx, perm=perm), e.const(m, g.dtype)), perm=perm)
+        dx = _along(e, dx, a, rank, e.const(np.ascontiguousarray(m.T), g.dtype))
     return dx
+
+
+def _elements(v):
+    """What is known statically of a 1-D input's entries: a list of numbers, ("dim", value,
+    axis) for an entry that is Shape(value)[axis], or None for an entry only the run time
+    knows; None when even the number of entries is unknown. ``v`` a V, a numpy constant
+    (given as is) or None (absent: None)."""
+    if v is None:
+        return None
+    if isinstance(v, np.ndarray):
+        return v.reshape(-1).tolist()
+    got = _entries(v.value, 8)
+    if got is None and v.shape is not None and len(v.shape) == 1 and isinstance(v.shape[0], int):
+        got = [None] * v.shape[0]
+    return got
+
+
+def _entries(v, depth):
+    const = _fold(v, depth)
+    if const is not None:
+        return np.asarray(const).reshape(-1).tolist()
+    p = v.producer()
+    if p is None or depth <= 0 or p.domain not in ("", "ai.onnx"):
+        return None
+    op, ins = p.op_type, list(p.inputs)
+    if op == "Shape" and ins[0].shape is not None:
+        rank = len(ins[0].shape)
+        start, end = p.attributes.get("start"), p.attributes.get("end")
+        lo = 0 if start is None else start.value
+        hi = rank if end is None else end.value
+        return [("dim", ins[0], i) for i in range(rank)][slice(lo, hi)]
+    if op in ("Identity", "Cast", "Squeeze", "Unsqueeze", "Reshape"):
+        return _entries(ins[0], depth - 1)
+    if op == "Concat":
+        parts = [_entries(i, depth - 1) for i in ins]
+        if any(q is None for q in parts):
+            parts = [q if q is not None else _length_unknown(i) for q, i in zip(parts, ins)]
+            if any(q is None for q in parts):
+                return None
+        return [item for q in parts for item in q]
+    if op in ("Slice", "Gather"):
+        data = _entries(ins[0], depth - 1)
+        consts = [None if i is None else _fold(i, depth - 1) for i in ins[1:]]
+        if data is None or any(c is None for i, c in zip(ins[1:], consts) if i is not None):
+            return None
+        if op == "Gather":
+            return [data[int(i)] for i in np.asarray(consts[0]).reshape(-1)]
+        first = [None if c is None else int(np.asarray(c).reshape(-1)[0]) for c in consts]
+        step = first[3] if len(first) > 3 and first[3] is not None else 1
+        return data[slice(first[0], first[1], step)]
+    return None
+
+
+def _length_unknown(v):
+    """[None] * length for a 1-D value of static length, else None."""
+    s = v.shape
+    return [None] * s[0] if s is not None and len(s) == 1 and isinstance(s[0], int) else None
 
 
 _RESIZE_ATTRS = ("mode", "coordinate_transformation_mode", "cubic_coeff_a", "exclude_outside",
                  "nearest_mode", "antialias", "extrapolation_value")
-
-
-def _folded(n, i, depth=8):
-    """Input i's value when it is a constant or computed from constants only (a Concat of
-    Constants, as exporters write Resize's scales): those few nodes are evaluated with
-    onnx.reference. None when any leaf is not constant."""
-    if i >= len(n.node.inputs):
-        return None
-    return _fold(n.node.inputs[i], depth)
 
 
 def _fold(v, depth):
@@ -225,29 +368,34 @@ def _fold(v, depth):
 def _resize(n, g):
     attrs = {k: _s(n.attr(k)) for k in _RESIZE_ATTRS}
     attrs["extrapolation_value"] = None  # the adjoint of the linear part
-    dx = _resize_grad(n, g, attrs.get("mode"), attrs, _folded(n, 2), _folded(n, 3),
-                      _folded(n, 1), n.attr("axes"))
+    dx = _resize_grad(n, g, attrs, n.input(1), n.input(2), n.input(3), n.attr("axes"))
     return (dx,) + (None,) * (len(n.ins) - 1)
 
 
+def _asymmetric(mode):
+    """Resize's attributes of Resize-10 and Upsample (as version_converter maps them)."""
+    mode = "linear" if mode in ("linear", "bilinear") else mode
+    return {"mode": mode, "coordinate_transformation_mode": "asymmetric",
+            "nearest_mode": "floor" if mode == "nearest" else None}
+
+
 @register("Resize", since=10, until=10)
-def _resize10(n, g):  # Resize-10: asymmetric coordinates (as version_converter maps it to 11)
-    mode = _s(n.attr("mode", "nearest"))
-    attrs = {"mode": mode, "coordinate_transformation_mode": "asymmetric",
-             "nearest_mode": "floor" if mode == "nearest" else None}
-    return _resize_grad(n, g, mode, attrs, _folded(n, 1), None, None, None), None
+def _resize10(n, g):
+    return _resize_grad(n, g, _asymmetric(_s(attr(n, "mode"))), None, n.input(1), None,
+                        None), None
 
 
 @register("Upsample")
 def _upsample(n, g):
-    mode = _s(n.attr("mode", "nearest"))
-    mode = "linear" if mode in ("linear", "bilinear") else mode
-    attrs = {"mode": mode, "coordinate_transformation_mode": "asymmetric",
-             "nearest_mode": "floor" if mode == "nearest" else None}
-    scales = n.attr("scales")
-    scales = np.array(scales, np.float32) if scales is not None else _folded(n, 1)
-    dx = _resize_grad(n, g, mode, attrs, scales, None, None, None)
+    scales = n.attr("scales")  # Upsample-7 holds them in an attribute, Upsample-9 in an input
+    scales = np.array(scales, np.float32) if scales is not None else n.input(1)
+    dx = _resize_grad(n, g, _asymmetric(_s(attr(n, "mode"))), None, scales, None, None)
     return (dx,) + (None,) * (len(n.ins) - 1)
+
+
+no_gradient("Resize", roi="non-differentiable in the ONNX schema",
+            scales="non-differentiable in the ONNX schema")
+no_gradient("Upsample", scales="as Resize's (Upsample is upgraded to Resize)")
 
 
 # -- AffineGrid ---------------------------------------------------------------------------------
@@ -262,7 +410,7 @@ def _affine_grid(n, g):
     k = theta.shape[1]  # 2 (2-D) or 3 (3-D)
     eye = e.const(np.eye(k, k + 1)[None], theta.dtype)
     one_size = e.Concat([1], e.Slice(size, [1], [END]), axis=0)
-    base = e.AffineGrid(eye, one_size, align_corners=n.attr("align_corners", 0))
+    base = e.AffineGrid(eye, one_size, align_corners=attr(n, "align_corners"))
     base = e.Squeeze(base, [0])
     base = e.Concat(base, e.fill_like(e.Slice(base, [0], [1], [-1]), 1), axis=-1)
     sp = "hw" if k == 2 else "dhw"
@@ -396,9 +544,9 @@ def _grid_sample(n, g):
     number of spatial axes). dX scatters g * w_t back to i_t (ScatterElements, reduction add);
     dgrid = sum_c g * sum_t X[i_t] dw_t/dgrid (a GatherElements), zero for nearest."""
     e, x, grid = n.e, n.x, n.ins[1]
-    mode = _s(n.attr("mode", "linear" if n.opset >= 20 else "bilinear"))
-    padding = _s(n.attr("padding_mode", "zeros"))
-    align = bool(n.attr("align_corners", 0))
+    mode = _s(attr(n, "mode"))
+    padding = _s(attr(n, "padding_mode"))
+    align = bool(attr(n, "align_corners"))
     rank = x.rank if x.rank is not None else grid.rank
     if rank is None:
         raise NotImplementedError(f"GridSample gradient at node {n.node.name!r}: the rank of "
@@ -458,7 +606,8 @@ def _grid_sample(n, g):
 # -- RoiAlign ------------------------------------------------------------------------------------
 def _roi_axis(e, c, size):
     """RoiAlign's bilinear taps along one axis at sample coordinates c (the spec's clamping):
-    (in range, [(int64 index, weight)] * 2)."""
+    (in range, [(int64 index, weight)] * 2, d frac / d c). frac, the high tap's weight, moves
+    with c except where c is clamped (c <= 0) or sits on the last row (both taps there)."""
     ok = e.And(e.GreaterOrEqual(c, -1.0), e.LessOrEqual(c, size))
     c0 = e.Max(c, 0.0)
     f = e.Floor(c0)
@@ -466,12 +615,14 @@ def _roi_axis(e, c, size):
     lo = e.Where(top, e.Expand(size - 1.0, e.Shape(f)), f)
     hi = e.Where(top, lo, f + 1.0)
     frac = e.Where(top, e.zeros_like(f), c0 - f)
-    return ok, [(e.Cast(lo, to=_I64), 1.0 - frac), (e.Cast(hi, to=_I64), frac)]
+    moves = e.Cast(e.And(e.Greater(c, 0.0), e.Not(top)), to=c.dtype)
+    return ok, [(e.Cast(lo, to=_I64), 1.0 - frac), (e.Cast(hi, to=_I64), frac)], moves
 
 
 def _roi_samples(e, start, size, bins, grid, dt):
-    """Sample coordinates [R, bins, G] of one axis (G the largest per-roi grid) and the mask
-    of the samples that exist for each roi (i < grid[r])."""
+    """Sample coordinates [R, bins, G] of one axis (G the largest per-roi grid), the mask of
+    the samples that exist for each roi (i < grid[r]), and u = (p + (i + 0.5) / grid) / bins,
+    the share of the roi's size in front of each sample (c = start + size * u)."""
     b = size / float(bins)                                   # bin size [R]
     gmax = e.Cast(e.reduce("ReduceMax", grid, [0], keepdims=0), to=_I64)
     i = e.Cast(e.Range(e.const(np.array(0, np.int64)), gmax, e.const(np.array(1, np.int64))),
@@ -479,8 +630,10 @@ def _roi_samples(e, start, size, bins, grid, dt):
     r3 = lambda t: e.Unsqueeze(t, [1, 2])                    # noqa: E731  [R] -> [R, 1, 1]
     p = e.const(np.arange(bins, dtype=np.float64).reshape(1, -1, 1), dt)
     safe = e.Max(grid, 1.0)
-    c = r3(start) + p * r3(b) + (e.Unsqueeze(i, [0, 1]) + 0.5) * r3(b / safe)
-    return c, e.Less(e.Unsqueeze(i, [0, 1]), r3(grid))
+    i3 = e.Unsqueeze(i, [0, 1]) + 0.5
+    c = r3(start) + p * r3(b) + i3 * r3(b / safe)            # the forward's own arithmetic
+    u = (p + i3 / r3(safe)) * (1.0 / bins)
+    return c, e.Less(e.Unsqueeze(i, [0, 1]), r3(grid)), u
 
 
 @register("RoiAlign", since=10)
@@ -488,17 +641,23 @@ def _roi_align(n, g):
     """Y[r, c, ph, pw] averages (or takes the max of) bilinear samples of X[batch[r], c] on a
     grid in each bin. The samples' taps and weights are rebuilt from rois (the spec's clamping,
     sampling_ratio 0 meaning ceil(roi size / bins) per roi: samples up to the largest grid, the
-    others masked); dX scatters g times each tap's weight (avg) or to the tap of each bin's
-    maximum (max) with ScatterElements add. rois and batch_indices get no gradient."""
+    others masked). Each bin's cotangent per tap K (g / count for avg; for max, g at the tap
+    w * X of the bin's largest product) gives dX = K * w scattered with ScatterElements add,
+    and the rois' gradient through the sample positions c = start + size * u (as
+    crop_and_resize's boxes): dY/dc = K * X * dw/dc, dc/dstart = 1 - u, dc/dend = u (the size
+    clamped to >= 1 in output_half_pixel mode moves neither), times spatial_scale. The grid
+    count and the in-range test are piecewise constant in rois: no gradient through them.
+    batch_indices are integers."""
     e, x = n.e, n.x
     rois, batch = n.ins[1], n.ins[2]
     dt = x.dtype
-    mode = _s(n.attr("mode", "avg"))
-    half = _s(n.attr("coordinate_transformation_mode", "half_pixel")) == "half_pixel" \
+    mode = _s(attr(n, "mode"))
+    half = _s(attr(n, "coordinate_transformation_mode")) == "half_pixel" \
         if n.opset >= 16 else False
-    oh, ow = int(n.attr("output_height", 1)), int(n.attr("output_width", 1))
-    sr = int(n.attr("sampling_ratio", 0))
-    scale = float(n.attr("spatial_scale", 1.0))
+    oh, ow = int(attr(n, "output_height")), int(attr(n, "output_width"))
+    sr = int(attr(n, "sampling_ratio"))
+    scale = float(attr(n, "spatial_scale"))
+    want_x, want_rois = n.wants(n.node.inputs[0]), n.wants(n.node.inputs[1])
     shape = e.Shape(x)
     hw = [e.Cast(e.Gather(shape, e.const(np.array(i, np.int64))), to=dt) for i in (2, 3)]
     hw_i = [e.Gather(shape, e.const(np.array(i, np.int64))) for i in (2, 3)]
@@ -506,16 +665,18 @@ def _roi_align(n, g):
     col = lambda k: e.Squeeze(e.Slice(r, [k], [k + 1], [1]), [1]) * scale - (0.5 if half else 0.0)  # noqa: E731,E501
     x1, y1, x2, y2 = (col(k) for k in range(4))
     rw, rh = x2 - x1, y2 - y1
+    grow_w = grow_h = None  # where the size follows the roi (not clamped to 1)
     if not half:
+        grow_w, grow_h = (e.Cast(e.Greater(t, 1.0), to=dt) for t in (rw, rh))
         rw, rh = e.Max(rw, 1.0), e.Max(rh, 1.0)
     if sr > 0:
         gh = gw = e.Expand(e.const(float(sr), dt), e.Shape(rw))
     else:
         gh, gw = e.Ceil(rh / float(oh)), e.Ceil(rw / float(ow))
-    cy, my = _roi_samples(e, y1, rh, oh, gh, dt)             # [R, oh, Gh]
-    cx, mx = _roi_samples(e, x1, rw, ow, gw, dt)             # [R, ow, Gw]
-    oky, ty = _roi_axis(e, cy, hw[0])
-    okx, tx = _roi_axis(e, cx, hw[1])
+    cy, my, uy = _roi_samples(e, y1, rh, oh, gh, dt)         # [R, oh, Gh]
+    cx, mx, ux = _roi_samples(e, x1, rw, ow, gw, dt)         # [R, ow, Gw]
+    oky, ty, dfy = _roi_axis(e, cy, hw[0])
+    okx, tx, dfx = _roi_axis(e, cx, hw[1])
     y5 = lambda t: e.Unsqueeze(t, [3, 4])                    # noqa: E731  -> [R, oh, Gh, 1, 1]
     x5 = lambda t: e.Unsqueeze(t, [1, 2])                    # noqa: E731  -> [R, 1, 1, ow, Gw]
     exists = e.And(y5(my), x5(mx))                           # the samples of each roi's grid
@@ -523,40 +684,57 @@ def _roi_align(n, g):
     base = e.Unsqueeze(e.Cast(batch, to=_I64) * (hw_i[0] * hw_i[1]), [1, 2, 3, 4])
     taps = [(base + y5(iy) * hw_i[1] + x5(ix), y5(wy) * x5(wx) * inside)
             for iy, wy in ty for ix, wx in tx]               # 4 x ([R, oh, Gh, ow, Gw])
+    tap7 = lambda ts: e.Concat(*[e.Unsqueeze(t, [5]) for t in ts], axis=5)  # noqa: E731
+    idx7, w7 = tap7([i for i, _ in taps]), tap7([w for _, w in taps])      # [R,oh,Gh,ow,Gw,4]
     xt = e.Reshape(e.Transpose(x, perm=[1, 0, 2, 3]), [0, -1])    # [C, N*H*W]
-    g6 = e.Unsqueeze(g, [3, 5])                              # [R, C, oh, 1, ow, 1]
-    perm = [1, 0, 2, 3, 4, 5]
-    if mode == "avg":
-        count = e.Unsqueeze(e.Max(gh * gw, 1.0), [1, 2, 3, 4])
-        idx = e.Concat(*[e.Reshape(i, [1, -1]) for i, _ in taps], axis=1)
-        upd = e.Concat(*[e.Reshape(e.Transpose(g6 * e.Unsqueeze(
-            w * e.Cast(exists, to=dt) / count, [1]), perm=perm), e.Concat(
-                e.Shape(xt, end=1), [-1], axis=0)) for _, w in taps], axis=1)
+    c_dim = e.Slice(e.Shape(xt), [0], [1])
+    ex7 = e.Unsqueeze(e.Cast(exists, to=dt), [0, 6])          # [1, R, oh, Gh, ow, Gw, 1]
+    vals = None                                               # X at every tap [C, R, ..., 4]
+    if mode == "max" or want_rois:
+        vals = e.Gather(xt, e.Reshape(idx7, [-1]), axis=1)
+        vals = e.Reshape(vals, e.Concat(c_dim, e.Shape(idx7), axis=0))
+    if mode == "avg":  # K: g / count on every tap of every existing sample
+        count = e.Unsqueeze(e.Max(gh * gw, 1.0), [1, 2, 3, 4, 5])
+        k7 = e.Unsqueeze(e.Transpose(e.Unsqueeze(g, [3, 5]), perm=[1, 0, 2, 3, 4, 5]), [6])
+        k7 = k7 * (ex7 / e.Unsqueeze(count, [0]))            # [C, R, oh, Gh, ow, Gw, 1]
     else:  # max: the tap w * X of each bin's largest product, first in (iy, ix, tap) order
-        idx7 = e.Concat(*[e.Unsqueeze(i, [5]) for i, _ in taps], axis=5)    # [R,oh,Gh,ow,Gw,4]
-        w7 = e.Concat(*[e.Unsqueeze(w, [5]) for _, w in taps], axis=5)
-        vals = e.Gather(xt, e.Reshape(idx7, [-1]), axis=1)                  # [C, K]
-        vals = e.Reshape(vals, e.Concat(e.Shape(xt, end=1), e.Shape(idx7), axis=0))
-        vals = vals * e.Unsqueeze(w7, [0])                                  # [C,R,oh,Gh,ow,Gw,4]
-        ex7 = e.Unsqueeze(e.Unsqueeze(exists, [5]), [0])
-        vals = e.Where(ex7, vals, e.const(-np.inf, dt))
-        flat = e.Reshape(e.Transpose(vals, perm=[1, 0, 2, 4, 3, 5, 6]), [0, 0, oh, ow, -1])
+        prod = e.Where(e.Cast(ex7, to=ir.DataType.BOOL), vals * e.Unsqueeze(w7, [0]),
+                       e.const(-np.inf, dt))                  # [C,R,oh,Gh,ow,Gw,4]
+        flat = e.Reshape(e.Transpose(prod, perm=[1, 0, 2, 4, 3, 5, 6]), [0, 0, oh, ow, -1])
         am = e.ArgMax(flat, axis=-1, keepdims=1)
         hit = e.Equal(e.Range(e.const(np.array(0, np.int64)),
                               e.Squeeze(e.Shape(flat, start=-1), [0]),
                               e.const(np.array(1, np.int64))), am)
-        sel = e.Cast(hit, to=dt) * e.Unsqueeze(g, [4])                      # [R,C,oh,ow,S]
-        sel = e.Reshape(sel, e.Concat(e.Shape(g), e.Shape(idx7, start=2, end=3),
-                                      e.Shape(idx7, start=4), axis=0))     # [R,C,oh,ow,Gh,Gw,4]
-        sel = e.Transpose(sel, perm=[1, 0, 2, 4, 3, 5, 6]) * e.Unsqueeze(w7, [0])
-        sel = sel * e.Cast(ex7, to=dt)
-        upd = e.Reshape(sel, e.Concat(e.Shape(xt, end=1), [-1], axis=0))
-        idx = e.Reshape(idx7, [1, -1])
-    idx = e.Expand(idx, e.Concat(e.Shape(xt, end=1), e.Shape(idx, start=1), axis=0))
-    dxt = _scatter_add(e, e.zeros_like(xt), idx, upd, 1)
-    dx = e.Transpose(e.Reshape(dxt, e.Concat(e.Shape(x, start=1, end=2), e.Shape(x, end=1),
-                                             e.Shape(x, start=2), axis=0)), perm=[1, 0, 2, 3])
-    return dx, None, None
+        k7 = e.Cast(hit, to=dt) * e.Unsqueeze(g, [4])                       # [R,C,oh,ow,S]
+        k7 = e.Reshape(k7, e.Concat(e.Shape(g), e.Shape(idx7, start=2, end=3),
+                                    e.Shape(idx7, start=4), axis=0))       # [R,C,oh,ow,Gh,Gw,4]
+        k7 = e.Transpose(k7, perm=[1, 0, 2, 4, 3, 5, 6]) * ex7             # [C,R,oh,Gh,ow,Gw,4]
+    dx = drois = None
+    if want_x:
+        upd = e.Reshape(e.Expand(k7 * e.Unsqueeze(w7, [0]),
+                                 e.Concat(c_dim, e.Shape(idx7), axis=0)),
+                        e.Concat(c_dim, [-1], axis=0))
+        idx = e.Expand(e.Reshape(idx7, [1, -1]), e.Shape(upd))
+        dxt = _scatter_add(e, e.zeros_like(xt), idx, upd, 1)
+        dx = e.Transpose(e.Reshape(dxt, e.Concat(e.Shape(x, start=1, end=2), e.Shape(x, end=1),
+                                                 e.Shape(x, start=2), axis=0)),
+                         perm=[1, 0, 2, 3])
+    if want_rois:
+        d7 = e.reduce("ReduceSum", k7 * vals, [0], keepdims=0)  # dY/dw per tap [R,oh,Gh,ow,Gw,4]
+        sign = (-1.0, 1.0)   # d w / d frac of the low and high tap
+        dwy = tap7([y5(dfy * sy) * x5(wx) * inside for sy in sign for _, wx in tx])
+        dwx = tap7([y5(wy) * x5(dfx * sx) * inside for _, wy in ty for sx in sign])
+        dcy = e.reduce("ReduceSum", d7 * dwy, [3, 4, 5], keepdims=0)       # [R, oh, Gh]
+        dcx = e.reduce("ReduceSum", d7 * dwx, [1, 2, 5], keepdims=0)       # [R, ow, Gw]
+
+        def ends(dc, u, grow):  # d/d(start, end) of c = start + size * u
+            du = dc * u if grow is None else dc * u * e.Unsqueeze(grow, [1, 2])
+            total, moved = (e.reduce("ReduceSum", t, [1, 2], keepdims=0) for t in (dc, du))
+            return total - moved, moved
+        (dx1, dx2), (dy1, dy2) = ends(dcx, ux, grow_w), ends(dcy, uy, grow_h)
+        drois = e.Concat(*[e.Unsqueeze(t, [1]) for t in (dx1, dy1, dx2, dy2)], axis=1) * scale
+        drois = _cast(e, drois, rois.dtype)
+    return dx, drois, None
 
 
 # -- MaxRoiPool ----------------------------------------------------------------------------------
@@ -584,13 +762,12 @@ def _max_roi_pool(n, g):
     C's round half away from zero, floor/ceil bin edges, clipping) and every bin's elements
     gathered from X ([C, R, ph, Kh, pw, Kw], the forward's own cost); g goes to the elements equal
     to Y (the forward's max, reused), split evenly among ties, and is added up into X's shape
-    (bins of overlapping rois share elements). rois are proposals: no gradient (as Caffe's and
-    torchvision's roi_pool)."""
+    (bins of overlapping rois share elements). rois get none (see NO_GRADIENT below)."""
     e, x, y = n.e, n.x, n.y
     ph, pw = (int(v) for v in n.attr("pooled_shape"))
     r = e.Cast(n.ins[1], to=_F32)
     batch = e.Cast(e.Squeeze(e.Slice(r, [0], [1], [1]), [1]), to=_I64)      # truncated, as C
-    c = e.Slice(r, [1], [5], [1]) * float(n.attr("spatial_scale", 1.0))   # x1, y1, x2, y2
+    c = e.Slice(r, [1], [5], [1]) * float(attr(n, "spatial_scale"))   # x1, y1, x2, y2
     a = e.Abs(c)
     f = e.Floor(a)
     c = e.Cast(e.Sign(c) * e.Where(e.GreaterOrEqual(a - f, 0.5), f + 1.0, f), to=_I64)
@@ -616,6 +793,10 @@ def _max_roi_pool(n, g):
     return e.Transpose(dx, perm=[1, 0, 2, 3]), None
 
 
+no_gradient("MaxRoiPool", rois="non-differentiable in the ONNX schema (Y is piecewise constant "
+                             "in them: they are rounded to whole bins)")
+
+
 # -- DeformConv ----------------------------------------------------------------------------------
 def _deform_attrs(n, w):
     """(kh, kw), strides, dilations, pads, group, offset_group of a 2-D DeformConv."""
@@ -630,7 +811,7 @@ def _deform_attrs(n, w):
                                   "W) is supported")
     ints = lambda name, d: [int(i) for i in (n.attr(name) or d)]  # noqa: E731
     return ([int(i) for i in k], ints("strides", [1, 1]), ints("dilations", [1, 1]),
-            ints("pads", [0, 0, 0, 0]), int(n.attr("group", 1)), int(n.attr("offset_group", 1)))
+            ints("pads", [0, 0, 0, 0]), int(attr(n, "group")), int(attr(n, "offset_group")))
 
 
 def _deform_sample(e, x, offset, kernel, strides, dilations, pads, og):
