@@ -21,7 +21,7 @@ from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError)
-from .inference import graphs_of, infer_ranks, infer_shapes
+from .inference import graphs_of, infer_ranks, infer_shapes, schema_output_dtypes
 from .storage import load_model, strip_weights
 from .validation import check_model
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
@@ -213,7 +213,7 @@ class Engine:
         com.microsoft ops; they may be float, so the path is there whatever the types say):
         an op without a rule that makes one of them, else the first of them (no rule can be
         run on it)."""
-        on_path, live, untyped = _forward_reach(graph, xs, stop)
+        on_path, live, untyped = _forward_reach(graph, xs, stop, self.opset)
         if untyped:
             self._refuse_untyped(on_path, live, ys, xs, stop)
         return _Plan(xs, stop, on_path, live)
@@ -485,7 +485,7 @@ def _label(v: ir.Value) -> str:
 
 
 # -- the sweep ---------------------------------------------------------------------------------
-def _forward_reach(graph: ir.Graph, xs, stop):
+def _forward_reach(graph: ir.Graph, xs, stop, opset: int):
     """Nodes that read something depending on xs (in topological order), the values that
     depend on xs (float ones, and those of unknown type: a custom op's output may be float; a
     stopped value is a constant unless it is itself an x), and whether any of those has an
@@ -500,18 +500,29 @@ def _forward_reach(graph: ir.Graph, xs, stop):
                 v not in produced and v.producer() is not None and v.producer().graph is graph
                 for v in ins):  # values of outer scopes are always there
             graph.sort()  # not topologically ordered: let onnx-ir fix the order once
-            return _forward_reach(graph, xs, stop)
+            return _forward_reach(graph, xs, stop, opset)
         if _has_subgraphs(node):
             ins = ins + _captured(node)
         produced.update(node.outputs)
         if any(v in live for v in ins):
             on_path.append(node)
+            if node.domain in ("", "ai.onnx") and any(v.dtype is None for v in node.outputs):
+                _type_by_schema(node, opset)
             for v in node.outputs:
                 dtype = v.dtype
                 if (dtype is None or dtype in FLOAT_DTYPES) and (v not in stop or v in xs):
                     live.add(v)
                     untyped = untyped or dtype is None
     return on_path, live, untyped
+
+
+def _type_by_schema(node: ir.Node, opset: int) -> None:
+    """Give outputs of unknown type the type their op's schema fixes (inference.
+    schema_output_dtypes), so that a failed shape inference does not hide a certain dtype."""
+    ins = [None if v is None or v.dtype is None else int(v.dtype) for v in node.inputs]
+    for v, dt in zip(node.outputs, schema_output_dtypes(node.op_type, opset, ins)):
+        if v.type is None and dt is not None:
+            v.type = ir.TensorType(ir.DataType(dt))
 
 
 def _seed(e: Emitter, graph, values, y: ir.Value, gy, live: bool) -> V:

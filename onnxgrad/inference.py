@@ -24,13 +24,55 @@ What onnx's own ``infer_shapes`` does not do:
 """
 from __future__ import annotations
 
+import functools
+
 import onnx
+import onnx.defs
 from onnx import TensorShapeProto, TypeProto
 
 from .errors import InvalidModelError
 
 _MARK = "onnxgrad_inlined_constant/"
 _POOLS = ("AveragePool", "MaxPool", "LpPool")
+
+
+@functools.lru_cache(maxsize=None)
+def _output_type_params(op_type: str, opset: int) -> tuple | None:
+    """Per output of an ai.onnx op: (the indices of the inputs that share its type parameter,
+    the one element type its constraint allows or None); None for an op without a schema."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return None
+    allowed = {tc.type_param_str: tc.allowed_type_strs for tc in schema.type_constraints}
+    elem = {f"tensor({k})": v for k, v in _ELEM_TYPES.items()}
+    out = []
+    for o in schema.outputs:
+        ties = tuple(i for i, f in enumerate(schema.inputs) if f.type_str == o.type_str)
+        only = allowed.get(o.type_str, [o.type_str])
+        out.append((ties, elem.get(only[0]) if len(only) == 1 else None))
+    return tuple(out)
+
+
+_ELEM_TYPES = {"float": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6,
+               "int64": 7, "string": 8, "bool": 9, "float16": 10, "double": 11, "uint32": 12,
+               "uint64": 13, "bfloat16": 16}
+
+
+def schema_output_dtypes(op_type: str, opset: int, in_dtypes: list) -> list:
+    """The element type (TensorProto enum) of each output of an ai.onnx node, as far as its
+    schema fixes it: the type of an input that shares the output's type parameter (Reshape's
+    output is its data's type), or the one type its constraint allows (Shape: int64). onnx's
+    shape inference can fail on a node (odd shapes in an expanded function body) whose output
+    type is certain all the same."""
+    params = _output_type_params(op_type, opset)
+    if params is None:
+        return []
+    out = []
+    for ties, only in params:
+        tied = [in_dtypes[i] for i in ties if i < len(in_dtypes) and in_dtypes[i] is not None]
+        out.append(tied[0] if tied else only)
+    return out
 
 
 def pool_out_len(dim: int, pb: int, pe: int, ek: int, s: int, ceil: bool) -> int:

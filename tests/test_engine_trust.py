@@ -106,10 +106,13 @@ def test_untyped_op_held_constant_by_stop_gradients():
     x = np.random.default_rng(0).standard_normal((2, 3)).astype(F)
     (g,) = session(res.model).run(res.grads[:1], {"x": x})  # onnxruntime has FusedMatMul
     np.testing.assert_allclose(g, np.tanh(x).sum(0), rtol=1e-5)  # z = tanh(x) @ I
+    # y = Mul(z, W2) with z untyped: Mul's schema ties y's type to W2's (float), which is
+    # certain, so dy/dW2 = sum of z's rows is built; z's own type still matters to nothing else
     m2 = untyped_model()
     m2.graph.output[0].CopyFrom(helper.make_empty_tensor_value_info("y"))
-    with pytest.raises(InvalidModelError, match="'y'"):  # y's type unknown: refused, not guessed
-        onnxgrad.gradients(m2, "y", ["W2"])
+    res2 = onnxgrad.gradients(m2, "y", ["W2"])
+    (g2,) = session(res2.model).run(res2.grads, {"x": x})
+    np.testing.assert_allclose(g2, np.tanh(x).sum(0), rtol=1e-5)
 
 
 def test_untyped_indices_are_refused_not_dropped():
@@ -567,3 +570,14 @@ def test_assert_gradients_helper_still_applies():
     """The usual first-order check on a model with a contradicting value_info entry."""
     m = chain([vi("t", [7, 5])])
     assert_gradients(m, "y", ["x", "b"], {"x": np.array([0.3, -1.2, 2.0], F)})
+
+
+def test_schema_fixes_output_types_that_inference_missed():
+    """A node whose shape inference fails still has an output type its schema fixes."""
+    from onnxgrad.inference import schema_output_dtypes
+    f, d, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.INT64
+    assert schema_output_dtypes("Reshape", 18, [d, i64]) == [d]
+    assert schema_output_dtypes("Shape", 18, [None]) == [i64]
+    assert schema_output_dtypes("Cast", 18, [f]) == [None]  # any type: the attribute says
+    assert schema_output_dtypes("Where", 18, [onnx.TensorProto.BOOL, None, f]) == [f]
+    assert schema_output_dtypes("NoSuchOp", 18, [f]) == []
