@@ -229,6 +229,25 @@ def test_build_train_step_description():
         build_train_step(lm, "lss")
 
 
+def test_step_pools_once():
+    """A MaxPool over 2x2 tiles stays one-output in the step graph (its gradient needs no
+    argmax); an overlapping one gets its Indices output, which its gradient reuses."""
+    m, _, _ = cnn_model()
+    step = build_train_step(attach_loss(m, "cross_entropy"), "loss")
+    pools = [n for n in step.model.graph.node if n.op_type == "MaxPool"]
+    assert [len(n.output) for n in pools] == [1]
+    assert not any(n.op_type == "ScatterElements" for n in step.model.graph.node)
+    for n in m.graph.node:
+        if n.op_type == "MaxPool":
+            del n.attribute[:]
+            n.attribute.extend([helper.make_attribute("kernel_shape", [3, 3]),
+                                helper.make_attribute("strides", [2, 2]),
+                                helper.make_attribute("pads", [1, 1, 1, 1])])  # 8 -> 4 still
+    step = build_train_step(attach_loss(m, "cross_entropy"), "loss")
+    pools = [n for n in step.model.graph.node if n.op_type == "MaxPool"]
+    assert [len(n.output) for n in pools] == [2]
+
+
 def test_gradient_accumulation_equals_big_batch():
     m, _, shape = mlp_model()
     rng = np.random.default_rng(5)
