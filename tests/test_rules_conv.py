@@ -281,6 +281,40 @@ def test_conv_weight_gradient_per_tap_versus_torch(case):
     fd(m, feeds)
 
 
+# Conv's dx on small images (<= 64 output positions) in float32 is one Gemm over all images and
+# a Col2Im; (x shape, w shape, strides, pads, dilations)
+COLS = {
+    "3x3-pad": ((3, 4, 4, 4), (5, 4, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1]),
+    "stride2": ((2, 3, 7, 6), (4, 3, 3, 3), [2, 2], [1, 1, 1, 1], [1, 1]),
+    "cropped-end": ((2, 3, 8, 7), (4, 3, 2, 3), [3, 2], [0, 1, 0, 0], [1, 1]),
+    "dilated-asym": ((2, 2, 6, 5), (3, 2, 2, 3), [1, 2], [1, 0, 2, 1], [2, 1]),
+    "1x1-stride2": ((2, 6, 4, 4), (5, 6, 1, 1), [2, 2], [0, 0, 0, 0], [1, 1]),
+}
+
+
+@pytest.mark.parametrize("case", list(COLS))
+@pytest.mark.parametrize("symbolic", [(), ("batch",)])
+def test_conv_dx_by_cols_versus_torch(case, symbolic):
+    import torch.nn.functional as F
+    xs, ws, s, p, d = COLS[case]
+    feeds = {"x": rnd(xs), "w": rnd(ws, 1), "b": rnd((ws[0],), 2)}
+    m = model_of("Conv", feeds, symbolic=symbolic, strides=s, pads=p, dilations=d)
+    res = onnxgrad.gradients(m, "y", ["x"])
+    assert sum(n.op_type == "Col2Im" for n in res.model.graph.node) == 1
+    torch_pad = [p[1], p[3], p[0], p[2]]
+    versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: F.conv2d(
+        F.pad(x, torch_pad), w, b, stride=s, dilation=d))
+
+
+def test_conv_dx_by_cols_second_order_versus_torch():
+    import torch.nn.functional as F
+    xs, ws, s, p, d = COLS["dilated-asym"]
+    feeds = {"x": rnd(xs), "w": rnd(ws, 1)}
+    m = model_of("Conv", feeds, symbolic=("batch",), strides=s, pads=p, dilations=d)
+    second_order_versus_torch(m, feeds, ["x", "w"], lambda x, w: F.conv2d(
+        F.pad(x, [p[1], p[3], p[0], p[2]]), w, stride=s, dilation=d))
+
+
 @pytest.mark.parametrize("w_shape,gemms", [((3, 4, 3, 2), 6), ((6, 1, 3, 2), 1)])
 def test_conv_transpose_weight_gradient_per_tap(w_shape, gemms):
     """ConvTranspose's dW takes the same per-tap or stacked form (g is the long side)."""
