@@ -260,7 +260,8 @@ def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
             raise InvalidArgumentError("clip_norm=0 would zero every gradient: give a positive "
                                        "norm, or None for no clipping")
         b.prefix = "optimizer/clip"
-        grads = clip_grad_norm(b, grads, dtypes, float(clip_norm))
+        grads = clip_grad_norm(b, grads, dtypes, float(clip_norm),
+                               [desc.initial_params[p].ndim for p in desc.params])
     state_in, state_out, state_of, p_out = [], [], [], []
     renames: dict[str, str] = {}
 
@@ -285,7 +286,7 @@ def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
             g.input.append(helper.make_tensor_value_info(name, dt, shape))
             st[slot] = name
         first = len(b.nodes)
-        new_p, new_st = optimizer.update(b, Slot(p, gr, st, dt, sc))
+        new_p, new_st = optimizer.update(b, Slot(p, gr, st, dt, sc, len(shape)))
         produced_here = {o for n in b.nodes[first:] for o in n.output}
         p_out.append(output(new_p, f"{p}.new", dt, shape))
         for slot in optimizer.slots:
