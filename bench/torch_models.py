@@ -189,8 +189,15 @@ def export(module: nn.Module, shape, batch: int, path: str, exporter: str) -> No
                                  dynamic_shapes=({0: torch.export.Dim("N")},), dynamo=True,
                                  optimize=False, verbose=False)
         if not any(n.op_type == "BatchNormalization" for n in prog.model.graph.all_nodes()):
+            plain = _ir_copy(prog.model)
             prog.optimize()
             prog.save(path)
+            if not _params_kept(path, module):
+                # the optimizer folded Transposes of weights into new constants, or merged
+                # parameters whose values are equal (TransformerEncoder's LayerNorms): keep the
+                # unoptimised graph, whose initializers are the module's parameters
+                import onnx_ir as ir
+                ir.save(plain, path)
             return
         # the exporter writes BatchNorm of a training-mode module as an inference
         # BatchNormalization (running statistics), and its optimizer folds that into the Conv
@@ -207,3 +214,14 @@ def export(module: nn.Module, shape, batch: int, path: str, exporter: str) -> No
                 n.attribute.append(onnx.helper.make_attribute("training_mode", 1))
                 n.output.extend([f"{n.output[0]}.running_mean", f"{n.output[0]}.running_var"])
         onnx.save(m, path)
+
+
+def _ir_copy(model):
+    import onnx_ir as ir
+    return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+
+
+def _params_kept(path: str, module: nn.Module) -> bool:
+    import onnx
+    inits = {t.name for t in onnx.load(path, load_external_data=False).graph.initializer}
+    return all(name in inits for name, _ in module.named_parameters())

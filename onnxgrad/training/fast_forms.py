@@ -139,8 +139,9 @@ class _Nodes:
         return name
 
     def op(self, op_type, *inputs, out=None, **attrs):
-        out = out or self._name(op_type)
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
+        name = self._name(op_type)
+        out = out or name
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=name, **attrs))
         return out
 
     def const(self, value, dtype=np.int64):
