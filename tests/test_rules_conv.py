@@ -573,8 +573,11 @@ def test_global_pools_finite_differences(op, attrs, symbolic):
 
 def test_global_pools_versus_torch():
     feeds = {"x": rnd((2, 3, 5, 4))}
-    versus_torch(model_of("GlobalAveragePool", feeds, symbolic=("batch", "spatial")), feeds,
-                 ["x"], lambda x: x.mean((2, 3), keepdim=True))
+    for symbolic in [("batch", "spatial"), ("batch",)]:  # static spatial dims: an outer product
+        versus_torch(model_of("GlobalAveragePool", feeds, symbolic=symbolic), feeds,
+                     ["x"], lambda x: x.mean((2, 3), keepdim=True))
+    second_order_versus_torch(model_of("GlobalAveragePool", feeds, symbolic=("batch",)), feeds,
+                              ["x"], lambda x: x.mean((2, 3), keepdim=True))
     versus_torch(model_of("GlobalMaxPool", feeds, symbolic=("batch", "spatial")), feeds,
                  ["x"], lambda x: x.amax((2, 3), keepdim=True))
     versus_torch(model_of("GlobalLpPool", feeds, symbolic=("batch", "spatial")), feeds,
