@@ -277,6 +277,26 @@ class Emitter:
     def zeros_like(self, x: V) -> V:
         return self.fill_like(x, 0)
 
+    def broadcast_to(self, t: V, x: V) -> V:
+        """``t`` (x's rank, size 1 on the axes it broadcasts along) broadcast to x's shape. An
+        Expand; but where those axes are x's last ones with static sizes (a pooled [N, C, 1, 1]
+        back to [N, C, H, W]) and t is float or double, a product with a row of ones, which
+        onnxruntime runs 5x to 10x faster on small trailing dims (its Expand writes such a
+        broadcast element by element; measured): exact, x * 1 with nothing summed."""
+        ts, xs = t.shape, x.shape
+        if ts is not None and xs is not None and len(ts) == len(xs) and \
+                t.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
+            k = len(xs)
+            while k and ts[k - 1] == 1 and isinstance(xs[k - 1], int):
+                k -= 1
+            width = int(np.prod(xs[k:], dtype=np.int64))
+            if all(a is not None and a == b for a, b in zip(ts[:k], xs[:k])) and width > 1:
+                ones = self.const(np.ones((1, width)), t.dtype)
+                # [lead..., 1] (0 copies a dim: an empty batch stays empty, where -1 fails)
+                row = self.op("MatMul", self.op("Reshape", t, [0] * k + [1]), ones)
+                return self.op("Reshape", row, self.op("Shape", x), _shape=xs)
+        return self.op("Expand", t, self.op("Shape", x), _shape=xs)
+
     def reduce(self, op_type: str, x: V, axes, keepdims: int = 1) -> V:
         """ReduceXxx over ``axes`` (ints or an int64 tensor), in the form this opset wants."""
         axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)

@@ -661,14 +661,9 @@ def _global_average_pool(n, g):
     dims = x.shape[2:] if x.shape is not None else None
     if dims is not None and all(isinstance(i, int) for i in dims):
         scaled = g * (1.0 / math.prod(dims))
-        if g.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
-            # as an outer product with ones: onnxruntime's Expand writes a broadcast over small
-            # trailing dims element by element (an SE block's [64, 576, 1, 1] -> 2x2: 10x slower)
-            ones = e.const(np.ones((1, math.prod(dims))), g.dtype)
-            return e.Reshape(e.MatMul(e.Reshape(scaled, [-1, 1]), ones), e.Shape(x))
     else:
         scaled = g / e.Cast(e.Div(e.Size(x), e.Size(g)), to=g.dtype)
-    return e.Expand(scaled, e.Shape(x))
+    return e.broadcast_to(scaled, x)
 
 
 @register("GlobalMaxPool")

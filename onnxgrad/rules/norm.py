@@ -152,7 +152,6 @@ def _batch_norm(n, g):
         if g_rm is not None or g_rv is not None:
             momentum = attr(n, "momentum")
             # d mean_A(x)/dx = 1/M, d var_A(x)/dx = 2 (x - mean_A x) / M, M the count over A
-            count = e.Cast(e.Div(e.Size(x), _dim1(e, x)), to=dt)
             extra = None
             if g_rm is not None:
                 extra = _chan(e, _cast(e, g_rm, dt), rank)
@@ -161,9 +160,9 @@ def _batch_norm(n, g):
                 t = _chan(e, _cast(e, g_rv, dt), rank) * 2.0 * c
                 extra = t if extra is None else extra + t
                 gv = _cast(e, g_rv * momentum, var.dtype)
-            extra = extra * (1.0 - momentum) / count
+            extra = extra * (1.0 - momentum) * inv_m
             if g_rv is None:
-                extra = e.Expand(extra, e.Shape(x))
+                extra = e.broadcast_to(extra, x)
             gx = extra if gx is None else gx + extra
         return gx, gs, gb, gm, gv
     r = e.Reciprocal(e.Sqrt(_cast(e, var, dt) + eps))     # (C,)
@@ -228,7 +227,7 @@ def _layer_norm(n, g):
             extra = gm if extra is None else extra + gm
         extra = extra / count
         if g_inv is None and gx is None:
-            extra = e.Expand(extra, e.Shape(xc))
+            extra = e.broadcast_to(extra, xc)
         gx = extra if gx is None else gx + extra
     return _cast(e, gx, x.dtype), gscale, gb
 
