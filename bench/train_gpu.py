@@ -38,7 +38,8 @@ def main(argv=None) -> int:
         return 3
     from train_step import main as bench_main
     args = list(sys.argv[1:] if argv is None else argv)
-    return bench_main(["--device", "cuda", "--steps", "50", "--warmup", "10", *args])
+    return bench_main(["--device", "cuda", "--steps", "50", "--warmup", "10", "--threads", "1",
+                       *args])
 
 
 if __name__ == "__main__":

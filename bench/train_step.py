@@ -1,46 +1,76 @@
-"""Training-step throughput: onnxgrad's Trainer on onnxruntime against a PyTorch eager loop.
+"""Training-step throughput: onnxgrad's Trainer on onnxruntime against a PyTorch eager loop and
+onnxruntime-training 1.19.2, in one run.
 
-    python bench/train_step.py                   # every row, CPU, markdown table
-    python bench/train_step.py --rows mlp --steps 30 --warmup 5
-    python bench/train_step.py --profile mlp     # also onnxruntime's per-node profile of a row
+    python bench/train_step.py                   # the default rows, CPU, markdown table
+    python bench/train_step.py --rows cnn-ts --threads 1 2 --steps 20
+    python bench/train_step.py --profile cnn-ts  # also onnxruntime's per-node profile of a row
     python bench/train_step.py --device cuda     # what bench/train_gpu.py runs
 
-Rows (AdamW lr 1e-3, cross-entropy, the same initial weights and the same batches on both
-sides, random data made once):
-    mlp   784-1024-1024-10 (Gemm, Relu), batch 256
-    cnn   Conv(1->16, 3x3) Relu MaxPool2 Conv(16->32, 3x3) Relu MaxPool2 Gemm(1568->10) on
-          28x28, batch 64
-    lstm  ONNX LSTM (hidden 128, input 64, 32 steps) -> last hidden state -> Gemm(128->10),
-          batch 64 sequences; torch.nn.LSTM with the same weights (gates reordered)
+Rows (AdamW lr 1e-3, cross-entropy over 10 classes, the same initial weights and the same
+batches on every side, random data made once):
+    <model>-ts, <model>-dynamo   the PyTorch model of bench/torch_models.py exported by
+          torch.onnx (TorchScript exporter, dynamo=False, in training mode; or the dynamo
+          exporter), trained from that ONNX file; the PyTorch side trains the module itself:
+          mlp          784-1024-1024-10 (Linear, ReLU), batch 256
+          cnn          Conv 3x3 pad 1, ReLU, MaxPool 2, twice, Linear, 1x28x28, batch 64
+          resnet18     torchvision's ResNet-18 (BatchNorm on batch statistics), 3x64x64, batch 32
+          mobilenetv3  torchvision's MobileNetV3-small, 3x64x64, batch 64
+          transformer  nn.TransformerEncoder 2 layers, d 256, 4 heads, [N, 64, 256], batch 32
+    mlp, cnn, lstm   hand-built ONNX graphs (Gemm; unpadded Conv; ONNX LSTM, hidden 128, 32
+          steps, batch 64, against torch.nn.LSTM with the same weights, gates reordered)
+The dynamo exporter writes a training-mode BatchNorm as an inference BatchNormalization (running
+statistics), which its optimizer then folds into the Conv: for resnet18/mobilenetv3 the bench
+exports unoptimised, marks those nodes training_mode=1 and then runs the exporter's optimizer, so
+that every side trains the same function.
 
-Each (row, side) runs in its own subprocess, so the peak resident memory (ru_maxrss) is that
-side's alone; a run's rate is the median of ``--repeat`` timed windows of ``--steps`` steps after
-``--warmup``, and the two sides' runs alternate ``--rounds`` times (medians reported), which
-keeps drifting load on a shared machine from favouring one side.
-Both sides use the same number of threads (the cores this process may use). Also measured: the
-peak float32 GEMM rate of this machine (onnxruntime MatMul 1024x1024 @ 1024x1024), and the MLP
-row's achieved GFLOP/s as a fraction of it. Ratios > 1 mean onnxgrad is faster. At 1 thread the
-ratio of the two sides' rates by thread CPU time is shown too: both run every kernel on the
-calling thread then, so that ratio leaves out the time other processes held the core.
+Sides: onnxgrad (Trainer: one step graph, parameters and AdamW state kept as OrtValues and swapped
+by IOBinding), torch (torch.optim.AdamW with fused=True, its fastest CPU path; loss.item() per
+step), and onnxruntime-training 1.19.2 (``generate_artifacts`` + its training API, see
+bench/ort_training_side.py) for the rows named by ``--ort-training`` (default: the exported MLP
+and CNN rows). onnxruntime-training has wheels for Python <= 3.11 only and needs onnx 1.16 (and
+imports torch): the bench makes its own virtual environment for it once, under
+~/.cache/onnxgrad-bench/ort-training (``pip install onnxruntime-training==1.19.2 onnx==1.16.*
+numpy<2 torch==2.13.0`` with a Python 3.10/3.11 found on PATH), reuses it afterwards, and prints a
+note and leaves that column empty when it cannot be made.
+
+Each (row, side) runs in its own subprocess, so the peak resident memory (VmHWM) is that
+side's alone (also shown: the peak over the RSS after the libraries' imports); a run's rate is the
+median of ``--repeat`` timed windows of ``--steps`` steps after ``--warmup``, and the sides' runs
+alternate ``--rounds`` times (medians reported), which keeps drifting load on a shared machine
+from favouring one side. All sides use the same number of threads. At 1 thread the ratio of the
+rates by process CPU time is shown too (every thread of the side's process counted): it leaves
+out the time other processes held the core, which wall time on a shared machine does not. Also measured: the peak float32
+GEMM rate of this machine (onnxruntime MatMul 1024^3) and the MLP rows' fraction of it. Ratios > 1
+mean onnxgrad is faster.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import resource
+import shutil
 import statistics
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
-ROWS = ("mlp", "cnn", "lstm")
+BUILT = ("mlp", "cnn", "lstm")
+EXPORTED = ("mlp", "cnn", "resnet18", "mobilenetv3", "transformer")
+EXPORTERS = {"ts": "torchscript", "dynamo": "dynamo"}
+ROWS = BUILT + tuple(f"{m}-{x}" for m in EXPORTED for x in EXPORTERS)
+DEFAULT_ROWS = tuple(r for r in ROWS if "-" in r) + ("lstm",)
+ORT_TRAINING_ROWS = ("mlp-ts", "mlp-dynamo", "cnn-ts", "cnn-dynamo")
+ORT_TRAINING_VENV = os.path.join(os.path.expanduser("~"), ".cache", "onnxgrad-bench",
+                                 "ort-training")
+ORT_TRAINING_PACKAGES = ["onnxruntime-training==1.19.2", "onnx==1.16.*", "numpy<2",
+                         "torch==2.13.0"]
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -152,36 +182,67 @@ def batches(spec, n=8, seed=1):
              rng.integers(0, 10, spec["batch"])) for _ in range(n)]
 
 
+# -- what the sides share: files written once by the parent ---------------------------------
+def prepare(row, workdir):
+    """Write the row's ONNX model, batches (npz: x0, y0, ...) and, for exported rows, the
+    module's initial state_dict into ``workdir``; returns their paths and the trained params."""
+    import onnx
+    out = {"row": row, "onnx": os.path.join(workdir, f"{row}.onnx"),
+           "batches": os.path.join(workdir, f"{row}.npz")}
+    if row in BUILT:
+        spec = SPECS[row]()
+        model, data = onnx_model(spec), batches(spec)
+        onnx.save(model, out["onnx"])
+        out["params"] = [k for k, v in spec["inits"].items() if v.dtype == np.float32]
+    else:
+        import torch
+        import torch_models
+        name, exporter = row.rsplit("-", 1)
+        module, shape, batch = torch_models.make(name)
+        out["state"] = os.path.join(workdir, f"{row}.pt")
+        torch.save(module.state_dict(), out["state"])
+        torch_models.export(module, shape, batch, out["onnx"], EXPORTERS[exporter])
+        inits = {t.name for t in onnx.load(out["onnx"], load_external_data=False)
+                 .graph.initializer}
+        out["params"] = [k for k, _ in module.named_parameters()]
+        missing = [p for p in out["params"] if p not in inits]
+        if missing:
+            raise RuntimeError(f"{row}: the exported model has no initializers {missing}")
+        rng = np.random.default_rng(1)
+        data = [(rng.standard_normal((batch, *shape)).astype(np.float32),
+                 rng.integers(0, 10, batch)) for _ in range(8)]
+    np.savez(out["batches"], **{f"{k}{i}": a for i, xy in enumerate(data)
+                                 for k, a in zip("xy", xy)})
+    return out
+
+
+def load_batches(path):
+    with np.load(path) as z:
+        return [(z[f"x{i}"], z[f"y{i}"]) for i in range(len(z.files) // 2)]
+
+
 # -- one side of one row (in a subprocess) -----------------------------------------------------
-def _rss_mb():
+def _rss_mb(field="VmRSS"):
+    """This process's resident memory (VmRSS) or its peak (VmHWM) in MB. Not ru_maxrss: Linux
+    carries that over from the parent through fork and exec."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
 
-def run_side(row, side, steps, warmup, repeat, device, threads, profile=None):
-    spec = SPECS[row]()
-    data = batches(spec)
-    if side == "onnxgrad":
-        from onnxgrad.training import AdamW, Trainer
-        __import__("onnxruntime")  # the libraries' own footprint is the baseline
-        base = _rss_mb()
-        tr = Trainer(onnx_model(spec), "cross_entropy", optimizer=AdamW(lr=1e-3),
-                     device=device, threads=threads, progress=False, profile=profile)
-        feeds = [{"x": x, "target": y} for x, y in data]
-
-        def step(i):
-            return tr.step(feeds[i % len(feeds)])
-        sync = None
-    else:
-        import torch
-        base = _rss_mb()
-        torch.set_num_threads(threads)
-        dev = "cuda" if device == "cuda" else "cpu"
-        p = {k: torch.tensor(v, device=dev, requires_grad=True) for k, v in spec["inits"].items()
-             if v.dtype == np.float32}
+def _torch_step(prep, device, threads):
+    """The PyTorch side's step function (and the RSS after its imports)."""
+    import torch
+    base = _rss_mb()
+    torch.set_num_threads(threads)
+    dev = "cuda" if device == "cuda" else "cpu"
+    row = prep["row"]
+    if row in BUILT:
+        spec = SPECS[row]()
+        p = {k: torch.tensor(v, device=dev, requires_grad=True)
+             for k, v in spec["inits"].items() if v.dtype == np.float32}
         params = list(p.values())
         if row == "lstm":  # ONNX gates i, o, f, c -> torch's i, f, g, o; B = [Wb, Rb]
             H = spec["H"]
@@ -195,47 +256,130 @@ def run_side(row, side, steps, warmup, repeat, device, threads, profile=None):
                 lstm.bias_hh_l0.copy_(torch.tensor(w["B"][0][4 * H:][order]))
             p = {"lstm": lstm, "D": p["D"], "d": p["d"]}
             params = list(lstm.parameters()) + [p["D"], p["d"]]
-        opt = torch.optim.AdamW(params, lr=1e-3)
         fwd = torch_forward(row)
-        # batches start on the host and are copied per step, as the Trainer's are
-        tdata = [(torch.tensor(x), torch.tensor(y)) for x, y in data]
+
+        def model(x):
+            return fwd(x, p)
+    else:
+        import torch_models
+        module = torch_models.make(row.rsplit("-", 1)[0])[0].to(dev)
+        module.load_state_dict(torch.load(prep["state"]))
+        params, model = list(module.parameters()), module
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    # batches start on the host and are copied per step, as the Trainer's are
+    tdata = [(torch.tensor(x), torch.tensor(y)) for x, y in load_batches(prep["batches"])]
+
+    def step(i):
+        x, y = (t.to(dev) for t in tdata[i % len(tdata)])
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()  # one host copy of the loss per step, as the Trainer does
+    return step, base
+
+
+def run_side(prep, side, steps, warmup, repeat, device, threads, profile=None):
+    if side == "onnxgrad":
+        from onnxgrad.training import AdamW, Trainer
+        __import__("onnxruntime")  # the libraries' own footprint is the baseline
+        base = _rss_mb()
+        t0 = time.perf_counter()
+        tr = Trainer(prep["onnx"], "cross_entropy", optimizer=AdamW(lr=1e-3),
+                     params=prep["params"], device=device, threads=threads, progress=False,
+                     profile=profile)
+        build_s = time.perf_counter() - t0
+        feeds = [{tr.data_inputs[0]: x, "target": y} for x, y in load_batches(prep["batches"])]
 
         def step(i):
-            x, y = (t.to(dev) for t in tdata[i % len(tdata)])
-            opt.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(fwd(x, p), y)
-            loss.backward()
-            opt.step()
-            return loss.item()  # one host copy of the loss per step, as the Trainer does
-        sync = torch.cuda.synchronize if dev == "cuda" else None
-    for i in range(warmup):
+            return tr.step(feeds[i % len(feeds)])
+        sync = None
+    else:
+        step, base = _torch_step(prep, device, threads)
+        build_s = None
+        import torch
+        sync = torch.cuda.synchronize if device == "cuda" else None
+    first = step(0)  # the same weights and batch on every side: the same loss
+    for i in range(1, warmup):
         step(i)
     rates, cpu_rates = [], []
-    k = warmup
+    k = max(warmup, 1)
     for _ in range(repeat):
         if sync:
             sync()
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             step(k)
             k += 1
         if sync:
             sync()
         rates.append(steps / (time.perf_counter() - t0))
-        cpu_rates.append(steps / (time.thread_time() - c0))
+        cpu_rates.append(steps / (time.process_time() - c0))
     out = {"steps_per_s": statistics.median(rates), "rates": rates,
-           # at 1 thread both sides run every kernel on this thread: its CPU time leaves out
-           # the time other processes held the core (a shared machine), wall time does not
+           # at 1 thread the process's CPU time leaves out the time other processes held the
+           # core (a shared machine); wall time does not
            "cpu_steps_per_s": statistics.median(cpu_rates) if threads == 1 and
            device == "cpu" else None,
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "base_rss_mb": base}
+           "peak_rss_mb": _rss_mb("VmHWM"),
+           "base_rss_mb": base, "build_s": build_s, "first_loss": first}
     if side == "onnxgrad" and profile:
         out["profile"] = tr.end_profiling()
     if side == "torch" and device == "cuda":
         import torch
         out["peak_device_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return out
+
+
+# -- onnxruntime-training's own virtual environment ---------------------------------------------
+def ort_training_python(log=print):
+    """The python of a virtual environment with onnxruntime-training 1.19.2 (made on first use,
+    reused later), or None after printing why it cannot be had here."""
+    py = os.path.join(ORT_TRAINING_VENV, "bin", "python")
+    done = os.path.join(ORT_TRAINING_VENV, ".complete")
+    if os.path.exists(done):
+        return py
+    base = None
+    if sys.version_info[:2] in ((3, 10), (3, 11)):
+        base = sys.executable
+    for name in ("python3.11", "python3.10"):
+        base = base or shutil.which(name)
+    if base is None:
+        log("note: onnxruntime-training 1.19.2 has wheels for Python 3.8 to 3.11 only and no "
+            "such Python is on PATH: its column is left out")
+        return None
+    log(f"note: making onnxruntime-training's environment in {ORT_TRAINING_VENV} (once)")
+    try:
+        shutil.rmtree(ORT_TRAINING_VENV, ignore_errors=True)
+        subprocess.run([base, "-m", "venv", ORT_TRAINING_VENV], check=True,
+                       capture_output=True, text=True)
+        subprocess.run([py, "-m", "pip", "install", "--quiet", *ORT_TRAINING_PACKAGES],
+                       check=True, capture_output=True, text=True, timeout=3600)
+        subprocess.run([py, "-c", "import onnxruntime.training.api"], check=True,
+                       capture_output=True, text=True)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        err = getattr(exc, "stderr", "") or str(exc)
+        log(f"note: onnxruntime-training 1.19.2 could not be installed ({err.strip()[-300:]}): "
+            "its column is left out")
+        return None
+    open(done, "w").close()
+    return py
+
+
+def spawn_ort_training(py, prep, args, threads):
+    with tempfile.TemporaryDirectory(prefix="ortt-") as work:
+        spec = {"model": prep["onnx"], "batches": prep["batches"], "params": prep["params"],
+                "steps": args.steps, "warmup": args.warmup, "repeat": args.repeat,
+                "threads": threads, "workdir": work}
+        path = os.path.join(work, "spec.json")
+        with open(path, "w") as f:
+            json.dump(spec, f)
+        p = subprocess.run([py, os.path.join(HERE, "ort_training_side.py"), path],
+                           capture_output=True, text=True)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    lines = [ln for ln in (p.stderr or p.stdout).strip().splitlines() if ln.strip()]
+    return {"error": lines[-1][:300] if lines else f"exit {p.returncode}"}
 
 
 def gemm_peak(threads, device="cpu", n=1024, reps=20):
@@ -294,44 +438,80 @@ def summarize_profile(path, top=12):
 
 # -- the driver --------------------------------------------------------------------------------
 def child(args):
-    res = run_side(args.child_row, args.child_side, args.steps, args.warmup, args.repeat,
-                   args.device, args.threads[0], args.child_profile)
+    with open(args.child_prep) as f:
+        prep = json.load(f)
+    res = run_side(prep, args.child_side, args.steps, args.warmup, args.repeat, args.device,
+                   args.threads[0], args.child_profile)
     print("RESULT " + json.dumps(res))
 
 
-def spawn(row, side, args, threads, profile=None):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child-row", row, "--child-side", side,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--repeat",
-           str(args.repeat), "--device", args.device, "--threads", str(threads)]
+def spawn(prep_path, side, args, threads, profile=None):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child-prep", prep_path,
+           "--child-side", side, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--repeat", str(args.repeat), "--device", args.device, "--threads", str(threads)]
     if profile:
         cmd += ["--child-profile", profile]
     p = subprocess.run(cmd, capture_output=True, text=True)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"{row}/{side} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    raise RuntimeError(f"{prep_path}/{side} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+
+
+def _combine(rs):
+    """One side's runs of a row: median rate, largest peak RSS, smallest baseline."""
+    ok = [r for r in rs if "error" not in r]
+    if not ok:
+        return {"error": rs[0]["error"]}
+    cpu = [r["cpu_steps_per_s"] for r in ok if r.get("cpu_steps_per_s")]
+    return {"steps_per_s": statistics.median(r["steps_per_s"] for r in ok),
+            "rounds": [r["steps_per_s"] for r in ok],
+            "cpu_steps_per_s": statistics.median(cpu) if cpu else None,
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in ok),
+            "base_rss_mb": min(r["base_rss_mb"] for r in ok),
+            "build_s": statistics.median(r["build_s"] for r in ok) if ok[0].get("build_s")
+            is not None else None, "first_loss": ok[0]["first_loss"]}
+
+
+def _ratio(ours, other):
+    """'speed ratio (CPU time ratio)' of ours over other, or '-'."""
+    if not other or "error" in other:
+        return "-", None, None
+    r = ours["steps_per_s"] / other["steps_per_s"]
+    c = (ours["cpu_steps_per_s"] / other["cpu_steps_per_s"]
+         if ours.get("cpu_steps_per_s") and other.get("cpu_steps_per_s") else None)
+    return f"{r:.2f}" + (f" (CPU {c:.2f})" if c else ""), r, c
+
+
+def _rss(side):
+    if not side or "error" in side:
+        return "-"
+    return f"{side['peak_rss_mb']:.0f} (+{side['peak_rss_mb'] - side['base_rss_mb']:.0f})"
 
 
 def main(argv=None):
     from onnxgrad.training.trainer import cores
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
-    ap.add_argument("--steps", type=int, default=20, help="steps per timed window")
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=ROWS)
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed window")
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=3, help="timed windows per run (median)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="runs of each side, alternated (median of their medians)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--threads", type=int, nargs="+", default=[cores()],
-                    help="thread counts to run every row at (both sides alike; default: cores)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                    help="thread counts to run every row at (all sides alike)")
+    ap.add_argument("--ort-training", nargs="*", default=list(ORT_TRAINING_ROWS), choices=ROWS,
+                    metavar="ROW", help="rows that also run onnxruntime-training 1.19.2 "
+                    "(none when given alone)")
     ap.add_argument("--profile", nargs="*", choices=ROWS, default=None,
                     help="profile these rows (all when given alone) with onnxruntime")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    ap.add_argument("--child-row", help=argparse.SUPPRESS)
+    ap.add_argument("--child-prep", help=argparse.SUPPRESS)
     ap.add_argument("--child-side", help=argparse.SUPPRESS)
     ap.add_argument("--child-profile", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child_row:
+    if args.child_prep:
         return child(args)
     if args.device == "cuda":
         from onnxgrad.runtime import cuda_available
@@ -340,65 +520,87 @@ def main(argv=None):
                   "(onnxruntime-gpu, the CUDA/cuDNN libraries and a visible GPU are needed)",
                   file=sys.stderr)
             return 3
+        args.ort_training = []
     import onnxruntime
     import torch
+    ortt = [r for r in args.rows if r in args.ort_training]
+    ortt_py = ort_training_python() if ortt else None
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"# training steps/s, {args.device}, threads {args.threads}, {cores()} cores, load "
           f"average {load:.1f} at the start; onnxruntime {onnxruntime.__version__}, torch "
           f"{torch.__version__}; median over {args.rounds} alternated runs of the median of "
           f"{args.repeat} x {args.steps} steps after {args.warmup}")
-    results = {"rows": {}, "gemm_peak_gflops": {}}
+    results = {"rows": {}, "gemm_peak_gflops": {}, "load_start": load}
     peak = {}
     for t in args.threads:
         peak[t] = gemm_peak(t, args.device)
         results["gemm_peak_gflops"][t] = peak[t]
         print(f"\npeak GEMM (onnxruntime MatMul 1024^3 float32), {t} threads: "
               f"{peak[t]:.1f} GFLOP/s")
-    print("\n| row | threads | onnxgrad steps/s | torch steps/s | ratio (ours/torch) | "
-          "peak RSS ours MB (+ over imports) | peak RSS torch MB (+ over imports) | "
-          "MLP GFLOP/s (fraction of peak) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    for row in args.rows:
-        for t in args.threads:
-            # alternate the two sides over --rounds subprocess pairs (this machine is shared:
-            # load drifts), then take each side's median rate and its largest peak RSS
-            runs = {"onnxgrad": [], "torch": []}
-            for _ in range(args.rounds):
-                for side in runs:
-                    runs[side].append(spawn(row, side, args, t))
-            ours, ref = ({"steps_per_s": statistics.median(r["steps_per_s"] for r in rs),
-                          "rounds": [r["steps_per_s"] for r in rs],
-                          "cpu_steps_per_s": (statistics.median(r["cpu_steps_per_s"] for r in rs)
-                                              if rs[0].get("cpu_steps_per_s") else None),
-                          "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
-                          "base_rss_mb": min(r["base_rss_mb"] for r in rs)}
-                         for rs in runs.values())
-            ratio = ours["steps_per_s"] / ref["steps_per_s"]
-            cpu_ratio = (ours["cpu_steps_per_s"] / ref["cpu_steps_per_s"]
-                         if ours["cpu_steps_per_s"] and ref["cpu_steps_per_s"] else None)
-            shown = f"{ratio:.2f}" + (f" (CPU time {cpu_ratio:.2f})" if cpu_ratio else "")
-            frac = ""
-            if row == "mlp":
-                gf = SPECS[row]()["flops"] * ours["steps_per_s"] / 1e9
-                gft = SPECS[row]()["flops"] * ref["steps_per_s"] / 1e9
-                frac = (f"ours {gf:.1f} ({gf / peak[t]:.0%}); torch {gft:.1f} "
-                        f"({gft / peak[t]:.0%})")
-            print(f"| {row} | {t} | {ours['steps_per_s']:.2f} | {ref['steps_per_s']:.2f} | "
-                  f"{shown} | {ours['peak_rss_mb']:.0f} "
-                  f"(+{ours['peak_rss_mb'] - ours['base_rss_mb']:.0f}) | "
-                  f"{ref['peak_rss_mb']:.0f} (+{ref['peak_rss_mb'] - ref['base_rss_mb']:.0f}) | "
-                  f"{frac} |", flush=True)
-            results["rows"][f"{row}/{t}"] = {"onnxgrad": ours, "torch": ref, "ratio": ratio,
-                                             "cpu_time_ratio": cpu_ratio}
-    if args.profile is not None:
-        t = args.threads[0]
-        for row in args.profile or args.rows:
-            prefix = os.path.join(tempfile.gettempdir(), f"train_step_{row}_profile")
-            res = spawn(row, "onnxgrad", argparse.Namespace(**{**vars(args), "repeat": 1}), t,
-                        profile=prefix)
-            print(f"\n## {row}: where the onnxgrad step's time goes ({t} threads)\n")
-            print(summarize_profile(res["profile"]))
-            results["rows"].setdefault(f"{row}/{t}", {})["profile"] = res["profile"]
+    print("\n| row | threads | onnxgrad steps/s | torch steps/s | vs torch | ORT-training "
+          "steps/s | vs ORT-training | peak RSS MB (+ over imports): onnxgrad | torch | "
+          "ORT-training | note |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    work = tempfile.mkdtemp(prefix="train_step-")
+    try:
+        for row in args.rows:
+            prep = prepare(row, work)
+            prep_path = os.path.join(work, f"{row}.json")
+            with open(prep_path, "w") as f:
+                json.dump(prep, f)
+            for t in args.threads:
+                # alternate the sides over --rounds subprocess runs (this machine is shared:
+                # load drifts), then take each side's median rate and its largest peak RSS
+                sides = ["onnxgrad", "torch"] + (["ort-training"] if row in ortt and ortt_py
+                                                 else [])
+                runs = {s: [] for s in sides}
+                for _ in range(args.rounds):
+                    for side in sides:
+                        runs[side].append(spawn_ort_training(ortt_py, prep, args, t)
+                                          if side == "ort-training" else
+                                          spawn(prep_path, side, args, t))
+                res = {s: _combine(rs) for s, rs in runs.items()}
+                ours, ref, ot = res["onnxgrad"], res["torch"], res.get("ort-training")
+                shown, ratio, cpu_ratio = _ratio(ours, ref)
+                shown_ot, ratio_ot, cpu_ratio_ot = _ratio(ours, ot)
+                note = []
+                if row.startswith("mlp"):
+                    flops = SPECS["mlp"]()["flops"]
+                    note.append(f"GEMM peak fraction: ours "
+                                f"{flops * ours['steps_per_s'] / 1e9 / peak[t]:.0%}, torch "
+                                f"{flops * ref['steps_per_s'] / 1e9 / peak[t]:.0%}")
+                for name, side in (("torch", ref), ("ORT-training", ot)):
+                    if side and "error" not in side and abs(side["first_loss"] - ours[
+                            "first_loss"]) > 1e-4 * max(1.0, abs(ours["first_loss"])):
+                        note.append(f"first loss differs: ours {ours['first_loss']:.6g}, "
+                                    f"{name} {side['first_loss']:.6g}")
+                if ot and "error" in ot:
+                    note.append(f"ORT-training failed: {ot['error']}")
+                ot_rate = f"{ot['steps_per_s']:.2f}" if ot and "error" not in ot else "-"
+                print(f"| {row} | {t} | {ours['steps_per_s']:.2f} | {ref['steps_per_s']:.2f} | "
+                      f"{shown} | {ot_rate} | {shown_ot} | {_rss(ours)} | {_rss(ref)} | "
+                      f"{_rss(ot)} | {'; '.join(note)} |", flush=True)
+                results["rows"][f"{row}/{t}"] = {
+                    **res, "ratio": ratio, "cpu_time_ratio": cpu_ratio,
+                    "ratio_ort_training": ratio_ot, "cpu_time_ratio_ort_training": cpu_ratio_ot}
+        if ortt and not ortt_py:
+            print("\nnote: no onnxruntime-training column (see the note above)")
+        if args.profile is not None:
+            t = args.threads[0]
+            for row in args.profile or args.rows:
+                prep_path = os.path.join(work, f"{row}.json")
+                if not os.path.exists(prep_path):
+                    with open(prep_path, "w") as f:
+                        json.dump(prepare(row, work), f)
+                prefix = os.path.join(tempfile.gettempdir(), f"train_step_{row}_profile")
+                res = spawn(prep_path, "onnxgrad",
+                            argparse.Namespace(**{**vars(args), "repeat": 1}), t,
+                            profile=prefix)
+                print(f"\n## {row}: where the onnxgrad step's time goes ({t} threads)\n")
+                print(summarize_profile(res["profile"]))
+                results["rows"].setdefault(f"{row}/{t}", {})["profile"] = res["profile"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -83,9 +83,9 @@ def test_batch_norm_inference_all_inputs(opset, shape):
     check(m, "y", ["x", "s", "b", "m", "v"], feeds={"v": positive(3)})
 
 
-@pytest.mark.parametrize("shape", [("N", 3), ("N", 3, 5), ("N", 3, 4, 5)])
+@pytest.mark.parametrize("shape", [("N", 3), ("N", 3, 5), ("N", 3, 4, 5), (5, 3, 4, 5), (5, 3)])
 @pytest.mark.parametrize("eps", [1e-5, 0.1])
-def test_batch_norm_training(shape, eps):
+def test_batch_norm_training(shape, eps):  # static shapes: the count is a number
     m = op_model("BatchNormalization", bn_inputs(shape=shape), n_out=3, opset=15,
                  training_mode=1, epsilon=eps, momentum=0.8)
     feeds = {"x": rng().standard_normal((5,) + shape[1:]).astype(F), "v": positive(3)}

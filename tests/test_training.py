@@ -229,6 +229,50 @@ def test_build_train_step_description():
         build_train_step(lm, "lss")
 
 
+def test_step_pools_once():
+    """A MaxPool over 2x2 tiles stays one-output in the step graph (its gradient needs no
+    argmax); an overlapping one gets its Indices output, which its gradient reuses."""
+    m, _, _ = cnn_model()
+    step = build_train_step(attach_loss(m, "cross_entropy"), "loss")
+    pools = [n for n in step.model.graph.node if n.op_type == "MaxPool"]
+    assert [len(n.output) for n in pools] == [1]
+    assert not any(n.op_type == "ScatterElements" for n in step.model.graph.node)
+    for n in m.graph.node:
+        if n.op_type == "MaxPool":
+            del n.attribute[:]
+            n.attribute.extend([helper.make_attribute("kernel_shape", [3, 3]),
+                                helper.make_attribute("strides", [2, 2]),
+                                helper.make_attribute("pads", [1, 1, 1, 1])])  # 8 -> 4 still
+    step = build_train_step(attach_loss(m, "cross_entropy"), "loss")
+    pools = [n for n in step.model.graph.node if n.op_type == "MaxPool"]
+    assert [len(n.output) for n in pools] == [2]
+
+
+@pytest.mark.parametrize("opt", ["adamw", "adam_amsgrad", "sgd", "sgd_dampening"])
+def test_optimizer_scalars_take_the_parameter_rank(opt):
+    """Every elementwise op of the optimizer and the clipping sees operands of one rank: a
+    rank-0 scalar beside a [Co, C, 1, 1] tensor makes onnxruntime's CPU kernels run element by
+    element (about 50x slower)."""
+    rng = np.random.default_rng(0)
+    w = {"W": rng.standard_normal((3, 2, 1, 1)).astype(np.float32),
+         "b": np.zeros(3, np.float32)}
+    m = make_model([helper.make_node("Conv", ["x", "W", "b"], ["y"]),
+                    helper.make_node("Flatten", ["y"], ["logits"])],
+                   {"x": (np.float32, ["N", 2, 1, 1])}, ["logits"], inits=w)
+    step = build_train_step(attach_loss(m, "cross_entropy"), "loss",
+                            optimizer=OPTIMIZERS[opt][0](), clip_norm=0.5)
+    inferred = onnx.shape_inference.infer_shapes(step.model, strict_mode=True).graph
+    ranks = {v.name: len(v.type.tensor_type.shape.dim)
+             for v in [*inferred.value_info, *inferred.input, *inferred.output]}
+    checked = 0
+    for n in step.model.graph.node:
+        if n.op_type in ("Mul", "Add", "Sub", "Div") and n.name.startswith("optimizer/") and \
+                any(ranks.get(i) == 4 for i in n.input):
+            assert {ranks.get(i) for i in n.input} == {4}, n.name
+            checked += 1
+    assert checked >= 3
+
+
 def test_gradient_accumulation_equals_big_batch():
     m, _, shape = mlp_model()
     rng = np.random.default_rng(5)

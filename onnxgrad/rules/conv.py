@@ -5,15 +5,18 @@ MaxUnpool and Col2Im, with standard ops of the same family, so that a gradient r
 onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
 
 - Conv: dx is a ConvTranspose of g with W (same strides, dilations, group); with unit strides a
-  Conv of g with W flipped in space and its channel axes swapped, which onnxruntime runs faster.
+  Conv of g with W flipped in space and its channel axes swapped, which onnxruntime runs faster;
+  on small images (up to 64 output positions, ungrouped 2-D float32) one Gemm of every image's
+  columns with W and a Col2Im (:meth:`_Geo.long_from_cols`).
   dW of an ungrouped 1-D or 2-D convolution with static geometry (up to 49 kernel taps) is one
   Gemm per tap: g [Co, N*O] times the strided slice of the padded x [C, N*O] that the tap sees,
   transposed (1.2x to 3x faster than the Conv form below on ResNet-sized layers in onnxruntime,
-  one thread, measured). Otherwise dW is a Conv of x with g as the kernel in which the images are
-  the channels summed over (strides and dilations trade places); for 1-D and 2-D convolutions the
-  channels become one more spatial axis in front (one large GEMM instead of one thin GEMM per
-  channel: about 2x faster in onnxruntime, measured), for 3-D ones and depthwise kernels they
-  become the batch. db is a ReduceSum of g.
+  one thread, measured); with few input channels (a first layer) the slices are stacked into one
+  Gemm, which reads g once instead of once per tap. Otherwise dW is a Conv of x with g as the
+  kernel in which the images are the channels summed over (strides and dilations trade places);
+  for 1-D and 2-D convolutions the channels become one more spatial axis in front (one large GEMM
+  instead of one thin GEMM per channel: about 2x faster in onnxruntime, measured), for 3-D ones
+  and depthwise kernels they become the batch. db is a ReduceSum of g.
 - ConvTranspose: dx is the forward Conv of g with W; dW the same image/channel-swapped Conv with
   g as the image and x as the kernel; db a ReduceSum.
 - AveragePool and LpPool: the adjoint of summing each window (a ConvTranspose with a ones kernel,
@@ -21,12 +24,16 @@ onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
   into the batch so that C may be symbolic. AveragePool's divisors (count_include_pad, ceil_mode,
   dilations) are counted per axis: numpy constants for static shapes, else from run-time shapes.
 - MaxPool: g is scattered to the argmax of each window. The forward's Indices output is reused when
-  the node has one (made row-major for storage_order=1); otherwise a second MaxPool with Indices
-  recomputes it on x. That is exact wherever a window sits (pads, dilations, ceil_mode) and breaks
-  ties as the runtime's forward does, which comparing an upsampled y with x cannot do once windows
-  overlap. Windows that cannot overlap (kernel extent <= stride) need a plain ScatterElements (opset
-  13); overlapping ones reduction="add" (opset 16; float16 adds in float32, which onnxruntime's CPU
-  ScatterElements requires).
+  the node has one (made row-major for storage_order=1). Windows that are k x k tiles of the image
+  (:func:`pool_tiles`: the usual MaxPool 2) need none: SpaceToDepth makes each tile a channel
+  block, ArgMax picks its first maximum in row-major order (the element Indices names), g goes
+  there and DepthToSpace puts the tiles back (onnxruntime's MaxPool with Indices costs about 5x
+  the one without, and this form about 2/3 of that plus its ScatterElements; measured). Otherwise
+  a second MaxPool with Indices recomputes the argmax on x. That is exact wherever a window sits
+  (pads, dilations, ceil_mode) and breaks ties as the runtime's forward does, which comparing an
+  upsampled y with x cannot do once windows overlap. Windows that cannot overlap (kernel extent
+  <= stride) need a plain ScatterElements (opset 13); overlapping ones reduction="add" (opset 16;
+  float16 adds in float32, which onnxruntime's CPU ScatterElements requires).
 - GlobalMaxPool: g goes to the elements equal to the maximum, split evenly among ties.
 - MaxUnpool: a Gather of g at the indices; Col2Im: a Conv of g with one-hot kernels (the im2col
   that Col2Im is the adjoint of).
@@ -69,6 +76,7 @@ INT64 = ir.DataType.INT64
 _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 END = np.iinfo(np.int64).max
 _MAX_TAPS = 49  # kernels up to 7x7 get the per-tap weight gradient (one Gemm per tap)
+_COLS_MAX = 64  # Conv's dx by one Gemm and Col2Im on images of up to 64 output positions
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -132,6 +140,13 @@ def _group_channels(w):
     """Channels per group of the long side: W's dim 1 for Conv and ConvTranspose alike."""
     if w.shape is not None and len(w.shape) > 1 and isinstance(w.shape[1], int):
         return w.shape[1]
+    return None
+
+
+def _out_channels(w):
+    """W's dim 0 (the short side's channels in :meth:`_Geo.weight`) when static."""
+    if w.shape is not None and len(w.shape) > 0 and isinstance(w.shape[0], int):
+        return w.shape[0]
     return None
 
 
@@ -242,16 +257,41 @@ class _Geo:
         r = e.Pad(full, e.Concat([0] * (self.nsp + 2), [0, 0], tail, axis=0))
         return e.Slice(r, self.bv, self.bv + dims, self.axes)
 
-    def weight(self, inp, gy, group, cg):
+    def cols_fit(self, t, w, group) -> bool:
+        """Whether :meth:`long_from_cols` applies: an ungrouped 2-D float32 op with static
+        geometry, W and images, and at most _COLS_MAX positions per short-side image."""
+        ws = w.shape
+        return (self.mode == "static" and self.nsp == 2 and group == 1 and self.e.opset >= 18
+                and t.dtype == ir.DataType.FLOAT and self.short_dims is not None
+                and math.prod(self.short_dims) <= _COLS_MAX
+                and _static_dims(self.long, 2) is not None
+                and ws is not None and len(ws) == 4 and all(isinstance(i, int) for i in ws))
+
+    def long_from_cols(self, t, w):
+        """long_from_short as one Gemm and a Col2Im: the im2col columns of every image at once,
+        t [N*O, Co] times W [Co, C*K], summed back into the images by Col2Im. onnxruntime's
+        Conv and ConvTranspose run one GEMM per image, which re-reads W for each: on small
+        images (ResNet-18's 2x2 and 4x4 layers at 64x64 input) that is 5x to 13x slower
+        (measured, one thread), where this form is one GEMM over N*O rows."""
+        e = self.e
+        co, c, *k = w.shape
+        o = math.prod(self.short_dims)
+        rows = e.Reshape(e.Transpose(e.Reshape(t, [0, co, o]), perm=[0, 2, 1]), [-1, co])
+        cols = e.Reshape(e.Gemm(rows, e.Reshape(w, [co, -1])), [-1, o, c * math.prod(k)])
+        return e.Col2Im(e.Transpose(cols, perm=[0, 2, 1]), _static_dims(self.long, 2), k,
+                        dilations=self.d, strides=self.s,
+                        pads=list(self.b) + [max(x, 0) for x in self.end])
+
+    def weight(self, inp, gy, group, cg, co=None):
         """dW [Co, cg, *k] of a window op with long side ``inp`` [N, group*cg, ...] and short side
-        gradient ``gy`` [N, Co, ...]: a Conv that sums over the images as its input channels, gy
-        its kernel (strides and dilations trade places)."""
+        gradient ``gy`` [N, Co, ...] (``co``: Co when static): a Conv that sums over the images
+        as its input channels, gy its kernel (strides and dilations trade places)."""
         e, zero = self.e, [0] * self.nsp
         if self.mode == "static":
             inp, pb, pe = self._crop(inp), self.b, [max(x, 0) for x in self.end]
             taps = math.prod(self.k) if self.k is not None else None  # None: a run-time kernel
             if group == 1 and self.nsp <= 2 and taps is not None and taps <= _MAX_TAPS:
-                return self._weight_by_taps(inp, gy, pb, pe)
+                return self._weight_by_taps(inp, gy, pb, pe, cg, co)
         elif self.mode == "loose":
             pb, pe = self.b, [max(h, 0) for h in self.hi]
         else:
@@ -273,12 +313,19 @@ class _Geo:
             r = e.Slice(r, zero, self.k, self.axes)
         return r
 
-    def _weight_by_taps(self, inp, gy, pb, pe):
+    def _weight_by_taps(self, inp, gy, pb, pe, c=None, co=None):
         """dW of an ungrouped 1-D or 2-D window op, one Gemm per kernel tap: with the long side
         padded to exactly s*(O-1) + d*(k-1) + 1, tap a sees the strided slice starting at a*d,
         and dW[:, :, a] = gy [Co, N*O] times that slice [C, N*O] transposed. Each Gemm is one
         large MLAS GEMM (inner size N*O); onnxruntime runs the channels-as-spatial Conv of
-        :meth:`weight` 1.2x to 3x slower on ResNet-sized layers (measured, one thread)."""
+        :meth:`weight` 1.2x to 3x slower on ResNet-sized layers (measured, one thread).
+        Where few input channels meet many output channels (Co (K-1) > 2 K C for K taps: a
+        network's first layer), or the slices are smaller than dW (N*O < Co: small images) the
+        K slices are stacked into one [C*K, N*O] operand of a single Gemm instead, which reads
+        gy once rather than K times and writes dW in place, with no Concat of K [Co, C] pieces
+        (ResNet-18's 7x7 stem on 3x64x64, batch 32: 2.6x faster; the issue's 1->16 3x3 layer:
+        3x; the dW of its 2x2 layer4 convolutions: 15% less kernel time, the Concat gone;
+        measured one thread)."""
         e = self.e
         perm = [1, 0, *self.axes]
         t = e.Transpose(inp, perm=perm)                            # [C, N, *L]
@@ -287,7 +334,13 @@ class _Geo:
         gt = e.Reshape(e.Transpose(gy, perm=perm), [0, -1])        # [Co, N*O]
         reach = [di * (ki - 1) for ki, di in zip(self.k, self.d)]
         steps = None if all(si == 1 for si in self.s) else self.s
-        taps = []
+        taps, cuts = [], []
+        K = math.prod(self.k)
+        n = gy.shape[0] if gy.shape is not None and isinstance(gy.shape[0], int) else None
+        small = n is not None and self.short_dims is not None and \
+            co is not None and n * math.prod(self.short_dims) < co
+        stacked = K > 1 and c is not None and co is not None and (
+            co * (K - 1) > 2 * K * c or small)
         for tap in itertools.product(*[range(ki) for ki in self.k]):
             starts = [a * di for a, di in zip(tap, self.d)]
             ends = [st - r if st < r else END for st, r in zip(starts, reach)]
@@ -295,7 +348,13 @@ class _Geo:
                 cut = t                                            # a 1x1 kernel
             else:
                 cut = e.Slice(t, starts, ends, self.axes, steps)   # [C, N, *O]
-            taps.append(e.Gemm(gt, e.Reshape(cut, [0, -1]), transB=1))  # [Co, C]
+            if stacked:
+                cuts.append(e.Unsqueeze(cut, [1]))                 # [C, 1, N, *O]
+            else:
+                taps.append(e.Gemm(gt, e.Reshape(cut, [0, -1]), transB=1))  # [Co, C]
+        if stacked:  # rows (c, tap): the Gemm's [Co, C*K] is dW's layout already
+            r = e.Gemm(gt, e.Reshape(e.Concat(*cuts, axis=1), [c * K, -1]), transB=1)
+            return e.Reshape(r, [0, c, *self.k])
         if len(taps) == 1:
             return e.Reshape(taps[0], [0, 0, *self.k])
         r = e.Concat(*[e.Unsqueeze(t_, [2]) for t_ in taps], axis=2)   # [Co, C, K]
@@ -408,8 +467,12 @@ def _conv(n, g):
     nsp = _spatial_rank(n, k, w)
     s, d, group = _conv_attrs(n, nsp)
     geo = _window_geo(n, k, s, d, x, g, w=w)
-    dx = geo.long_from_short(g, w, group, lambda: _flipped(n.e, w, group, nsp))
-    dw = n.e.zeros_like(w) if geo.reads_nothing() else geo.weight(x, g, group, _group_channels(w))
+    if geo.cols_fit(g, w, group):
+        dx = geo.long_from_cols(g, w)
+    else:
+        dx = geo.long_from_short(g, w, group, lambda: _flipped(n.e, w, group, nsp))
+    dw = n.e.zeros_like(w) if geo.reads_nothing() else \
+        geo.weight(x, g, group, _group_channels(w), _out_channels(w))
     return dx, dw, _bias_grad(n, g, nsp)
 
 
@@ -458,7 +521,7 @@ def _conv_transpose(n, g):
     if geo.reads_nothing():  # y holds nothing but output padding (and bias) along some axis
         return n.e.zeros_like(x), n.e.zeros_like(w), _bias_grad(n, g, nsp)
     dx = geo.short_from_long(g, w, group)
-    dw = geo.weight(g, x, group, _group_channels(w))
+    dw = geo.weight(g, x, group, _group_channels(w), _out_channels(w))
     return dx, dw, _bias_grad(n, g, nsp)
 
 
@@ -600,7 +663,7 @@ def _global_average_pool(n, g):
         scaled = g * (1.0 / math.prod(dims))
     else:
         scaled = g / e.Cast(e.Div(e.Size(x), e.Size(g)), to=g.dtype)
-    return e.Expand(scaled, e.Shape(x))
+    return e.broadcast_to(scaled, x)
 
 
 @register("GlobalMaxPool")
@@ -663,17 +726,67 @@ def _blind_windows(n, d):
     return blind
 
 
+def pool_tiles(attrs: dict) -> int | None:
+    """k when a MaxPool with these attributes ({name: value}) pools k x k tiles of the image
+    from its corner (2-D, kernel_shape = strides = [k, k], no pads, dilations 1, floor mode):
+    its gradient then needs no Indices output (see :func:`_max_pool`), else None."""
+    k = [int(i) for i in attrs.get("kernel_shape") or []]
+    auto = attrs.get("auto_pad") or "NOTSET"
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    if len(k) != 2 or k[0] != k[1] or k[0] < 2 or auto not in ("NOTSET", "VALID"):
+        return None
+    if _ints(attrs.get("strides"), 2, 1) != k or _ints(attrs.get("dilations"), 2, 1) != [1, 1]:
+        return None
+    if any(_ints(attrs.get("pads"), 4, 0)) or attrs.get("ceil_mode"):
+        return None
+    return k[0]
+
+
+def _tiles_grad(e, x, g, k):
+    """dx of a MaxPool over k x k tiles (:func:`pool_tiles`) without Indices: ArgMax over each
+    tile's k*k elements in row-major order (SpaceToDepth's channel blocks) takes the first
+    maximum, as the forward's Indices do; rows and columns past the last tile get zeros."""
+    half = x.dtype in _HALF  # onnxruntime's CPU SpaceToDepth and ArgMax have no float16
+    xf, gf = (e.Cast(x, to=ir.DataType.FLOAT), e.Cast(g, to=ir.DataType.FLOAT)) if half \
+        else (x, g)
+    xd, gd = _static_dims(x, 2), _static_dims(g, 2)
+    tiles = [o * k for o in gd] if gd is not None else _spatial_shape(e, g) * k
+    if xd is not None and gd is not None:
+        rest = [dm - t for dm, t in zip(xd, tiles)]
+    else:
+        rest = _spatial_shape(e, x) - tiles
+    if isinstance(rest, list) and not any(rest):
+        rest = None
+    else:
+        xf = e.Slice(xf, [0, 0], tiles, [2, 3])
+    blocks = e.SpaceToDepth(xf, blocksize=k)                          # [N, k*k*C, Ho, Wo]
+    by_pos = e.Reshape(blocks, [0, k * k, -1, *gd] if gd is not None else
+                       e.Concat([0, k * k, -1], _spatial_shape(e, g), axis=0))
+    first = e.ArgMax(by_pos, axis=1, keepdims=1)                      # [N, 1, C, Ho, Wo]
+    at = e.Equal(first, e.const(np.arange(k * k, dtype=np.int64).reshape(1, -1, 1, 1, 1)))
+    spread = e.Where(at, e.Unsqueeze(gf, [1]), e.const(0, gf.dtype))
+    dx = e.DepthToSpace(e.Reshape(spread, e.Shape(blocks)), blocksize=k, mode="DCR")
+    if rest is not None:
+        dx = e.Pad(dx, [0] * 6 + rest if isinstance(rest, list) else
+                   e.Concat([0] * 6, rest, axis=0))
+    return e.Cast(dx, to=g.dtype) if half else dx
+
+
 @register("MaxPool")
 def _max_pool(n, g):
     e, x = n.e, n.x
     k, s, d = _pool_attrs(n)
     nsp = len(k)
+    idx = n.outs[1] if len(n.outs) > 1 and n.outs[1] is not None and n.outs[1].name else None
+    tile = pool_tiles({a: n.attr(a) for a in ("kernel_shape", "auto_pad", "strides",
+                                               "dilations", "pads", "ceil_mode")})
+    if idx is None and tile is not None:
+        return _tiles_grad(e, x, g, tile)
     overlap = any(di * (ki - 1) + 1 > si for ki, si, di in zip(k, s, d))
     blind = _blind_windows(n, d)
     overlap = overlap or blind is not None  # the blind windows' zeros are added, not written
     if overlap:
         e.need(16)  # ScatterElements reduction="add": one element may be the max of two windows
-    idx = n.outs[1] if len(n.outs) > 1 and n.outs[1] is not None and n.outs[1].name else None
     if idx is None:  # recompute the argmax (row-major) with the forward's own attributes
         attrs = {a: v for a, v in n.node.attributes.items() if a != "storage_order"}
         _, idx = e.op("MaxPool", x, _outputs=2, _dtype=[x.dtype, INT64], **attrs)

@@ -14,6 +14,8 @@ output are recomputed. Ops with a ``stash_type`` (LayerNormalization, GroupNorma
 RMSNormalization) compute the gradient in the wider of the input type and the stash type, so
 float16 inputs are differentiated in float32 as their forward is, and float64 inputs stay float64.
 """
+import math
+
 import numpy as np
 import onnx_ir as ir
 
@@ -92,6 +94,14 @@ def _dim1(e, x):
     return e.Gather(e.Shape(x), e.const(np.array(1, np.int64)))
 
 
+def _inv_count(e, x, axes):
+    """1 / the number of values of x over ``axes``: a number when those dims are static."""
+    dims = x.shape
+    if dims is not None and all(isinstance(dims[a], int) for a in axes):
+        return 1.0 / math.prod(dims[a] for a in axes)
+    return e.Reciprocal(e.Cast(e.Div(e.Size(x), _dim1(e, x)), to=x.dtype))
+
+
 def _sum(e, t, axes):
     return e.reduce("ReduceSum", t, axes, keepdims=0)
 
@@ -124,27 +134,35 @@ def _batch_norm(n, g):
     else:  # BatchNormalization-9: the optional statistics outputs mean training mode
         training = any(_out(n, i) is not None for i in range(1, len(n.outs)))
     if training:
-        mu, r, xh = _standardize(e, x, axes, eps)
+        # with c = x - mean, r = (var + eps)^-1/2, x̂ = c r and M values per channel:
+        # dL/dx = s r (g - Σg / M - x̂ Σ(g x̂) / M) = (g + c a + b) s r with the per-channel
+        # a = -r² Σ(g c) / M, b = -Σg / M: x̂ and the other full-size terms are never made
+        # (half the passes over x-sized tensors of the textbook form)
+        inv_m = _inv_count(e, x, axes)
+        mu = _mean(e, x, axes)
+        c = x - mu
+        r = e.Reciprocal(e.Sqrt(e.reduce("ReduceSumSquare", c, axes, keepdims=1) * inv_m + eps))
         gx = gs = gb = gm = gv = None
         if g is not None:
-            gx = _std_backward(e, g * _chan(e, s, rank), xh, r, axes)
-            gs = _cast(e, _sum(e, g * xh, axes), scale.dtype)
-            gb = _cast(e, _sum(e, g, axes), bias.dtype)
+            sg = e.reduce("ReduceSum", g, axes, keepdims=1)
+            sgc = e.reduce("ReduceSum", g * c, axes, keepdims=1)
+            gx = (g + c * (r * r * sgc * -inv_m) + sg * -inv_m) * (_chan(e, s, rank) * r)
+            gs = _cast(e, e.Reshape(sgc * r, [-1]), scale.dtype)
+            gb = _cast(e, e.Reshape(sg, [-1]), bias.dtype)
         if g_rm is not None or g_rv is not None:
             momentum = attr(n, "momentum")
             # d mean_A(x)/dx = 1/M, d var_A(x)/dx = 2 (x - mean_A x) / M, M the count over A
-            count = e.Cast(e.Div(e.Size(x), _dim1(e, x)), to=dt)
             extra = None
             if g_rm is not None:
                 extra = _chan(e, _cast(e, g_rm, dt), rank)
                 gm = _cast(e, g_rm * momentum, mean.dtype)
             if g_rv is not None:
-                t = _chan(e, _cast(e, g_rv, dt), rank) * 2.0 * (x - mu)
+                t = _chan(e, _cast(e, g_rv, dt), rank) * 2.0 * c
                 extra = t if extra is None else extra + t
                 gv = _cast(e, g_rv * momentum, var.dtype)
-            extra = extra * (1.0 - momentum) / count
+            extra = extra * (1.0 - momentum) * inv_m
             if g_rv is None:
-                extra = e.Expand(extra, e.Shape(x))
+                extra = e.broadcast_to(extra, x)
             gx = extra if gx is None else gx + extra
         return gx, gs, gb, gm, gv
     r = e.Reciprocal(e.Sqrt(_cast(e, var, dt) + eps))     # (C,)
@@ -209,7 +227,7 @@ def _layer_norm(n, g):
             extra = gm if extra is None else extra + gm
         extra = extra / count
         if g_inv is None and gx is None:
-            extra = e.Expand(extra, e.Shape(xc))
+            extra = e.broadcast_to(extra, xc)
         gx = extra if gx is None else gx + extra
     return _cast(e, gx, x.dtype), gscale, gb
 

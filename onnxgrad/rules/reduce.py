@@ -55,8 +55,7 @@ class _Reduce:
         """A y-shaped tensor t broadcast to x's shape."""
         if self.identity:
             return t
-        x = self.n.x
-        return self.e.op("Expand", self.to_rank(t), self.e.Shape(x), _shape=x.shape)
+        return self.e.broadcast_to(self.to_rank(t), self.n.x)
 
     def same(self, op_type: str, t, keepdims=None):
         """``op_type`` over the forward's axes (written in the form the opset wants)."""

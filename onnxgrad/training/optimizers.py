@@ -85,8 +85,11 @@ class Builder:
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
         return out
 
-    def const(self, value, dtype) -> str:
-        arr = np.asarray(value, dtype)
+    def const(self, value, dtype, rank: int = 0) -> str:
+        """A Constant; a scalar meant for a tensor of rank ``rank`` gets that rank ([1] * rank):
+        onnxruntime's CPU Mul/Add/Div of a tensor whose trailing dims are 1 (a 1x1 Conv kernel
+        [Co, C, 1, 1]) by a rank-0 scalar runs element by element, about 50x slower."""
+        arr = np.asarray(value, dtype).reshape([1] * rank if rank else np.shape(value))
         key = (arr.dtype.str, arr.shape, arr.tobytes())
         if key not in self._consts:
             out = self.name(f"{self.prefix}/const")
@@ -99,12 +102,13 @@ class Builder:
 @dataclass
 class Slot:
     """What the update of one parameter reads: names of p, g, its state tensors (by slot) and
-    the shared scalars; ``dtype`` is p's ONNX elem type."""
+    the shared scalars; ``dtype`` is p's ONNX elem type, ``rank`` its rank."""
     param: str
     grad: str
     state: dict[str, str]
     dtype: int
     scalars: "Scalars"
+    rank: int = 0  # p's rank: scalars are made this rank (see Builder.const)
 
 
 class Scalars:
@@ -114,15 +118,19 @@ class Scalars:
 
     def __init__(self, b: Builder, lr: str, step: str, dtype: int = TensorProto.DOUBLE):
         self.b, self.lr, self.step, self.dtype = b, lr, step, dtype
-        self._cast: dict[tuple[str, int], str] = {}
+        self._cast: dict = {}
         self._step_float = None
 
-    def cast(self, name: str, dtype: int) -> str:
-        if dtype == self.dtype:
-            return name
-        key = (name, dtype)
+    def cast(self, name: str, dtype: int, rank: int = 0) -> str:
+        """The scalar ``name`` as ``dtype``, shaped [1] * rank (see Builder.const)."""
+        key = ("cast", name, dtype, rank)
         if key not in self._cast:
-            self._cast[key] = self.b.op("Cast", name, to=dtype)
+            if rank:
+                shape = self.b.const([1] * rank, np.int64)
+                out = self.b.op("Reshape", self.cast(name, dtype), shape)
+            else:
+                out = name if dtype == self.dtype else self.b.op("Cast", name, to=dtype)
+            self._cast[key] = out
         return self._cast[key]
 
     def num(self, value) -> str:
@@ -175,33 +183,33 @@ class SGD(Optimizer):
                                        "dampening")
         self.slots = ("momentum_buffer",) if self.momentum != 0 else ()
 
-    def _scalars(self, b, sc, T):
+    def _scalars(self, b, sc, T, rank):
         """The momentum and (1 - dampening) as T scalars, (0, 1) on the first step; made once
-        per step and dtype, in the scalar dtype and cast once."""
+        per step, dtype and rank, in the scalar dtype and cast once."""
         def make():
             first = sc.memo("first", lambda: b.op("Equal", sc.step, b.const(1, np.int64)))
             mom = b.op("Where", first, sc.num(0.0), sc.num(self.momentum))
             damp = b.op("Where", first, sc.num(1.0), sc.num(1.0 - self.dampening))
-            return sc.cast(mom, T), sc.cast(damp, T)
-        return sc.memo(("sgd", T), make)
+            return sc.cast(mom, T, rank), sc.cast(damp, T, rank)
+        return sc.memo(("sgd", T, rank), make)
 
     def update(self, b, s):
-        T, sc = s.dtype, s.scalars
+        T, sc, r = s.dtype, s.scalars, s.rank
         d = s.grad
         if self.weight_decay != 0:
-            d = b.op("Add", d, b.op("Mul", s.param, b.const(self.weight_decay, _np(T))))
+            d = b.op("Add", d, b.op("Mul", s.param, b.const(self.weight_decay, _np(T), r)))
         new_state = {}
         if self.momentum != 0:
             # buf = d on the first step, momentum buf + (1 - dampening) d later: one expression
             # buf * mom_t + d * damp_t with scalars that are (0, 1) on the first step, so no
             # full-size select (Where) runs; buf * 0 + d * 1 is d exactly for a finite buf
-            mom_t, damp_t = self._scalars(b, sc, T)
+            mom_t, damp_t = self._scalars(b, sc, T, r)
             scaled = d if self.dampening == 0 else b.op("Mul", d, damp_t)
             buf = b.op("Add", b.op("Mul", s.state["momentum_buffer"], mom_t), scaled)
             new_state["momentum_buffer"] = buf
-            d = b.op("Add", d, b.op("Mul", buf, b.const(self.momentum, _np(T)))) \
+            d = b.op("Add", d, b.op("Mul", buf, b.const(self.momentum, _np(T), r))) \
                 if self.nesterov else buf
-        lr = sc.cast(sc.lr, T)
+        lr = sc.cast(sc.lr, T, r)
         return b.op("Sub", s.param, b.op("Mul", d, lr)), new_state
 
 
@@ -256,21 +264,21 @@ class Adam(Optimizer):
         return sc.memo("adam", make)
 
     def update(self, b, s):
-        T, sc, npT = s.dtype, s.scalars, _np(s.dtype)
+        T, sc, npT, r = s.dtype, s.scalars, _np(s.dtype), s.rank
         b1, b2 = self.betas
         step_size, eps, decay = self._scalars(b, sc)
         p, g = s.param, s.grad
         if self.weight_decay != 0:
             if self.decoupled:
-                p = b.op("Mul", p, sc.cast(decay, T))
+                p = b.op("Mul", p, sc.cast(decay, T, r))
             else:
-                g = b.op("Add", g, b.op("Mul", p, b.const(self.weight_decay, npT)))
+                g = b.op("Add", g, b.op("Mul", p, b.const(self.weight_decay, npT, r)))
         m, v = s.state["exp_avg"], s.state["exp_avg_sq"]
         # torch.lerp with weight < 0.5: m + w (g - m)
-        m_new = b.op("Add", m, b.op("Mul", b.op("Sub", g, m), b.const(1 - b1, npT)))
+        m_new = b.op("Add", m, b.op("Mul", b.op("Sub", g, m), b.const(1 - b1, npT, r)))
         # addcmul: v b2 + (1 - b2) g g
-        v_new = b.op("Add", b.op("Mul", v, b.const(b2, npT)),
-                     b.op("Mul", b.op("Mul", g, b.const(1 - b2, npT)), g))
+        v_new = b.op("Add", b.op("Mul", v, b.const(b2, npT, r)),
+                     b.op("Mul", b.op("Mul", g, b.const(1 - b2, npT, r)), g))
         new_state = {"exp_avg": m_new, "exp_avg_sq": v_new}
         vd = v_new
         if self.amsgrad:
@@ -278,8 +286,8 @@ class Adam(Optimizer):
             new_state["max_exp_avg_sq"] = vd
         # m / (sqrt(v) / sqrt(bc2) + eps) * lr / bc1, with the division by sqrt(bc2) moved
         # into the two scalars (one pass over the tensor fewer; the same up to rounding)
-        denom = b.op("Add", b.op("Sqrt", vd), sc.cast(eps, T))
-        p_new = b.op("Sub", p, b.op("Mul", b.op("Div", m_new, denom), sc.cast(step_size, T)))
+        denom = b.op("Add", b.op("Sqrt", vd), sc.cast(eps, T, r))
+        p_new = b.op("Sub", p, b.op("Mul", b.op("Div", m_new, denom), sc.cast(step_size, T, r)))
         return p_new, new_state
 
 
@@ -302,8 +310,10 @@ def make_optimizer(name: str, **kw) -> Optimizer:
                                    f"{', '.join(OPTIMIZERS)}") from None
 
 
-def clip_grad_norm(b: Builder, grads: list[str], dtypes: list[int], max_norm: float) -> list[str]:
-    """The gradients scaled as torch.nn.utils.clip_grad_norm_(max_norm, norm_type=2) does."""
+def clip_grad_norm(b: Builder, grads: list[str], dtypes: list[int], max_norm: float,
+                   ranks: list[int] | None = None) -> list[str]:
+    """The gradients scaled as torch.nn.utils.clip_grad_norm_(max_norm, norm_type=2) does
+    (``ranks``: the gradients' ranks, for the scale's shape; see Builder.const)."""
     if not grads:
         return grads
     T = dtypes[0]
@@ -314,9 +324,12 @@ def clip_grad_norm(b: Builder, grads: list[str], dtypes: list[int], max_norm: fl
     total = b.op("Sqrt", sq[0] if len(sq) == 1 else b.op("Sum", *sq))
     coef = b.op("Div", b.const(max_norm, _np(T)), b.op("Add", total, b.const(1e-6, _np(T))))
     coef = b.op("Min", coef, b.const(1.0, _np(T)))
-    out = []
-    for g, dt in zip(grads, dtypes):
-        out.append(b.op("Mul", g, coef if dt == T else b.op("Cast", coef, to=dt)))
+    out, scales = [], {}
+    for g, dt, r in zip(grads, dtypes, ranks or [0] * len(grads)):
+        if (dt, r) not in scales:
+            c = coef if dt == T else b.op("Cast", coef, to=dt)
+            scales[(dt, r)] = b.op("Reshape", c, b.const([1] * r, np.int64)) if r else c
+        out.append(b.op("Mul", g, scales[(dt, r)]))
     return out
 
 

@@ -9,7 +9,9 @@ The parameters are graph inputs, not initializers, so a runtime keeps them where
 GPU) and swaps them between steps. ``step`` is the number of the step being taken (1 first).
 Updated values are named ``<param>.new`` and ``<param>.<slot>.new`` directly on the nodes that
 compute them (no Identity copies). A one-output MaxPool of the forward graph gets its Indices
-output in the step graph, so its gradient reuses the forward's argmax instead of pooling twice.
+output in the step graph, so its gradient reuses the forward's argmax instead of pooling twice
+(except pools over k x k tiles, whose gradient needs no argmax). Convolutions on small images
+with a trained kernel take a faster equivalent form first (:mod:`.fast_forms`).
 
 Also here: :func:`build_gradient_model` (gradients() with the parameters as inputs), and the two
 graphs a gradient-accumulating trainer runs: :func:`build_accumulate_model` (data, params, running
@@ -30,6 +32,8 @@ from onnx import TensorProto, helper, numpy_helper
 from ..autodiff import gradients
 from .losses import _taken, load
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..rules.conv import pool_tiles
+from .fast_forms import small_image_convs
 from .optimizers import AdamW, Builder, Optimizer, Scalars, Slot, check_number, clip_grad_norm
 
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
@@ -217,6 +221,7 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
     # the parameters become graph inputs first: gradients() then sees a small model (no weight
     # data, whatever the model's size) and the step graph reads them as inputs
     values = _params_to_inputs(m, chosen)
+    small_image_convs(m, set(chosen), _taken(m.graph))
     res = gradients(m, [loss], chosen)
     gm = res.model
     params_ok = [p for p, g in zip(chosen, res.grads) if g is not None]
@@ -239,10 +244,13 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
 
 def _expose_pool_indices(m: onnx.ModelProto):
     """Give each one-output MaxPool its Indices output, so the MaxPool gradient rule reuses the
-    forward's argmax instead of running a second MaxPool (the training graph computes it once)."""
+    forward's argmax instead of running a second MaxPool (the training graph computes it once);
+    not to pools over k x k tiles, whose gradient needs none (rules.conv.pool_tiles) and whose
+    forward runs several times faster without it."""
     taken = None
     for n in m.graph.node:
-        if n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and len(n.output) == 1:
+        if n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and len(n.output) == 1 and \
+                pool_tiles({a.name: helper.get_attribute_value(a) for a in n.attribute}) is None:
             taken = taken if taken is not None else _taken(m.graph)
             base, k = f"{n.output[0]}.indices", 0
             name = base
@@ -276,7 +284,8 @@ def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
             raise InvalidArgumentError("clip_norm=0 would zero every gradient: give a positive "
                                        "norm, or None for no clipping")
         b.prefix = "optimizer/clip"
-        grads = clip_grad_norm(b, grads, dtypes, float(clip_norm))
+        grads = clip_grad_norm(b, grads, dtypes, float(clip_norm),
+                               [desc.initial_params[p].ndim for p in desc.params])
     state_in, state_out, state_of, p_out = [], [], [], []
     renames: dict[str, str] = {}
 
@@ -301,7 +310,7 @@ def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
             g.input.append(helper.make_tensor_value_info(name, dt, shape))
             st[slot] = name
         first = len(b.nodes)
-        new_p, new_st = optimizer.update(b, Slot(p, gr, st, dt, sc))
+        new_p, new_st = optimizer.update(b, Slot(p, gr, st, dt, sc, len(shape)))
         produced_here = {o for n in b.nodes[first:] for o in n.output}
         p_out.append(output(new_p, f"{p}.new", dt, shape))
         for slot in optimizer.slots:

@@ -58,11 +58,16 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def session_options(threads: int | None = None, profile: str | None = None):
-    """Tuned for training: all graph optimisations, one intra-op thread per core, quiet logs."""
+def session_options(threads: int | None = None, profile: str | None = None,
+                    device: str = "cpu"):
+    """Tuned for training: all graph optimisations, one intra-op thread per core, quiet logs;
+    on the CPU no memory pattern: the block onnxruntime plans from the first run holds more than
+    its arena reuses on its own (a step's peak RSS: ResNet-18 816 -> 685 MB, MobileNetV3 489 ->
+    367 MB, TransformerEncoder 514 -> 362 MB; step time within noise, measured one thread)."""
     ort = runtime.ort_module()
     so = runtime.session_options(threads or cores())
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.enable_mem_pattern = device == "cuda"
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.inter_op_num_threads = 1
     if profile:
@@ -73,7 +78,8 @@ def session_options(threads: int | None = None, profile: str | None = None):
 
 def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int | None = None,
                  profile: str | None = None, options=None):
-    return runtime.session(model, device, options=options or session_options(threads, profile))
+    return runtime.session(model, device,
+                           options=options or session_options(threads, profile, device))
 
 
 def _tqdm():
