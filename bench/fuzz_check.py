@@ -47,9 +47,16 @@ class Outcome:
     where: str = ""  # the node that fails alone (its case or glue op), or "engine"
     probes: int = 0  # finite-difference probes compared
     skipped: int = 0  # probes skipped at kinks or ties
+    refused_op: tuple = ()  # (domain, op_type, opset) a refusal names
 
     @property
     def failed(self):
+        """wrong, crash, invalid-model, gen-invalid, or a refusal naming an op that has a rule
+        (refusing is right only where the op has no rule: the README's promise)."""
+        if self.verdict == "refused":
+            from onnxgrad.registry import lookup
+            domain, op, opset = self.refused_op or ("", "", 0)
+            return lookup(domain, op, opset) is not None
         return self.verdict in FAILURES
 
     def key(self):
@@ -240,7 +247,9 @@ def _call_gradients(model, call, stage):
     try:
         return onnxgrad.gradients(model, **call)
     except onnxgrad.NotDifferentiableError as e:
-        raise _Fail("refused", _short(e), stage) from e
+        fail = _Fail("refused", _short(e), stage)
+        fail.outcome.refused_op = (e.domain, e.op_type, e.opset)
+        raise fail from e
     except Exception as e:  # noqa: BLE001
         raise _Fail("crash", _short(e) + "\n" + "".join(traceback.format_exc(limit=-3)),
                     stage) from e

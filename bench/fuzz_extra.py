@@ -44,6 +44,9 @@ def fragments():
     for op in ("Mish", "Round", "Sign"):
         add(f"extra_{op.lower()}", [n(op, ["x"], ["y"])], {"x": _r((2, 3), 5, -3, 3)}, (),
             {"y": (2, 3)})
+    add("extra_onehot", [n("OneHot", ["indices", "depth", "values"], ["y"], axis=-1)],
+        {"indices": _i64([[1, 4], [0, -1]]), "depth": _i64(5), "values": _r((2,), 20)},
+        ("indices", "depth"), {"y": (2, 2, 5)})
     add("extra_maxroipool", [n("MaxRoiPool", ["x", "rois"], ["y"], pooled_shape=[2, 2])],
         {"x": _r((1, 2, 6, 6), 6), "rois": np.array([[0, 0, 0, 3, 3], [0, 1, 2, 5, 4]], float)},
         ("rois",), {"y": (2, 2, 2, 2)})
