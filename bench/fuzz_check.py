@@ -542,6 +542,7 @@ def shrink(spec, out: Outcome, avoid_known: bool = False, budget: int = 60):
             yield replace(s, steps=s.steps[:i] + s.steps[i + 1:])
         for field_, small in (("second", ()), ("stops", ()), ("grad_ys", ()),
                               ("unconnected", False), ("batch", False), ("symbolic", False),
+                              ("value_info", False),
                               ("scope", 0), ("aggregation", 0)):
             if getattr(s, field_) != small:
                 yield replace(s, **{field_: small})
