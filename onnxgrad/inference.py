@@ -66,10 +66,13 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
                for n in model.graph.node):
         return onnx.shape_inference.infer_shapes(model, **kw)
     m = onnx.ModelProto.FromString(model.SerializeToString())
-    for n in filter(_stft_without_onesided, m.graph.node):
-        n.attribute.append(onnx.helper.make_attribute("onesided", 1))
+    stft = [i for i, n in enumerate(m.graph.node) if _stft_without_onesided(n)]
+    for i in stft:
+        m.graph.node[i].attribute.append(onnx.helper.make_attribute("onesided", 1))
     _inline(m.graph.node, {o: n for n in m.graph.node if n.op_type == "Constant"
                            for o in n.output})
     m = onnx.shape_inference.infer_shapes(m, **kw)
     _strip(m.graph)
+    for i in stft:  # the node stays as written: its declared types were inferred without it
+        del m.graph.node[i].attribute[-1]
     return m
