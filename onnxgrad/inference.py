@@ -6,7 +6,9 @@ is unknown (rules such as MatMul's need ranks). Copies of those Constants are pu
 each body that reads them for the inference run only, and taken out of its result.
 
 onnx 1.23's STFT inference also reads an absent onesided as 0 where the schema's default (and
-every runtime) is 1, so the default is written out before inference.
+every runtime) is 1, so the default is written out (and stays in the result, which onnx's checker
+then infers right), and the dims declared downstream of such a node, which onnx inferred with the
+wrong default, are forgotten before inference gives them again.
 """
 from __future__ import annotations
 
@@ -60,19 +62,31 @@ def _stft_without_onesided(n: onnx.NodeProto) -> bool:
             and not any(a.name == "onesided" for a in n.attribute))
 
 
+def _forget_dims(graph: onnx.GraphProto, tainted: set) -> None:
+    """Make the declared dims of ``tainted`` tensors and of everything computed from them
+    unknown (the rank stays)."""
+    for n in graph.node:  # topological order
+        if tainted.intersection(n.input):
+            tainted.update(n.output)
+    for vi in list(graph.value_info) + list(graph.output):
+        if vi.name in tainted and vi.type.tensor_type.HasField("shape"):
+            for d in vi.type.tensor_type.shape.dim:
+                d.Clear()
+
+
 def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     """onnx.shape_inference.infer_shapes (a new model) with outer Constants visible in bodies."""
     if not any(_stft_without_onesided(n) or any(True for _ in _subgraphs(n))
                for n in model.graph.node):
         return onnx.shape_inference.infer_shapes(model, **kw)
     m = onnx.ModelProto.FromString(model.SerializeToString())
-    stft = [i for i, n in enumerate(m.graph.node) if _stft_without_onesided(n)]
-    for i in stft:
-        m.graph.node[i].attribute.append(onnx.helper.make_attribute("onesided", 1))
+    stft = [n for n in m.graph.node if _stft_without_onesided(n)]
+    for n in stft:
+        n.attribute.append(onnx.helper.make_attribute("onesided", 1))
+    if stft:
+        _forget_dims(m.graph, {o for n in stft for o in n.output})
     _inline(m.graph.node, {o: n for n in m.graph.node if n.op_type == "Constant"
                            for o in n.output})
     m = onnx.shape_inference.infer_shapes(m, **kw)
     _strip(m.graph)
-    for i in stft:  # the node stays as written: its declared types were inferred without it
-        del m.graph.node[i].attribute[-1]
     return m
