@@ -73,3 +73,20 @@ def test_stft_without_onesided(value_info, xs):
     for got, ref in zip(session(res.model).run(res.grads, x),
                         session(want.model).run(want.grads, x)):
         np.testing.assert_allclose(got, ref, rtol=1e-12)
+
+
+# AffineGrid's rule refused a theta of symbolic shape (it told 2-D from 3-D by theta's rows);
+# size's length, or the grid's rank, tells as well
+@pytest.mark.parametrize("size", [[2, 1, 3, 4], [1, 1, 2, 3, 2]])
+def test_affine_grid_symbolic_theta(size):
+    k = len(size) - 2
+    node = onnx.helper.make_node("AffineGrid", ["theta", "size"], ["y"], align_corners=0)
+    g = onnx.helper.make_graph(
+        [node], "affine",
+        [onnx.helper.make_tensor_value_info("theta", onnx.TensorProto.DOUBLE, ["n", "r", "c"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)],
+        [onnx.numpy_helper.from_array(np.array(size), "size")])
+    m = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 20)],
+                               ir_version=10)
+    theta = np.random.default_rng(k).standard_normal((size[0], k, k + 1))
+    assert_gradients(m, "y", "theta", {"theta": theta})
