@@ -290,14 +290,15 @@ def drawn_ops(cat: Catalogue | None = None) -> dict:
 
 
 def quiet_options(level: str = "all"):
-    """onnxruntime SessionOptions at ``level`` ("basic" or "all") that log nothing: the fuzzer
+    """onnxruntime SessionOptions at ``level`` ("none", "basic", "all") that log nothing: the fuzzer
     expects kernels to be missing and reports that its own way."""
     from onnxgrad.runtime import ort_module, session_options
     ort = ort_module()
     so = session_options()
     so.log_severity_level = 4
-    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if level == "basic"
-                                   else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    levels = ort.GraphOptimizationLevel
+    so.graph_optimization_level = {"none": levels.ORT_DISABLE_ALL, "basic": levels.ORT_ENABLE_BASIC,
+                                   "all": levels.ORT_ENABLE_ALL}[level]
     return so
 
 
@@ -814,7 +815,9 @@ def _const(v, n):
 
 
 def _jitter(v, rng):
-    return (v * (1 + JITTER * rng.uniform(-1, 1, v.shape))).astype(np.float64)
+    """v scaled by 1 + JITTER * U(-1, 1), and its zeros moved by as much (off kinks at 0)."""
+    u = rng.uniform(-1, 1, v.shape)
+    return (v * (1 + JITTER * u) + JITTER * u * (v == 0)).astype(np.float64)
 
 
 def build(spec: Spec, cat: Catalogue | None = None, avoid_known: bool = False) -> Problem:
