@@ -319,7 +319,7 @@ def probe(case: Case, opset: int) -> Flags:
         fd = {k: v.astype(dtype) for k, v in feeds.items()}
         try:
             onnx.checker.check_model(model, full_check=True)
-            s = _session(model)
+            s = quiet_session(model)
             first, again = s.run(None, fd), s.run(None, fd)
         except Exception as e:  # noqa: BLE001  (a probe reports)
             why.append(f"{np.dtype(dtype).name}: {type(e).__name__}: {str(e)[:200]}")
@@ -350,7 +350,8 @@ def probe(case: Case, opset: int) -> Flags:
     return Flags(y32 is not None, y64 is not None, ref64, "; ".join(why))
 
 
-def _session(model, level="all"):
+def quiet_session(model, level="all"):
+    """An onnxruntime CPU session with :func:`quiet_options`."""
     from onnxgrad.runtime import session
     return session(model, options=quiet_options(level))
 
@@ -441,8 +442,14 @@ class Problem:
     def sizes(self):
         return BATCH_SIZES if self.batched else BATCH_SIZES[:1]
 
-    def feeds(self, n: int) -> dict:
-        return {k: f(n) for k, f in self.values.items()}
+    def feeds(self, n: int, placeholders: bool = False) -> dict:
+        """The inputs at batch size n (with ``placeholders``, zeros for grad_ys given as
+        existing graph inputs, which the checker otherwise feeds)."""
+        out = {k: f(n) for k, f in self.values.items()}
+        if placeholders:
+            out.update({g[1]: np.zeros([n if d == "N" else d for d in self.inputs[g[1]][0]])
+                        for g in self.grad_ys if g and g[0] == "existing"})
+        return out
 
     def call(self) -> dict:
         """gradients() keyword arguments (besides the model)."""
