@@ -30,6 +30,7 @@ import onnx
 from onnx import helper
 
 sys.path.insert(0, os.path.dirname(__file__))
+import fuzz_cases  # noqa: E402
 import fuzz_graphs  # noqa: E402
 from fuzz_graphs import Problem  # noqa: E402
 
@@ -103,7 +104,7 @@ class _Runner:
         self.model, self.fallback, self.ref = model, fallback, None
         self.sess = None
         try:
-            self.sess = fuzz_graphs.quiet_session(model, level)
+            self.sess = fuzz_cases.quiet_session(model, level)
         except Exception as e:  # noqa: BLE001
             if not (fallback and _missing_kernel(e)):
                 raise
