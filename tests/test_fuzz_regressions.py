@@ -6,6 +6,7 @@ import pytest
 
 import onnxgrad
 from onnxgrad.runtime import session
+from onnxgrad.check import check_gradients
 from util import assert_gradients, make_model, op_model
 
 
@@ -90,3 +91,35 @@ def test_affine_grid_symbolic_theta(size):
                                ir_version=10)
     theta = np.random.default_rng(k).standard_normal((size[0], k, k + 1))
     assert_gradients(m, "y", "theta", {"theta": theta})
+
+
+# the second-order gradient of a Scan whose body reads an outer tensor of symbolic shape: the
+# backward bodies' outputs had no shapes, and onnxruntime runs no Scan whose body outputs lack
+# them ("Subgraph must have the shape set for all outputs"); they take the shapes of the
+# values they are the gradients of
+def test_second_order_scan_with_symbolic_capture():
+    h = onnx.helper
+    dbl = onnx.TensorProto.DOUBLE
+    body = h.make_graph(
+        [h.make_node("Mul", ["s_in", "x"], ["a"]), h.make_node("Mul", ["x", "w"], ["b"]),
+         h.make_node("Tanh", ["b"], ["c"]), h.make_node("Add", ["a", "c"], ["s_out"]),
+         h.make_node("Mul", ["s_out", "x"], ["y_t"])], "body",
+        [h.make_tensor_value_info("s_in", dbl, [3]), h.make_tensor_value_info("x", dbl, [3])],
+        [h.make_tensor_value_info("s_out", dbl, [3]), h.make_tensor_value_info("y_t", dbl, [3])])
+    scan = h.make_node("Scan", ["s0", "xs"], ["s", "ys"], body=body, num_scan_inputs=1)
+    g = h.make_graph([scan], "scan",
+                     [h.make_tensor_value_info("s0", dbl, [3]),
+                      h.make_tensor_value_info("xs", dbl, [4, 3]),
+                      h.make_tensor_value_info("w", dbl, ["k"])],
+                     [h.make_tensor_value_info(n, dbl, None) for n in ("s", "ys")])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)], ir_version=10)
+    xs = ["s0", "xs", "w"]
+    first = onnxgrad.gradients(m, ["s", "ys"], xs, grad_ys=["ds", "dys"])
+    second = onnxgrad.gradients(first.model, first.grads, xs)
+    onnx.checker.check_model(second.model, full_check=True)
+    rng = np.random.default_rng(0)
+    feeds = {"s0": rng.standard_normal(3), "xs": rng.standard_normal((4, 3)),
+             "w": rng.standard_normal(3), "ds": rng.standard_normal(3),
+             "dys": rng.standard_normal((4, 3))}
+    session(second.model).run(second.grads, feeds)
+    assert check_gradients(first.model, first.grads, xs, feeds).ok
