@@ -103,6 +103,8 @@ class _Runner:
     def __init__(self, model, level="basic", fallback=True):
         self.model, self.fallback, self.ref = model, fallback, None
         self.sess = None
+        self.declared = {i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+                         for i in model.graph.input if i.type.tensor_type.elem_type}
         try:
             self.sess = fuzz_cases.quiet_session(model, level)
         except Exception as e:  # noqa: BLE001
@@ -113,7 +115,10 @@ class _Runner:
             self.inputs = {i.name for i in self.sess.get_inputs()}
 
     def __call__(self, feeds, outputs):
+        """Run on ``feeds``, each float array cast to the float type the model declares for it."""
         feeds = {k: np.asarray(v) for k, v in feeds.items()}
+        feeds = {k: (v.astype(self.declared[k]) if v.dtype.kind == "f" and k in self.declared
+                     else v) for k, v in feeds.items()}
         if self.sess is not None:
             try:
                 return self.sess.run(outputs, {k: v for k, v in feeds.items()
@@ -137,10 +142,6 @@ def _missing_kernel(e: BaseException) -> bool:
     """onnxruntime has no kernel for these types (not: the model is wrong)."""
     msg = str(e)
     return "NOT_IMPLEMENTED" in msg or "not support double" in msg
-
-
-def _cast(feeds, dtype):
-    return {k: (v.astype(dtype) if v.dtype.kind == "f" else v) for k, v in feeds.items()}
 
 
 def _expose(model, names):
@@ -373,7 +374,7 @@ def _check(c: _Call, tally: _Tally):
             # the float64 gradient ran on onnx.reference: where onnxruntime's own gradient
             # agrees with the differences (to its dtype's accuracy), the reference is what errs
             names = [g for g in native[0].grads if g is not None]
-            outs = _run(native[1], _cast(full, c.dtype), names, c.native_stage)
+            outs = _run(native[1], full, names, c.native_stage)
             by64 = dict(zip(want, (np.asarray(o, np.float64) for o in outs)))
             again = _Tally()
             compare(by64, again, rtol=1e-2, atol=1e-4)
@@ -422,9 +423,8 @@ def _compare_native(c: _Call, native, res64, got, full, grun, tally):
     is 0 in float32 and 8e-12 in float64, times a large incoming gradient.)"""
     res_n, nrun = native
     names = [g for g in res_n.grads if g is not None]
-    fd = _cast(full, c.dtype)
-    outs = _run(nrun, fd, names, c.native_stage)
-    plain = _run(_Runner(res_n.model, "none", fallback=False), fd, names, c.native_stage)
+    outs = _run(nrun, full, names, c.native_stage)
+    plain = _run(_Runner(res_n.model, "none", fallback=False), full, names, c.native_stage)
     same = c.native is c.f64 or _structure(res_n.model) == _structure(res64.model)
     want = [g for g in res64.grads if g is not None]
     for x, gname, out, base in zip([x for x, g in zip(c.call["xs"], res64.grads) if g], want,
@@ -495,7 +495,7 @@ def _evaluate(p: Problem, tally: _Tally) -> Outcome:
         onnx.checker.check_model(f64, full_check=True)
         run = _Runner(native, "all", fallback=False)
         for n in feeds:
-            run(_cast(p.feeds(n, placeholders=True), p.dtype), list(p.ys))
+            run(p.feeds(n, placeholders=True), list(p.ys))
     except Exception as e:  # noqa: BLE001
         return Outcome("gen-invalid", _short(e), "generate")
     call = p.call()

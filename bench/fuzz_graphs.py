@@ -81,16 +81,23 @@ def drawn_ops(cat: Catalogue | None = None) -> dict:
     return out
 
 
-def probe(case: Case, opset: int) -> Flags:
-    """Run the case alone, its inputs as graph inputs, in both dtypes (see :class:`Flags`)."""
-    from onnxgrad.runtime import runner
-    b = _Builder(Spec())
+def problem_of(case: Case, opset: int, dtype=np.float32) -> Problem:
+    """The case alone: its inputs are graph inputs and the xs, its float outputs the ys."""
+    b = _Builder(Spec(), dtype=dtype)
     b.opset = opset
     b.add_case(case, [1] * 8)
     b.ys = [n for n, _ in b.made]
     p = b.problem()
+    p.xs = [n for n in b.inputs if n.startswith("i")]
+    return p
+
+
+def probe(case: Case, opset: int) -> Flags:
+    """Run the case alone, its inputs as graph inputs, in both dtypes (see :class:`Flags`)."""
+    from onnxgrad.runtime import runner
+    p = problem_of(case, opset)
     feeds = p.feeds(BATCH_SIZES[0])
-    shapes = [s for _, s in b.made]
+    shapes = [list(p.shapes[y]) for y in p.ys]
     why = []
 
     def ort(dtype):
@@ -106,7 +113,7 @@ def probe(case: Case, opset: int) -> Flags:
         if not all(np.array_equal(a, b, equal_nan=True) for a, b in zip(first, again)):
             why.append("not deterministic (a random op: finite differences cannot judge it)")
             return None
-        if [np.shape(a) for a in first] != shapes:
+        if [list(np.shape(a)) for a in first] != shapes:
             why.append(f"{np.dtype(dtype).name}: output shapes {[np.shape(a) for a in first]}, "
                        f"the case's {shapes} (the op means something else at opset {opset})")
             return None
@@ -210,6 +217,7 @@ class Problem:
     dtype: np.dtype = np.dtype(np.float32)
     units: list = field(default_factory=list)
     floats: set = field(default_factory=set)  # tensors of the graph's float dtype
+    shapes: dict = field(default_factory=dict)  # made tensor -> its shape ("N": the batch)
 
     @property
     def sizes(self):
@@ -567,8 +575,7 @@ class _Builder:
             stops=stops, unconnected="zero" if s.unconnected else "none",
             name=SCOPES[s.scope % len(SCOPES)], aggregation=AGGREGATIONS[s.aggregation % 3],
             second=tuple(s.second), batched=s.batch, value_info=s.value_info,
-            dtype=self.dtype, units=self.units,
-            floats=floats)
+            dtype=self.dtype, units=self.units, floats=floats, shapes=made)
 
 
 def _rename_inputs(node, rename):

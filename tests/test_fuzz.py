@@ -116,3 +116,21 @@ def test_planted_float32_constant_is_invalid(monkeypatch):
     monkeypatch.setattr(autodiff, "lookup", lookup)
     out = fuzz_check.evaluate(fuzz_graphs.build(_sigmoid_graph()))
     assert out.verdict == "invalid-model" and out.where.startswith("Sigmoid (glue)"), out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fragments_alone(dtype):
+    """Each hand-written fragment (If, Loop, Scan, sequences ...) alone, its inputs as xs."""
+    cat = fuzz_graphs.catalogue()
+    checked, failed = [], []
+    for case in (c for cases in cat.by_op.values() for c in cases if c.name.startswith("extra_")):
+        opset = fuzz_graphs.OPSETS[0]
+        if not fuzz_cases.fits(cat.flags(case, opset), [], dtype):
+            continue
+        p = fuzz_graphs.problem_of(case, opset, dtype)
+        out = fuzz_check.evaluate(p)
+        checked.append(case.name)
+        if out.failed or out.verdict != "ok":
+            failed.append(f"{case.name}: {out.verdict} {out.stage} {out.detail[:300]}")
+    assert not failed, "\n".join(failed)
+    assert len(checked) >= 12, checked
