@@ -81,9 +81,10 @@ def drawn_ops(cat: Catalogue | None = None) -> dict:
     return out
 
 
-def problem_of(case: Case, opset: int, dtype=np.float32) -> Problem:
-    """The case alone: its inputs are graph inputs and the xs, its float outputs the ys."""
-    b = _Builder(Spec(), dtype=dtype)
+def problem_of(case: Case, opset: int, dtype=np.float32, symbolic=False) -> Problem:
+    """The case alone: its inputs are graph inputs (with ``symbolic``, of symbolic shapes) and
+    the xs, its float outputs the ys."""
+    b = _Builder(Spec(symbolic=symbolic), dtype=dtype)
     b.opset = opset
     b.add_case(case, [1] * 8)
     b.ys = [n for n, _ in b.made]

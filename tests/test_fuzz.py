@@ -118,16 +118,18 @@ def test_planted_float32_constant_is_invalid(monkeypatch):
     assert out.verdict == "invalid-model" and out.where.startswith("Sigmoid (glue)"), out
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_fragments_alone(dtype):
-    """Each hand-written fragment (If, Loop, Scan, sequences ...) alone, its inputs as xs."""
+@pytest.mark.parametrize("dtype,symbolic", [(np.float32, False), (np.float64, True)])
+def test_fragments_alone(dtype, symbolic):
+    """Each hand-written fragment (If, Loop, Scan, sequences ...) alone, its inputs as xs (of
+    static or symbolic shapes), to the second order."""
     cat = fuzz_graphs.catalogue()
     checked, failed = [], []
     for case in (c for cases in cat.by_op.values() for c in cases if c.name.startswith("extra_")):
         opset = fuzz_graphs.OPSETS[0]
         if not fuzz_cases.fits(cat.flags(case, opset), [], dtype):
             continue
-        p = fuzz_graphs.problem_of(case, opset, dtype)
+        p = fuzz_graphs.problem_of(case, opset, dtype, symbolic)
+        p.second = (0, 1)
         out = fuzz_check.evaluate(p)
         checked.append(case.name)
         if out.failed or out.verdict != "ok":
