@@ -203,7 +203,7 @@ KINKED_INPUTS = {
 }
 
 
-def _non_differentiable(node, opset):
+def non_differentiable(node, opset):
     """Input positions the op's schema marks NonDifferentiable (shapes, scales, indices ...),
     and those FROZEN_INPUTS names."""
     try:
@@ -236,7 +236,7 @@ def build(case):
     op, xs, ys, feeds = describe(case)
     node = case.model.graph.node[0]
     opset = next(o.version for o in case.model.opset_import if o.domain in ("", "ai.onnx"))
-    held = _non_differentiable(node, opset) | KINKED_INPUTS.get(case.name, set())
+    held = non_differentiable(node, opset) | KINKED_INPUTS.get(case.name, set())
     frozen = {node.input[i] for i in held if i < len(node.input) and node.input[i]}
     frozen &= set(feeds)
     model = _freeze(case.model, frozen, feeds) if frozen else case.model

@@ -66,16 +66,20 @@ def _rename(e, node: ir.Node):
             _rename(e, inner)
 
 
-def finish_body(e, graph: ir.Graph, outs: list[V]) -> None:
+def finish_body(e, graph: ir.Graph, outs: list[V], likes=None) -> None:
     """Make ``outs`` the outputs of ``graph`` (through Identity where a value is not produced inside
-    it, or appears twice), then drop the nodes nothing uses."""
+    it, or appears twice), then drop the nodes nothing uses. An output of unknown shape takes
+    that of its entry in ``likes`` (the value it is the gradient of): onnxruntime runs a Scan
+    only when its body's outputs have shapes, and a gradient of this body needs the ranks."""
     seen = set()
-    for o in outs:
+    for o, like in zip(outs, likes or [None] * len(outs)):
         v = o.value
         if (v.producer() is None or v.producer().graph is not graph or v in seen
                 or v.is_graph_output()):
             v = e.op("Identity", o, _dtype=o.dtype).value
             v.type = o.value.type
+        if v.shape is None and like is not None and like.shape is not None:
+            v.shape = like.shape
         seen.add(v)
         graph.outputs.append(v)
     dce(graph)
@@ -122,7 +126,7 @@ def _if(n, g):
                 seeds.setdefault(vmap.get(o, o), []).append(V(gi.value, be, gi.dtype, gi.shape))
         res = n.differentiate(bb, seeds, caps, be)
         outs = [r if r is not None else zeros_for(be, V(c, be)) for r, c in zip(res, caps)]
-        finish_body(be, bb, outs)
+        finish_body(be, bb, outs, caps)
         branches[key] = bb
     out = e.op("If", n.ins[0], _outputs=len(caps), **branches,
                _dtype=[c.dtype for c in caps])
@@ -195,7 +199,7 @@ def _loop(n, g):
     for a, r in zip(acc_in, res[len(carried):]):
         a = V(a, be)
         outs.append(a if r is None else _add(be, a, r))
-    finish_body(be, bb, outs)
+    finish_body(be, bb, outs, [b_c] + [ph[j] for j in carried] + acc_in)
 
     # save what the backward body reads of the state at the start of each iteration: tensors
     # as scan outputs; a carried sequence is rebuilt instead, iteration by iteration in reverse
@@ -406,7 +410,7 @@ def _scan(n, g):
     outs += [V(a, be) if r is None else V(a, be) + r for a, r in zip(acc_in, res[nc:nc + ncap])]
     outs += [r if r is not None else be.zeros_like(V(ph_x[i], be))
              for r, i in zip(res[nc + ncap:], want_x)]
-    finish_body(be, bb, outs)
+    finish_body(be, bb, outs, [ph_s[j] for j in carried] + acc_in + [ph_x[i] for i in want_x])
 
     # scan inputs of the backward Scan: saved states, forward scan inputs, output gradients
     need_s = [j for j in range(ns) if ph_s[j].uses()]

@@ -81,7 +81,7 @@ class _Loss:
         scalar (the same for every entry)."""
         if self.reduction == "mean":
             d = self.denominator()
-            g = g * (1.0 / d) if isinstance(d, int) else g / d
+            g = g * (1.0 / max(d, 1)) if isinstance(d, int) else g / d  # 0: no entries
         if self.wi is not None:
             return g * self.wi, False
         return g, self.reduction != "none"

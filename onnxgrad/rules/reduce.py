@@ -97,8 +97,8 @@ def _reduce_mean(n, g):
     r = _Reduce(n)
     if r.identity:
         return g
-    k = r.count()
-    return r.expand(g * (1.0 / k) if isinstance(k, int) else g / k)
+    k = r.count()  # 0 only for an empty x, whose (empty) gradient any scale gives
+    return r.expand(g * (1.0 / max(k, 1)) if isinstance(k, int) else g / k)
 
 
 @register(["ReduceMax", "ReduceMin"])

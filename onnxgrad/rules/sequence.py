@@ -190,7 +190,7 @@ def _sequence_map(n, g):
     xs = [b_in[i] for i in wanted] + caps
     res = n.differentiate(bb, seeds, xs, be)
     outs = [r if r is not None else be.zeros_like(V(x, be)) for r, x in zip(res, xs)]
-    finish_body(be, bb, outs)
+    finish_body(be, bb, outs, xs)
     out_types = [x.dtype for x in xs]
     mapped = e.op("SequenceMap", *n.ins, *gs, body=bb, _outputs=len(xs)) if xs else ()
     mapped = mapped if isinstance(mapped, tuple) else (mapped,)

@@ -404,10 +404,16 @@ def _affine_grid(n, g):
     """grid[n, ..., :] = theta[n] @ [base(...), 1]: linear in theta, so dtheta is an Einsum of g
     with the base grid, which AffineGrid itself makes from the identity (size may be dynamic)."""
     e, theta, size = n.e, n.x, n.ins[1]
-    if theta.shape is None or not isinstance(theta.shape[1], int):
-        raise NotImplementedError(f"AffineGrid gradient at node {n.node.name!r}: theta's shape "
-                                  "must be known to tell 2-D from 3-D")
-    k = theta.shape[1]  # 2 (2-D) or 3 (3-D)
+    # 2 (2-D) or 3 (3-D): theta's rows, or the length of size (N, C and the spatial dims), or
+    # the grid's rank (N, the spatial dims and the coordinates)
+    ks = [theta.shape[1] if theta.rank == 3 else None,
+          size.shape[0] - 2 if size.rank == 1 and isinstance(size.shape[0], int) else None,
+          n.y.rank - 2 if n.y.rank is not None else None]
+    k = next((k for k in ks if isinstance(k, int)), None)
+    if k is None:
+        raise NotImplementedError(f"AffineGrid gradient at node {n.node.name!r}: neither theta's "
+                                  "shape, size's length nor the grid's rank is known, so 2-D "
+                                  "cannot be told from 3-D")
     eye = e.const(np.eye(k, k + 1)[None], theta.dtype)
     one_size = e.Concat([1], e.Slice(size, [1], [END]), axis=0)
     base = e.AffineGrid(eye, one_size, align_corners=attr(n, "align_corners"))

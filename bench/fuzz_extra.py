@@ -1,0 +1,124 @@
+"""Hand-written fragments for the gradient fuzzer: rules that no usable ONNX backend node test
+case reaches (Cast, Trilu, If, Loop, Scan, sequences, MaxRoiPool ...).
+
+Each fragment is a few nodes, the values of the tensors it reads (graph inputs of the fragment,
+including outer-scope values its bodies capture), which of them are held constant, and its float
+outputs with their shapes. Float types inside bodies are written as FLOAT: a float64 model turns
+them into DOUBLE (bench/fuzz_graphs.py)."""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper
+
+F = TensorProto.FLOAT
+
+
+def _r(shape, seed, lo=-1.5, hi=1.5):
+    return np.random.default_rng(seed).uniform(lo, hi, shape)
+
+
+def _i64(v):
+    return np.asarray(v, np.int64)
+
+
+def fragments():
+    """(name, nodes, inputs {name: value}, held names, outputs {name: shape}, fixed names)
+    rows; ``fixed`` float tensors keep their dtype (the others take the graph's)."""
+    n = helper.make_node
+    rows = []
+
+    def add(name, nodes, inputs, held, outputs, fixed=()):
+        rows.append((name, nodes, inputs, frozenset(held), outputs, frozenset(fixed)))
+
+    add("extra_cast_roundtrip", [n("Cast", ["x"], ["y"], to=TensorProto.DOUBLE)],
+        {"x": _r((2, 3), 1)}, (), {"y": (2, 3)}, fixed=("y",))
+    add("extra_castlike", [n("CastLike", ["x", "like"], ["y"])],
+        {"x": _r((2, 3), 2), "like": np.zeros((), np.float64)}, ("like",), {"y": (2, 3)},
+        fixed=("like", "y"))
+    for upper in (0, 1):
+        add(f"extra_trilu_upper{upper}", [n("Trilu", ["x", "k"], ["y"], upper=upper)],
+            {"x": _r((3, 4), 3), "k": _i64(1 - 2 * upper)}, ("k",), {"y": (3, 4)})
+    for p in (2, 3):
+        add(f"extra_globallppool_p{p}", [n("GlobalLpPool", ["x"], ["y"], p=p)],
+            {"x": _r((2, 3, 3, 3), 4)}, (), {"y": (2, 3, 1, 1)})
+    for op in ("Mish", "Round", "Sign"):
+        add(f"extra_{op.lower()}", [n(op, ["x"], ["y"])], {"x": _r((2, 3), 5, -3, 3)}, (),
+            {"y": (2, 3)})
+    add("extra_onehot", [n("OneHot", ["indices", "depth", "values"], ["y"], axis=-1)],
+        {"indices": _i64([[1, 4], [0, -1]]), "depth": _i64(5), "values": _r((2,), 20)},
+        ("indices", "depth"), {"y": (2, 2, 5)})
+    add("extra_maxroipool", [n("MaxRoiPool", ["x", "rois"], ["y"], pooled_shape=[2, 2])],
+        {"x": _r((1, 2, 6, 6), 6), "rois": np.array([[0, 0, 0, 3, 3], [0, 1, 2, 5, 4]], float)},
+        ("rois",), {"y": (2, 2, 2, 2)})
+
+    # If: both branches read outer-scope tensors (captured values get gradients)
+    then_g = helper.make_graph(
+        [n("Tanh", ["a"], ["then_t"]), n("Mul", ["then_t", "b"], ["then_y"])], "then_branch",
+        [], [helper.make_tensor_value_info("then_y", F, [2, 3])])
+    else_g = helper.make_graph(
+        [n("Sin", ["a"], ["else_s"]), n("Add", ["else_s", "b"], ["else_y"])], "else_branch",
+        [], [helper.make_tensor_value_info("else_y", F, [2, 3])])
+    for c in (True, False):
+        add(f"extra_if_{'then' if c else 'else'}",
+            [n("If", ["cond"], ["y"], then_branch=then_g, else_branch=else_g)],
+            {"cond": np.array(c), "a": _r((2, 3), 7), "b": _r((2, 3), 8)}, ("cond",),
+            {"y": (2, 3)})
+
+    # Loop: a carried value, a scan output, an outer-scope weight
+    body = helper.make_graph(
+        [n("Identity", ["loop_cond_in"], ["loop_cond_out"]),
+         n("Mul", ["loop_v_in", "w"], ["loop_m"]), n("Tanh", ["loop_m"], ["loop_t"]),
+         n("Add", ["loop_t", "loop_v_in"], ["loop_v_out"]),
+         n("Mul", ["loop_v_out", "w"], ["loop_scan"])], "loop_body",
+        [helper.make_tensor_value_info("loop_iter", TensorProto.INT64, []),
+         helper.make_tensor_value_info("loop_cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("loop_v_in", F, [2, 3])],
+        [helper.make_tensor_value_info("loop_cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("loop_v_out", F, [2, 3]),
+         helper.make_tensor_value_info("loop_scan", F, [2, 3])])
+    add("extra_loop", [n("Loop", ["trips", "cond", "v0"], ["v", "scans"], body=body)],
+        {"trips": _i64(3), "cond": np.array(True), "v0": _r((2, 3), 9), "w": _r((2, 3), 10)},
+        ("trips", "cond"), {"v": (2, 3), "scans": (3, 2, 3)})
+
+    # Scan: a state, a scanned input, an outer-scope weight, a constant in the body
+    body = helper.make_graph(
+        [n("Constant", [], ["scan_half"], value=helper.make_tensor("h", F, [], [0.5])),
+         n("Mul", ["scan_s_in", "scan_half"], ["scan_a"]), n("Mul", ["scan_x", "w"], ["scan_b"]),
+         n("Tanh", ["scan_b"], ["scan_c"]), n("Add", ["scan_a", "scan_c"], ["scan_s_out"]),
+         n("Mul", ["scan_s_out", "scan_x"], ["scan_y"])], "scan_body",
+        [helper.make_tensor_value_info("scan_s_in", F, [3]),
+         helper.make_tensor_value_info("scan_x", F, [3])],
+        [helper.make_tensor_value_info("scan_s_out", F, [3]),
+         helper.make_tensor_value_info("scan_y", F, [3])])
+    for reverse in (0, 1):
+        add(f"extra_scan_reverse{reverse}",
+            [n("Scan", ["s0", "xs"], ["s", "ys"], body=body, num_scan_inputs=1,
+               scan_input_directions=[reverse])],
+            {"s0": _r((3,), 11), "xs": _r((4, 3), 12), "w": _r((3,), 13)}, (),
+            {"s": (3,), "ys": (4, 3)})
+
+    # sequences: construct, insert, erase, at, length, concat
+    add("extra_sequence_ops",
+        [n("SequenceConstruct", ["a", "b"], ["seq"]), n("SequenceInsert", ["seq", "c"], ["seq2"]),
+         n("SequenceErase", ["seq2", "zero"], ["seq3"]),
+         n("ConcatFromSequence", ["seq3"], ["y"], axis=0, new_axis=1),
+         n("SequenceAt", ["seq2", "last"], ["at"]), n("SequenceLength", ["seq3"], ["len"]),
+         n("Cast", ["len"], ["lenf"], to=F), n("Mul", ["at", "lenf"], ["z"])],
+        {"a": _r((2, 3), 14), "b": _r((2, 3), 15), "c": _r((2, 3), 16), "zero": _i64(0),
+         "last": _i64(-1)}, ("zero", "last"), {"y": (2, 2, 3), "z": (2, 3)})
+    add("extra_split_to_sequence",
+        [n("SplitToSequence", ["a"], ["seq"], axis=0),
+         n("SequenceAt", ["seq", "two"], ["z"]),
+         n("ConcatFromSequence", ["seq"], ["y"], axis=1)],
+        {"a": _r((4, 3), 17), "two": _i64(2)}, ("two",), {"z": (1, 3), "y": (1, 12)})
+    map_body = helper.make_graph(
+        [n("Tanh", ["map_x"], ["map_t"]), n("Mul", ["map_t", "map_x"], ["map_y"])], "map_body",
+        [helper.make_tensor_value_info("map_x", F, [2, 3])],
+        [helper.make_tensor_value_info("map_y", F, [2, 3])])
+    add("extra_sequence_map",
+        [n("SequenceEmpty", [], ["empty"], dtype=F), n("SequenceInsert", ["empty", "a"], ["s1"]),
+         n("SequenceInsert", ["s1", "b"], ["s2"]),
+         n("SequenceMap", ["s2"], ["mapped"], body=map_body),
+         n("ConcatFromSequence", ["mapped"], ["y"], axis=0, new_axis=1)],
+        {"a": _r((2, 3), 18), "b": _r((2, 3), 19)}, (), {"y": (2, 2, 3)})
+    return rows
