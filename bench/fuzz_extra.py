@@ -1,5 +1,5 @@
 """Hand-written fragments for the gradient fuzzer: rules that no usable ONNX backend node test
-case reaches (Cast, Trilu, If, Loop, Scan, sequences, MaxRoiPool ...).
+case reaches (Cast, Trilu, If, Loop, Scan, sequences, optionals, MaxRoiPool ...).
 
 Each fragment is a few nodes, the values of the tensors it reads (graph inputs of the fragment,
 including outer-scope values its bodies capture), which of them are held constant, and its float
@@ -121,4 +121,9 @@ def fragments():
          n("SequenceMap", ["s2"], ["mapped"], body=map_body),
          n("ConcatFromSequence", ["mapped"], ["y"], axis=0, new_axis=1)],
         {"a": _r((2, 3), 18), "b": _r((2, 3), 19)}, (), {"y": (2, 2, 3)})
+    # optional-typed values: wrapped and read back (and OptionalGetElement of a plain tensor)
+    add("extra_optional",
+        [n("Optional", ["a"], ["opt"]), n("OptionalGetElement", ["opt"], ["got"]),
+         n("OptionalGetElement", ["b"], ["plain"]), n("Mul", ["got", "plain"], ["y"])],
+        {"a": _r((2, 3), 21), "b": _r((2, 3), 22)}, (), {"y": (2, 3)})
     return rows

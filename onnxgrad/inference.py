@@ -20,7 +20,9 @@ What onnx's own ``infer_shapes`` does not do:
   (rules such as MatMul's need ranks). Copies of those Constants are put at the start of each
   body that reads them for the inference run only, and taken out of its result. onnx 1.23's STFT
   inference also reads an absent onesided as 0 where the schema's default (and every runtime) is
-  1, so the default is written out before inference.
+  1, so the default is written out before inference (and stays: onnx's checker then infers the
+  result right), and the dims declared downstream of such a node, which onnx inferred with the
+  wrong default, are forgotten.
 """
 from __future__ import annotations
 
@@ -332,6 +334,20 @@ def _stft_without_onesided(n: onnx.NodeProto) -> bool:
             and not any(a.name == "onesided" for a in n.attribute))
 
 
+def _forget_dims(graph: onnx.GraphProto, tainted: set) -> None:
+    """Make the declared dims of ``tainted`` tensors, and of everything computed from them in
+    ``graph``, unknown (the rank stays)."""
+    if not tainted:
+        return
+    for n in graph.node:  # topological order
+        if tainted.intersection(n.input):
+            tainted.update(n.output)
+    for vi in list(graph.value_info) + list(graph.output):
+        if vi.name in tainted and vi.type.tensor_type.HasField("shape"):
+            for d in vi.type.tensor_type.shape.dim:
+                d.Clear()
+
+
 def _rewrite_ceil_pools(inferred: onnx.GraphProto, graphs: list) -> bool:
     """Give each pool with a window that onnx's inference keeps and the runtimes drop the
     equivalent pads without ceil_mode (in ``graphs``, the uninferred copies of ``inferred``'s
@@ -371,6 +387,8 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     InvalidModelError when inference contradicts the type declared for a graph output."""
     m = onnx.ModelProto.FromString(model.SerializeToString())
     graphs = graphs_of(m.graph)
+    for g in graphs:  # what onnx inferred (and a model declares) with the wrong default
+        _forget_dims(g, {o for n in g.node if _stft_without_onesided(n) for o in n.output})
     declared = [[onnx.ValueInfoProto.FromString(vi.SerializeToString()) for vi in g.value_info]
                 for g in graphs]
     for g in graphs:
