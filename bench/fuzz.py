@@ -23,7 +23,7 @@ import fuzz_graphs  # noqa: E402
 
 
 def run(graphs: int, minutes: float | None, seed: int, max_steps: int, shrink: bool,
-        verbose: bool = False, avoid_known: bool = True, log=print):
+        verbose: bool = False, log=print):
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
@@ -43,7 +43,7 @@ def run(graphs: int, minutes: float | None, seed: int, max_steps: int, shrink: b
     def one(spec):
         if deadline and time.time() > deadline:
             raise Done()
-        p = fuzz_graphs.build(spec, avoid_known=avoid_known)
+        p = fuzz_graphs.build(spec)
         ops.update(u.label.split(" ")[0] for u in p.units if not u.label.endswith("(glue)"))
         try:
             out = fuzz_check.evaluate(p)
@@ -73,8 +73,8 @@ def run(graphs: int, minutes: float | None, seed: int, max_steps: int, shrink: b
     for key, (spec, out, p) in sorted(failures.items(), key=lambda kv: kv[0]):
         log(f"\n=== {' / '.join(key)} ===")
         if shrink and out.failed:
-            spec, out = fuzz_check.shrink(spec, out, avoid_known)
-            p = fuzz_graphs.build(spec, avoid_known=avoid_known)
+            spec, out = fuzz_check.shrink(spec, out)
+            p = fuzz_graphs.build(spec)
         log(fuzz_check.repro(p, out))
         log(f"spec: {spec!r}")
     return counts, failures
@@ -88,12 +88,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-steps", type=int, default=5)
     ap.add_argument("--no-shrink", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true", help="a line per failure as found")
-    ap.add_argument("--with-known", action="store_true",
-                    help="do not steer clear of fuzz_graphs.KNOWN_BROKEN")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     counts, _ = run(args.graphs, args.minutes, args.seed, args.max_steps, not args.no_shrink,
-                    args.verbose, not args.with_known, log=lambda s: print(s, flush=True))
+                    args.verbose, log=lambda s: print(s, flush=True))
     return 1 if any(counts[v] for v in fuzz_check.FAILURES + ("fuzzer-error",)) else 0
 
 

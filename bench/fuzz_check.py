@@ -506,7 +506,7 @@ def _evaluate(p: Problem, tally: _Tally) -> Outcome:
         ys2 = list(dict.fromkeys(grads[i % len(grads)] for i in p.second))
         call2 = dict(ys=ys2, xs=list(p.xs), grad_ys=[f"d2y{i}" for i in range(len(ys2))],
                      stop_gradients=None, unconnected_gradients=p.unconnected,
-                     name=p.second_name or p.name,
+                     name=p.name,
                      aggregation_method=p.aggregation)
         feeds2 = {n: {**feeds[n], **cots[n]} for n in feeds}
         second = _Call(res64.model, res_n.model if p.dtype != np.float64 else res64.model,
@@ -592,13 +592,13 @@ def repro(p: Problem, out: Outcome | None = None) -> str:
     return "\n".join(lines)
 
 
-def shrink(spec, out: Outcome, avoid_known: bool = False, budget: int = 60):
+def shrink(spec, out: Outcome, budget: int = 60):
     """A smaller Spec that fails the same way (same verdict, stage and blamed op); greedy."""
     key = out.key()
 
     def same(s):
         try:
-            o = evaluate(fuzz_graphs.build(s, avoid_known=avoid_known))
+            o = evaluate(fuzz_graphs.build(s))
         except Exception:  # noqa: BLE001
             return None
         return o if o.key() == key else None

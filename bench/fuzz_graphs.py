@@ -34,32 +34,6 @@ JITTER = 0.01  # case values are scaled by 1 + JITTER * U(-1, 1): breaks their e
 SQUASH = ("Tanh", "Sin")
 UNARY = ("Tanh", "Sigmoid", "Sin", "Neg", "Cos", "Relu", "Abs")  # all have float64 kernels
 
-# Known defects that other branches of issue 12 fix; build(spec, avoid_known=True) steers clear
-# of exactly these configurations (tests/test_fuzz.py does, bench/fuzz.py unless --with-known).
-# Remove an entry once its fix is merged.
-KNOWN_BROKEN = {
-    # issue 12 item 7: a second gradients() call under a scope that holds a slash
-    # ("train/grads") reuses the first call's node and tensor names (duplicates: invalid model);
-    # avoided by giving the second-order call the default scope
-    "second-call-scope": "issue 12 item 7",
-    # issue 12 item 4: float64 LayerNormalization with its Mean/InvStdDev outputs: the gradient
-    # reuses those float32 statistics (float32-accurate first order, second order off by up to
-    # 2x); avoided by leaving those two outputs off the node
-    "layernorm-stats": "issue 12 item 4",
-    # issue 12 item 10 (its first-order form): a ConvTranspose (or Conv) weight of symbolic
-    # shape crashes the rule (TypeError: the kernel size is None); avoided by declaring the
-    # inputs of those nodes with their static shapes
-    "conv-symbolic-kernel": "issue 12 item 10",
-    # issue 12 item 3 (onnx's inference wrong): onnx infers an Attention output's last dim as 0
-    # when V's dims are symbolic, and onnxruntime folds Shape() of that output from it at
-    # ORT_ENABLE_BASIC and up (the "zero" gradient of that output comes out empty); avoided by
-    # declaring Attention's inputs with their static shapes
-    "attention-symbolic": "issue 12 item 3",
-}
-STATIC_INPUTS = {"conv-symbolic-kernel": {"Conv", "ConvTranspose", "DeformConv"},
-                 "attention-symbolic": {"Attention"}}
-
-
 @functools.lru_cache(maxsize=1)
 def catalogue() -> Catalogue:
     return Catalogue(probe)
@@ -212,7 +186,6 @@ class Problem:
     name: str = "gradients"
     aggregation: str | None = None
     second: tuple = ()
-    second_name: str | None = None  # the second-order call's scope (None: the same as name)
     batched: bool = False
     value_info: bool = False
     dtype: np.dtype = np.dtype(np.float32)
@@ -300,8 +273,8 @@ def _retype_graph(g, elem):
 
 
 class _Builder:
-    def __init__(self, spec: Spec, dtype=None, avoid=()):
-        self.spec, self.avoid = spec, set(avoid)
+    def __init__(self, spec: Spec, dtype=None):
+        self.spec = spec
         self.dtype = np.dtype(dtype or (np.float32 if spec.dtype == 0 else np.float64))
         self.opset = OPSETS[spec.opset % len(OPSETS)]
         self.rng = np.random.default_rng(spec.seed)
@@ -408,9 +381,7 @@ class _Builder:
                 rename[nm] = self._init(v, cand=True)
             elif wiring == 1:
                 name = f"i{self.step}_{j}"
-                static = any(case.op in STATIC_INPUTS.get(k, ()) for k in self.avoid)
-                self.inputs[name] = (list(v.shape) if static else self._declared(name, v.shape),
-                                     None)
+                self.inputs[name] = (self._declared(name, v.shape), None)
                 self.values[name] = functools.partial(_const, v)
                 self.x_cands.append(name)
                 self.pool.append((name, v.shape))
@@ -427,8 +398,6 @@ class _Builder:
                 if o:
                     rename[o] = n.output[i] = self._name("t")
             _rename_inputs(n, rename)
-            if n.op_type == "LayerNormalization" and "layernorm-stats" in self.avoid:
-                del n.output[1:]
             self.nodes.append(n)
         self.units.append(Unit(f"{case.op} ({case.name})", names,
                                [rename[nm] for nm, _ in case.inputs],
@@ -608,11 +577,10 @@ def _jitter(v, rng):
     return (v * (1 + JITTER * u) + JITTER * u * (v == 0)).astype(np.float64)
 
 
-def build(spec: Spec, cat: Catalogue | None = None, avoid_known: bool = False) -> Problem:
-    """The Problem a Spec describes (deterministic); ``avoid_known``: steer clear of
-    KNOWN_BROKEN."""
+def build(spec: Spec, cat: Catalogue | None = None) -> Problem:
+    """The Problem a Spec describes (deterministic)."""
     cat = cat or catalogue()
-    b = _Builder(spec, avoid=KNOWN_BROKEN if avoid_known else ())
+    b = _Builder(spec)
     b.free_inputs()
     for k, (kind, args) in enumerate(spec.steps, start=1):
         b.step = k
@@ -629,7 +597,4 @@ def build(spec: Spec, cat: Catalogue | None = None, avoid_known: bool = False) -
     if not b.made:  # only possible for a Spec without steps
         b.glue((0,) * 8)
     b.ys = list(dict.fromkeys(b._pick(p, b.made)[0] for p in spec.ys))
-    p = b.problem()
-    if "second-call-scope" in b.avoid:
-        p.second_name = "gradients"
-    return p
+    return b.problem()

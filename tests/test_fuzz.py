@@ -7,8 +7,7 @@ float64 central differences and names the node that fails alone. Failures print 
 (the spec, the graph as onnx.printer text and the call). bench/fuzz.py runs the same generator
 for thousands of graphs.
 
-Each test has a fixed seed (the same graphs on every run); known defects that other branches
-fix are steered clear of by fuzz_graphs.KNOWN_BROKEN only.
+Each test has a fixed seed (the same graphs on every run).
 """
 import os
 import sys
@@ -30,7 +29,7 @@ FUZZ = settings(deadline=None, database=None, print_blob=False,
 
 
 def _check(spec):
-    p = fuzz_graphs.build(spec, avoid_known=True)
+    p = fuzz_graphs.build(spec)
     out = fuzz_check.evaluate(p)
     text = f"spec: {spec!r}\n{fuzz_check.repro(p, out)}"
     note(text)
