@@ -42,6 +42,8 @@ ACCEPTED_REFUSALS = {
     # Det's cofactor construction is unrolled over the matrix size (a limitation, listed here
     # so the fuzzer can go on; a rule for symbolic sizes would lift it)
     r"the gradient of Det node .* needs the matrix size": "Det needs a static matrix size",
+    # onnx's inference gives a 3-D Attention's output a last dim of 0 when V's is symbolic
+    r"the gradient of Attention node .* needs the hidden size of V": "onnx's inference is wrong",
 }
 VERDICTS = ("ok", "skipped-tie", "skipped-domain", "skipped-oracle", "refused") + FAILURES
 EPS = 1e-6  # relative finite-difference step (float64)

@@ -381,7 +381,10 @@ class _Builder:
                 rename[nm] = self._init(v, cand=True)
             elif wiring == 1:
                 name = f"i{self.step}_{j}"
-                self.inputs[name] = (self._declared(name, v.shape), None)
+                dims = self._declared(name, v.shape)
+                if case.op == "Attention" and dims:  # its rule refuses a symbolic hidden size
+                    dims[-1] = v.shape[-1]            # (onnx's inference of it is wrong)
+                self.inputs[name] = (dims, None)
                 self.values[name] = functools.partial(_const, v)
                 self.x_cands.append(name)
                 self.pool.append((name, v.shape))

@@ -20,7 +20,7 @@ import onnx_ir as ir
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
-                     NotDifferentiableError)
+                     NotDifferentiableError, UnsupportedError)
 from .inference import graphs_of, infer_ranks, infer_shapes, schema_output_dtypes
 from .storage import load_model, strip_weights
 from .validation import check_model
@@ -283,6 +283,9 @@ class Engine:
                     raise
                 raise NotDifferentiableError(err.op_type, err.domain, err.opset, err.node_name,
                                              path(node), reason=err.reason) from None
+            except NotImplementedError as err:  # a rule refusing a configuration (its message)
+                raise NotDifferentiableError(node.op_type, node.domain, opset_of, node.name,
+                                             path(node), reason=str(err)) from None
             for v, gv in _pairs(node, out):
                 if gv is not None and v is not None and v in live:
                     grads.setdefault(v, []).append(gv)
@@ -360,7 +363,7 @@ def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     upgraded = opset < MIN_OPSET
     if upgraded:  # gradient graphs need opset 13; upgrade rather than write two forms
         if opset < 9 and any(n.op_type == "Scan" for n in model.graph.node):
-            raise NotImplementedError(
+            raise UnsupportedError(
                 f"the model's Scan is Scan-8 (opset {opset}), with a batch axis that onnx's "
                 "version converter drops; export the model at opset 9 or newer")
         upsample = {n.output[0]: n for n in model.graph.node if n.op_type == "Upsample"}

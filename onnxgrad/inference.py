@@ -14,7 +14,8 @@ What onnx's own ``infer_shapes`` does not do:
   onnxruntime's static shapes and every runtime agree (:func:`floor_pads`).
 - Ops whose outputs keep their input's rank (Split with computed sizes, ReduceSum with computed
   axes, a Conv with a computed kernel, :data:`SAME_RANK`) or change it by a known length
-  (:data:`AXES_RANK`) get no shape from onnx at all: they are given their rank.
+  (:data:`AXES_RANK`) get no shape from onnx at all: they are given their rank; so are a Loop's
+  carried outputs, whose shape onnx always drops.
 - onnx types a Loop or Scan body without the values of outer Constants, so a body's Unsqueeze or
   Reshape whose axes or shape come from outside gets no shape, and every rank after it is unknown
   (rules such as MatMul's need ranks). Copies of those Constants are put at the start of each
@@ -268,6 +269,10 @@ SAME_RANK = frozenset({"Split", "Resize", "DFT", "CenterCropPad", "MaxUnpool", "
 # ops whose output rank is a * (input 0's rank) + b * (the length of input 1): Unsqueeze and
 # Squeeze with computed axes, Reshape with a computed shape
 AXES_RANK = {"Unsqueeze": (1, 1), "Squeeze": (1, -1), "Reshape": (0, 1)}
+# ops whose outputs' (rank, input whose dtype they take) are fixed (rank None: input 0's), which
+# onnx leaves untyped when dims are symbolic: Attention's present_key, present_value and
+# qk_matmul_output
+OUTPUT_RANKS = {"Attention": ((None, 0), (4, 1), (4, 2), (4, 0))}
 
 
 def out_rank(op_type: str, keepdims: int, rank: int | None, len1: int | None) -> int | None:
@@ -292,6 +297,18 @@ def _rank_seeds(graphs: list) -> list:
                      for t in g.initializer)
     for gi, g in enumerate(graphs):
         for n in g.node:
+            if n.op_type == "Loop" and n.domain in ("", "ai.onnx"):
+                out += [(gi, vi) for vi in _loop_ranks(n, types)]
+                continue
+            if n.op_type in OUTPUT_RANKS and n.domain in ("", "ai.onnx"):
+                ins = [_dims(types[i]) if i in types else (0, None) for i in n.input]
+                for o, (r, src) in zip(n.output, OUTPUT_RANKS[n.op_type]):
+                    if r is None and ins[0][1] is not None:
+                        r = len(ins[0][1])
+                    elem = ins[src][0] if src < len(ins) else 0
+                    if o and r and elem and (o not in types or _dims(types[o])[1] is None):
+                        out.append((gi, onnx.helper.make_tensor_value_info(o, elem, [None] * r)))
+                continue
             if (n.op_type not in SAME_RANK and n.op_type not in AXES_RANK) or n.domain not in (
                     "", "ai.onnx") or not n.input or n.input[0] not in types:
                 continue
@@ -309,6 +326,40 @@ def _rank_seeds(graphs: list) -> list:
     return out
 
 
+def _loop_ranks(n: onnx.NodeProto, types: dict) -> list:
+    """ValueInfos giving a Loop's outputs their ranks where inference left them without: onnx
+    drops the shape of every loop-carried output (it may change between iterations; validation
+    refuses a Loop where it does), so a carried output has its initial value's rank, and a scan
+    output one more than the body's output."""
+    body = next(a.g for a in n.attribute if a.name == "body")
+    carried = len(n.input) - 2
+    out = []
+    for i, o in enumerate(n.output):
+        t = types.get(o)
+        if not o or (t is not None and _dims(t)[1] is not None):
+            continue
+        src = types.get(n.input[2 + i]) if i < carried else (
+            body.output[1 + i].type if 1 + i < len(body.output) else None)
+        if src is None or src.WhichOneof("value") != "tensor_type":
+            continue
+        elem, shape = _dims(src)
+        if elem and shape is not None:
+            rank = len(shape) + (i >= carried)
+            out.append(onnx.helper.make_tensor_value_info(o, elem, [None] * rank))
+    return out
+
+
+def _add_types(graphs: list, seeds: list) -> None:
+    """Put the (graph index, ValueInfoProto) seeds in: a graph output without a shape takes its
+    seed as its type (onnx reads no value_info entry for a graph output), others join value_info."""
+    for gi, vi in seeds:
+        out = next((o for o in graphs[gi].output if o.name == vi.name), None)
+        if out is None:
+            graphs[gi].value_info.append(vi)
+        elif not out.type.tensor_type.HasField("shape"):
+            out.type.CopyFrom(vi.type)
+
+
 def infer_ranks(model: onnx.ModelProto, rounds: int = 4) -> onnx.ModelProto:
     """onnx's inference on ``model`` (a new model), with the ranks :func:`_rank_seeds` tells
     added where onnx finds none, a few rounds deep (for a model onnxgrad wrote itself: its
@@ -318,9 +369,7 @@ def infer_ranks(model: onnx.ModelProto, rounds: int = 4) -> onnx.ModelProto:
         seeds = _rank_seeds(graphs_of(out.graph))
         if not seeds:
             break
-        graphs = graphs_of(out.graph)
-        for gi, vi in seeds:
-            graphs[gi].value_info.append(vi)
+        _add_types(graphs_of(out.graph), seeds)
         out = _onnx_infer(out)
     return out
 
@@ -408,14 +457,13 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
             if merged is not None and _adds(merged, inferred.get(vi.name)):
                 adopted.append((gi, onnx.helper.make_value_info(vi.name, merged)))
     pools = sum(_has_ceil(n) for g in graphs for n in g.node)
-    same_rank = sum(n.op_type in SAME_RANK or n.op_type in AXES_RANK
-                    for g in graphs for n in g.node)
+    same_rank = sum(n.op_type in SAME_RANK or n.op_type in AXES_RANK or n.op_type == "Loop"
+                    or n.op_type in OUTPUT_RANKS for g in graphs for n in g.node)
     for _ in range(min(pools + same_rank, 8) + 1):  # each may type inputs of further ones
         changed = pools and _rewrite_ceil_pools(out.graph, graphs)
         seeds = adopted + (_rank_seeds(graphs_of(out.graph)) if same_rank else [])
         adopted = []
-        for gi, vi in seeds:
-            graphs[gi].value_info.append(vi)
+        _add_types(graphs, seeds)
         if not changed and not seeds:
             break
         out = _onnx_infer(m, **kw)

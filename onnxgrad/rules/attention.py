@@ -53,4 +53,13 @@ def _append_safe(e, clones):
 
 @register("Attention", since=23)
 def _attention(n, g):
+    v = n.input(2)
+    if v is not None and v.shape is not None and len(v.shape) == 3 \
+            and not isinstance(v.shape[-1], int):
+        # onnx's inference then makes the output's last dim 0, and onnxruntime folds the
+        # shapes of the gradient graph from that: a model it cannot run
+        raise NotImplementedError(
+            f"the gradient of Attention node {n.node.name!r} needs the hidden size of V "
+            f"({v.name!r}, its last dim) to be static: onnx's shape inference gives the output "
+            f"a last dim of 0 otherwise, and onnxruntime would size the gradients from that")
     return differentiate_body(n, _append_safe)

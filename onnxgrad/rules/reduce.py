@@ -138,10 +138,12 @@ def _reduce_l1(n, g):
 
 @register("ReduceL2")
 def _reduce_l2(n, g):
-    # x / ||x||, taken as 0 where the norm is 0 (as PyTorch's norm)
+    # x / ||x||, taken as 0 where the norm is 0 (as PyTorch's norm); divided by a safe norm so
+    # that the second order does not meet 0 * inf in the branch Where leaves out
     r = _Reduce(n)
     e, y = n.e, n.y
-    share = e.Where(e.Equal(y, e.const(0, y.dtype)), e.const(0, y.dtype), g / y)
+    zero = e.Equal(y, e.const(0, y.dtype))
+    share = e.Where(zero, e.const(0, y.dtype), g / e.Where(zero, e.const(1, y.dtype), y))
     return n.x * r.to_rank(share)
 
 
