@@ -168,11 +168,13 @@ def _attention_model(v_shape, outputs=("y",), q_shape=(2, 4, 24), k_shape=(2, 6,
     return h.make_model(g, opset_imports=[h.make_opsetid("", 24)], ir_version=10)
 
 
-# onnx's inference gives a 3-D Attention's output a last dim of 0 when V's hidden size is
-# symbolic, and onnxruntime sized the gradient graph from it (a Reshape that fails at run time):
-# refused, naming V; with the hidden size static (the realistic case) the gradient is exact
-def test_attention_symbolic_hidden_size_refused():
-    with pytest.raises(onnxgrad.NotDifferentiableError, match=r"hidden size of V \('v'"):
+# onnx's inference makes up dims of 0 for Attention outputs when some input dims are symbolic
+# (the output's last dim with a symbolic V hidden size; qk_matmul_output's total sequence length
+# with a symbolic V sequence and a past), and onnxruntime sized the gradient graph from them (a
+# Reshape that fails at run time): refused, naming the output; with static hidden sizes (the
+# realistic case) the gradient is exact
+def test_attention_made_up_zero_dims_refused():
+    with pytest.raises(onnxgrad.NotDifferentiableError, match=r"Attention output 'y' the shape"):
         onnxgrad.gradients(_attention_model(("b", "s", "h")), "y", "q")
     m = _attention_model(("b", "s", 24), q_shape=("b", 4, 24), k_shape=("b", "s", 24))
     rng = np.random.default_rng(0)

@@ -51,15 +51,22 @@ def _append_safe(e, clones):
     return nodes, swap
 
 
+def _zero_dims(v) -> bool:
+    return v is not None and v.shape is not None and any(d == 0 for d in v.shape)
+
+
 @register("Attention", since=23)
 def _attention(n, g):
-    v = n.input(2)
-    if v is not None and v.shape is not None and len(v.shape) == 3 \
-            and not isinstance(v.shape[-1], int):
-        # onnx's inference then makes the output's last dim 0, and onnxruntime folds the
-        # shapes of the gradient graph from that: a model it cannot run
+    # onnx's inference of Attention makes up dims of 0 for some symbolic input dims (the
+    # output's last dim when V's hidden size is symbolic, qk_matmul_output's total sequence
+    # length ...), and onnxruntime, which types the graph the same way, would size the gradient
+    # from them: refuse rather than build a graph that fails at run time
+    wrong = [v for v in n.node.outputs if _zero_dims(v)]
+    if wrong and not any(_zero_dims(v) for v in n.node.inputs):
+        v = wrong[0]
         raise NotImplementedError(
-            f"the gradient of Attention node {n.node.name!r} needs the hidden size of V "
-            f"({v.name!r}, its last dim) to be static: onnx's shape inference gives the output "
-            f"a last dim of 0 otherwise, and onnxruntime would size the gradients from that")
+            f"onnx's shape inference gives Attention output {v.name!r} the shape "
+            f"{list(v.shape)}, a dim of 0 that no input has (its inference is wrong for "
+            f"symbolic dims), and onnxruntime would size the gradient from it; declare the "
+            f"Attention inputs' dims (hidden sizes, sequence lengths) static")
     return differentiate_body(n, _append_safe)
