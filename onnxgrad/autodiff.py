@@ -590,6 +590,8 @@ def _outputs(e: Emitter, graph, xs, x_vals, results, unconnected) -> list[str | 
                 "shape inference cannot tell it), so its gradient cannot be declared as a graph "
                 "output; declare its shape in the model's value_info")
         if g is None:
+            if x.producer() is not None and x.producer().graph is None:  # a rule replaced its
+                x = next(v for n in graph for v in n.outputs if v.name == xname)  # producer
             g = e.zeros_like(e.wrap(x))
         out = g.value
         if (out.producer() not in added or out.is_graph_output()

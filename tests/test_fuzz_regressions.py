@@ -209,3 +209,27 @@ def test_reduce_l2_second_order_at_zero_norm(x):
     dy = np.random.default_rng(2).standard_normal((2, 1))
     (g,) = session(second.model).run(second.grads, {"x": x, "dy": dy})
     np.testing.assert_array_equal(g, np.zeros((2, 1)))  # d/d dy of sum(x * dy / ||x||) = 0
+
+
+# the LSTM rule puts its forward op in place of the node and moved only the outputs something
+# read: an unused Y_h named in xs (its "zero" gradient reads its shape) was left without a
+# producer (a model that fails the checker); every named output moves now
+def test_rnn_output_in_xs_keeps_its_producer():
+    h = onnx.helper
+    dbl = onnx.TensorProto.DOUBLE
+    lstm = h.make_node("LSTM", ["x", "w", "r"], ["", "y_h", "y_c"], hidden_size=3,
+                       direction="bidirectional")
+    rng = np.random.default_rng(3)
+    g = h.make_graph([lstm], "lstm", [h.make_tensor_value_info("x", dbl, [4, 2, 2])],
+                     [h.make_tensor_value_info("y_c", dbl, None)],
+                     [onnx.numpy_helper.from_array(rng.standard_normal((2, 12, 2)) * 0.5, "w"),
+                      onnx.numpy_helper.from_array(rng.standard_normal((2, 12, 3)) * 0.5, "r")])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)], ir_version=10)
+    res = onnxgrad.gradients(m, "y_c", ["y_h", "w"], unconnected_gradients="zero")
+    onnx.checker.check_model(res.model, full_check=True)
+    x = rng.standard_normal((4, 2, 2))
+    dyh, dw = session(res.model).run(res.grads, {"x": x})
+    np.testing.assert_array_equal(dyh, np.zeros((2, 2, 3)))
+    alone = onnxgrad.gradients(m, "y_c", "w")  # checked against finite differences elsewhere
+    np.testing.assert_allclose(dw, session(alone.model).run(alone.grads, {"x": x})[0],
+                               rtol=1e-12)
