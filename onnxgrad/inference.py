@@ -271,8 +271,8 @@ SAME_RANK = frozenset({"Split", "Resize", "DFT", "CenterCropPad", "MaxUnpool", "
 AXES_RANK = {"Unsqueeze": (1, 1), "Squeeze": (1, -1), "Reshape": (0, 1)}
 # ops whose outputs' (rank, input whose dtype they take) are fixed (rank None: input 0's), which
 # onnx leaves untyped when dims are symbolic: Attention's present_key, present_value and
-# qk_matmul_output
-OUTPUT_RANKS = {"Attention": ((None, 0), (4, 1), (4, 2), (4, 0))}
+# qk_matmul_output; STFT's [batch, frames, bins, 2]
+OUTPUT_RANKS = {"Attention": ((None, 0), (4, 1), (4, 2), (4, 0)), "STFT": ((4, 0),)}
 
 
 def out_rank(op_type: str, keepdims: int, rank: int | None, len1: int | None) -> int | None:

@@ -233,3 +233,27 @@ def test_rnn_output_in_xs_keeps_its_producer():
     alone = onnxgrad.gradients(m, "y_c", "w")  # checked against finite differences elsewhere
     np.testing.assert_allclose(dw, session(alone.model).run(alone.grads, {"x": x})[0],
                                rtol=1e-12)
+
+
+# onnx gives STFT's output no shape when the signal's dims are symbolic, so an STFT output named
+# in xs had no rank to declare its gradient with; it is always [batch, frames, bins, 2]
+def test_stft_output_of_symbolic_signal_has_its_rank():
+    h = onnx.helper
+    dbl = onnx.TensorProto.DOUBLE
+    g = h.make_graph([h.make_node("STFT", ["x", "step", "", "length"], ["s"], onesided=1),
+                      h.make_node("Mul", ["s", "s"], ["y"]), h.make_node("Neg", ["x"], ["t"])],
+                     "stft", [h.make_tensor_value_info("x", dbl, ["b", "n", 1])],
+                     [h.make_tensor_value_info(o, dbl, None) for o in ("y", "t")],
+                     [onnx.numpy_helper.from_array(np.array(8), "step"),
+                      onnx.numpy_helper.from_array(np.array(16), "length")])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 21)], ir_version=10)
+    res = onnxgrad.gradients(m, "y", ["s", "x"])
+    onnx.checker.check_model(res.model, full_check=True)
+    x = np.random.default_rng(4).standard_normal((1, 32, 1))
+    ds, _ = session(res.model).run(res.grads, {"x": x})
+    assert ds.ndim == 4
+    assert_gradients(m, "y", "x", {"x": x})
+    zero = onnxgrad.gradients(m, "t", ["s"], unconnected_gradients="zero")  # no rank: refused
+    onnx.checker.check_model(zero.model, full_check=True)
+    (dz,) = session(zero.model).run(zero.grads, {"x": x})
+    np.testing.assert_array_equal(dz, np.zeros_like(ds))
