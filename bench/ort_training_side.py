@@ -17,15 +17,7 @@ import statistics
 import sys
 import time
 
-
-def _rss_mb(field="VmRSS"):
-    """This process's resident memory (VmRSS) or its peak (VmHWM) in MB. Not ru_maxrss: Linux
-    carries that over from the parent through fork and exec."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+from rss import rss_mb
 
 
 def main(path):
@@ -36,7 +28,7 @@ def main(path):
     import onnxruntime as ort
     from onnxruntime.training import artifacts, onnxblock
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
-    base = _rss_mb()
+    base = rss_mb()
     out = os.path.join(spec["workdir"], "artifacts")
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
@@ -78,7 +70,7 @@ def main(path):
         cpu_rates.append(spec["steps"] / (time.process_time() - c0))
     res = {"steps_per_s": statistics.median(rates), "rates": rates,
            "cpu_steps_per_s": statistics.median(cpu_rates) if spec["threads"] == 1 else None,
-           "peak_rss_mb": _rss_mb("VmHWM"),
+           "peak_rss_mb": rss_mb("VmHWM"),
            "base_rss_mb": base, "build_s": build_s, "first_loss": first, "version": ort.__version__}
     print("RESULT " + json.dumps(res))
 

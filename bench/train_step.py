@@ -60,6 +60,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from rss import rss_mb  # noqa: E402
 
 BUILT = ("mlp", "cnn", "lstm")
 EXPORTED = ("mlp", "cnn", "resnet18", "mobilenetv3", "transformer")
@@ -222,20 +223,12 @@ def load_batches(path):
 
 
 # -- one side of one row (in a subprocess) -----------------------------------------------------
-def _rss_mb(field="VmRSS"):
-    """This process's resident memory (VmRSS) or its peak (VmHWM) in MB. Not ru_maxrss: Linux
-    carries that over from the parent through fork and exec."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _torch_step(prep, device, threads):
     """The PyTorch side's step function (and the RSS after its imports)."""
     import torch
-    base = _rss_mb()
+    base = rss_mb()
     torch.set_num_threads(threads)
     dev = "cuda" if device == "cuda" else "cpu"
     row = prep["row"]
@@ -283,7 +276,7 @@ def run_side(prep, side, steps, warmup, repeat, device, threads, profile=None):
     if side == "onnxgrad":
         from onnxgrad.training import AdamW, Trainer
         __import__("onnxruntime")  # the libraries' own footprint is the baseline
-        base = _rss_mb()
+        base = rss_mb()
         t0 = time.perf_counter()
         tr = Trainer(prep["onnx"], "cross_entropy", optimizer=AdamW(lr=1e-3),
                      params=prep["params"], device=device, threads=threads, progress=False,
@@ -320,7 +313,7 @@ def run_side(prep, side, steps, warmup, repeat, device, threads, profile=None):
            # core (a shared machine); wall time does not
            "cpu_steps_per_s": statistics.median(cpu_rates) if threads == 1 and
            device == "cpu" else None,
-           "peak_rss_mb": _rss_mb("VmHWM"),
+           "peak_rss_mb": rss_mb("VmHWM"),
            "base_rss_mb": base, "build_s": build_s, "first_loss": first}
     if side == "onnxgrad" and profile:
         out["profile"] = tr.end_profiling()
