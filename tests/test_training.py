@@ -7,7 +7,9 @@ matches torch's loss and its gradient; a resumed run is bit-for-bit the uninterr
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
+import json
 import os
 import sys
 
@@ -323,6 +325,48 @@ def test_resume_is_bit_for_bit(tmp_path):
         assert np.array_equal(resumed.parameters()[k], v), k
     for k, v in full.optimizer_state().items():
         assert np.array_equal(resumed.optimizer_state()[k], v), k
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_format2_checkpoint_resumes(tmp_path, amsgrad):
+    """Formats 1 and 2 kept Adam's state as torch's m and v (exp_avg, exp_avg_sq); format 3
+    keeps the sums m / (1 - beta1), v / (1 - beta2). An old checkpoint resumes to the same
+    trajectory as the trainer it came from."""
+    m, _, _ = mlp_model()
+    data = _data()
+    b1, b2 = 0.8, 0.95
+    opts = dict(optimizer=Adam(lr=1e-2, betas=(b1, b2), amsgrad=amsgrad), device="cpu",
+                progress=False, seed=7)
+    full = Trainer(m, "cross_entropy", **opts)
+    full.fit(data, epochs=2, batch_size=8)
+    half = Trainer(m, "cross_entropy", **opts)
+    half.fit(data, epochs=1, batch_size=8)
+    ckpt = tmp_path / "old.npz"
+    half.save_checkpoint(ckpt)
+    with np.load(ckpt) as z:
+        arrays = {k: z[k] for k in z.files if k != "manifest"}
+    names = [str(n) for n in arrays["state_names"]]
+    for j, n in enumerate(names):  # back to format 2: torch's m and v under their names
+        factor = (1 - b1) if n.endswith(".exp_sum") else (1 - b2)
+        arrays[f"state_{j}"] = (arrays[f"state_{j}"] * factor).astype(np.float32)
+        names[j] = n.replace("exp_sum", "exp_avg")
+    assert any(n.endswith(".exp_avg_sq") for n in names)
+    arrays["state_names"] = np.array(names)
+    arrays["format"] = np.array("onnxgrad-checkpoint-2")
+    arrays["manifest"] = np.array(json.dumps({k: {
+        "dtype": a.dtype.str, "shape": list(a.shape),
+        "sha256": hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()}
+        for k, a in arrays.items()}))
+    with open(ckpt, "wb") as f:
+        np.savez(f, **arrays)
+    resumed = Trainer(m, "cross_entropy", **opts)
+    resumed.fit(data, epochs=2, batch_size=8, resume=str(ckpt))
+    assert resumed.step_count == full.step_count
+    for k, v in full.parameters().items():
+        np.testing.assert_allclose(resumed.parameters()[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+    for k, v in full.optimizer_state().items():
+        np.testing.assert_allclose(resumed.optimizer_state()[k], v, rtol=1e-5,
+                                   atol=1e-6 * np.abs(v).max(), err_msg=k)
 
 
 def test_nan_loss_names_the_step():

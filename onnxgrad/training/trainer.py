@@ -47,8 +47,10 @@ from .optimizers import AdamW, Optimizer
 from .step import (_params_to_inputs, _prune, build_accumulate_model,
                    build_apply_model, build_gradient_model, build_train_step, with_defaults)
 
-CHECKPOINT_FORMAT = "onnxgrad-checkpoint-2"  # -1: the same without a manifest (still read)
-_CHECKPOINT_FORMATS = ("onnxgrad-checkpoint-1", CHECKPOINT_FORMAT)
+# -1: without a manifest; -1 and -2: Adam's state as torch's m and v (both still read)
+CHECKPOINT_FORMAT = "onnxgrad-checkpoint-3"
+_LEGACY_FORMATS = ("onnxgrad-checkpoint-1", "onnxgrad-checkpoint-2")
+_CHECKPOINT_FORMATS = _LEGACY_FORMATS + (CHECKPOINT_FORMAT,)
 
 
 def cores() -> int:
@@ -584,7 +586,7 @@ class Trainer:
             raise CheckpointError(f"{path}: not an onnxgrad checkpoint (format {fmt!r})")
         needed = ["param_names", "state_names", "step", "epoch", "batch", "order", "has_order",
                   "rng", "history"]
-        if fmt == CHECKPOINT_FORMAT:
+        if fmt != _LEGACY_FORMATS[0]:
             if "manifest" not in arrays:
                 raise CheckpointError(f"{path}: incomplete checkpoint (no manifest)")
             manifest = json.loads(str(arrays["manifest"]))
@@ -598,13 +600,21 @@ class Trainer:
         if missing:
             raise CheckpointError(f"{path}: incomplete checkpoint (no {missing})")
         pn, sn = list(arrays["param_names"]), list(arrays["state_names"])
+        factors = [1.0] * len(sn)
+        if fmt in _LEGACY_FORMATS:  # the state of an older form of the optimizer
+            legacy = self.optimizer.legacy_slots()
+            for j, name in enumerate(sn):
+                param, _, slot = str(name).rpartition(".")
+                if slot in legacy:
+                    sn[j], factors[j] = f"{param}.{legacy[slot][0]}", legacy[slot][1]
         if pn != self.params or sn != self.state_names:
             raise CheckpointError(f"{path}: the checkpoint's parameters/state ({pn}, {sn}) do "
                                   f"not match this trainer's ({self.params}, "
                                   f"{self.state_names})")
         keys = [f"param_{i}" for i in range(len(pn))] + [f"state_{j}" for j in range(len(sn))]
         values = []
-        for key, name in zip(keys, self.params + self.state_names):
+        for key, name, factor in zip(keys, self.params + self.state_names,
+                                     [1.0] * len(pn) + factors):
             if key not in arrays:
                 raise CheckpointError(f"{path}: incomplete checkpoint (no value for {name!r})")
             a, (dtype, shape) = arrays[key], self._specs[name]
@@ -612,6 +622,8 @@ class Trainer:
                 raise CheckpointError(f"{path}: {name!r} is {a.dtype} {list(a.shape)} in the "
                                       f"checkpoint but {np.dtype(dtype)} {list(shape)} in this "
                                       "model (a checkpoint of another model?)")
+            if factor != 1.0:
+                a = (a * factor).astype(a.dtype)
             try:
                 _require_finite(a, name, "")
             except NonFiniteError as exc:
