@@ -369,22 +369,28 @@ def test_format2_checkpoint_resumes(tmp_path, amsgrad):
                                    atol=1e-6 * np.abs(v).max(), err_msg=k)
 
 
-def test_nan_loss_names_the_step():
+@pytest.mark.parametrize("optimizer, accumulation", [
+    (SGD, 1), (lambda: SGD(momentum=0.9, dampening=0.1), 1), (lambda: AdamW(amsgrad=True), 1),
+    (AdamW, 2)], ids=["sgd", "sgd-momentum", "adamw-amsgrad", "adamw-split"])
+def test_nan_loss_names_the_step(optimizer, accumulation):
     m, _, _ = mlp_model()
     # a learning rate that blows the weights up at step 2: the loss of step 3 is not finite
-    tr = Trainer(m, "cross_entropy", optimizer=SGD(), device="cpu", progress=False,
-                 lr_schedule=lambda step: 1e38 if step == 2 else 1e-3)
-    data = _data(24)
-    before = None
+    tr = Trainer(m, "cross_entropy", optimizer=optimizer(), device="cpu", progress=False,
+                 lr_schedule=lambda step: 1e38 if step == 2 else 1e-3,
+                 accumulation_steps=accumulation)
+    data = _data(48)
+    before = state = None
 
     def keep(t, loss):
-        nonlocal before
-        before = t.parameters()
+        nonlocal before, state
+        before, state = t.parameters(), t.optimizer_state()
     with pytest.raises(NonFiniteLossError, match="at step 3") as err:
-        tr.fit(data, epochs=1, batch_size=8, shuffle=False, callback=keep)
+        tr.fit(data, epochs=1, batch_size=16, shuffle=False, callback=keep)
     assert err.value.step == 3 and tr.step_count == 2
     for k, v in tr.parameters().items():  # the bad step's updates were not applied
         assert np.array_equal(v, before[k])
+    for k, v in tr.optimizer_state().items():  # nor its state's (kept in place)
+        assert np.array_equal(v, state[k]), k
 
 
 def test_checkpoint_is_atomic(tmp_path, monkeypatch):

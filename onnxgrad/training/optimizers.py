@@ -120,10 +120,29 @@ class Scalars:
     arithmetic runs in ``dtype``, lr's type: float64 (PyTorch's Python floats), or float32 for
     runtimes without float64 kernels (onnxruntime-web's WebGPU builds)."""
 
-    def __init__(self, b: Builder, lr: str, step: str, dtype: int = TensorProto.DOUBLE):
-        self.b, self.lr, self.step, self.dtype = b, lr, step, dtype
+    def __init__(self, b: Builder, lr: str, step: str, dtype: int = TensorProto.DOUBLE,
+                 ok: str | None = None):
+        self.b, self.lr, self.step, self.dtype, self.ok = b, lr, step, dtype, ok
         self._cast: dict = {}
         self._step_float = None
+
+    # A step whose loss is not finite is not taken. Its parameters go to the other buffer set
+    # and are dropped; the optimizer state is updated in place (one copy of it, not two), so
+    # ``ok`` (the loss is finite) gates the state's update: the gradient term becomes 0 and
+    # each decay factor 1, which leaves a finite state exactly as it was.
+    def gate(self, g: str, dtype: int, rank: int) -> str:
+        """``g``, or 0 when the step is not ok (a full pass: only for what enters the state)."""
+        if self.ok is None:
+            return g
+        return self.b.op("Where", self.ok, g, self.b.const(0, _np(dtype), rank))
+
+    def keep(self, factor: str, dtype: int, rank: int) -> str:
+        """The scalar ``factor`` (of the scalar dtype) as ``dtype``, or 1 when the step is not
+        ok."""
+        if self.ok is not None:
+            factor = self.memo(("keep", factor), lambda: self.b.op(
+                "Where", self.ok, factor, self.num(1.0)))
+        return self.cast(factor, dtype, rank)
 
     def cast(self, name: str, dtype: int, rank: int = 0) -> str:
         """The scalar ``name`` as ``dtype``, shaped [1] * rank (see Builder.const)."""
@@ -199,7 +218,7 @@ class SGD(Optimizer):
             first = sc.memo("first", lambda: b.op("Equal", sc.step, b.const(1, np.int64)))
             mom = b.op("Where", first, sc.num(0.0), sc.num(self.momentum))
             damp = b.op("Where", first, sc.num(1.0), sc.num(1.0 - self.dampening))
-            return sc.cast(mom, T, rank), sc.cast(damp, T, rank)
+            return sc.keep(mom, T, rank), sc.cast(damp, T, rank)
         return sc.memo(("sgd", T, rank), make)
 
     def update(self, b, s):
@@ -213,6 +232,7 @@ class SGD(Optimizer):
             # buf * mom_t + d * damp_t with scalars that are (0, 1) on the first step, so no
             # full-size select (Where) runs; buf * 0 + d * 1 is d exactly for a finite buf
             mom_t, damp_t = self._scalars(b, sc, T, r)
+            d = sc.gate(d, T, r)
             scaled = d if self.dampening == 0 else b.op("Mul", d, damp_t)
             buf = b.op("Add", b.op("Mul", s.state["momentum_buffer"], mom_t), scaled)
             new_state["momentum_buffer"] = buf
@@ -288,8 +308,9 @@ class Adam(Optimizer):
                 p = b.op("Mul", p, sc.cast(decay, T, r))
             else:
                 g = b.op("Add", g, b.op("Mul", p, b.const(self.weight_decay, npT, r)))
-        s1 = b.op("Add", b.op("Mul", s.state["exp_sum"], b.const(b1, npT, r)), g)
-        s2 = b.op("Add", b.op("Mul", s.state["exp_sum_sq"], b.const(b2, npT, r)),
+        g = sc.gate(g, T, r)
+        s1 = b.op("Add", b.op("Mul", s.state["exp_sum"], sc.keep(sc.num(b1), T, r)), g)
+        s2 = b.op("Add", b.op("Mul", s.state["exp_sum_sq"], sc.keep(sc.num(b2), T, r)),
                   b.op("Mul", g, g))
         new_state = {"exp_sum": s1, "exp_sum_sq": s2}
         sd = s2

@@ -264,10 +264,35 @@ def _expose_pool_indices(m: onnx.ModelProto):
 SCALAR_DTYPES = {"float64": TensorProto.DOUBLE, "float32": TensorProto.FLOAT}
 
 
+def _check_state_in_place(nodes: list, state_in: list[str], state_out: list[str]) -> None:
+    """The Trainer binds each state input and its output to one buffer: safe only when every
+    node that reads the old value runs before the node that writes the new one, i.e. is one
+    of its ancestors. Holds for the optimizers here; checked, so that a new one cannot break
+    it silently."""
+    producer = {o: n for n in nodes for o in n.output}
+    readers: dict[str, list] = {}
+    for n in nodes:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    for old, new in zip(state_in, state_out):
+        seen, todo = set(), [producer.get(new)]
+        while todo:
+            n = todo.pop()
+            if n is None or id(n) in seen:
+                continue
+            seen.add(id(n))
+            todo.extend(producer.get(x) for x in n.input)
+        late = [n.name for n in readers.get(old, []) if id(n) not in seen]
+        if late:
+            raise AssertionError(f"optimizer state {old!r} is read by {late} after its new "
+                                 f"value {new!r} is written (in place)")
+
+
 def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
                    optimizer: Optimizer, clip_norm: float | None, taken: set[str],
-                   scalars: str = "float64"):
-    """Append the optimizer's nodes and inputs to gm; fills desc's state and output lists."""
+                   scalars: str = "float64", loss: str | None = None):
+    """Append the optimizer's nodes and inputs to gm; fills desc's state and output lists.
+    ``loss``: the step's loss, whose finiteness gates the state's update (see Scalars.gate)."""
     if scalars not in SCALAR_DTYPES:
         raise ValueError(f"scalars={scalars!r} is not one of {', '.join(SCALAR_DTYPES)}")
     g = gm.graph
@@ -276,7 +301,11 @@ def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
     step = b.name("step")
     g.input.append(helper.make_tensor_value_info(lr, SCALAR_DTYPES[scalars], []))
     g.input.append(helper.make_tensor_value_info(step, TensorProto.INT64, []))
-    sc = Scalars(b, lr, step, SCALAR_DTYPES[scalars])
+    ok = None
+    if loss is not None and optimizer.slots:
+        b.prefix = "optimizer"
+        ok = b.op("Not", b.op("Or", b.op("IsNaN", loss), b.op("IsInf", loss)))
+    sc = Scalars(b, lr, step, SCALAR_DTYPES[scalars], ok)
     dtypes = [_dtype_of(gm, p) for p in desc.params]
     if clip_norm is not None:
         clip_norm = check_number("clip_norm", "clip_norm", clip_norm)
@@ -318,6 +347,7 @@ def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
             state_out.append(output(new_st[slot], f"{p}.{slot}.new", dt, shape))
             state_of.append((p, slot))
     b.rename(renames)
+    _check_state_in_place(b.nodes, state_in, [renames.get(o, o) for o in state_out])
     g.node.extend(b.nodes)
     desc.lr, desc.step = lr, step
     desc.param_outputs, desc.state, desc.state_outputs, desc.state_of = \
@@ -340,7 +370,7 @@ def build_train_step(model, loss: str, params=None, optimizer: Optimizer | None 
     gm = desc.model
     grads = desc.grads
     taken = _taken(gm.graph)
-    _add_optimizer(gm, desc, grads, optimizer, clip_norm, taken, scalars)
+    _add_optimizer(gm, desc, grads, optimizer, clip_norm, taken, scalars, loss)
     outs = [loss, *desc.param_outputs, *desc.state_outputs]
     _prune(gm, outs, [desc.lr, desc.step])  # both stay inputs even when unread (plain SGD)
     _reorder_inputs(gm, desc.data_inputs + desc.params + desc.state + [desc.lr, desc.step])

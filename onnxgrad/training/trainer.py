@@ -217,8 +217,14 @@ class Trainer:
         return ov
 
     def _buffer_sets(self, names: list[str], values: dict) -> list[list]:
-        """The two sets of device buffers (params then state, aligned with ``names``)."""
-        return [[self._new(values[n]) for n in names] for _ in range(2)]
+        """The two sets of device buffers (params then state, aligned with ``names``). The
+        params alternate (the step reads them until its end); the optimizer state is one set
+        of buffers, read and written in place by the step's last nodes: each state value is read
+        only by nodes its new value depends on, and its update is gated by the loss being
+        finite (optimizers.Scalars.gate), so a step that is not taken leaves it as it was."""
+        k = len(self.params)
+        state = [self._new(values[n]) for n in names[k:]]
+        return [[self._new(values[n]) for n in names[:k]] + state for _ in range(2)]
 
     def _gradient_buffers(self, values: list[np.ndarray]) -> list:
         """Where a split step's gradients land (aligned with params; what the optimizer reads)."""
