@@ -20,6 +20,8 @@ FLOAT_DTYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.DO
 _INT64_OUT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
 _BOOL_OUT = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And",
                        "Or", "Xor", "IsNaN", "IsInf"})
+_SPECIAL_DTYPE = _INT64_OUT | _BOOL_OUT | {"Cast", "Constant", "ConstantOfShape", "CastLike",
+                                          "Where", "OneHot"}
 # ops that broadcast their inputs, whose scalar constants take the rank of the widest input
 # (Pow: onnxruntime special-cases a rank-0 exponent)
 _WIDENED = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Equal", "Less", "Greater",
@@ -43,6 +45,8 @@ def dims(value) -> tuple | None:
 
 def broadcast_dims(shapes):
     """Static numpy-style broadcast of several shapes (None where a dim cannot be decided)."""
+    if len(shapes) == 2 and shapes[0] == shapes[1]:  # the common case: a binary op, one shape
+        return shapes[0]
     if any(s is None for s in shapes):
         return None
     full = [s for s in shapes if s]  # rank-0 shapes broadcast away
@@ -218,7 +222,8 @@ class Emitter:
                 ctx = ctx or x.dtype
         if not all(x is None or type(x) is V for x in ins):
             ins = [self._as_input(x, ctx) for x in ins]
-        if op_type in _WIDENED and len(ins) > 1:
+        if op_type in _WIDENED and len(ins) > 1 and self._scalars and any(
+                x is not None and x.value in self._scalars for x in ins):
             ins = self._widen_scalars(ins)
         # trailing absent optional inputs are dropped, inner ones stay as empty names
         while ins and ins[-1] is None:
@@ -450,6 +455,8 @@ def _attr(name, value):
 
 
 def _out_dtype(op_type, ins, attrs):
+    if op_type not in _SPECIAL_DTYPE:  # the dtype of the first typed input
+        return next((x.dtype for x in ins if x is not None and x.dtype is not None), None)
     if op_type in _INT64_OUT:
         return ir.DataType.INT64
     if op_type in _BOOL_OUT:
