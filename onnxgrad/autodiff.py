@@ -152,14 +152,17 @@ def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: se
         if len(node.outputs) != len(g.node[i].output) or subgraphs(node):
             g.node[i].CopyFrom(ir.serde.serialize_node(node))
     added = nodes[len(forward):]
-    g.node.extend(ir.serde.serialize_node(node) for node in added)
+    for node in added:  # straight into the repeated field (extend would copy each proto again)
+        ir.serde.serialize_node_into(g.node.add(), node)
     g.input.extend(ir.serde.serialize_value(v) for v in list(graph.inputs)[len(g.input):])
     g.output.extend(ir.serde.serialize_value(v) for v in list(graph.outputs)[len(g.output):])
     kept = [vi for vi in g.value_info if vi.name in declared]
     del g.value_info[:]
     g.value_info.extend(kept)
-    g.value_info.extend(ir.serde.serialize_value(v) for node in added for v in node.outputs
-                        if v.shape is not None and v.type is not None and not v.is_graph_output())
+    for node in added:
+        for v in node.outputs:
+            if v.shape is not None and v.type is not None and not v.is_graph_output():
+                ir.serde.serialize_value_into(g.value_info.add(), v)
     for domain, version in irm.opset_imports.items():
         entry = next((o for o in proto.opset_import if o.domain == domain), None)
         if entry is None:
