@@ -357,7 +357,8 @@ class DistributedTrainer(Trainer):
                               self.optimizer, None)  # clipping: the global norm, in _reduce
         self._zdesc, self._zsess = z, self._session(z.model)
         self._zgroup = [names.index(p) for p, _ in z.state_of]
-        self._zstate = [[self._new(shapes[p]) for p, _ in z.state_of] for _ in range(2)]
+        state = [self._new(shapes[p]) for p, _ in z.state_of]  # one set, updated in place
+        self._zstate = [state, state]  # (as the Trainer's: see Trainer._buffer_sets)
         seg = [[self._view(pf, r * s, (s,)) for pf, s in zip(self._pflat[k], self._seg)]
                for k in (0, 1)]
         grads = [self._view(rf, 0, (s,)) for rf, s in zip(self._rflat, self._seg)]
@@ -622,16 +623,16 @@ class DistributedTrainer(Trainer):
             held = {"parameters": size(self._pflat[0] + self._pflat[1]),
                     "gradients": size({id(t): t for t in self._gflat + self._rflat +
                                        [self._ctrl_sep]}.values()) + work,
-                    "optimizer_state": 2 * slots * size(self._rflat)}
+                    "optimizer_state": slots * size(self._rflat)}
         else:
             held = {"parameters": 2 * param, "gradients": size(self._gflat + [self._ctrl_sep]) +
-                    work, "optimizer_state": 2 * slots * param}
+                    work, "optimizer_state": slots * param}
         held["total"] = sum(held.values())
         ddp = plan_layout(numels, [d for _, d in self._meta], self.world_size, False,
                           self._bucket_bytes)
         grads = sum(s * d.itemsize for s, d in zip(ddp.sizes, ddp.dtypes)) + \
             (0 if ddp.ctrl else 8 * self._nctrl)
-        held["unsharded_total"] = 2 * param + grads + work + 2 * slots * param
+        held["unsharded_total"] = 2 * param + grads + work + slots * param
         return held
 
     def close(self) -> None:
