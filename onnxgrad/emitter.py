@@ -228,6 +228,12 @@ class Emitter:
         # trailing absent optional inputs are dropped, inner ones stay as empty names
         while ins and ins[-1] is None:
             ins.pop()
+        if op_type == "Reshape" and "allowzero" not in attrs and self.opset >= 14 and \
+                _from_shape(ins[1]):
+            # a shape read off a tensor with a 0 dim means 0 there, not "copy input dim i"
+            # (which a lower-rank input cannot even do: onnxruntime refuses the model); Shape
+            # never yields -1, the one value allowzero forbids beside a 0
+            attrs["allowzero"] = 1
         name = self.unique(f"{self.prefix}/{op_type}")
         if _outputs > 1:  # output names are name:i; none may be taken either
             while any(f"{name}:{i}" in self._issued for i in range(_outputs)):
@@ -452,6 +458,12 @@ def _attr(name, value):
     if isinstance(value, ir.Attr):
         return value
     return ir.convenience.convert_attribute(name, value)
+
+
+def _from_shape(v) -> bool:
+    """Whether v is the output of a Shape node."""
+    p = v.value.producer() if v is not None else None
+    return p is not None and p.op_type == "Shape" and p.domain in ("", "ai.onnx")
 
 
 def _out_dtype(op_type, ins, attrs):

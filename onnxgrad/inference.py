@@ -383,27 +383,35 @@ def _stft_without_onesided(n: onnx.NodeProto) -> bool:
             and not any(a.name == "onesided" for a in n.attribute))
 
 
+def _downstream(graph: onnx.GraphProto, names: set) -> set:
+    """``names`` and every tensor of ``graph`` computed from them."""
+    out = set(names)
+    if out:
+        for n in graph.node:  # topological order
+            if out.intersection(n.input):
+                out.update(n.output)
+    return out
+
+
 def _forget_dims(graph: onnx.GraphProto, tainted: set) -> None:
     """Make the declared dims of ``tainted`` tensors, and of everything computed from them in
     ``graph``, unknown (the rank stays)."""
     if not tainted:
         return
-    for n in graph.node:  # topological order
-        if tainted.intersection(n.input):
-            tainted.update(n.output)
+    tainted.update(_downstream(graph, tainted))
     for vi in list(graph.value_info) + list(graph.output):
         if vi.name in tainted and vi.type.tensor_type.HasField("shape"):
             for d in vi.type.tensor_type.shape.dim:
                 d.Clear()
 
 
-def _rewrite_ceil_pools(inferred: onnx.GraphProto, graphs: list) -> bool:
+def _rewrite_ceil_pools(inferred: onnx.GraphProto, graphs: list) -> set:
     """Give each pool with a window that onnx's inference keeps and the runtimes drop the
     equivalent pads without ceil_mode (in ``graphs``, the uninferred copies of ``inferred``'s
-    graphs), so that onnx, onnxruntime's own static shapes and the runtimes agree. True if any
-    changed."""
+    graphs), so that onnx, onnxruntime's own static shapes and the runtimes agree. Returns the
+    outputs of the pools changed."""
     types = {}
-    done = False
+    done = set()
     for g in graphs_of(inferred):
         for vi in [*g.input, *g.value_info, *g.output]:
             types[vi.name] = vi.type
@@ -427,7 +435,7 @@ def _rewrite_ceil_pools(inferred: onnx.GraphProto, graphs: list) -> bool:
             del node.attribute[:]
             node.attribute.extend(keep)
             node.attribute.append(onnx.helper.make_attribute("pads", pads))
-            done = True
+            done.update(node.output)
     return done
 
 
@@ -459,15 +467,26 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     pools = sum(_has_ceil(n) for g in graphs for n in g.node)
     same_rank = sum(n.op_type in SAME_RANK or n.op_type in AXES_RANK or n.op_type == "Loop"
                     or n.op_type in OUTPUT_RANKS for g in graphs for n in g.node)
+    dropped = set()  # outputs of ceil_mode pools whose dims onnx got wrong (and declared so)
     for _ in range(min(pools + same_rank, 8) + 1):  # each may type inputs of further ones
-        changed = pools and _rewrite_ceil_pools(out.graph, graphs)
+        changed = _rewrite_ceil_pools(out.graph, graphs) if pools else set()
+        if changed:  # what was declared from onnx's dims is forgotten too (as for STFT)
+            dropped |= changed
+            for g in graphs:
+                _forget_dims(g, set(dropped))
+            adopted = [(gi, vi) for gi, vi in adopted if vi.name not in _downstream(
+                graphs[gi], dropped)]
         seeds = adopted + (_rank_seeds(graphs_of(out.graph)) if same_rank else [])
         adopted = []
         _add_types(graphs, seeds)
         if not changed and not seeds:
             break
         out = _onnx_infer(m, **kw)
+    late = _downstream(m.graph, dropped)
     for o, want in zip(out.graph.output, outputs):
+        if o.name in late:  # declared with onnx's dims of a ceil_mode pool: the rank stays
+            for d in want.tensor_type.shape.dim:
+                d.Clear()
         if not o.HasField("type"):
             o.type.CopyFrom(want)
             continue
