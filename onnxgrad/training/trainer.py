@@ -5,10 +5,12 @@
     trainer.export("trained.onnx")
 
 How a step runs: the parameters and the optimizer state are OrtValues on the session's device
-(CUDA when a CUDA session can be created, else CPU), in two sets. Two IOBindings are built once:
-one reads set A and writes the updated values into set B, the other the reverse; each step binds
-only the batch, the learning rate and the step number, runs, reads the scalar loss (the only host
-copy) and flips to the other binding. Nothing is copied on the Python side per step.
+(CUDA when a CUDA session can be created, else CPU). The parameters are in two sets, because the
+step reads them until its end: two IOBindings are built once, one reads set A and writes the
+updated parameters into set B, the other the reverse. The optimizer state is one set, read and
+written in place by the step's last nodes (see _buffer_sets). Each step binds only the batch,
+the learning rate and the step number, runs, reads the scalar loss (the only host copy) and
+flips to the other binding. Nothing is copied on the Python side per step.
 
 Gradient accumulation (``accumulation_steps=k``): the batch is split into k micro-batches; an
 accumulating gradient graph adds w_i * grad_i into running sums on the device (w_i = n_i / N, so
