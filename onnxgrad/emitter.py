@@ -20,8 +20,10 @@ FLOAT_DTYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.DO
 _INT64_OUT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
 _BOOL_OUT = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And",
                        "Or", "Xor", "IsNaN", "IsInf"})
-_SPECIAL_DTYPE = _INT64_OUT | _BOOL_OUT | {"Cast", "Constant", "ConstantOfShape", "CastLike",
-                                          "Where", "OneHot"}
+# ops whose output dtype is that of one input, not the first typed one
+_DTYPE_FROM_INPUT = {"CastLike": 1, "Where": 1, "OneHot": 2}
+_SPECIAL_DTYPE = _INT64_OUT | _BOOL_OUT | {"Cast", "Constant", "ConstantOfShape",
+                                          *_DTYPE_FROM_INPUT}
 # ops that broadcast their inputs, whose scalar constants take the rank of the widest input
 # (Pow: onnxruntime special-cases a rank-0 exponent)
 _WIDENED = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Equal", "Less", "Greater",
@@ -479,11 +481,5 @@ def _out_dtype(op_type, ins, attrs):
         return attrs["value"].dtype
     if op_type == "ConstantOfShape":
         return attrs["value"].dtype if "value" in attrs else ir.DataType.FLOAT
-    if op_type == "CastLike":
-        return ins[1].dtype
-    if op_type == "Where":
-        return ins[1].dtype
-    if op_type == "OneHot":
-        return ins[2].dtype
-    return next((x.dtype for x in ins if x is not None and x.dtype is not None), None)
+    return ins[_DTYPE_FROM_INPUT[op_type]].dtype
 

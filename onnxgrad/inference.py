@@ -472,10 +472,10 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
         changed = _rewrite_ceil_pools(out.graph, graphs) if pools else set()
         if changed:  # what was declared from onnx's dims is forgotten too (as for STFT)
             dropped |= changed
-            for g in graphs:
-                _forget_dims(g, set(dropped))
-            adopted = [(gi, vi) for gi, vi in adopted if vi.name not in _downstream(
-                graphs[gi], dropped)]
+            late = [_downstream(g, dropped) for g in graphs]
+            for g, names in zip(graphs, late):
+                _forget_dims(g, names)
+            adopted = [(gi, vi) for gi, vi in adopted if vi.name not in late[gi]]
         seeds = adopted + (_rank_seeds(graphs_of(out.graph)) if same_rank else [])
         adopted = []
         _add_types(graphs, seeds)

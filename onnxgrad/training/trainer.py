@@ -222,8 +222,10 @@ class Trainer:
         """The two sets of device buffers (params then state, aligned with ``names``). The
         params alternate (the step reads them until its end); the optimizer state is one set
         of buffers, read and written in place by the step's last nodes: each state value is read
-        only by nodes its new value depends on, and its update is gated by the loss being
-        finite (optimizers.Scalars.gate), so a step that is not taken leaves it as it was."""
+        only by nodes its new value depends on (step._check_state_in_place). A step that is not
+        taken leaves it as it was: the one-graph step gates the state's update by the loss
+        being finite (optimizers.Scalars.gate); a split step runs its optimizer graph only
+        after a finite loss."""
         k = len(self.params)
         state = [self._new(values[n]) for n in names[k:]]
         return [[self._new(values[n]) for n in names[:k]] + state for _ in range(2)]
