@@ -506,3 +506,22 @@ def test_trainer_on_a_model_that_computes_its_loss():
     before = tr.evaluate({"x": x, "labels": labels})
     tr.fit({"x": x, "labels": labels}, epochs=5, batch_size=10)
     assert tr.evaluate({"x": x, "labels": labels}) < before
+
+
+def test_state_in_place_check_refuses_unsafe_writers():
+    """The state is read and written in one buffer: a reader after the writer, or a writer that
+    is not elementwise over the old value (onnxruntime's Gemm copies C into its output before
+    it reads A and B: bound in place it returns a g + g, not a s + g), must be refused when the
+    step is built, not found as wrong state later."""
+    from onnxgrad.training.step import _check_state_in_place
+    node = helper.make_node
+    ok = [node("Mul", ["s", "b"], ["t"], name="decay"),
+          node("Add", ["t", "g"], ["s.new"], name="sum"),
+          node("Max", ["m", "s.new"], ["m.new"], name="amsgrad")]
+    _check_state_in_place(ok, ["s", "m"], ["s.new", "m.new"])
+    late = ok + [node("Neg", ["s"], ["late"], name="late_reader")]
+    with pytest.raises(AssertionError, match="late_reader"):
+        _check_state_in_place(late, ["s", "m"], ["s.new", "m.new"])
+    gemm = [node("Gemm", ["a", "s", "g"], ["s.new"], name="axpy")]
+    with pytest.raises(AssertionError, match="axpy.*Gemm"):
+        _check_state_in_place(gemm, ["s"], ["s.new"])

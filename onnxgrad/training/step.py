@@ -264,18 +264,29 @@ def _expose_pool_indices(m: onnx.ModelProto):
 SCALAR_DTYPES = {"float64": TensorProto.DOUBLE, "float32": TensorProto.FLOAT}
 
 
+# ops whose onnxruntime kernels may write their output over an input of the same shape:
+# element i is read before it is written (Gemm, by contrast, copies C into its output first)
+_IN_PLACE_SAFE = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min", "Where", "Sqrt",
+                            "Identity", "Neg", "Abs"})
+
+
 def _check_state_in_place(nodes: list, state_in: list[str], state_out: list[str]) -> None:
     """The Trainer binds each state input and its output to one buffer: safe only when every
     node that reads the old value runs before the node that writes the new one, i.e. is one
-    of its ancestors. Holds for the optimizers here; checked, so that a new one cannot break
-    it silently."""
+    of its ancestors, and when the writer itself reads it, element by element (an elementwise
+    op). Holds for the optimizers here; checked, so that a new one cannot break it silently."""
     producer = {o: n for n in nodes for o in n.output}
     readers: dict[str, list] = {}
     for n in nodes:
         for x in n.input:
             readers.setdefault(x, []).append(n)
     for old, new in zip(state_in, state_out):
-        seen, todo = set(), [producer.get(new)]
+        writer = producer.get(new)
+        if writer is not None and old in writer.input and writer.op_type not in _IN_PLACE_SAFE:
+            raise AssertionError(f"optimizer state {old!r} is read by {writer.name!r} "
+                                 f"({writer.op_type}), which writes its new value {new!r} in "
+                                 "place: not an elementwise op")
+        seen, todo = set(), [writer]
         while todo:
             n = todo.pop()
             if n is None or id(n) in seen:
