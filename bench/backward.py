@@ -1,6 +1,6 @@
 """Forward+backward time: onnxgrad's gradient graph on onnxruntime CPU against PyTorch autograd.
 
-    python bench/backward.py                      # both rows, markdown table
+    python bench/backward.py                      # all rows, markdown table
     python bench/backward.py --rows resnet --repeat 15
     python bench/backward.py --profile            # also onnxruntime's per-node profile (/tmp)
 
@@ -9,6 +9,9 @@ Rows (float32, the same exported network and weights on both sides):
                  batch 16, BN in inference mode
     transformer  nn.TransformerEncoderLayer(d 256, 8 heads, ff 1024, dropout 0, batch_first) with a
                  boolean key-padding mask, batch 32, seq 64
+    r3d          a video ResNet in r3d_18's form (Conv3d stem 3x7x7 stride (1, 2, 2), a basic block
+                 of 3x3x3 convolutions, a strided one with a 1x1x1 projection; width 16), clips of
+                 8 frames of 56x56, batch 4, BN in inference mode
 
 Ours: ONE session of ``gradients(exported, ["y"], [input] + parameters, grad_ys=["cot"])`` (the
 running statistics are not differentiated, as torch does not either), run for every gradient
@@ -44,6 +47,35 @@ import onnxgrad  # noqa: E402
 from test_real_models import Encoder, ResNetStack, export, randomize  # noqa: E402
 
 
+class _Block3d(torch.nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        nn = torch.nn
+        self.c1, self.b1 = nn.Conv3d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm3d(cout)
+        self.c2, self.b2 = nn.Conv3d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm3d(cout)
+        self.proj = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv3d(cin, cout, 1, stride, bias=False), nn.BatchNorm3d(cout))
+
+    def forward(self, x):
+        y = self.b2(self.c2(torch.relu(self.b1(self.c1(x)))))
+        return torch.relu(y + (x if self.proj is None else self.proj(x)))
+
+
+class R3D(torch.nn.Module):
+    """torchvision's r3d_18 in small: its stem, one plain and one strided basic block."""
+
+    def __init__(self, width=16, classes=10):
+        super().__init__()
+        nn = torch.nn
+        self.stem = nn.Sequential(nn.Conv3d(3, width, (3, 7, 7), (1, 2, 2), (1, 3, 3), bias=False),
+                                  nn.BatchNorm3d(width), nn.ReLU())
+        self.layers = nn.Sequential(_Block3d(width, width, 1), _Block3d(width, 2 * width, 2))
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x):
+        return self.fc(self.layers(self.stem(x)).mean((2, 3, 4)))
+
+
 def _rows():
     rng = np.random.default_rng(0)
     resnet = randomize(ResNetStack(width=32, blocks=(2, 2)))
@@ -52,7 +84,10 @@ def _rows():
     src = rng.standard_normal((32, 64, 256)).astype(np.float32)
     keep = rng.integers(32, 65, size=32)
     pad = np.arange(64)[None, :] >= keep[:, None]
-    return {"resnet": (resnet, ["x"], [x]), "transformer": (enc, ["src", "pad"], [src, pad])}
+    r3d = randomize(R3D()).eval()
+    clips = rng.standard_normal((4, 3, 8, 56, 56)).astype(np.float32)
+    return {"resnet": (resnet, ["x"], [x]), "transformer": (enc, ["src", "pad"], [src, pad]),
+            "r3d": (r3d, ["x"], [clips])}
 
 
 def _ours(module, names, inputs, threads, profile=None):
@@ -135,7 +170,7 @@ def profile_summary(path, top=15):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", nargs="*", default=["resnet", "transformer"])
+    ap.add_argument("--rows", nargs="*", default=["resnet", "transformer", "r3d"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))

@@ -243,8 +243,8 @@ def test_conv_versus_torch(nsp, groups, stride, padding, dilation, symbolic):
         x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups))
 
 
-# ungrouped 1-D and 2-D convolutions with static shapes take dW as one Gemm per kernel tap (up
-# to 49 taps), or as one Gemm over the stacked tap slices when Co (K-1) > 2 K C (few input
+# ungrouped 1-D, 2-D and 3-D convolutions with static shapes take dW as one Gemm per kernel tap
+# (up to 49 taps), or as one Gemm over the stacked tap slices when Co (K-1) > 2 K C (few input
 # channels); (x shape, kernel, strides, pads, dilations, form), Co = 5
 PER_TAP = {
     "3x3-pad": ((2, 3, 8, 7), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], "taps"),
@@ -261,6 +261,15 @@ PER_TAP = {
     "small-image": ((1, 4, 2, 2), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], "stacked"),  # N*O < Co
     "small-image-stride": ((1, 3, 4, 3), (3, 2), [2, 2], [1, 0, 1, 1], [1, 1], "stacked"),
     "7x8-fallback": ((1, 2, 9, 10), (7, 8), [1, 1], [0, 0, 0, 0], [1, 1], "conv"),
+    # 3-D: per tap only with unit strides on at least 256 output positions per image
+    "3d-3x3x3-pad": ((1, 3, 4, 8, 8), (3, 3, 3), [1, 1, 1], [1] * 6, [1, 1, 1], "taps"),
+    "3d-dil-asym": ((1, 3, 5, 9, 9), (2, 3, 2), [1, 1, 1], [0, 1, 1, 1, 0, 2], [2, 1, 1],
+                    "taps"),
+    "3d-first-layer": ((2, 1, 4, 8, 8), (3, 3, 3), [1, 1, 1], [1] * 6, [1, 1, 1], "stacked"),
+    "3d-strided-fallback": ((1, 2, 4, 8, 8), (3, 3, 3), [1, 2, 2], [1] * 6, [1, 1, 1], "conv"),
+    "3d-small-fallback": ((2, 2, 2, 4, 4), (3, 3, 3), [1, 1, 1], [1] * 6, [1, 1, 1], "conv"),
+    "3d-3x7x7-fallback": ((1, 2, 3, 8, 8), (3, 7, 7), [1, 2, 2], [1, 3, 3, 1, 3, 3], [1, 1, 1],
+                          "conv"),
 }
 
 
@@ -347,6 +356,18 @@ def test_conv_transpose_weight_gradient_per_tap(w_shape, gemms):
     assert sum(n.op_type == "Gemm" for n in res.model.graph.node) == gemms
     versus_torch(m, feeds, ["x", "w"], lambda x, w: F.conv_transpose2d(
         x, w, stride=(2, 1), padding=0, output_padding=(1, 0), dilation=(1, 2))[..., 1:, :-1])
+    fd(m, feeds)
+
+
+def test_conv_transpose_3d_weight_gradient_per_tap():
+    """A 3-D ConvTranspose's dW: one Gemm per tap too (unit strides, x of 256 positions)."""
+    import torch.nn.functional as F
+    feeds = {"x": rnd((1, 3, 4, 8, 8)), "w": rnd((3, 2, 2, 3, 2), 1)}
+    m = model_of("ConvTranspose", feeds, pads=[1, 0, 0, 0, 1, 1])
+    res = onnxgrad.gradients(m, "y", ["w"])
+    assert sum(n.op_type == "Gemm" for n in res.model.graph.node) == 12
+    versus_torch(m, feeds, ["x", "w"], lambda x, w: F.conv_transpose3d(
+        x, w)[..., 1:, :-1, :-1])
     fd(m, feeds)
 
 

@@ -8,10 +8,12 @@ onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
   Conv of g with W flipped in space and its channel axes swapped, which onnxruntime runs faster;
   on small images (up to 64 output positions, ungrouped 2-D float32) one Gemm of every image's
   columns with W and a Col2Im (:meth:`_Geo.long_from_cols`).
-  dW of an ungrouped 1-D or 2-D convolution with static geometry (up to 49 kernel taps) is one
-  Gemm per tap: g [Co, N*O] times the strided slice of the padded x [C, N*O] that the tap sees,
-  transposed (1.2x to 3x faster than the Conv form below on ResNet-sized layers in onnxruntime,
-  one thread, measured); with few input channels (a first layer) the slices are stacked into one
+  dW of an ungrouped 1-D, 2-D or 3-D convolution with static geometry (up to 49 kernel taps) is
+  one Gemm per tap: g [Co, N*O] times the strided slice of the padded x [C, N*O] that the tap
+  sees, transposed (1.2x to 3x faster than the Conv form below on ResNet-sized layers in
+  onnxruntime, one thread, measured; 3-D ones only with unit strides on images of at least 256
+  output positions, where it is 2.5x to 2.8x faster, and slower otherwise); with few input
+  channels (a first layer) the slices are stacked into one
   Gemm, which reads g once instead of once per tap. Otherwise dW is a Conv of x with g as the
   kernel in which the images are the channels summed over (strides and dilations trade places);
   for 1-D and 2-D convolutions the channels become one more spatial axis in front (one large GEMM
@@ -76,6 +78,7 @@ INT64 = ir.DataType.INT64
 _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 END = np.iinfo(np.int64).max
 _MAX_TAPS = 49  # kernels up to 7x7 get the per-tap weight gradient (one Gemm per tap)
+_TAPS_3D_MIN = 256  # output positions per image from which a 3-D dW pays per tap
 _COLS_MAX = 64  # Conv's dx by one Gemm and Col2Im on images of up to 64 output positions
 
 
@@ -290,7 +293,8 @@ class _Geo:
         if self.mode == "static":
             inp, pb, pe = self._crop(inp), self.b, [max(x, 0) for x in self.end]
             taps = math.prod(self.k) if self.k is not None else None  # None: a run-time kernel
-            if group == 1 and self.nsp <= 2 and taps is not None and taps <= _MAX_TAPS:
+            if group == 1 and taps is not None and taps <= _MAX_TAPS and (
+                    self.nsp <= 2 or self.nsp == 3 and self._taps_pay_3d()):
                 return self._weight_by_taps(inp, gy, pb, pe, cg, co)
         elif self.mode == "loose":
             pb, pe = self.b, [max(h, 0) for h in self.hi]
@@ -313,8 +317,18 @@ class _Geo:
             r = e.Slice(r, zero, self.k, self.axes)
         return r
 
+    def _taps_pay_3d(self) -> bool:
+        """Whether a 3-D window op's dW is faster per tap than as the Conv form of
+        :meth:`weight`: with unit strides over at least _TAPS_3D_MIN output positions per image
+        (onnxruntime, one thread, fwd+dW of 3x3x3 layers: 64 channels on 8x28x28 45 -> 16 ms,
+        128 on 4x14x14 23 -> 9 ms; but 256 on 2x7x7 6.0 -> 8.0 ms, and stride 2 8.2 -> 10.3
+        and 3.2 -> 4.2 ms; measured)."""
+        dims = self.short_dims or _static_dims(self.short, self.nsp)
+        return all(si == 1 for si in self.s) and dims is not None and \
+            math.prod(dims) >= _TAPS_3D_MIN
+
     def _weight_by_taps(self, inp, gy, pb, pe, c=None, co=None):
-        """dW of an ungrouped 1-D or 2-D window op, one Gemm per kernel tap: with the long side
+        """dW of an ungrouped 1-D, 2-D or 3-D window op, one Gemm per kernel tap: with the long side
         padded to exactly s*(O-1) + d*(k-1) + 1, tap a sees the strided slice starting at a*d,
         and dW[:, :, a] = gy [Co, N*O] times that slice [C, N*O] transposed. Each Gemm is one
         large MLAS GEMM (inner size N*O); onnxruntime runs the channels-as-spatial Conv of
