@@ -12,7 +12,7 @@ onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
   one Gemm per tap: g [Co, N*O] times the strided slice of the padded x [C, N*O] that the tap
   sees, transposed (1.2x to 3x faster than the Conv form below on ResNet-sized layers in
   onnxruntime, one thread, measured; 3-D ones only with unit strides on images of at least 256
-  output positions, where it is 2.5x to 2.8x faster, and slower otherwise); with few input
+  output positions, where it is 1.4x to 2x faster, and slower otherwise); with few input
   channels (a first layer) the slices are stacked into one
   Gemm, which reads g once instead of once per tap. Otherwise dW is a Conv of x with g as the
   kernel in which the images are the channels summed over (strides and dilations trade places);
@@ -320,9 +320,9 @@ class _Geo:
     def _taps_pay_3d(self) -> bool:
         """Whether a 3-D window op's dW is faster per tap than as the Conv form of
         :meth:`weight`: with unit strides over at least _TAPS_3D_MIN output positions per image
-        (onnxruntime, one thread, fwd+dW of 3x3x3 layers: 64 channels on 8x28x28 45 -> 16 ms,
-        128 on 4x14x14 23 -> 9 ms; but 256 on 2x7x7 6.0 -> 8.0 ms, and stride 2 8.2 -> 10.3
-        and 3.2 -> 4.2 ms; measured)."""
+        (onnxruntime, one thread, dW of 3x3x3 layers, batch 2: 64 channels on 8x28x28 42 ->
+        22 ms, 128 on 4x14x14 14 -> 10 ms; but 256 on 2x7x7 6.0 -> 8.0 ms, and stride 2
+        8.2 -> 10.3 and 3.2 -> 4.2 ms; measured)."""
         dims = self.short_dims or _static_dims(self.short, self.nsp)
         return all(si == 1 for si in self.s) and dims is not None and \
             math.prod(dims) >= _TAPS_3D_MIN
