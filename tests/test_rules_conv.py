@@ -380,6 +380,16 @@ def test_conv_per_tap_second_order_versus_torch(c):
         F.pad(x, (1, 1, 1, 0)), w, b, stride=(2, 1), dilation=(1, 2)))
 
 
+def test_conv_3d_per_tap_second_order_versus_torch():
+    """The 3-D per-tap dW (unit strides, 256 output positions) differentiated again."""
+    import torch.nn.functional as F
+    feeds = {"x": rnd((1, 3, 4, 8, 8)), "w": rnd((4, 3, 3, 3, 3), 1)}
+    m = model_of("Conv", feeds, pads=[1] * 6)
+    assert sum(n.op_type == "Gemm"
+               for n in onnxgrad.gradients(m, "y", ["w"]).model.graph.node) == 27
+    second_order_versus_torch(m, feeds, ["x", "w"], lambda x, w: F.conv3d(x, w, padding=1))
+
+
 def test_conv_float16_matches_float32():
     feeds, attrs = conv_feeds("2d-group")
     grads = []
