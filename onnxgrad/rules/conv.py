@@ -14,10 +14,11 @@ onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
   onnxruntime, one thread, measured; 3-D ones only with unit strides on images of at least 256
   output positions, where it is 1.4x to 2x faster, and slower otherwise); with few input
   channels (a first layer) the slices are stacked into one Gemm, which reads g once instead of
-  once per tap. Otherwise dW is a Conv of x with g as the kernel in which the images are the channels summed over (strides and dilations trade places);
-  for 1-D and 2-D convolutions the channels become one more spatial axis in front (one large GEMM
-  instead of one thin GEMM per channel: about 2x faster in onnxruntime, measured), for 3-D ones
-  and depthwise kernels they become the batch. db is a ReduceSum of g.
+  once per tap. Otherwise dW is a Conv of x with g as the kernel in which the images are the
+  channels summed over (strides and dilations trade places); for 1-D and 2-D convolutions the
+  channels become one more spatial axis in front (one large GEMM instead of one thin GEMM per
+  channel: about 2x faster in onnxruntime, measured), for 3-D ones and depthwise kernels they
+  become the batch. db is a ReduceSum of g.
 - ConvTranspose: dx is the forward Conv of g with W; dW the same image/channel-swapped Conv with
   g as the image and x as the kernel; db a ReduceSum.
 - AveragePool and LpPool: the adjoint of summing each window (a ConvTranspose with a ones kernel,
