@@ -380,6 +380,42 @@ def test_conv_per_tap_second_order_versus_torch(c):
         F.pad(x, (1, 1, 1, 0)), w, b, stride=(2, 1), dilation=(1, 2)))
 
 
+# depthwise convolutions with unit strides on images of >= 256 output positions take dW per
+# tap as Mul + ReduceSum per channel, the others the Conv form; (x shape, kernel, strides, pads,
+# dilations, output channels, ReduceSums)
+DEPTHWISE = {
+    "3x3": ((2, 4, 16, 16), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], 4, 9),
+    "dilated-asym": ((1, 3, 18, 17), (3, 2), [1, 1], [1, 0, 2, 1], [2, 1], 3, 6),
+    "1d": ((2, 3, 300), (5,), [1], [2, 2], [1], 3, 5),
+    "strided-fallback": ((2, 4, 32, 32), (3, 3), [2, 2], [1, 1, 1, 1], [1, 1], 4, 0),
+    "small-fallback": ((2, 4, 8, 8), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], 4, 0),
+    "multiplier-2-fallback": ((1, 3, 16, 16), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], 6, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(DEPTHWISE))
+def test_depthwise_weight_gradient_versus_torch(case):
+    xs, k, s, p, d, co, sums = DEPTHWISE[case]
+    nsp, c = len(k), xs[1]
+    feeds = {"x": rnd(xs), "w": rnd((co, 1, *k), 1)}
+    m = model_of("Conv", feeds, group=c, strides=s, pads=p, dilations=d)
+    res = onnxgrad.gradients(m, "y", ["w"])
+    assert sum(n.op_type == "ReduceSum" for n in res.model.graph.node) == sums
+    torch_pad = [v for i in reversed(range(nsp)) for v in (p[i], p[nsp + i])]
+    import torch.nn.functional as F
+    versus_torch(m, feeds, ["x", "w"], lambda x, w: tconv(nsp)(
+        F.pad(x, torch_pad), w, stride=s, dilation=d, groups=c))
+    fd(m, feeds)
+
+
+def test_depthwise_per_tap_second_order_versus_torch():
+    import torch.nn.functional as F
+    feeds = {"x": rnd((1, 3, 16, 16)), "w": rnd((3, 1, 3, 3), 1)}
+    m = model_of("Conv", feeds, group=3, pads=[1] * 4)
+    second_order_versus_torch(m, feeds, ["x", "w"], lambda x, w: F.conv2d(
+        x, w, padding=1, groups=3))
+
+
 def test_conv_3d_per_tap_second_order_versus_torch():
     """The 3-D per-tap dW (unit strides, 256 output positions) differentiated again."""
     import torch.nn.functional as F

@@ -78,7 +78,7 @@ INT64 = ir.DataType.INT64
 _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 END = np.iinfo(np.int64).max
 _MAX_TAPS = 49  # kernels up to 7x7 get the per-tap weight gradient (one Gemm per tap)
-_TAPS_3D_MIN = 256  # output positions per image from which a 3-D dW pays per tap
+_TAPS_MIN = 256  # output positions per image from which a 3-D or depthwise dW pays per tap
 _COLS_MAX = 64  # Conv's dx by one Gemm and Col2Im on images of up to 64 output positions
 
 
@@ -294,8 +294,11 @@ class _Geo:
             inp, pb, pe = self._crop(inp), self.b, [max(x, 0) for x in self.end]
             taps = math.prod(self.k) if self.k is not None else None  # None: a run-time kernel
             if group == 1 and taps is not None and taps <= _MAX_TAPS and (
-                    self.nsp <= 2 or self.nsp == 3 and self._taps_pay_3d()):
+                    self.nsp <= 2 or self.nsp == 3 and self._taps_pay()):
                 return self._weight_by_taps(inp, gy, pb, pe, cg, co)
+            if group > 1 and cg == 1 and co == group and taps is not None and \
+                    taps <= _MAX_TAPS and self.nsp <= 2 and self._taps_pay():
+                return self._weight_depthwise(inp, gy, pb, pe, co)
         elif self.mode == "loose":
             pb, pe = self.b, [max(h, 0) for h in self.hi]
         else:
@@ -317,15 +320,48 @@ class _Geo:
             r = e.Slice(r, zero, self.k, self.axes)
         return r
 
-    def _taps_pay_3d(self) -> bool:
-        """Whether a 3-D window op's dW is faster per tap than as the Conv form of
-        :meth:`weight`: with unit strides over at least _TAPS_3D_MIN output positions per image
-        (onnxruntime, one thread, dW of 3x3x3 layers, batch 2: 64 channels on 8x28x28 42 ->
-        22 ms, 128 on 4x14x14 14 -> 10 ms; but 256 on 2x7x7 6.0 -> 8.0 ms, and stride 2
-        8.2 -> 10.3 and 3.2 -> 4.2 ms; measured)."""
+    def _weight_depthwise(self, inp, gy, pb, pe, co):
+        """dW [C, 1, *k] of a depthwise window op (group = C = Co): per kernel tap, the tap's
+        strided slice of the padded x times g, summed per channel over the images and
+        positions. The Conv form of :meth:`weight` runs one GEMM per channel over im2col
+        columns as large as the image: a 3x3 over 96 channels of 28x28, batch 8, 9.7 ms against
+        3.6 ms this way (onnxruntime, one thread, measured; where it pays: :meth:`_taps_pay`)."""
+        e = self.e
+        perm = [1, 0, *self.axes]
+        t = e.Transpose(inp, perm=perm)                            # [C, N, *L]
+        if any(pb) or any(pe):
+            t = e.Pad(t, [0, 0, *pb, 0, 0, *pe])
+        gt = e.Transpose(gy, perm=perm)                            # [C, N, *O]
+        sums = [e.reduce("ReduceSum", e.Reshape(cut * gt, [co, -1]), [1])   # [C, 1]
+                for cut in self._tap_slices(t)]
+        r = sums[0] if len(sums) == 1 else e.Concat(*sums, axis=1)          # [C, K]
+        return e.Reshape(r, [co, 1, *self.k])
+
+    def _tap_slices(self, t):
+        """The strided slice [C, N, *O] of the padded long side t [C, N, *L] that each kernel
+        tap sees, in row-major tap order."""
+        e = self.e
+        reach = [di * (ki - 1) for ki, di in zip(self.k, self.d)]
+        steps = None if all(si == 1 for si in self.s) else self.s
+        for tap in itertools.product(*[range(ki) for ki in self.k]):
+            starts = [a * di for a, di in zip(tap, self.d)]
+            ends = [st - r if st < r else END for st, r in zip(starts, reach)]
+            if steps is None and all(st == 0 for st in starts) and all(x == END for x in ends):
+                yield t                                            # a 1x1 kernel
+            else:
+                yield e.Slice(t, starts, ends, self.axes, steps)
+
+    def _taps_pay(self) -> bool:
+        """Whether a 3-D or a depthwise window op's dW is faster per kernel tap than as the Conv
+        form of :meth:`weight`: with unit strides over at least _TAPS_MIN output positions per
+        image. Measured (onnxruntime, one thread, dW or fwd+dW): 3-D 3x3x3 layers, batch 2, 64
+        channels on 8x28x28 42 -> 22 ms and 128 on 4x14x14 14 -> 10 ms, but 256 on 2x7x7 6.0
+        -> 8.0 ms and stride 2 8.2 -> 10.3 and 3.2 -> 4.2 ms; depthwise, batch 8, 3x3 over 96
+        channels of 28x28 6.7-7.1 -> 3.1-4.1 ms and 32 of 112x112 34-44 -> 26-29 ms, but stride
+        2 on 56x56 7.6-8.9 -> 12-14 ms and 5x5 on 7x7 3.5-3.9 -> 4.4-4.8 ms."""
         dims = self.short_dims or _static_dims(self.short, self.nsp)
         return all(si == 1 for si in self.s) and dims is not None and \
-            math.prod(dims) >= _TAPS_3D_MIN
+            math.prod(dims) >= _TAPS_MIN
 
     def _weight_by_taps(self, inp, gy, pb, pe, c=None, co=None):
         """dW of an ungrouped 1-D, 2-D or 3-D window op, one Gemm per kernel tap: with the long side
@@ -346,8 +382,6 @@ class _Geo:
         if any(pb) or any(pe):
             t = e.Pad(t, [0, 0, *pb, 0, 0, *pe])
         gt = e.Reshape(e.Transpose(gy, perm=perm), [0, -1])        # [Co, N*O]
-        reach = [di * (ki - 1) for ki, di in zip(self.k, self.d)]
-        steps = None if all(si == 1 for si in self.s) else self.s
         taps, cuts = [], []
         K = math.prod(self.k)
         n = gy.shape[0] if gy.shape is not None and isinstance(gy.shape[0], int) else None
@@ -355,13 +389,7 @@ class _Geo:
             co is not None and n * math.prod(self.short_dims) < co
         stacked = K > 1 and c is not None and co is not None and (
             co * (K - 1) > 2 * K * c or small)
-        for tap in itertools.product(*[range(ki) for ki in self.k]):
-            starts = [a * di for a, di in zip(tap, self.d)]
-            ends = [st - r if st < r else END for st, r in zip(starts, reach)]
-            if steps is None and all(st == 0 for st in starts) and all(x == END for x in ends):
-                cut = t                                            # a 1x1 kernel
-            else:
-                cut = e.Slice(t, starts, ends, self.axes, steps)   # [C, N, *O]
+        for cut in self._tap_slices(t):                            # [C, N, *O]
             if stacked:
                 cuts.append(e.Unsqueeze(cut, [1]))                 # [C, 1, N, *O]
             else:
