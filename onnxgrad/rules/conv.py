@@ -16,11 +16,11 @@ onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
   channels (a first layer) the slices are stacked into one Gemm, which reads g once instead of
   once per tap. dW of a depthwise convolution with unit strides on images of at least 256
   output positions is per tap too: the slice times g, summed per channel (2x faster). Otherwise
-  dW is a Conv of x with g as the kernel in which the images are the
-  channels summed over (strides and dilations trade places); for 1-D and 2-D convolutions the
-  channels become one more spatial axis in front (one large GEMM instead of one thin GEMM per
-  channel: about 2x faster in onnxruntime, measured), for 3-D ones and depthwise kernels they
-  become the batch. db is a ReduceSum of g.
+  dW is a Conv of x with g as the kernel in which the images are the channels summed over
+  (strides and dilations trade places); for 1-D and 2-D convolutions the channels become one
+  more spatial axis in front (one large GEMM instead of one thin GEMM per channel: about 2x
+  faster in onnxruntime, measured), for 3-D ones and depthwise kernels they become the batch.
+  db is a ReduceSum of g.
 - ConvTranspose: dx is the forward Conv of g with W; dW the same image/channel-swapped Conv with
   g as the image and x as the kernel; db a ReduceSum.
 - AveragePool and LpPool: the adjoint of summing each window (a ConvTranspose with a ones kernel,
@@ -329,20 +329,19 @@ class _Geo:
         columns as large as the image: a 3x3 over 96 channels of 28x28, batch 8, 9.7 ms against
         3.6 ms this way (onnxruntime, one thread, measured; where it pays: :meth:`_taps_pay`)."""
         e = self.e
-        perm = [1, 0, *self.axes]
-        t = e.Transpose(inp, perm=perm)                            # [C, N, *L]
-        if any(pb) or any(pe):
-            t = e.Pad(t, [0, 0, *pb, 0, 0, *pe])
-        gt = e.Transpose(gy, perm=perm)                            # [C, N, *O]
+        gt = e.Transpose(gy, perm=[1, 0, *self.axes])              # [C, N, *O]
         sums = [e.reduce("ReduceSum", e.Reshape(cut * gt, [co, -1]), [1])   # [C, 1]
-                for cut in self._tap_slices(t)]
+                for cut in self._tap_slices(inp, pb, pe)]
         r = sums[0] if len(sums) == 1 else e.Concat(*sums, axis=1)          # [C, K]
         return e.Reshape(r, [co, 1, *self.k])
 
-    def _tap_slices(self, t):
-        """The strided slice [C, N, *O] of the padded long side t [C, N, *L] that each kernel
-        tap sees, in row-major tap order."""
+    def _tap_slices(self, inp, pb, pe):
+        """The strided slice [C, N, *O] of the long side inp [N, C, *L], channels first and
+        padded by pb / pe, that each kernel tap sees, in row-major tap order."""
         e = self.e
+        t = e.Transpose(inp, perm=[1, 0, *self.axes])              # [C, N, *L]
+        if any(pb) or any(pe):
+            t = e.Pad(t, [0, 0, *pb, 0, 0, *pe])
         reach = [di * (ki - 1) for ki, di in zip(self.k, self.d)]
         steps = None if all(si == 1 for si in self.s) else self.s
         for tap in itertools.product(*[range(ki) for ki in self.k]):
@@ -379,11 +378,7 @@ class _Geo:
         3x; the dW of its 2x2 layer4 convolutions: 15% less kernel time, the Concat gone;
         measured one thread)."""
         e = self.e
-        perm = [1, 0, *self.axes]
-        t = e.Transpose(inp, perm=perm)                            # [C, N, *L]
-        if any(pb) or any(pe):
-            t = e.Pad(t, [0, 0, *pb, 0, 0, *pe])
-        gt = e.Reshape(e.Transpose(gy, perm=perm), [0, -1])        # [Co, N*O]
+        gt = e.Reshape(e.Transpose(gy, perm=[1, 0, *self.axes]), [0, -1])   # [Co, N*O]
         taps, cuts = [], []
         K = math.prod(self.k)
         n = gy.shape[0] if gy.shape is not None and isinstance(gy.shape[0], int) else None
@@ -391,7 +386,7 @@ class _Geo:
             co is not None and n * math.prod(self.short_dims) < co
         stacked = K > 1 and c is not None and co is not None and (
             co * (K - 1) > 2 * K * c or small)
-        for cut in self._tap_slices(t):                            # [C, N, *O]
+        for cut in self._tap_slices(inp, pb, pe):                  # [C, N, *O]
             if stacked:
                 cuts.append(e.Unsqueeze(cut, [1]))                 # [C, 1, N, *O]
             else:
