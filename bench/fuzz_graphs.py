@@ -102,7 +102,7 @@ def probe(case: Case, opset: int) -> Flags:
         inferred = _inferred_dims(model, p.ys) if case.op in _POOLS else []
         if any(d is not None and (len(d) != len(s) or any(a not in (None, b) for a, b in zip(d, s)))
                for d, s in zip(inferred, shapes)):
-            # a ceil_mode pool before opset 19: onnx keeps a last window that starts past the
+            # a ceil_mode MaxPool before opset 22: onnx keeps a last window that starts past the
             # input, the runtimes drop it, and a graph that feeds the output on into a broadcast
             # fails onnx's checker ("gen-invalid"; onnxgrad's handling of such pools has its own
             # test: tests/test_fuzz_regressions.py). STFT's onnx dims are off too (onesided), but
