@@ -393,16 +393,15 @@ def _downstream(graph: onnx.GraphProto, names: set) -> set:
     return out
 
 
-def _forget_dims(graph: onnx.GraphProto, tainted: set) -> None:
+def _forget_dims(graph: onnx.GraphProto, tainted: set) -> set:
     """Make the declared dims of ``tainted`` tensors, and of everything computed from them in
-    ``graph``, unknown (the rank stays)."""
-    if not tainted:
-        return
-    tainted.update(_downstream(graph, tainted))
+    ``graph``, unknown (the rank stays); returns those tensors' names."""
+    late = _downstream(graph, tainted)
     for vi in list(graph.value_info) + list(graph.output):
-        if vi.name in tainted and vi.type.tensor_type.HasField("shape"):
+        if vi.name in late and vi.type.tensor_type.HasField("shape"):
             for d in vi.type.tensor_type.shape.dim:
                 d.Clear()
+    return late
 
 
 def _rewrite_ceil_pools(inferred: onnx.GraphProto, graphs: list) -> set:
@@ -468,13 +467,12 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     same_rank = sum(n.op_type in SAME_RANK or n.op_type in AXES_RANK or n.op_type == "Loop"
                     or n.op_type in OUTPUT_RANKS for g in graphs for n in g.node)
     dropped = set()  # outputs of ceil_mode pools whose dims onnx got wrong (and declared so)
+    late = [set()] * len(graphs)  # per graph: dropped and what is computed from it
     for _ in range(min(pools + same_rank, 8) + 1):  # each may type inputs of further ones
         changed = _rewrite_ceil_pools(out.graph, graphs) if pools else set()
         if changed:  # what was declared from onnx's dims is forgotten too (as for STFT)
             dropped |= changed
-            late = [_downstream(g, dropped) for g in graphs]
-            for g, names in zip(graphs, late):
-                _forget_dims(g, names)
+            late = [_forget_dims(g, dropped) for g in graphs]
             adopted = [(gi, vi) for gi, vi in adopted if vi.name not in late[gi]]
         seeds = adopted + (_rank_seeds(graphs_of(out.graph)) if same_rank else [])
         adopted = []
@@ -482,9 +480,8 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
         if not changed and not seeds:
             break
         out = _onnx_infer(m, **kw)
-    late = _downstream(m.graph, dropped)
     for o, want in zip(out.graph.output, outputs):
-        if o.name in late:  # declared with onnx's dims of a ceil_mode pool: the rank stays
+        if o.name in late[0]:  # declared with onnx's dims of a ceil_mode pool: the rank stays
             for d in want.tensor_type.shape.dim:
                 d.Clear()
         if not o.HasField("type"):
