@@ -295,12 +295,11 @@ class _Geo:
         if self.mode == "static":
             inp, pb, pe = self._crop(inp), self.b, [max(x, 0) for x in self.end]
             taps = math.prod(self.k) if self.k is not None else None  # None: a run-time kernel
-            if group == 1 and taps is not None and taps <= _MAX_TAPS and (
-                    self.nsp <= 2 or self.nsp == 3 and self._taps_pay()):
-                return self._weight_by_taps(inp, gy, pb, pe, cg, co)
-            if group > 1 and cg == 1 and co == group and taps is not None and \
-                    taps <= _MAX_TAPS and self.nsp <= 2 and self._taps_pay():
-                return self._weight_depthwise(inp, gy, pb, pe, co)
+            if taps is not None and taps <= _MAX_TAPS:
+                if group == 1 and (self.nsp <= 2 or self.nsp == 3 and self._taps_pay()):
+                    return self._weight_by_taps(inp, gy, pb, pe, cg, co)
+                if cg == 1 and co == group > 1 and self.nsp <= 2 and self._taps_pay():
+                    return self._weight_depthwise(inp, gy, pb, pe, co)
         elif self.mode == "loose":
             pb, pe = self.b, [max(h, 0) for h in self.hi]
         else:
