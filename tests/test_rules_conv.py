@@ -1185,3 +1185,43 @@ def test_pool_edge_geometry(op, shape, attrs, symbolic):
     m = model_of(op, {"x": x}, symbolic=symbolic, **attrs)
     report = assert_gradients(m, "y", "x", {"x": x}, dtype="float32", f32=False)
     assert report.ok
+
+
+def test_per_tap_3d_and_depthwise_geometries_versus_torch():
+    """Generated geometries for the two forms that only images of >= 256 output positions take
+    (the edge-geometry generator's images are too small to reach them): 3-D ungrouped and 1-D /
+    2-D depthwise convolutions with unit strides, kernels of 1 to 3 per axis, dilations,
+    asymmetric pads up to past the kernel's reach, symbolic batch; the form is asserted and the
+    gradient checked against torch autograd."""
+    import torch.nn.functional as F
+
+    @st.composite
+    def geometry(draw):
+        depthwise = draw(st.booleans())
+        nsp = draw(st.integers(1, 2)) if depthwise else 3
+        k = [draw(st.integers(1, 3)) for _ in range(nsp)]
+        d = [draw(st.integers(1, 2)) for _ in range(nsp)]
+        pads = [draw(st.integers(0, di * (ki - 1) + 1)) for _ in range(2) for ki, di in zip(k, d)]
+        side = {1: 260, 2: 20, 3: 11}[nsp]  # (side - 4)^nsp >= 256 output positions
+        return depthwise, k, d, pads, side, draw(st.sampled_from([(), ("batch",)]))
+
+    @settings(max_examples=16, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(geometry())
+    def check(geo):
+        depthwise, k, d, pads, side, symbolic = geo
+        nsp, c = len(k), 3
+        ws = (c, 1, *k) if depthwise else (4, c, *k)
+        feeds = {"x": rnd((2, c) + (side,) * nsp), "w": rnd(ws, 1)}
+        m = model_of("Conv", feeds, symbolic=symbolic, group=c if depthwise else 1, pads=pads,
+                     dilations=d)
+        nodes = onnxgrad.gradients(m, "y", ["w"]).model.graph.node
+        taps = int(np.prod(k))
+        if depthwise:
+            assert sum(n.op_type == "ReduceSum" for n in nodes) == taps
+        else:
+            assert sum(n.op_type == "Gemm" for n in nodes) in (1, taps)  # stacked or per tap
+        torch_pad = [v for i in reversed(range(nsp)) for v in (pads[i], pads[nsp + i])]
+        versus_torch(m, feeds, ["x", "w"], lambda x, w: tconv(nsp)(
+            F.pad(x, torch_pad), w, dilation=d, groups=c if depthwise else 1))
+    check()
