@@ -369,15 +369,17 @@ def test_format2_checkpoint_resumes(tmp_path, amsgrad):
                                    atol=1e-6 * np.abs(v).max(), err_msg=k)
 
 
-@pytest.mark.parametrize("optimizer, accumulation", [
-    (SGD, 1), (lambda: SGD(momentum=0.9, dampening=0.1), 1), (lambda: AdamW(amsgrad=True), 1),
-    (AdamW, 2)], ids=["sgd", "sgd-momentum", "adamw-amsgrad", "adamw-split"])
-def test_nan_loss_names_the_step(optimizer, accumulation):
+@pytest.mark.parametrize("optimizer, accumulation, fused", [
+    (SGD, 1, "auto"), (lambda: SGD(momentum=0.9, dampening=0.1), 1, "auto"),
+    (lambda: AdamW(amsgrad=True), 1, False), (lambda: AdamW(amsgrad=True), 1, "auto"),
+    (AdamW, 2, "auto")],
+    ids=["sgd", "sgd-momentum", "adamw-amsgrad-graph", "adamw-amsgrad", "adamw-split"])
+def test_nan_loss_names_the_step(optimizer, accumulation, fused):
     m, _, _ = mlp_model()
     # a learning rate that blows the weights up at step 2: the loss of step 3 is not finite
     tr = Trainer(m, "cross_entropy", optimizer=optimizer(), device="cpu", progress=False,
                  lr_schedule=lambda step: 1e38 if step == 2 else 1e-3,
-                 accumulation_steps=accumulation)
+                 accumulation_steps=accumulation, fused_optimizer=fused)
     data = _data(48)
     before = state = None
 

@@ -69,6 +69,9 @@ def add_train_parser(subparsers):
     p.add_argument("--resume", metavar="CKPT", help="continue from this checkpoint")
     p.add_argument("--plot", metavar="PNG", help="write the loss curve here (needs matplotlib)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--fused-optimizer", choices=["auto", "on", "off"], default="auto",
+                   help="Adam/AdamW on CPU as one fused C pass per parameter (auto: where the "
+                   "machine has a C compiler and the step allows; on: or an error)")
     p.add_argument("--seed", type=argtypes.seed, default=0,
                    help="shuffling and validation split seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -155,7 +158,8 @@ def cmd_train(args, out) -> int:
     xin = _data_input(model)
     kw = dict(output_name=args.output_name, optimizer=_optimizer(args), frozen=args.frozen,
               clip_norm=args.clip_norm, accumulation_steps=args.accumulate, device=args.device,
-              seed=args.seed, progress=not args.no_progress)
+              seed=args.seed, progress=not args.no_progress,
+              fused_optimizer={"auto": "auto", "on": True, "off": False}[args.fused_optimizer])
     if args.distributed:  # every rank runs this; rank 0 reports and writes
         from .distributed import DistributedTrainer
         trainer = DistributedTrainer(model, args.loss, zero=args.zero,

@@ -12,6 +12,12 @@ written in place by the step's last nodes (see _buffer_sets). Each step binds on
 the learning rate and the step number, runs, reads the scalar loss (the only host copy) and
 flips to the other binding. Nothing is copied on the Python side per step.
 
+On CPU, Adam and AdamW (without clip_norm or accumulation) take a fused update instead
+(``fused_optimizer``): the step runs the gradient graph, its gradients landing in buffers of their
+own, and after a finite loss one C pass per parameter updates the parameters and the state in
+place (:mod:`onnxgrad.training.fused`; the same arithmetic as the optimizer graph). The
+parameters are then one set.
+
 Gradient accumulation (``accumulation_steps=k``): the batch is split into k micro-batches; an
 accumulating gradient graph adds w_i * grad_i into running sums on the device (w_i = n_i / N, so
 for a loss that is a mean over rows the sums are exactly the big batch's gradient, up to float
@@ -43,6 +49,7 @@ from onnx import numpy_helper
 from .. import runtime
 from ..errors import (CheckpointError, DataError, InvalidArgumentError, NonFiniteError,
                       NonFiniteLossError, WriteError)
+from . import fused
 from .losses import LOSSES, attach_loss, check_labels, load
 from .optimizers import check_number
 from .optimizers import AdamW, Optimizer
@@ -114,6 +121,12 @@ class Trainer:
     profile: a file prefix: turn on onnxruntime profiling of the step session.
     session_options: an onnxruntime.SessionOptions for the training sessions instead of the
         tuned default (:func:`session_options`: ORT_ENABLE_ALL, one thread per core).
+    fused_optimizer: "auto" (default): on CPU, Adam and AdamW without clip_norm or accumulation
+        update the parameters with one fused C pass (:mod:`onnxgrad.training.fused`, built with
+        the machine's C compiler on first use) after the gradient graph, instead of the ONNX
+        optimizer nodes; where it cannot, the one-graph step runs. True: the fused update or an
+        error saying why not; False: always the one-graph step. ``fused_reason`` says why a
+        Trainer runs without it (None when it runs with it).
     """
 
     #: run the gradient graph and the optimizer graph as two sessions even without accumulation
@@ -124,7 +137,11 @@ class Trainer:
                  optimizer: Optimizer | None = None, params=None, frozen=None,
                  clip_norm: float | None = None, lr_schedule=None, accumulation_steps: int = 1,
                  device: str = "auto", threads: int | None = None, seed: int = 0,
-                 progress: bool = True, profile: str | None = None, session_options=None):
+                 progress: bool = True, profile: str | None = None, session_options=None,
+                 fused_optimizer="auto"):
+        if not (fused_optimizer is True or fused_optimizer is False or fused_optimizer == "auto"):
+            raise InvalidArgumentError(f"fused_optimizer={fused_optimizer!r} must be 'auto', "
+                                       "True or False")
         self.model = load(model)
         self._so = session_options
         if loss in LOSSES:
@@ -165,7 +182,24 @@ class Trainer:
         self._frozen = frozen
         self._infer = self._eval = None
 
-        if not self._split:
+        self._fused, self.fused_reason = None, self._fused_obstacle(fused_optimizer, clip_norm)
+        if self.fused_reason is None:
+            self._acc = build_gradient_model(self.loss_model, self.loss_name, params, frozen)
+            dtypes = [self._acc.initial_params[p].dtype for p in self._acc.params]
+            self.fused_reason = fused.unsupported(self.optimizer, clip_norm, dtypes)
+            if self.fused_reason is None:
+                self._fused = fused.FusedAdam(self.optimizer, dtypes[0], self.threads)
+        if fused_optimizer is True and self.fused_reason is not None:
+            raise InvalidArgumentError(f"fused_optimizer=True: {self.fused_reason}")
+        if self._fused is not None:
+            # the gradient graph alone; the apply graph is built for its state layout only
+            self.train_step = None  # built on demand by export()
+            self._apply = build_apply_model(self._acc, self.optimizer, clip_norm)
+            desc = self._apply
+            self._acc_sess = make_session(self._acc.model, self.device, self.threads, profile,
+                                          self._so)
+            self._sess = None
+        elif not self._split:
             self.train_step = build_train_step(self.loss_model, self.loss_name, params,
                                                self.optimizer, frozen, clip_norm)
             desc = self.train_step
@@ -182,10 +216,10 @@ class Trainer:
         self.state_names = list(desc.state)
         self._desc = desc
         self._input_dtypes, self._input_shapes = {}, {}
-        for s in ([self._acc_sess] if self._split else [self._sess]):
-            for i in s.get_inputs():
-                self._input_dtypes[i.name] = _np_dtype(i.type)
-                self._input_shapes[i.name] = i.shape
+        self._loss_sess = self._acc_sess if self._split or self._fused else self._sess
+        for i in self._loss_sess.get_inputs():
+            self._input_dtypes[i.name] = _np_dtype(i.type)
+            self._input_shapes[i.name] = i.shape
         self.data_inputs = list((self.train_step or self._acc).data_inputs)
 
         # device buffers: two sets of params + state; scalars and the loss on the host
@@ -198,10 +232,12 @@ class Trainer:
         self._cur = 0
         self._lr = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float64))
         self._stepv = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.int64))
-        loss_sess = self._acc_sess if self._split else self._sess
-        loss_type = next(o.type for o in loss_sess.get_outputs() if o.name == self.loss_name)
+        loss_type = next(o.type for o in self._loss_sess.get_outputs()
+                         if o.name == self.loss_name)
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), _np_dtype(loss_type)))
-        if self._split:
+        if self._fused is not None:
+            self._setup_fused(init)
+        elif self._split:
             self._setup_accumulation(init)
         else:
             self._bindings = [self._bind_step(k) for k in (0, 1)]
@@ -228,6 +264,9 @@ class Trainer:
         after a finite loss."""
         k = len(self.params)
         state = [self._new(values[n]) for n in names[k:]]
+        if self._fused is not None:  # updated in place after the gradient graph: one set
+            one = [self._new(values[n]) for n in names[:k]] + state
+            return [one, one]
         return [[self._new(values[n]) for n in names[:k]] + state for _ in range(2)]
 
     def _gradient_buffers(self, values: list[np.ndarray]) -> list:
@@ -252,6 +291,43 @@ class Trainer:
         else:
             b.bind_ortvalue_output(d.loss, self._loss)
         return b
+
+    def _fused_obstacle(self, wanted, clip_norm) -> str | None:
+        """Why this Trainer cannot take the fused optimizer, before any graph is built."""
+        if wanted is False:
+            return "fused_optimizer=False"
+        if self._split:
+            return "split steps (accumulation, data-parallel) run the optimizer graph"
+        if self.device != "cpu":
+            return "the fused optimizer runs on CPU"
+        return fused.unsupported(self.optimizer, clip_norm, None) or fused.unavailable()
+
+    def _setup_fused(self, init):
+        """The gradient graph's binding (params in, loss and gradients out into ``_grads``)
+        and, per parameter, where its state lies among the buffers."""
+        a, k = self._acc, len(self.params)
+        self._grads = self._gradient_buffers([init[p] for p in self.params])
+        b = self._acc_sess.io_binding()
+        for name, ov in zip(a.params, self._sets[0][:k]):
+            b.bind_ortvalue_input(name, ov)
+        b.bind_ortvalue_output(a.loss, self._loss)
+        for name, ov in zip(a.grads, self._grads):
+            b.bind_ortvalue_output(name, ov)
+        self._bindings = [b, b]
+        where = {ps: k + i for i, ps in enumerate(self._desc.state_of)}
+        self._fused_state = [[where.get((p, slot)) for slot in ("exp_sum", "exp_sum_sq",
+                                                                  "max_exp_sum_sq")]
+                             for p in self.params]
+
+    def _fused_update(self, step: int, lr: float) -> None:
+        """The optimizer step on the buffers in place (the fused kernel)."""
+        bufs, slots = self._sets[0], []
+        for i, (s1, s2, smax) in enumerate(self._fused_state):
+            p = bufs[i]
+            slots.append((p.data_ptr(), self._grads[i].data_ptr(), bufs[s1].data_ptr(),
+                          bufs[s2].data_ptr(), 0 if smax is None else bufs[smax].data_ptr(),
+                          int(np.prod(p.shape(), dtype=np.int64))))
+        self._fused.apply(slots, lr, step)
 
     def _setup_accumulation(self, init):
         a = self._acc
@@ -337,9 +413,17 @@ class Trainer:
         if total_rows is not None and not self._split:
             raise InvalidArgumentError("total_rows weights the gradients of a split step only")
         n = self.step_count + 1
-        self._lr.update_inplace(np.array(self.lr_at(n), np.float64))
+        lr = self.lr_at(n)
+        self._lr.update_inplace(np.array(lr, np.float64))
         self._stepv.update_inplace(np.array(n, np.int64))
-        if not self._split:
+        if self._fused is not None:
+            b = self._bindings[0]
+            self._feed(b, batch)
+            self._run(self._acc_sess, b)
+            loss = float(self._loss.numpy())
+            if math.isfinite(loss):
+                self._fused_update(n, lr)
+        elif not self._split:
             b = self._bindings[self._cur]
             self._feed(b, batch)
             self._run(self._sess, b)
@@ -689,7 +773,7 @@ class Trainer:
         """Stop onnxruntime profiling (``profile=``) and return the trace file."""
         if not self.profile:
             return None
-        return self._acc_sess.end_profiling() if self._split else self._sess.end_profiling()
+        return self._loss_sess.end_profiling()
 
 
 def _describe(a: np.ndarray) -> dict:

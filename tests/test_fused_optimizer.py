@@ -1,0 +1,225 @@
+"""The fused CPU optimizer (onnxgrad.training.fused) against the ONNX optimizer graph it
+replaces, and its kernel against a numpy reference of the same arithmetic.
+
+The Trainer runs Adam and AdamW fused by default on CPU (test_training.py's torch comparisons go
+through it); here each configuration runs both ways from the same weights and batches, and the
+kernel's generated cases (hypothesis) cover sizes, thread splits and hyper-parameters.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import helper, numpy_helper
+
+from onnxgrad.errors import InvalidArgumentError
+from onnxgrad.training import SGD, Adam, AdamW, NonFiniteLossError, Trainer, fused
+from util import make_model
+
+
+
+@pytest.fixture
+def cc():
+    """The kernel library; without a C compiler these tests fail and say so (the Trainer itself
+    then runs the optimizer graph, test_without_a_compiler_the_graph_runs)."""
+    why = fused.unavailable()
+    if why is not None:
+        pytest.fail(f"the fused optimizer's tests need a C compiler (cc; Debian: apt-get install "
+                    f"gcc): {why}")
+    return fused.library()
+
+
+def _mlp(dtype=np.float32, hidden=16, seed=0):
+    rng = np.random.default_rng(seed)
+    w = {"W1": rng.standard_normal((8, hidden)) * 0.4, "b1": rng.standard_normal(hidden) * 0.1,
+         "W2": rng.standard_normal((hidden, 3)) * 0.3, "b2": np.zeros(3)}
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]),
+             helper.make_node("Add", ["h", "b1"], ["hb"]),
+             helper.make_node("Tanh", ["hb"], ["a"]),
+             helper.make_node("MatMul", ["a", "W2"], ["o"]),
+             helper.make_node("Add", ["o", "b2"], ["logits"])]
+    return make_model(nodes, {"x": (dtype, ["N", 8])}, ["logits"],
+                      inits={k: v.astype(dtype) for k, v in w.items()})
+
+
+def _batches(dtype=np.float32, steps=8, n=12, seed=1):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((n, 8)).astype(dtype), "target": rng.integers(0, 3, n)}
+            for _ in range(steps)]
+
+
+def _run(model, optimizer, batches, **kw):
+    tr = Trainer(model, "cross_entropy", optimizer=optimizer, device="cpu", progress=False,
+                 lr_schedule=lambda s: 0.02 / (1 + 0.3 * s), **kw)
+    losses = [tr.step(b) for b in batches]
+    return tr, losses
+
+
+OPTIMIZERS = {
+    "adamw": lambda: AdamW(lr=1e-2, weight_decay=0.1),
+    "adamw-no-decay": lambda: AdamW(lr=1e-2, weight_decay=0.0),
+    "adam": lambda: Adam(lr=1e-2),
+    "adam-l2": lambda: Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-2, eps=1e-6),
+    "adam-amsgrad": lambda: Adam(lr=1e-2, amsgrad=True),
+    "adamw-amsgrad": lambda: AdamW(lr=1e-2, betas=(0.5, 0.9), amsgrad=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_fused_equals_the_optimizer_graph(cc, opt, dtype):
+    """Same weights, batches and lr schedule: the fused step's losses, parameters and state are
+    the one-graph step's (the same operations in the same order and type)."""
+    model, batches = _mlp(dtype), _batches(dtype)
+    ours, ours_losses = _run(model, OPTIMIZERS[opt](), batches, fused_optimizer=True)
+    graph, graph_losses = _run(model, OPTIMIZERS[opt](), batches, fused_optimizer=False)
+    assert ours.fused_reason is None and graph.fused_reason == "fused_optimizer=False"
+    assert ours._sess is None and graph._sess is not None  # each ran the path it names
+    np.testing.assert_allclose(ours_losses, graph_losses, rtol=1e-6)
+    for got, want in ((ours.parameters(), graph.parameters()),
+                      (ours.optimizer_state(), graph.optimizer_state())):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype, k
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6,
+                                       atol=1e-7 * np.abs(want[k]).max(), err_msg=k)
+
+
+def test_fused_threads_split_the_parameters(cc):
+    """Past 65,536 elements per thread the kernel splits the parameters (laid end to end) into
+    ranges: the results do not depend on the split."""
+    model, batches = _mlp(hidden=20000), _batches(steps=3)  # 8*20000 + 20000 + 20000*3 + 3
+    one, _ = _run(model, AdamW(lr=1e-2), batches, fused_optimizer=True, threads=1)
+    three, _ = _run(model, AdamW(lr=1e-2), batches, fused_optimizer=True, threads=3)
+    graph, _ = _run(model, AdamW(lr=1e-2), batches, fused_optimizer=False, threads=1)
+    assert sum(v.size for v in one.parameters().values()) > 3 * 65536
+    for k, v in one.parameters().items():
+        assert np.array_equal(three.parameters()[k], v), k
+        np.testing.assert_allclose(v, graph.parameters()[k], rtol=1e-6, atol=1e-9, err_msg=k)
+
+
+def test_fused_step_with_a_non_finite_loss_changes_nothing(cc):
+    tr = Trainer(_mlp(), "cross_entropy", optimizer=AdamW(amsgrad=True), device="cpu",
+                 progress=False, fused_optimizer=True,
+                 lr_schedule=lambda step: 1e38 if step == 2 else 1e-3)
+    batches = _batches(steps=3, n=16)
+    tr.step(batches[0])
+    tr.step(batches[1])
+    before, state = tr.parameters(), tr.optimizer_state()
+    with pytest.raises(NonFiniteLossError, match="at step 3"):
+        tr.step(batches[2])
+    assert tr.step_count == 2
+    for k, v in tr.parameters().items():
+        assert np.array_equal(v, before[k]), k
+    for k, v in tr.optimizer_state().items():
+        assert np.array_equal(v, state[k]), k
+
+
+def test_fused_optimizer_argument_and_refusals(cc):
+    with pytest.raises(InvalidArgumentError, match="fused_optimizer='yes'"):
+        Trainer(_mlp(), "cross_entropy", device="cpu", fused_optimizer="yes")
+    with pytest.raises(InvalidArgumentError, match="fused_optimizer=1"):
+        Trainer(_mlp(), "cross_entropy", device="cpu", fused_optimizer=1)
+    with pytest.raises(InvalidArgumentError, match="SGD has no fused kernel"):
+        Trainer(_mlp(), "cross_entropy", optimizer=SGD(), device="cpu", fused_optimizer=True)
+    with pytest.raises(InvalidArgumentError, match="clip_norm"):
+        Trainer(_mlp(), "cross_entropy", clip_norm=1.0, device="cpu", fused_optimizer=True)
+    with pytest.raises(InvalidArgumentError, match="split steps"):
+        Trainer(_mlp(), "cross_entropy", accumulation_steps=2, device="cpu",
+                fused_optimizer=True)
+    # "auto" takes the graph where the fused kernel does not apply, and says why
+    tr = Trainer(_mlp(), "cross_entropy", optimizer=SGD(), device="cpu", progress=False)
+    assert tr.fused_reason == "SGD has no fused kernel (Adam and AdamW have)"
+    assert np.isfinite(tr.step(_batches(steps=1)[0]))
+
+
+def test_without_a_compiler_the_graph_runs(monkeypatch, tmp_path):
+    """No C compiler: "auto" runs the one-graph step (same losses as fused=False), True is an
+    error that names the compiler; nothing is left in the cache."""
+    monkeypatch.setattr(fused, "_lib", None)
+    monkeypatch.setattr(fused, "_why", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("ONNXGRAD_CACHE", str(tmp_path / "cache"))
+    assert "no C compiler" in fused.unavailable()
+    batches = _batches(steps=3)
+    auto, auto_losses = _run(_mlp(), AdamW(lr=1e-2), batches)
+    assert "no-such-cc" in auto.fused_reason and auto._sess is not None
+    _, graph_losses = _run(_mlp(), AdamW(lr=1e-2), batches, fused_optimizer=False)
+    assert auto_losses == graph_losses
+    with pytest.raises(InvalidArgumentError, match="no C compiler"):
+        Trainer(_mlp(), "cross_entropy", device="cpu", fused_optimizer=True)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+# -- the kernel alone, generated cases ---------------------------------------------------------
+def _reference(opt, k, p, g, m, v, mx):
+    """The optimizer graph's arithmetic in numpy, one rounded operation at a time."""
+    decay, wd, b1, b2, step, eps = k
+    pd = p * decay if opt.decoupled and opt.weight_decay != 0 else p
+    if not opt.decoupled and opt.weight_decay != 0:
+        g = g + p * wd
+    m = m * b1 + g
+    v = v * b2 + g * g
+    d = v
+    if opt.amsgrad:
+        d = np.maximum(mx, v)
+        mx = d
+    return pd - m / (np.sqrt(d) + eps) * step, m, v, mx
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.one_of(st.integers(0, 300), st.integers(60000, 140000)), min_size=1,
+                      max_size=4),
+       dtype=st.sampled_from([np.float32, np.float64]),
+       decoupled=st.booleans(), amsgrad=st.booleans(),
+       wd=st.sampled_from([0.0, 1e-2, 0.3]), b1=st.floats(0.0, 0.99), b2=st.floats(0.5, 0.9999),
+       eps=st.sampled_from([1e-8, 1e-6, 1e-3]), lr=st.floats(1e-5, 1.0),
+       step=st.integers(1, 5000), threads=st.integers(1, 4), seed=st.integers(0, 2**31))
+def test_fused_kernel_is_the_graph_arithmetic(cc, sizes, dtype, decoupled, amsgrad, wd, b1, b2,
+                                              eps, lr, step, threads, seed):
+    opt = (AdamW if decoupled else Adam)(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
+                                          amsgrad=amsgrad)
+    kern = fused.FusedAdam(opt, dtype, threads)
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for n in sizes:
+        p, g, m = (rng.standard_normal(n).astype(dtype) for _ in range(3))
+        v, mx = (np.abs(rng.standard_normal(n)).astype(dtype) for _ in range(2))
+        arrays.append([p, g, m, v, mx])
+    k = kern.scalars(lr, step)
+    want = [_reference(opt, k, *a) for a in arrays]
+    kern.apply([(p.ctypes.data, g.ctypes.data, m.ctypes.data, v.ctypes.data,
+                 mx.ctypes.data if amsgrad else 0, p.size) for p, g, m, v, mx in arrays],
+               lr, step)
+    for (p, _, m, v, mx), (wp, wm, wv, wmx) in zip(arrays, want):
+        assert np.array_equal(p, wp) and np.array_equal(m, wm) and np.array_equal(v, wv)
+        if amsgrad:
+            assert np.array_equal(mx, wmx)
+
+
+def test_cli_fused_optimizer_flag(cc, tmp_path, capsys):
+    """`onnxgrad train --fused-optimizer on|off|auto`: on with SGD is an error that says why and
+    writes nothing; off and on train the same weights."""
+    from onnxgrad.cli import main
+    model, data = str(tmp_path / "m.onnx"), str(tmp_path / "d.npz")
+    onnx.save(_mlp(), model)
+    b = _batches(steps=1, n=40)[0]
+    np.savez(data, x=b["x"], y=b["target"])
+    common = ["train", model, "--loss", "cross_entropy", "--data", data, "--epochs", "2",
+              "--batch-size", "8", "--lr", "0.01", "--no-progress", "--device", "cpu"]
+    bad = str(tmp_path / "bad.onnx")
+    assert main(common + ["--optimizer", "sgd", "--fused-optimizer", "on", "-o", bad]) == 2
+    assert "SGD has no fused kernel" in capsys.readouterr().err
+    assert not (tmp_path / "bad.onnx").exists()
+    outs = {}
+    for flag in ("on", "off"):
+        out = str(tmp_path / f"{flag}.onnx")
+        assert main(common + ["--fused-optimizer", flag, "-o", out]) == 0
+        outs[flag] = {t.name: numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}
+    assert outs["on"].keys() == outs["off"].keys()
+    for k in outs["on"]:
+        np.testing.assert_allclose(outs["on"][k], outs["off"][k], rtol=1e-6, atol=1e-8,
+                                   err_msg=k)
