@@ -1,8 +1,9 @@
-"""One AdamW update of every parameter of a model, alone: onnxgrad's optimizer graph on
-onnxruntime, onnxgrad's fused CPU kernel (onnxgrad.training.fused) and PyTorch's AdamW
-(fused=True, its fastest CPU path, and its default for-loop), in one run.
+"""One optimizer update of every parameter of a model, alone: onnxgrad's optimizer graph on
+onnxruntime, onnxgrad's fused CPU kernel (onnxgrad.training.fused) and PyTorch's optimizer
+(fused=True, its fastest CPU path, and its for-loop), in one run.
 
-    python bench/optimizer.py                         # ResNet-18's parameters, 1 and 2 threads
+    python bench/optimizer.py                  # AdamW, ResNet-18's parameters, 1 and 2 threads
+    python bench/optimizer.py --optimizer sgd  # SGD with momentum 0.9
     python bench/optimizer.py --model mlp --threads 1
 
 The parameters are the shapes of bench/torch_models.py's module (ResNet-18: 62 tensors, 11.2 M
@@ -34,16 +35,20 @@ def shapes(model: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in module.parameters()]
 
 
-def graph_side(values, grads, threads):
+OURS = {"adamw": lambda: __import__("onnxgrad.training", fromlist=["AdamW"]).AdamW(lr=1e-3),
+        "sgd": lambda: __import__("onnxgrad.training", fromlist=["SGD"]).SGD(lr=1e-3,
+                                                                             momentum=0.9)}
+
+
+def graph_side(values, grads, threads, opt):
     """The Trainer's one-graph optimizer (build_apply_model) with its in-place bindings."""
-    from onnxgrad.training import AdamW
     from onnxgrad.training.step import TrainStep, build_apply_model
     from onnxgrad.training.trainer import make_session
     import onnxruntime as ort
     names = [f"p{i}" for i in range(len(values))]
     desc = TrainStep(model=None, loss="", data_inputs=[], params=names, param_outputs=[],
                      initial_params=dict(zip(names, values)))
-    ap = build_apply_model(desc, AdamW(lr=1e-3))
+    ap = build_apply_model(desc, OURS[opt]())
     sess = make_session(ap.model, "cpu", threads)
     ov = ort.OrtValue.ortvalue_from_numpy
     sets = [[ov(v.copy()) for v in values] for _ in range(2)]
@@ -73,13 +78,14 @@ def graph_side(values, grads, threads):
     return update
 
 
-def fused_side(values, grads, threads):
-    from onnxgrad.training import AdamW, fused
-    kern = fused.FusedAdam(AdamW(lr=1e-3), np.float32, threads)
+def fused_side(values, grads, threads, opt):
+    from onnxgrad.training import fused
+    kern = fused.make(OURS[opt](), np.float32, threads)
     p = [v.copy() for v in values]
     m = [np.zeros_like(v) for v in values]
     s = [np.zeros_like(v) for v in values]
-    slots = [(a.ctypes.data, g.ctypes.data, b.ctypes.data, c.ctypes.data, 0, a.size)
+    slots = [(a.ctypes.data, g.ctypes.data, b.ctypes.data,
+              c.ctypes.data if opt == "adamw" else 0, 0, a.size)
              for a, g, b, c in zip(p, grads, m, s)]
     keep = (p, m, s)  # the kernel gets raw addresses: the arrays must outlive it
 
@@ -89,20 +95,23 @@ def fused_side(values, grads, threads):
     return update
 
 
-def torch_side(values, grads, threads, fused_):
+def torch_side(values, grads, threads, opt, fused_):
     import torch
     torch.set_num_threads(threads)
     ps = [torch.nn.Parameter(torch.tensor(v)) for v in values]
     for p, g in zip(ps, grads):
         p.grad = torch.tensor(g)
-    opt = torch.optim.AdamW(ps, lr=1e-3, fused=fused_, foreach=False if not fused_ else None)
-    return opt.step
+    kw = dict(fused=fused_, foreach=False if not fused_ else None)
+    o = (torch.optim.AdamW(ps, lr=1e-3, **kw) if opt == "adamw"
+         else torch.optim.SGD(ps, lr=1e-3, momentum=0.9, **kw))
+    return o.step
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="resnet18", choices=["resnet18", "mlp", "mobilenetv3",
                                                             "transformer"])
+    ap.add_argument("--optimizer", default="adamw", choices=sorted(OURS))
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
@@ -115,16 +124,18 @@ def main():
     values = [rng.standard_normal(s).astype(np.float32) * 0.1 for s in shp]
     grads = [rng.standard_normal(s).astype(np.float32) * 0.01 for s in shp]
     total = sum(v.size for v in values)
-    print(f"# AdamW update of {args.model}'s {len(shp)} parameters ({total / 1e6:.1f} M float32),"
-          f" {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; median of "
+    print(f"# {args.optimizer} update of {args.model}'s {len(shp)} parameters "
+          f"({total / 1e6:.1f} M float32), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; median of "
           f"{args.rounds} alternated rounds of {args.repeat} updates\n")
     print("| threads | onnxgrad graph ms | fused ms | torch fused=True ms | torch for-loop ms | "
           "graph / fused | torch fused / fused |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for t in args.threads:
-        sides = {"graph": graph_side(values, grads, t), "fused": fused_side(values, grads, t),
-                 "torch_fused": torch_side(values, grads, t, True),
-                 "torch_loop": torch_side(values, grads, t, False)}
+        o = args.optimizer
+        sides = {"graph": graph_side(values, grads, t, o),
+                 "fused": fused_side(values, grads, t, o),
+                 "torch_fused": torch_side(values, grads, t, o, True),
+                 "torch_loop": torch_side(values, grads, t, o, False)}
         times = {k: [] for k in sides}
         for f in sides.values():
             f()

@@ -7,6 +7,8 @@ kernel's generated cases (hypothesis) cover sizes, thread splits and hyper-param
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 import pytest
@@ -29,6 +31,11 @@ def cc():
         pytest.fail(f"the fused optimizer's tests need a C compiler (cc; Debian: apt-get install "
                     f"gcc): {why}")
     return fused.library()
+
+
+@dataclass
+class Lion(SGD):
+    """A user's own optimizer (here SGD's update under another name): no fused kernel."""
 
 
 def _mlp(dtype=np.float32, hidden=16, seed=0):
@@ -64,6 +71,10 @@ OPTIMIZERS = {
     "adam-l2": lambda: Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-2, eps=1e-6),
     "adam-amsgrad": lambda: Adam(lr=1e-2, amsgrad=True),
     "adamw-amsgrad": lambda: AdamW(lr=1e-2, betas=(0.5, 0.9), amsgrad=True),
+    "sgd": lambda: SGD(lr=0.1),
+    "sgd-momentum": lambda: SGD(lr=0.05, momentum=0.9),
+    "sgd-nesterov-wd": lambda: SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "sgd-dampening-wd": lambda: SGD(lr=0.05, momentum=0.8, dampening=0.3, weight_decay=0.1),
 }
 
 
@@ -122,17 +133,19 @@ def test_fused_optimizer_argument_and_refusals(cc):
         Trainer(_mlp(), "cross_entropy", device="cpu", fused_optimizer="yes")
     with pytest.raises(InvalidArgumentError, match="fused_optimizer=1"):
         Trainer(_mlp(), "cross_entropy", device="cpu", fused_optimizer=1)
-    with pytest.raises(InvalidArgumentError, match="SGD has no fused kernel"):
-        Trainer(_mlp(), "cross_entropy", optimizer=SGD(), device="cpu", fused_optimizer=True)
+    with pytest.raises(InvalidArgumentError, match="Lion has no fused kernel"):
+        Trainer(_mlp(), "cross_entropy", optimizer=Lion(), device="cpu", fused_optimizer=True)
     with pytest.raises(InvalidArgumentError, match="clip_norm"):
         Trainer(_mlp(), "cross_entropy", clip_norm=1.0, device="cpu", fused_optimizer=True)
     with pytest.raises(InvalidArgumentError, match="split steps"):
         Trainer(_mlp(), "cross_entropy", accumulation_steps=2, device="cpu",
                 fused_optimizer=True)
     # "auto" takes the graph where the fused kernel does not apply, and says why
-    tr = Trainer(_mlp(), "cross_entropy", optimizer=SGD(), device="cpu", progress=False)
-    assert tr.fused_reason == "SGD has no fused kernel (Adam and AdamW have)"
-    assert np.isfinite(tr.step(_batches(steps=1)[0]))
+    tr = Trainer(_mlp(), "cross_entropy", optimizer=Lion(), device="cpu", progress=False)
+    assert tr.fused_reason == "Lion has no fused kernel (SGD, Adam and AdamW have)"
+    assert tr._sess is not None and np.isfinite(tr.step(_batches(steps=1)[0]))
+    tr = Trainer(_mlp(), "cross_entropy", clip_norm=1.0, device="cpu", progress=False)
+    assert "clip_norm" in tr.fused_reason and tr._sess is not None
 
 
 def test_without_a_compiler_the_graph_runs(monkeypatch, tmp_path):
@@ -182,7 +195,7 @@ def test_fused_kernel_is_the_graph_arithmetic(cc, sizes, dtype, decoupled, amsgr
                                               eps, lr, step, threads, seed):
     opt = (AdamW if decoupled else Adam)(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
                                           amsgrad=amsgrad)
-    kern = fused.FusedAdam(opt, dtype, threads)
+    kern = fused.make(opt, dtype, threads)
     rng = np.random.default_rng(seed)
     arrays = []
     for n in sizes:
@@ -201,8 +214,8 @@ def test_fused_kernel_is_the_graph_arithmetic(cc, sizes, dtype, decoupled, amsgr
 
 
 def test_cli_fused_optimizer_flag(cc, tmp_path, capsys):
-    """`onnxgrad train --fused-optimizer on|off|auto`: on with SGD is an error that says why and
-    writes nothing; off and on train the same weights."""
+    """`onnxgrad train --fused-optimizer on|off|auto`: on with clipping is an error that says why
+    and writes nothing; off and on train the same weights."""
     from onnxgrad.cli import main
     model, data = str(tmp_path / "m.onnx"), str(tmp_path / "d.npz")
     onnx.save(_mlp(), model)
@@ -211,8 +224,8 @@ def test_cli_fused_optimizer_flag(cc, tmp_path, capsys):
     common = ["train", model, "--loss", "cross_entropy", "--data", data, "--epochs", "2",
               "--batch-size", "8", "--lr", "0.01", "--no-progress", "--device", "cpu"]
     bad = str(tmp_path / "bad.onnx")
-    assert main(common + ["--optimizer", "sgd", "--fused-optimizer", "on", "-o", bad]) == 2
-    assert "SGD has no fused kernel" in capsys.readouterr().err
+    assert main(common + ["--clip-norm", "1", "--fused-optimizer", "on", "-o", bad]) == 2
+    assert "fused_optimizer=True: clip_norm" in capsys.readouterr().err
     assert not (tmp_path / "bad.onnx").exists()
     outs = {}
     for flag in ("on", "off"):
@@ -223,3 +236,39 @@ def test_cli_fused_optimizer_flag(cc, tmp_path, capsys):
     for k in outs["on"]:
         np.testing.assert_allclose(outs["on"][k], outs["off"][k], rtol=1e-6, atol=1e-8,
                                    err_msg=k)
+
+
+def _sgd_reference(opt, k, p, g, buf):
+    lr, wd, mom_t, damp_t, momentum = k
+    d = g + p * wd if opt.weight_decay != 0 else g
+    if opt.momentum != 0:
+        buf = buf * mom_t + (d * damp_t if opt.dampening != 0 else d)
+        d = d + buf * momentum if opt.nesterov else buf
+    return p - d * lr, buf
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.one_of(st.integers(0, 300), st.integers(60000, 140000)), min_size=1,
+                      max_size=4),
+       dtype=st.sampled_from([np.float32, np.float64]),
+       momentum=st.sampled_from([0.0, 0.5, 0.9]), dampening=st.sampled_from([0.0, 0.3]),
+       nesterov=st.booleans(), wd=st.sampled_from([0.0, 1e-2]), lr=st.floats(1e-5, 1.0),
+       step=st.integers(1, 3), threads=st.integers(1, 4), seed=st.integers(0, 2**31))
+def test_fused_sgd_kernel_is_the_graph_arithmetic(cc, sizes, dtype, momentum, dampening,
+                                                  nesterov, wd, lr, step, threads, seed):
+    if nesterov and (momentum == 0 or dampening != 0):
+        nesterov = False  # SGD refuses it (as torch does)
+    opt = SGD(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+              weight_decay=wd)
+    kern = fused.make(opt, dtype, threads)
+    rng = np.random.default_rng(seed)
+    arrays = [[rng.standard_normal(n).astype(dtype) for _ in range(3)] for n in sizes]
+    k = kern.scalars(lr, step)
+    want = [_sgd_reference(opt, k, *a) for a in arrays]
+    kern.apply([(p.ctypes.data, g.ctypes.data, b.ctypes.data if momentum else 0, 0, 0, p.size)
+                for p, g, b in arrays], lr, step)
+    for (p, _, b), (wp, wb) in zip(arrays, want):
+        assert np.array_equal(p, wp)
+        if momentum:
+            assert np.array_equal(b, wb)

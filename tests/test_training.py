@@ -371,9 +371,11 @@ def test_format2_checkpoint_resumes(tmp_path, amsgrad):
 
 @pytest.mark.parametrize("optimizer, accumulation, fused", [
     (SGD, 1, "auto"), (lambda: SGD(momentum=0.9, dampening=0.1), 1, "auto"),
+    (lambda: SGD(momentum=0.9, dampening=0.1), 1, False),
     (lambda: AdamW(amsgrad=True), 1, False), (lambda: AdamW(amsgrad=True), 1, "auto"),
     (AdamW, 2, "auto")],
-    ids=["sgd", "sgd-momentum", "adamw-amsgrad-graph", "adamw-amsgrad", "adamw-split"])
+    ids=["sgd", "sgd-momentum", "sgd-momentum-graph", "adamw-amsgrad-graph", "adamw-amsgrad",
+         "adamw-split"])
 def test_nan_loss_names_the_step(optimizer, accumulation, fused):
     m, _, _ = mlp_model()
     # a learning rate that blows the weights up at step 2: the loss of step 3 is not finite

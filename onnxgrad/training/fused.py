@@ -1,21 +1,21 @@
-"""Adam and AdamW as one fused CPU pass per parameter, for the Trainer on CPU.
+"""SGD, Adam and AdamW as one fused CPU pass per parameter, for the Trainer on CPU.
 
 As ONNX ops AdamW is 12 passes over every parameter (``optimizers.Adam.update``), each memory
 bound: 39 ms for ResNet-18's 11.2 M parameters at one thread, the whole gap of its training step
-to PyTorch's. This module holds the same update as one C loop that reads p, g and the two sums
-once and writes them once: 8.3 ms, as PyTorch's ``fused=True`` (8.4; bench/optimizer.py). The
-C compiler of the machine (``$CC``, else ``cc``) builds it on first use into the user's cache;
-without one the Trainer runs the ONNX optimizer graph as before
-(``Trainer(fused_optimizer="auto")``). The ONNX graph stays
-the definition: exported train steps, data-parallel, browser and CUDA training use it, and the
-tests hold the two to each other.
+to PyTorch's. This module holds the same updates as C loops that read p, g and the state once
+and write them once: AdamW 8.3 ms there, as PyTorch's ``fused=True`` (8.4), SGD with momentum
+4.4 against the graph's 10.3 (bench/optimizer.py). The machine's C compiler (``$CC``, else
+``cc``) builds them on first use into the user's cache; without one the Trainer runs the ONNX
+optimizer graph as before (``Trainer(fused_optimizer="auto")``). The ONNX graph stays the
+definition: exported train steps, data-parallel, browser and CUDA training use it, and the tests
+hold the two to each other.
 
-The loop does what the graph's nodes do, in the same order and float type, each operation
+The loops do what the graph's nodes do, in the same order and float type, each operation
 rounded on its own (no contraction into FMA, no fast-math): with the same scalars the results
-are the graph's, bit for bit. The scalars (step size, eps', decay) are computed here in float64
-as the graph computes them (``optimizers.Adam._scalars`` with float64 scalars) and cast once.
-A step whose loss is not finite does not call the kernel at all (the graph gates its update by
-the same test).
+are the graph's, bit for bit. The scalars (Adam's step size, eps' and decay; SGD's first-step
+factors) are computed here in float64 as the graph computes them (``optimizers.Adam._scalars``,
+``optimizers.SGD._scalars``, float64 scalars) and cast once. A step whose loss is not finite
+does not call the kernel at all (the graph gates its state's update by the same test).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import tempfile
 
 import numpy as np
 
-from .optimizers import Adam, AdamW
+from .optimizers import SGD, Adam, AdamW
 
 _SOURCE = r"""
 #include <math.h>
@@ -37,55 +37,82 @@ _SOURCE = r"""
 #include <stdint.h>
 
 typedef struct { void *p; const void *g; void *s1; void *s2; void *smax; int64_t n; } og_slot;
-typedef struct { const og_slot *sl; int ns; const void *k; int flags; int64_t lo, hi; } og_job;
+/* one optimizer on elements [a, b) of one parameter; k: its scalars in the parameter's type */
+typedef void (*og_range)(const og_slot *s, const void *k, int flags, int64_t a, int64_t b);
+typedef struct { const og_slot *sl; int ns; const void *k; int flags; og_range f;
+                 int64_t lo, hi; } og_job;
 
-enum { DECOUPLED = 1, L2 = 2, AMSGRAD = 4 };
+enum { DECOUPLED = 1, L2 = 2, AMSGRAD = 4 };                /* Adam's flags */
+enum { WD = 1, MOMENTUM = 2, DAMPENING = 4, NESTEROV = 8 };  /* SGD's flags */
 
-/* k: decay, weight_decay, beta1, beta2, step_size, eps'. Elements [lo, hi) of the parameters
-   laid end to end; the same expressions as the ONNX nodes, each rounded to T. */
+/* The expressions of the ONNX nodes (optimizers.py), each operation rounded to T.
+   Adam's k: decay, weight_decay, beta1, beta2, step_size, eps'. */
 #define OG_ADAM(NAME, T, SQRT)                                                               \
-static void NAME(const og_job *j) {                                                          \
-    const T *k = (const T *)j->k;                                                            \
+static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {       \
+    const T *k = (const T *)kv;                                                              \
     const T decay = k[0], wd = k[1], b1 = k[2], b2 = k[3], step = k[4], eps = k[5];          \
-    int64_t base = 0;                                                                        \
-    for (int s = 0; s < j->ns; base += j->sl[s].n, s++) {                                    \
-        int64_t a = j->lo > base ? j->lo - base : 0;                                         \
-        int64_t b = j->hi - base < j->sl[s].n ? j->hi - base : j->sl[s].n;                   \
-        T *restrict p = (T *)j->sl[s].p;                                                     \
-        const T *restrict g = (const T *)j->sl[s].g;                                         \
-        T *restrict m = (T *)j->sl[s].s1, *restrict v = (T *)j->sl[s].s2;                    \
-        T *restrict mx = (T *)j->sl[s].smax;                                                 \
-        if (j->flags == DECOUPLED) {            /* AdamW: the common case, vectorised */     \
-            for (int64_t i = a; i < b; i++) {                                                \
-                T gi = g[i], pi = p[i] * decay;                                              \
-                T mi = m[i] * b1 + gi, vi = v[i] * b2 + gi * gi;                             \
-                m[i] = mi; v[i] = vi;                                                        \
-                p[i] = pi - mi / (SQRT(vi) + eps) * step;                                    \
-            }                                                                                \
-            continue;                                                                        \
-        }                                                                                    \
+    T *restrict p = (T *)s->p;                                                               \
+    const T *restrict g = (const T *)s->g;                                                   \
+    T *restrict m = (T *)s->s1, *restrict v = (T *)s->s2, *restrict mx = (T *)s->smax;       \
+    if (flags == DECOUPLED) {                   /* AdamW: the common case, vectorised */     \
         for (int64_t i = a; i < b; i++) {                                                    \
-            T gi = g[i], pi = p[i];                                                          \
-            if (j->flags & DECOUPLED) pi = pi * decay;                                       \
-            if (j->flags & L2) gi = gi + p[i] * wd;                                          \
+            T gi = g[i], pi = p[i] * decay;                                                  \
             T mi = m[i] * b1 + gi, vi = v[i] * b2 + gi * gi;                                 \
             m[i] = mi; v[i] = vi;                                                            \
-            if (j->flags & AMSGRAD) { vi = mx[i] >= vi ? mx[i] : vi; mx[i] = vi; }           \
             p[i] = pi - mi / (SQRT(vi) + eps) * step;                                        \
         }                                                                                    \
+        return;                                                                              \
+    }                                                                                        \
+    for (int64_t i = a; i < b; i++) {                                                        \
+        T gi = g[i], pi = p[i];                                                              \
+        if (flags & DECOUPLED) pi = pi * decay;                                              \
+        if (flags & L2) gi = gi + p[i] * wd;                                                 \
+        T mi = m[i] * b1 + gi, vi = v[i] * b2 + gi * gi;                                     \
+        m[i] = mi; v[i] = vi;                                                                \
+        if (flags & AMSGRAD) { vi = mx[i] >= vi ? mx[i] : vi; mx[i] = vi; }                  \
+        p[i] = pi - mi / (SQRT(vi) + eps) * step;                                            \
+    }                                                                                        \
+}
+/* SGD's k: lr, weight_decay, the momentum factor and (1 - dampening) of this step (0 and 1 on
+   the first), momentum (Nesterov's term). */
+#define OG_SGD(NAME, T)                                                                      \
+static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {       \
+    const T *k = (const T *)kv;                                                              \
+    const T lr = k[0], wd = k[1], mom_t = k[2], damp_t = k[3], momentum = k[4];              \
+    T *restrict p = (T *)s->p;                                                               \
+    const T *restrict g = (const T *)s->g;                                                   \
+    T *restrict buf = (T *)s->s1;                                                            \
+    for (int64_t i = a; i < b; i++) {                                                        \
+        T pi = p[i], d = g[i];                                                               \
+        if (flags & WD) d = d + pi * wd;                                                     \
+        if (flags & MOMENTUM) {                                                              \
+            T bi = buf[i] * mom_t + ((flags & DAMPENING) ? d * damp_t : d);                  \
+            buf[i] = bi;                                                                     \
+            d = (flags & NESTEROV) ? d + bi * momentum : bi;                                 \
+        }                                                                                    \
+        p[i] = pi - d * lr;                                                                  \
     }                                                                                        \
 }
 OG_ADAM(og_adam_f32, float, sqrtf)
 OG_ADAM(og_adam_f64, double, sqrt)
+OG_SGD(og_sgd_f32, float)
+OG_SGD(og_sgd_f64, double)
 
+/* the job's elements [lo, hi) of the parameters laid end to end */
 static void *og_run(void *arg) {
     const og_job *j = (const og_job *)arg;
-    if (j->flags & 8) og_adam_f64(j); else og_adam_f32(j);
+    int64_t base = 0;
+    for (int s = 0; s < j->ns && base < j->hi; base += j->sl[s].n, s++) {
+        int64_t a = j->lo > base ? j->lo - base : 0;
+        int64_t b = j->hi - base < j->sl[s].n ? j->hi - base : j->sl[s].n;
+        if (a < b) j->f(&j->sl[s], j->k, j->flags, a, b);
+    }
     return 0;
 }
 
 /* Split the elements into `threads` ranges (multiples of 64) and run them in parallel. */
-int og_adam(const og_slot *sl, int ns, const void *k, int flags, int is_double, int threads) {
+static int og_parallel(const og_slot *sl, int ns, const void *k, int flags, og_range f,
+                       int threads) {
     int64_t total = 0;
     for (int s = 0; s < ns; s++) total += sl[s].n;
     if (threads < 1) threads = 1;
@@ -96,8 +123,9 @@ int og_adam(const og_slot *sl, int ns, const void *k, int flags, int is_double, 
     int started[64] = {0};
     for (int t = 0; t < threads; t++) {
         int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
-        lo -= lo % 64; if (t + 1 < threads) hi -= hi % 64; else hi = total;
-        og_job jb = {sl, ns, k, flags | (is_double ? 8 : 0), lo, hi};
+        lo -= lo % 64;
+        hi = t + 1 < threads ? hi - hi % 64 : total;
+        og_job jb = {sl, ns, k, flags, f, lo, hi};
         jobs[t] = jb;
     }
     for (int t = 1; t < threads; t++)
@@ -107,6 +135,14 @@ int og_adam(const og_slot *sl, int ns, const void *k, int flags, int is_double, 
         if (started[t]) pthread_join(tid[t], 0); else og_run(&jobs[t]);
     }
     return 0;
+}
+
+int og_adam(const og_slot *sl, int ns, const void *k, int flags, int is_double, int threads) {
+    return og_parallel(sl, ns, k, flags, is_double ? og_adam_f64 : og_adam_f32, threads);
+}
+
+int og_sgd(const og_slot *sl, int ns, const void *k, int flags, int is_double, int threads) {
+    return og_parallel(sl, ns, k, flags, is_double ? og_sgd_f64 : og_sgd_f32, threads);
 }
 """
 
@@ -172,17 +208,19 @@ def _load() -> ctypes.CDLL:
                                    f"{run.stderr.strip()[:500]}")
             os.replace(so, target)  # atomic: another process sees the whole library or none
     lib = ctypes.CDLL(target)
-    lib.og_adam.argtypes = [ctypes.POINTER(_Slot), ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                            ctypes.c_int, ctypes.c_int]
-    lib.og_adam.restype = ctypes.c_int
+    for fn in (lib.og_adam, lib.og_sgd):
+        fn.argtypes = [ctypes.POINTER(_Slot), ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
     return lib
 
 
 def unsupported(optimizer, clip_norm, dtypes=None) -> str | None:
     """Why this step cannot take the fused update (None when it can; ``dtypes``, the
     parameters' dtypes, are checked when given)."""
-    if type(optimizer) not in (Adam, AdamW):
-        return f"{type(optimizer).__name__} has no fused kernel (Adam and AdamW have)"
+    if type(optimizer) not in _KERNELS:
+        return (f"{type(optimizer).__name__} has no fused kernel "
+                "(SGD, Adam and AdamW have)")
     if clip_norm is not None:
         return "clip_norm needs the norm of all gradients first"
     if dtypes is None:
@@ -193,20 +231,49 @@ def unsupported(optimizer, clip_norm, dtypes=None) -> str | None:
     return None
 
 
-class FusedAdam:
-    """Applies ``optimizer`` (Adam or AdamW) to parameter, gradient and state buffers in place:
-    ``apply(params, grads, states, lr, step)`` with buffers as raw addresses and sizes."""
+def make(optimizer, dtype, threads: int) -> "Fused":
+    """The fused update of ``optimizer`` (SGD, Adam or AdamW) for parameters of ``dtype``."""
+    return _KERNELS[type(optimizer)](optimizer, dtype, threads)
 
-    def __init__(self, optimizer: Adam, dtype, threads: int):
+
+class Fused:
+    """Applies an optimizer to parameter, gradient and state buffers in place:
+    ``apply(slots, lr, step)``, each slot (p, g, s1, s2, smax, number of elements) with the
+    buffers' raw addresses (0 for a state the optimizer does not keep). ``state`` names the
+    optimizer's state slots in the order s1, s2, smax."""
+    state: tuple[str, ...] = ()
+    entry = ""
+
+    def __init__(self, optimizer, dtype, threads: int):
         lib = library()
         if lib is None:
             raise RuntimeError(unavailable())
-        self.lib, self.opt, self.threads = lib, optimizer, max(1, int(threads))
-        self.dtype = np.dtype(dtype)
-        wd = optimizer.weight_decay
-        self.flags = ((1 if optimizer.decoupled and wd != 0 else 0)
-                      | (2 if not optimizer.decoupled and wd != 0 else 0)
-                      | (4 if optimizer.amsgrad else 0))
+        self.fn, self.opt = getattr(lib, self.entry), optimizer
+        self.threads, self.dtype = max(1, int(threads)), np.dtype(dtype)
+        self.flags = self._flags()
+
+    def _flags(self) -> int:
+        raise NotImplementedError
+
+    def scalars(self, lr: float, step: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def apply(self, slots: list[tuple[int, int, int, int, int, int]], lr: float,
+              step: int) -> None:
+        arr = (_Slot * len(slots))(*[_Slot(*s) for s in slots])
+        k = self.scalars(lr, step)
+        self.fn(arr, len(slots), k.ctypes.data, self.flags, int(self.dtype == np.float64),
+                self.threads)
+
+
+class FusedAdam(Fused):
+    state, entry = ("exp_sum", "exp_sum_sq", "max_exp_sum_sq"), "og_adam"
+
+    def _flags(self) -> int:
+        o = self.opt
+        return ((1 if o.decoupled and o.weight_decay != 0 else 0)
+                | (2 if not o.decoupled and o.weight_decay != 0 else 0)
+                | (4 if o.amsgrad else 0))
 
     def scalars(self, lr: float, step: int) -> np.ndarray:
         """decay, weight_decay, beta1, beta2, step size, eps' in the parameters' dtype, computed
@@ -223,10 +290,23 @@ class FusedAdam:
         return np.array([decay, o.weight_decay, b1, b2, step_size, eps], np.float64) \
             .astype(self.dtype)
 
-    def apply(self, slots: list[tuple[int, int, int, int, int, int]], lr: float,
-              step: int) -> None:
-        """slots: (p, g, s1, s2, smax or 0, number of elements) per parameter."""
-        arr = (_Slot * len(slots))(*[_Slot(*s) for s in slots])
-        k = self.scalars(lr, step)
-        self.lib.og_adam(arr, len(slots), k.ctypes.data, self.flags,
-                         int(self.dtype == np.float64), self.threads)
+
+class FusedSGD(Fused):
+    state, entry = ("momentum_buffer",), "og_sgd"
+
+    def _flags(self) -> int:
+        o = self.opt
+        return ((1 if o.weight_decay != 0 else 0) | (2 if o.momentum != 0 else 0)
+                | (4 if o.dampening != 0 else 0) | (8 if o.nesterov else 0))
+
+    def scalars(self, lr: float, step: int) -> np.ndarray:
+        """lr, weight_decay, this step's momentum factor and 1 - dampening ((0, 1) on the first
+        step: the buffer starts as the gradient), momentum; as optimizers.SGD._scalars."""
+        o = self.opt
+        first = step == 1
+        return np.array([lr, o.weight_decay, 0.0 if first else o.momentum,
+                         1.0 if first else 1.0 - o.dampening, o.momentum], np.float64) \
+            .astype(self.dtype)
+
+
+_KERNELS = {SGD: FusedSGD, Adam: FusedAdam, AdamW: FusedAdam}

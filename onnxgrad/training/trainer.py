@@ -12,7 +12,7 @@ written in place by the step's last nodes (see _buffer_sets). Each step binds on
 the learning rate and the step number, runs, reads the scalar loss (the only host copy) and
 flips to the other binding. Nothing is copied on the Python side per step.
 
-On CPU, Adam and AdamW (without clip_norm or accumulation) take a fused update instead
+On CPU, SGD, Adam and AdamW (without clip_norm or accumulation) take a fused update instead
 (``fused_optimizer``): the step runs the gradient graph, its gradients landing in buffers of their
 own, and after a finite loss one C pass per parameter updates the parameters and the state in
 place (:mod:`onnxgrad.training.fused`; the same arithmetic as the optimizer graph). The
@@ -121,10 +121,10 @@ class Trainer:
     profile: a file prefix: turn on onnxruntime profiling of the step session.
     session_options: an onnxruntime.SessionOptions for the training sessions instead of the
         tuned default (:func:`session_options`: ORT_ENABLE_ALL, one thread per core).
-    fused_optimizer: "auto" (default): on CPU, Adam and AdamW without clip_norm or accumulation
-        update the parameters with one fused C pass (:mod:`onnxgrad.training.fused`, built with
-        the machine's C compiler on first use) after the gradient graph, instead of the ONNX
-        optimizer nodes; where it cannot, the one-graph step runs. True: the fused update or an
+    fused_optimizer: "auto" (default): on CPU, SGD, Adam and AdamW without clip_norm or
+        accumulation update the parameters with one fused C pass (:mod:`onnxgrad.training.fused`,
+        built with the machine's C compiler on first use) after the gradient graph, instead of
+        the ONNX optimizer nodes; where it cannot, the one-graph step runs. True: the fused update or an
         error saying why not; False: always the one-graph step. ``fused_reason`` says why a
         Trainer runs without it (None when it runs with it).
     """
@@ -188,7 +188,7 @@ class Trainer:
             dtypes = [self._acc.initial_params[p].dtype for p in self._acc.params]
             self.fused_reason = fused.unsupported(self.optimizer, clip_norm, dtypes)
             if self.fused_reason is None:
-                self._fused = fused.FusedAdam(self.optimizer, dtypes[0], self.threads)
+                self._fused = fused.make(self.optimizer, dtypes[0], self.threads)
         if fused_optimizer is True and self.fused_reason is not None:
             raise InvalidArgumentError(f"fused_optimizer=True: {self.fused_reason}")
         if self._fused is not None:
@@ -315,17 +315,16 @@ class Trainer:
             b.bind_ortvalue_output(name, ov)
         self._bindings = [b, b]
         where = {ps: k + i for i, ps in enumerate(self._desc.state_of)}
-        self._fused_state = [[where.get((p, slot)) for slot in ("exp_sum", "exp_sum_sq",
-                                                                  "max_exp_sum_sq")]
-                             for p in self.params]
+        names = list(self._fused.state) + [None] * (3 - len(self._fused.state))
+        self._fused_state = [[where.get((p, slot)) for slot in names] for p in self.params]
 
     def _fused_update(self, step: int, lr: float) -> None:
         """The optimizer step on the buffers in place (the fused kernel)."""
         bufs, slots = self._sets[0], []
         for i, (s1, s2, smax) in enumerate(self._fused_state):
             p = bufs[i]
-            slots.append((p.data_ptr(), self._grads[i].data_ptr(), bufs[s1].data_ptr(),
-                          bufs[s2].data_ptr(), 0 if smax is None else bufs[smax].data_ptr(),
+            slots.append((p.data_ptr(), self._grads[i].data_ptr(),
+                          *(0 if j is None else bufs[j].data_ptr() for j in (s1, s2, smax)),
                           int(np.prod(p.shape(), dtype=np.int64))))
         self._fused.apply(slots, lr, step)
 
