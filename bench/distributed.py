@@ -13,7 +13,7 @@ r::N between the ranks, as the trainer does):
 
 For each row two torchrun jobs run (1 process, then 2 processes; 1 onnxruntime / torch thread
 each, gloo over 127.0.0.1). Inside a job the configurations alternate ``--rounds`` times, so that
-drifting load on a shared machine favours none: onnxgrad's Trainer (1 process only: the fused
+drifting load on a shared machine favours none: onnxgrad's Trainer (1 process only: one
 step, no exchange), DistributedTrainer, DistributedTrainer with ZeRO-1 (2 processes), and torch
 DDP (``torch.nn.Linear`` layers holding the same weights, ``torch.optim.AdamW``). A rate is the
 median over rounds of ``--steps`` steps after ``--warmup``, timed on rank 0 between barriers.
@@ -200,7 +200,7 @@ def main():
             ddp = res["ddp"]
             for cfg in configs[:-1]:
                 runs = res[cfg]
-                name = {"plain": "Trainer (fused step)", "ours": "DistributedTrainer",
+                name = {"plain": "Trainer", "ours": "DistributedTrainer",
                         "zero": "DistributedTrainer ZeRO-1"}[cfg]
                 ex = (f"{med(runs, 'exchange_ms'):.3f} | {med(runs, 'exchange_kb'):.1f}"
                       if "exchange_ms" in runs[0] else "- | -")

@@ -98,6 +98,24 @@ def test_fused_equals_the_optimizer_graph(cc, opt, dtype):
                                        atol=1e-7 * np.abs(want[k]).max(), err_msg=k)
 
 
+@pytest.mark.parametrize("opt", ["adamw-amsgrad", "sgd-nesterov-wd"])
+def test_fused_after_accumulation_equals_the_optimizer_graph(cc, opt):
+    """Split steps (gradient accumulation; data-parallel steps are the same code) apply the
+    fused update to the accumulated gradients in place of their optimizer graph."""
+    model, batches = _mlp(), _batches(steps=4, n=15)
+    ours, ours_losses = _run(model, OPTIMIZERS[opt](), batches, fused_optimizer=True,
+                             accumulation_steps=3)
+    graph, graph_losses = _run(model, OPTIMIZERS[opt](), batches, fused_optimizer=False,
+                               accumulation_steps=3)
+    assert ours.fused_reason is None and ours._sess is None and graph._sess is not None
+    np.testing.assert_allclose(ours_losses, graph_losses, rtol=1e-6)
+    for got, want in ((ours.parameters(), graph.parameters()),
+                      (ours.optimizer_state(), graph.optimizer_state())):
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6,
+                                       atol=1e-7 * np.abs(want[k]).max(), err_msg=k)
+
+
 def test_fused_threads_split_the_parameters(cc):
     """Past 65,536 elements per thread the kernel splits the parameters (laid end to end) into
     ranges: the results do not depend on the split."""
@@ -137,9 +155,6 @@ def test_fused_optimizer_argument_and_refusals(cc):
         Trainer(_mlp(), "cross_entropy", optimizer=Lion(), device="cpu", fused_optimizer=True)
     with pytest.raises(InvalidArgumentError, match="clip_norm"):
         Trainer(_mlp(), "cross_entropy", clip_norm=1.0, device="cpu", fused_optimizer=True)
-    with pytest.raises(InvalidArgumentError, match="split steps"):
-        Trainer(_mlp(), "cross_entropy", accumulation_steps=2, device="cpu",
-                fused_optimizer=True)
     # "auto" takes the graph where the fused kernel does not apply, and says why
     tr = Trainer(_mlp(), "cross_entropy", optimizer=Lion(), device="cpu", progress=False)
     assert tr.fused_reason == "Lion has no fused kernel (SGD, Adam and AdamW have)"
@@ -272,3 +287,20 @@ def test_fused_sgd_kernel_is_the_graph_arithmetic(cc, sizes, dtype, momentum, da
         assert np.array_equal(p, wp)
         if momentum:
             assert np.array_equal(b, wb)
+
+
+@pytest.mark.parametrize("fused_optimizer", [True, False])
+def test_parameters_and_state_are_copies(cc, fused_optimizer):
+    """What parameters() and optimizer_state() return stays as it was after later steps (the
+    buffers are updated in place, and OrtValue.numpy() of a CPU buffer is a view of it)."""
+    tr = Trainer(_mlp(), "cross_entropy", optimizer=AdamW(lr=1e-2), device="cpu",
+                 progress=False, fused_optimizer=fused_optimizer)
+    batches = _batches(steps=3)
+    tr.step(batches[0])
+    p, s = tr.parameters(), tr.optimizer_state()
+    kept = {k: v.copy() for k, v in {**p, **s}.items()}
+    tr.step(batches[1])
+    tr.step(batches[2])
+    for k, v in {**p, **s}.items():
+        assert np.array_equal(v, kept[k]), k
+    assert not np.array_equal(tr.parameters()["W1"], kept["W1"])  # it did train

@@ -299,6 +299,9 @@ class DistributedTrainer(Trainer):
              self.optimizer.config(), self.clip_norm, self.zero, seed], default=str))
         self._broadcast_params()
 
+    def _no_fused(self):
+        return "ZeRO updates its shards of the state with its own graph" if self.zero else None
+
     # -- buffers: flat torch tensors, onnxruntime views of them ------------------------------
     def _buffer_sets(self, names, values):
         k = len(self.params)

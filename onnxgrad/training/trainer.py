@@ -12,11 +12,11 @@ written in place by the step's last nodes (see _buffer_sets). Each step binds on
 the learning rate and the step number, runs, reads the scalar loss (the only host copy) and
 flips to the other binding. Nothing is copied on the Python side per step.
 
-On CPU, SGD, Adam and AdamW (without clip_norm or accumulation) take a fused update instead
+On CPU, SGD, Adam and AdamW (without clip_norm) take a fused update instead
 (``fused_optimizer``): the step runs the gradient graph, its gradients landing in buffers of their
 own, and after a finite loss one C pass per parameter updates the parameters and the state in
 place (:mod:`onnxgrad.training.fused`; the same arithmetic as the optimizer graph). The
-parameters are then one set.
+parameters are then one set. Split steps (below) take it in place of their optimizer graph.
 
 Gradient accumulation (``accumulation_steps=k``): the batch is split into k micro-batches; an
 accumulating gradient graph adds w_i * grad_i into running sums on the device (w_i = n_i / N, so
@@ -121,8 +121,8 @@ class Trainer:
     profile: a file prefix: turn on onnxruntime profiling of the step session.
     session_options: an onnxruntime.SessionOptions for the training sessions instead of the
         tuned default (:func:`session_options`: ORT_ENABLE_ALL, one thread per core).
-    fused_optimizer: "auto" (default): on CPU, SGD, Adam and AdamW without clip_norm or
-        accumulation update the parameters with one fused C pass (:mod:`onnxgrad.training.fused`,
+    fused_optimizer: "auto" (default): on CPU, SGD, Adam and AdamW without clip_norm update
+        the parameters with one fused C pass (:mod:`onnxgrad.training.fused`,
         built with the machine's C compiler on first use) after the gradient graph, instead of
         the ONNX optimizer nodes; where it cannot, the one-graph step runs. True: the fused update or an
         error saying why not; False: always the one-graph step. ``fused_reason`` says why a
@@ -183,35 +183,31 @@ class Trainer:
         self._infer = self._eval = None
 
         self._fused, self.fused_reason = None, self._fused_obstacle(fused_optimizer, clip_norm)
+        if self.fused_reason is None or self._split:
+            # the gradient graph (an accumulating one for split steps) without the optimizer
+            build = build_accumulate_model if self._split else build_gradient_model
+            self._acc = build(self.loss_model, self.loss_name, params, frozen)
         if self.fused_reason is None:
-            self._acc = build_gradient_model(self.loss_model, self.loss_name, params, frozen)
             dtypes = [self._acc.initial_params[p].dtype for p in self._acc.params]
             self.fused_reason = fused.unsupported(self.optimizer, clip_norm, dtypes)
             if self.fused_reason is None:
                 self._fused = fused.make(self.optimizer, dtypes[0], self.threads)
         if fused_optimizer is True and self.fused_reason is not None:
             raise InvalidArgumentError(f"fused_optimizer=True: {self.fused_reason}")
-        if self._fused is not None:
-            # the gradient graph alone; the apply graph is built for its state layout only
-            self.train_step = None  # built on demand by export()
-            self._apply = build_apply_model(self._acc, self.optimizer, clip_norm)
-            desc = self._apply
-            self._acc_sess = make_session(self._acc.model, self.device, self.threads, profile,
-                                          self._so)
-            self._sess = None
-        elif not self._split:
+        if self._fused is None and not self._split:
             self.train_step = build_train_step(self.loss_model, self.loss_name, params,
                                                self.optimizer, frozen, clip_norm)
             desc = self.train_step
             self._sess = make_session(desc.model, self.device, self.threads, profile, self._so)
         else:
             self.train_step = None  # built on demand by export()
-            self._acc = build_accumulate_model(self.loss_model, self.loss_name, params, frozen)
+            # the optimizer graph: run for split steps, its state layout only when fused
             self._apply = build_apply_model(self._acc, self.optimizer, clip_norm)
             desc = self._apply
             self._acc_sess = make_session(self._acc.model, self.device, self.threads, profile,
                                           self._so)
-            self._sess = make_session(self._apply.model, self.device, self.threads, None, self._so)
+            self._sess = None if self._fused is not None else make_session(
+                self._apply.model, self.device, self.threads, None, self._so)
         self.params = list(desc.params)
         self.state_names = list(desc.state)
         self._desc = desc
@@ -236,9 +232,13 @@ class Trainer:
                          if o.name == self.loss_name)
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), _np_dtype(loss_type)))
         if self._fused is not None:
-            self._setup_fused(init)
-        elif self._split:
+            where = {ps: len(self.params) + i for i, ps in enumerate(desc.state_of)}
+            names = list(self._fused.state) + [None] * (3 - len(self._fused.state))
+            self._fused_state = [[where.get((p, slot)) for slot in names] for p in self.params]
+        if self._split:
             self._setup_accumulation(init)
+        elif self._fused is not None:
+            self._setup_fused(init)
         else:
             self._bindings = [self._bind_step(k) for k in (0, 1)]
         # the values live in the device buffers now: drop the host copies the builders made
@@ -296,15 +296,17 @@ class Trainer:
         """Why this Trainer cannot take the fused optimizer, before any graph is built."""
         if wanted is False:
             return "fused_optimizer=False"
-        if self._split:
-            return "split steps (accumulation, data-parallel) run the optimizer graph"
         if self.device != "cpu":
             return "the fused optimizer runs on CPU"
-        return fused.unsupported(self.optimizer, clip_norm, None) or fused.unavailable()
+        return (self._no_fused() or fused.unsupported(self.optimizer, clip_norm, None)
+                or fused.unavailable())
+
+    def _no_fused(self) -> str | None:
+        """Why a subclass's steps cannot take the fused update (None: they can)."""
+        return None
 
     def _setup_fused(self, init):
-        """The gradient graph's binding (params in, loss and gradients out into ``_grads``)
-        and, per parameter, where its state lies among the buffers."""
+        """The gradient graph's binding: params in, loss and gradients out into ``_grads``."""
         a, k = self._acc, len(self.params)
         self._grads = self._gradient_buffers([init[p] for p in self.params])
         b = self._acc_sess.io_binding()
@@ -314,9 +316,6 @@ class Trainer:
         for name, ov in zip(a.grads, self._grads):
             b.bind_ortvalue_output(name, ov)
         self._bindings = [b, b]
-        where = {ps: k + i for i, ps in enumerate(self._desc.state_of)}
-        names = list(self._fused.state) + [None] * (3 - len(self._fused.state))
-        self._fused_state = [[where.get((p, slot)) for slot in names] for p in self.params]
 
     def _fused_update(self, step: int, lr: float) -> None:
         """The optimizer step on the buffers in place (the fused kernel)."""
@@ -343,7 +342,8 @@ class Trainer:
         b = self._acc_bind
         b.bind_ortvalue_input(a.grad_weight, self._weight)
         b.bind_ortvalue_output(a.loss, self._loss)
-        self._bindings = [self._bind_step(k) for k in (0, 1)]
+        if self._fused is None:
+            self._bindings = [self._bind_step(k) for k in (0, 1)]
 
     # -- stepping --------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -412,10 +412,10 @@ class Trainer:
         if total_rows is not None and not self._split:
             raise InvalidArgumentError("total_rows weights the gradients of a split step only")
         n = self.step_count + 1
-        lr = self.lr_at(n)
+        lr = self._lr_now = self.lr_at(n)
         self._lr.update_inplace(np.array(lr, np.float64))
         self._stepv.update_inplace(np.array(n, np.int64))
-        if self._fused is not None:
+        if self._fused is not None and not self._split:
             b = self._bindings[0]
             self._feed(b, batch)
             self._run(self._acc_sess, b)
@@ -471,8 +471,12 @@ class Trainer:
         return loss
 
     def _apply_gradients(self) -> None:
-        """Run the optimizer graph on ``_grads`` (reads buffer set ``_cur``, writes the other)."""
-        self._run(self._sess, self._bindings[self._cur])
+        """Run the optimizer graph on ``_grads`` (reads buffer set ``_cur``, writes the other),
+        or the fused update (in place)."""
+        if self._fused is not None:
+            self._fused_update(self.step_count + 1, self._lr_now)
+        else:
+            self._run(self._sess, self._bindings[self._cur])
 
     # -- the loop --------------------------------------------------------------------------
     def fit(self, data: dict, epochs: int = 1, batch_size: int = 32, shuffle: bool = True, *,
@@ -569,13 +573,17 @@ class Trainer:
             raise NonFiniteError(f"{exc}; {stopped}") from exc
 
     # -- reading the model -----------------------------------------------------------------
+    # OrtValue.numpy() of a CPU buffer is a view of it: these copy, or later steps would change
+    # what they returned
     def parameters(self) -> dict[str, np.ndarray]:
         """The current parameters, copied to the host."""
-        return {n: ov.numpy() for n, ov in zip(self.params, self._sets[self._cur])}
+        return {n: np.array(ov.numpy()) for n, ov in zip(self.params, self._sets[self._cur])}
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
+        """The current optimizer state, copied to the host."""
         k = len(self.params)
-        return {n: ov.numpy() for n, ov in zip(self.state_names, self._sets[self._cur][k:])}
+        return {n: np.array(ov.numpy())
+                for n, ov in zip(self.state_names, self._sets[self._cur][k:])}
 
     def _params_session(self, model):
         m = load(model)
