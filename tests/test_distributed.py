@@ -188,8 +188,7 @@ def test_gradients_are_exchanged_zero_copy(one_rank, zero):
     buffers); the parameters onnxruntime reads are the tensors torch broadcasts."""
     tr = DistributedTrainer(MLP, "cross_entropy", zero=zero, bucket_mb=0.01, device="cpu",
                             progress=False)
-    # the fused optimizer updates the exchanged gradients; ZeRO runs its own sharded graph
-    assert (tr.fused_reason is None) != zero
+    assert tr.fused_reason is None  # the fused optimizer, on the parameters or their segments
     views = tr.exchange_views()
     ptrs = [ov.data_ptr() for _, ov, _ in views]
     assert [p for p, _, _ in views] == tr.params
@@ -207,6 +206,25 @@ def test_gradients_are_exchanged_zero_copy(one_rank, zero):
         np.testing.assert_allclose(t.numpy(), w, rtol=1e-5, atol=1e-7)
         assert torch.from_dlpack(ov).data_ptr() == ov.data_ptr() == t.data_ptr()
     assert [ov.data_ptr() for _, ov, _ in tr.exchange_views()] == ptrs  # no new buffers
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_fused_update_equals_the_optimizer_graph(one_rank, zero):
+    """The fused optimizer on the exchanged gradients (on this rank's segments with ZeRO) gives
+    the optimizer graph's parameters and state."""
+    data = digits(96)
+    runs = []
+    for fused in (True, False):
+        tr = DistributedTrainer(MLP, "cross_entropy", zero=zero, device="cpu", progress=False,
+                                optimizer=AdamW(lr=1e-2, amsgrad=True), fused_optimizer=fused)
+        assert (tr.fused_reason is None) == fused
+        for i in range(3):
+            tr.step({k: v[32 * i:32 * (i + 1)] for k, v in data.items()})
+        runs.append((tr.parameters(), tr.optimizer_state()))
+    for got, want in zip(runs[0], runs[1]):
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6,
+                                       atol=1e-7 * np.abs(want[k]).max(), err_msg=k)
 
 
 def test_argument_errors():

@@ -70,8 +70,8 @@ def add_train_parser(subparsers):
     p.add_argument("--plot", metavar="PNG", help="write the loss curve here (needs matplotlib)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--fused-optimizer", choices=["auto", "on", "off"], default="auto",
-                   help="Adam/AdamW on CPU as one fused C pass per parameter (auto: where the "
-                   "machine has a C compiler and the step allows; on: or an error)")
+                   help="the optimizer on CPU as one fused C pass per parameter (auto: where "
+                   "the machine has a C compiler and the step allows; on: or an error)")
     p.add_argument("--seed", type=argtypes.seed, default=0,
                    help="shuffling and validation split seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -14,14 +14,16 @@ gradients by rows_r / rows, so that their sum over the ranks is the whole batch'
 for a loss that is a mean over rows, uneven shards included); the gradients land in views of flat
 torch tensors (~25 MB buckets) shared with onnxruntime through DLPack, so nothing is copied on
 either side (on CUDA they never leave the GPU); the buckets are summed with all-reduce; then every
-rank runs the optimizer graph on the sums. The weighted loss and one non-finite flag per rank
+rank runs the optimizer on the sums (on CPU the fused kernel, onnxgrad.training.fused, else the
+optimizer graph). The weighted loss and one non-finite flag per rank
 travel at the end of the first float32/float64 bucket: every rank sees the same global loss and,
 when any rank's loss is not finite, every rank stops at the same step before any update.
 
 ZeRO stage 1 (``zero=True``): the parameters and the gradients of one dtype are laid out in
 one flat buffer of N equal segments, and rank r keeps the optimizer state of segment r only. The
 gradients are reduce-scattered (rank r receives the sums of its segment), rank r runs the
-optimizer graph on its segment as one flat tensor (the optimizers are elementwise), and the
+optimizer (fused kernel or graph) on its segment as one flat tensor (the optimizers are
+elementwise), and the
 segments are all-gathered into the flat parameter buffer, of which the gradient graph's
 parameters are views. The result equals the unsharded run bit for bit (the same elementwise
 update of the same sums); ``memory()`` reports what it saves.
@@ -299,9 +301,6 @@ class DistributedTrainer(Trainer):
              self.optimizer.config(), self.clip_norm, self.zero, seed], default=str))
         self._broadcast_params()
 
-    def _no_fused(self):
-        return "ZeRO updates its shards of the state with its own graph" if self.zero else None
-
     # -- buffers: flat torch tensors, onnxruntime views of them ------------------------------
     def _buffer_sets(self, names, values):
         k = len(self.params)
@@ -349,8 +348,9 @@ class DistributedTrainer(Trainer):
                            for _ in range(2)]
 
     def _setup_zero(self):
-        """The optimizer graph over this rank's segments (one flat "parameter" per dtype), with
-        its state, bound to the segments of the two parameter sets."""
+        """The optimizer over this rank's segments (one flat "parameter" per dtype), with its
+        state, reading the segments of one parameter set and writing the other's: the fused
+        kernel's slots, else the optimizer graph's bindings."""
         r = self.rank
         names = [f"zero_segment_{g}" for g in range(len(self._seg))]
         shapes = {nm: np.zeros(s, _np(self._rflat[g]))
@@ -358,13 +358,24 @@ class DistributedTrainer(Trainer):
         z = build_apply_model(TrainStep(model=None, loss="", data_inputs=[], params=names,
                                         param_outputs=[], initial_params=shapes),
                               self.optimizer, None)  # clipping: the global norm, in _reduce
-        self._zdesc, self._zsess = z, self._session(z.model)
+        self._zdesc = z
         self._zgroup = [names.index(p) for p, _ in z.state_of]
         state = [self._new(shapes[p]) for p, _ in z.state_of]  # one set, updated in place
         self._zstate = [state, state]  # (as the Trainer's: see Trainer._buffer_sets)
         seg = [[self._view(pf, r * s, (s,)) for pf, s in zip(self._pflat[k], self._seg)]
                for k in (0, 1)]
         grads = [self._view(rf, 0, (s,)) for rf, s in zip(self._rflat, self._seg)]
+        if self._fused is not None:  # the fused update: segment k in, segment 1 - k out
+            where = {ps: j for j, ps in enumerate(z.state_of)}
+            names_ = list(self._fused.state) + [None] * (3 - len(self._fused.state))
+            self._zfused = [
+                [(seg[k][g].data_ptr(), grads[g].data_ptr(),
+                  *(0 if where.get((nm, slot)) is None else state[where[(nm, slot)]].data_ptr()
+                    for slot in names_), self._seg[g], seg[1 - k][g].data_ptr())
+                 for g, nm in enumerate(names)] for k in (0, 1)]
+            self._zkeep = (seg, grads)  # the views whose addresses the kernel gets
+            return
+        self._zsess = self._session(z.model)
         self._zbind = []
         for k in (0, 1):
             b = self._zsess.io_binding()
@@ -471,7 +482,10 @@ class DistributedTrainer(Trainer):
     def _apply_gradients(self):
         if not self.zero:
             return super()._apply_gradients()
-        self._run(self._zsess, self._zbind[self._cur])
+        if self._fused is not None:
+            self._fused.apply(self._zfused[self._cur], self._lr_now, self.step_count + 1)
+        else:
+            self._run(self._zsess, self._zbind[self._cur])
         dst, r = self._pflat[1 - self._cur], self.rank
         if self.world_size == 1:
             return

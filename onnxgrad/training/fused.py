@@ -7,8 +7,8 @@ and write them once: AdamW 8.3 ms there, as PyTorch's ``fused=True`` (8.4), SGD 
 4.4 against the graph's 10.3 (bench/optimizer.py). The machine's C compiler (``$CC``, else
 ``cc``) builds them on first use into the user's cache; without one the Trainer runs the ONNX
 optimizer graph as before (``Trainer(fused_optimizer="auto")``). The ONNX graph stays the
-definition: exported train steps, data-parallel, browser and CUDA training use it, and the tests
-hold the two to each other.
+definition: exported train steps, browser and CUDA training use it, and the tests hold the two
+to each other.
 
 The loops do what the graph's nodes do, in the same order and float type, each operation
 rounded on its own (no contraction into FMA, no fast-math): with the same scalars the results
@@ -36,7 +36,9 @@ _SOURCE = r"""
 #include <pthread.h>
 #include <stdint.h>
 
-typedef struct { void *p; const void *g; void *s1; void *s2; void *smax; int64_t n; } og_slot;
+/* pout: where the new parameters go (0: over p, in place) */
+typedef struct { void *p; const void *g; void *s1; void *s2; void *smax; int64_t n;
+                 void *pout; } og_slot;
 /* one optimizer on elements [a, b) of one parameter; k: its scalars in the parameter's type */
 typedef void (*og_range)(const og_slot *s, const void *k, int flags, int64_t a, int64_t b);
 typedef struct { const og_slot *sl; int ns; const void *k; int flags; og_range f;
@@ -51,7 +53,8 @@ enum { WD = 1, MOMENTUM = 2, DAMPENING = 4, NESTEROV = 8 };  /* SGD's flags */
 static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {       \
     const T *k = (const T *)kv;                                                              \
     const T decay = k[0], wd = k[1], b1 = k[2], b2 = k[3], step = k[4], eps = k[5];          \
-    T *restrict p = (T *)s->p;                                                               \
+    const T *p = (const T *)s->p;                                                            \
+    T *po = s->pout ? (T *)s->pout : (T *)s->p;                                              \
     const T *restrict g = (const T *)s->g;                                                   \
     T *restrict m = (T *)s->s1, *restrict v = (T *)s->s2, *restrict mx = (T *)s->smax;       \
     if (flags == DECOUPLED) {                   /* AdamW: the common case, vectorised */     \
@@ -59,7 +62,7 @@ static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t
             T gi = g[i], pi = p[i] * decay;                                                  \
             T mi = m[i] * b1 + gi, vi = v[i] * b2 + gi * gi;                                 \
             m[i] = mi; v[i] = vi;                                                            \
-            p[i] = pi - mi / (SQRT(vi) + eps) * step;                                        \
+            po[i] = pi - mi / (SQRT(vi) + eps) * step;                                       \
         }                                                                                    \
         return;                                                                              \
     }                                                                                        \
@@ -70,7 +73,7 @@ static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t
         T mi = m[i] * b1 + gi, vi = v[i] * b2 + gi * gi;                                     \
         m[i] = mi; v[i] = vi;                                                                \
         if (flags & AMSGRAD) { vi = mx[i] >= vi ? mx[i] : vi; mx[i] = vi; }                  \
-        p[i] = pi - mi / (SQRT(vi) + eps) * step;                                            \
+        po[i] = pi - mi / (SQRT(vi) + eps) * step;                                           \
     }                                                                                        \
 }
 /* SGD's k: lr, weight_decay, the momentum factor and (1 - dampening) of this step (0 and 1 on
@@ -79,7 +82,8 @@ static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t
 static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {       \
     const T *k = (const T *)kv;                                                              \
     const T lr = k[0], wd = k[1], mom_t = k[2], damp_t = k[3], momentum = k[4];              \
-    T *restrict p = (T *)s->p;                                                               \
+    const T *p = (const T *)s->p;                                                            \
+    T *po = s->pout ? (T *)s->pout : (T *)s->p;                                              \
     const T *restrict g = (const T *)s->g;                                                   \
     T *restrict buf = (T *)s->s1;                                                            \
     for (int64_t i = a; i < b; i++) {                                                        \
@@ -90,7 +94,7 @@ static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t
             buf[i] = bi;                                                                     \
             d = (flags & NESTEROV) ? d + bi * momentum : bi;                                 \
         }                                                                                    \
-        p[i] = pi - d * lr;                                                                  \
+        po[i] = pi - d * lr;                                                                 \
     }                                                                                        \
 }
 OG_ADAM(og_adam_f32, float, sqrtf)
@@ -152,7 +156,8 @@ _FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-p
 
 class _Slot(ctypes.Structure):
     _fields_ = [("p", ctypes.c_void_p), ("g", ctypes.c_void_p), ("s1", ctypes.c_void_p),
-                ("s2", ctypes.c_void_p), ("smax", ctypes.c_void_p), ("n", ctypes.c_int64)]
+                ("s2", ctypes.c_void_p), ("smax", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("pout", ctypes.c_void_p)]
 
 
 _lib: ctypes.CDLL | None = None
@@ -238,8 +243,9 @@ def make(optimizer, dtype, threads: int) -> "Fused":
 
 class Fused:
     """Applies an optimizer to parameter, gradient and state buffers in place:
-    ``apply(slots, lr, step)``, each slot (p, g, s1, s2, smax, number of elements) with the
-    buffers' raw addresses (0 for a state the optimizer does not keep). ``state`` names the
+    ``apply(slots, lr, step)``, each slot (p, g, s1, s2, smax, number of elements[, pout])
+    with the buffers' raw addresses (0 for a state the optimizer does not keep; pout, where the
+    new parameters go, p itself when left out). ``state`` names the
     optimizer's state slots in the order s1, s2, smax."""
     state: tuple[str, ...] = ()
     entry = ""
@@ -258,8 +264,7 @@ class Fused:
     def scalars(self, lr: float, step: int) -> np.ndarray:
         raise NotImplementedError
 
-    def apply(self, slots: list[tuple[int, int, int, int, int, int]], lr: float,
-              step: int) -> None:
+    def apply(self, slots: list[tuple], lr: float, step: int) -> None:
         arr = (_Slot * len(slots))(*[_Slot(*s) for s in slots])
         k = self.scalars(lr, step)
         self.fn(arr, len(slots), k.ctypes.data, self.flags, int(self.dtype == np.float64),

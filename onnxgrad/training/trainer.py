@@ -298,12 +298,7 @@ class Trainer:
             return "fused_optimizer=False"
         if self.device != "cpu":
             return "the fused optimizer runs on CPU"
-        return (self._no_fused() or fused.unsupported(self.optimizer, clip_norm, None)
-                or fused.unavailable())
-
-    def _no_fused(self) -> str | None:
-        """Why a subclass's steps cannot take the fused update (None: they can)."""
-        return None
+        return fused.unsupported(self.optimizer, clip_norm, None) or fused.unavailable()
 
     def _setup_fused(self, init):
         """The gradient graph's binding: params in, loss and gradients out into ``_grads``."""
