@@ -125,8 +125,9 @@ def main():
     grads = [rng.standard_normal(s).astype(np.float32) * 0.01 for s in shp]
     total = sum(v.size for v in values)
     print(f"# {args.optimizer} update of {args.model}'s {len(shp)} parameters "
-          f"({total / 1e6:.1f} M float32), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; median of "
-          f"{args.rounds} alternated rounds of {args.repeat} updates\n")
+          f"({total / 1e6:.1f} M float32), {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f}; median of {args.rounds} alternated rounds of "
+          f"{args.repeat} updates\n")
     print("| threads | onnxgrad graph ms | fused ms | torch fused=True ms | torch for-loop ms | "
           "graph / fused | torch fused / fused |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -122,11 +122,11 @@ class Trainer:
     session_options: an onnxruntime.SessionOptions for the training sessions instead of the
         tuned default (:func:`session_options`: ORT_ENABLE_ALL, one thread per core).
     fused_optimizer: "auto" (default): on CPU, SGD, Adam and AdamW without clip_norm update
-        the parameters with one fused C pass (:mod:`onnxgrad.training.fused`,
-        built with the machine's C compiler on first use) after the gradient graph, instead of
-        the ONNX optimizer nodes; where it cannot, the one-graph step runs. True: the fused update or an
-        error saying why not; False: always the one-graph step. ``fused_reason`` says why a
-        Trainer runs without it (None when it runs with it).
+        the parameters with one fused C pass after the gradient graph
+        (:mod:`onnxgrad.training.fused`, built with the machine's C compiler on first use)
+        instead of the ONNX optimizer nodes; where it cannot, the optimizer graph runs. True:
+        the fused update or an error saying why not; False: always the optimizer graph.
+        ``fused_reason`` says why a Trainer runs without it (None when it runs with it).
     """
 
     #: run the gradient graph and the optimizer graph as two sessions even without accumulation
