@@ -483,7 +483,8 @@ class DistributedTrainer(Trainer):
         if not self.zero:
             return super()._apply_gradients()
         if self._fused is not None:
-            self._fused.apply(self._zfused[self._cur], self._lr_now, self.step_count + 1)
+            self._fused.apply(self._zfused[self._cur], self._lr_now, self.step_count + 1,
+                              clip=False)  # clipped in _reduce_gradients (the global norm)
         else:
             self._run(self._zsess, self._zbind[self._cur])
         dst, r = self._pflat[1 - self._cur], self.rank

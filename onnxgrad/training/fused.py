@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -39,20 +40,23 @@ _SOURCE = r"""
 /* pout: where the new parameters go (0: over p, in place) */
 typedef struct { void *p; const void *g; void *s1; void *s2; void *smax; int64_t n;
                  void *pout; } og_slot;
-/* one optimizer on elements [a, b) of one parameter; k: its scalars in the parameter's type */
-typedef void (*og_range)(const og_slot *s, const void *k, int flags, int64_t a, int64_t b);
+/* one optimizer on elements [a, b) of one parameter (k: its scalars in the parameter's type),
+   or a sum over them (returned; the updates return 0) */
+typedef double (*og_range)(const og_slot *s, const void *k, int flags, int64_t a, int64_t b);
 typedef struct { const og_slot *sl; int ns; const void *k; int flags; og_range f;
-                 int64_t lo, hi; } og_job;
+                 int64_t lo, hi; double sum; } og_job;
 
 enum { DECOUPLED = 1, L2 = 2, AMSGRAD = 4 };                /* Adam's flags */
 enum { WD = 1, MOMENTUM = 2, DAMPENING = 4, NESTEROV = 8 };  /* SGD's flags */
+enum { CLIP = 16 };  /* both: g times the clipping coefficient, the last scalar, first */
 
 /* The expressions of the ONNX nodes (optimizers.py), each operation rounded to T.
    Adam's k: decay, weight_decay, beta1, beta2, step_size, eps'. */
 #define OG_ADAM(NAME, T, SQRT)                                                               \
-static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {       \
+static double NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {     \
     const T *k = (const T *)kv;                                                              \
     const T decay = k[0], wd = k[1], b1 = k[2], b2 = k[3], step = k[4], eps = k[5];          \
+    const T clip = k[6];                                                                     \
     const T *p = (const T *)s->p;                                                            \
     T *po = s->pout ? (T *)s->pout : (T *)s->p;                                              \
     const T *restrict g = (const T *)s->g;                                                   \
@@ -64,10 +68,11 @@ static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t
             m[i] = mi; v[i] = vi;                                                            \
             po[i] = pi - mi / (SQRT(vi) + eps) * step;                                       \
         }                                                                                    \
-        return;                                                                              \
+        return 0;                                                                            \
     }                                                                                        \
     for (int64_t i = a; i < b; i++) {                                                        \
         T gi = g[i], pi = p[i];                                                              \
+        if (flags & CLIP) gi = gi * clip;                                                    \
         if (flags & DECOUPLED) pi = pi * decay;                                              \
         if (flags & L2) gi = gi + p[i] * wd;                                                 \
         T mi = m[i] * b1 + gi, vi = v[i] * b2 + gi * gi;                                     \
@@ -75,19 +80,21 @@ static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t
         if (flags & AMSGRAD) { vi = mx[i] >= vi ? mx[i] : vi; mx[i] = vi; }                  \
         po[i] = pi - mi / (SQRT(vi) + eps) * step;                                           \
     }                                                                                        \
+    return 0;                                                                                \
 }
 /* SGD's k: lr, weight_decay, the momentum factor and (1 - dampening) of this step (0 and 1 on
-   the first), momentum (Nesterov's term). */
+   the first), momentum (Nesterov's term), the clipping coefficient. */
 #define OG_SGD(NAME, T)                                                                      \
-static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {       \
+static double NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {     \
     const T *k = (const T *)kv;                                                              \
-    const T lr = k[0], wd = k[1], mom_t = k[2], damp_t = k[3], momentum = k[4];              \
+    const T lr = k[0], wd = k[1], mom_t = k[2], damp_t = k[3], momentum = k[4], clip = k[5]; \
     const T *p = (const T *)s->p;                                                            \
     T *po = s->pout ? (T *)s->pout : (T *)s->p;                                              \
     const T *restrict g = (const T *)s->g;                                                   \
     T *restrict buf = (T *)s->s1;                                                            \
     for (int64_t i = a; i < b; i++) {                                                        \
         T pi = p[i], d = g[i];                                                               \
+        if (flags & CLIP) d = d * clip;                                                      \
         if (flags & WD) d = d + pi * wd;                                                     \
         if (flags & MOMENTUM) {                                                              \
             T bi = buf[i] * mom_t + ((flags & DAMPENING) ? d * damp_t : d);                  \
@@ -96,27 +103,39 @@ static void NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t
         }                                                                                    \
         po[i] = pi - d * lr;                                                                 \
     }                                                                                        \
+    return 0;                                                                                \
+}
+/* the sum of g * g in double (for the clipping norm) */
+#define OG_SUMSQ(NAME, T)                                                                    \
+static double NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {     \
+    const T *g = (const T *)s->g;                                                            \
+    double acc = 0;                                                                          \
+    for (int64_t i = a; i < b; i++) acc += (double)g[i] * (double)g[i];                      \
+    return acc;                                                                              \
 }
 OG_ADAM(og_adam_f32, float, sqrtf)
 OG_ADAM(og_adam_f64, double, sqrt)
 OG_SGD(og_sgd_f32, float)
 OG_SGD(og_sgd_f64, double)
+OG_SUMSQ(og_sumsq_f32, float)
+OG_SUMSQ(og_sumsq_f64, double)
 
 /* the job's elements [lo, hi) of the parameters laid end to end */
 static void *og_run(void *arg) {
-    const og_job *j = (const og_job *)arg;
+    og_job *j = (og_job *)arg;
     int64_t base = 0;
     for (int s = 0; s < j->ns && base < j->hi; base += j->sl[s].n, s++) {
         int64_t a = j->lo > base ? j->lo - base : 0;
         int64_t b = j->hi - base < j->sl[s].n ? j->hi - base : j->sl[s].n;
-        if (a < b) j->f(&j->sl[s], j->k, j->flags, a, b);
+        if (a < b) j->sum += j->f(&j->sl[s], j->k, j->flags, a, b);
     }
     return 0;
 }
 
-/* Split the elements into `threads` ranges (multiples of 64) and run them in parallel. */
-static int og_parallel(const og_slot *sl, int ns, const void *k, int flags, og_range f,
-                       int threads) {
+/* Split the elements into `threads` ranges (multiples of 64), run them in parallel, and return
+   the sum of what they return. */
+static double og_parallel(const og_slot *sl, int ns, const void *k, int flags, og_range f,
+                          int threads) {
     int64_t total = 0;
     for (int s = 0; s < ns; s++) total += sl[s].n;
     if (threads < 1) threads = 1;
@@ -129,7 +148,7 @@ static int og_parallel(const og_slot *sl, int ns, const void *k, int flags, og_r
         int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
         lo -= lo % 64;
         hi = t + 1 < threads ? hi - hi % 64 : total;
-        og_job jb = {sl, ns, k, flags, f, lo, hi};
+        og_job jb = {sl, ns, k, flags, f, lo, hi, 0.0};
         jobs[t] = jb;
     }
     for (int t = 1; t < threads; t++)
@@ -138,15 +157,23 @@ static int og_parallel(const og_slot *sl, int ns, const void *k, int flags, og_r
     for (int t = 1; t < threads; t++) {
         if (started[t]) pthread_join(tid[t], 0); else og_run(&jobs[t]);
     }
-    return 0;
+    double sum = 0;
+    for (int t = 0; t < threads; t++) sum += jobs[t].sum;
+    return sum;
 }
 
 int og_adam(const og_slot *sl, int ns, const void *k, int flags, int is_double, int threads) {
-    return og_parallel(sl, ns, k, flags, is_double ? og_adam_f64 : og_adam_f32, threads);
+    og_parallel(sl, ns, k, flags, is_double ? og_adam_f64 : og_adam_f32, threads);
+    return 0;
 }
 
 int og_sgd(const og_slot *sl, int ns, const void *k, int flags, int is_double, int threads) {
-    return og_parallel(sl, ns, k, flags, is_double ? og_sgd_f64 : og_sgd_f32, threads);
+    og_parallel(sl, ns, k, flags, is_double ? og_sgd_f64 : og_sgd_f32, threads);
+    return 0;
+}
+
+double og_sumsq(const og_slot *sl, int ns, int is_double, int threads) {
+    return og_parallel(sl, ns, 0, 0, is_double ? og_sumsq_f64 : og_sumsq_f32, threads);
 }
 """
 
@@ -217,17 +244,17 @@ def _load() -> ctypes.CDLL:
         fn.argtypes = [ctypes.POINTER(_Slot), ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                        ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
+    lib.og_sumsq.argtypes = [ctypes.POINTER(_Slot), ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.og_sumsq.restype = ctypes.c_double
     return lib
 
 
-def unsupported(optimizer, clip_norm, dtypes=None) -> str | None:
+def unsupported(optimizer, dtypes=None) -> str | None:
     """Why this step cannot take the fused update (None when it can; ``dtypes``, the
     parameters' dtypes, are checked when given)."""
     if type(optimizer) not in _KERNELS:
         return (f"{type(optimizer).__name__} has no fused kernel "
                 "(SGD, Adam and AdamW have)")
-    if clip_norm is not None:
-        return "clip_norm needs the norm of all gradients first"
     if dtypes is None:
         return None
     kinds = {np.dtype(d) for d in dtypes}
@@ -236,9 +263,10 @@ def unsupported(optimizer, clip_norm, dtypes=None) -> str | None:
     return None
 
 
-def make(optimizer, dtype, threads: int) -> "Fused":
-    """The fused update of ``optimizer`` (SGD, Adam or AdamW) for parameters of ``dtype``."""
-    return _KERNELS[type(optimizer)](optimizer, dtype, threads)
+def make(optimizer, dtype, threads: int, clip_norm: float | None = None) -> "Fused":
+    """The fused update of ``optimizer`` (SGD, Adam or AdamW) for parameters of ``dtype``, the
+    gradients first clipped to the global 2-norm ``clip_norm`` when given."""
+    return _KERNELS[type(optimizer)](optimizer, dtype, threads, clip_norm)
 
 
 class Fused:
@@ -246,16 +274,20 @@ class Fused:
     ``apply(slots, lr, step)``, each slot (p, g, s1, s2, smax, number of elements[, pout])
     with the buffers' raw addresses (0 for a state the optimizer does not keep; pout, where the
     new parameters go, p itself when left out). ``state`` names the
-    optimizer's state slots in the order s1, s2, smax."""
+    optimizer's state slots in the order s1, s2, smax. With ``clip_norm`` the gradients are
+    scaled as torch.nn.utils.clip_grad_norm_ (and optimizers.clip_grad_norm) scale them,
+    g * min(1, clip_norm / (norm + 1e-6)), the norm over all slots' gradients summed in float64
+    (the graph sums each gradient in its dtype: the two agree to rounding, not bit for bit)."""
     state: tuple[str, ...] = ()
     entry = ""
 
-    def __init__(self, optimizer, dtype, threads: int):
+    def __init__(self, optimizer, dtype, threads: int, clip_norm: float | None = None):
         lib = library()
         if lib is None:
             raise RuntimeError(unavailable())
-        self.fn, self.opt = getattr(lib, self.entry), optimizer
+        self.lib, self.fn, self.opt = lib, getattr(lib, self.entry), optimizer
         self.threads, self.dtype = max(1, int(threads)), np.dtype(dtype)
+        self.clip_norm = clip_norm
         self.flags = self._flags()
 
     def _flags(self) -> int:
@@ -264,11 +296,16 @@ class Fused:
     def scalars(self, lr: float, step: int) -> np.ndarray:
         raise NotImplementedError
 
-    def apply(self, slots: list[tuple], lr: float, step: int) -> None:
+    def apply(self, slots: list[tuple], lr: float, step: int, clip: bool = True) -> None:
+        """One step; ``clip=False``: the gradients are clipped already (ZeRO clips the global
+        norm between its exchanges)."""
         arr = (_Slot * len(slots))(*[_Slot(*s) for s in slots])
-        k = self.scalars(lr, step)
-        self.fn(arr, len(slots), k.ctypes.data, self.flags, int(self.dtype == np.float64),
-                self.threads)
+        dbl, flags, coef = int(self.dtype == np.float64), self.flags, 1.0
+        if clip and self.clip_norm is not None:
+            norm = math.sqrt(self.lib.og_sumsq(arr, len(slots), dbl, self.threads))
+            coef, flags = min(1.0, self.clip_norm / (norm + 1e-6)), flags | 16
+        k = np.append(self.scalars(lr, step), self.dtype.type(coef))
+        self.fn(arr, len(slots), k.ctypes.data, flags, dbl, self.threads)
 
 
 class FusedAdam(Fused):

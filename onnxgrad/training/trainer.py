@@ -12,7 +12,7 @@ written in place by the step's last nodes (see _buffer_sets). Each step binds on
 the learning rate and the step number, runs, reads the scalar loss (the only host copy) and
 flips to the other binding. Nothing is copied on the Python side per step.
 
-On CPU, SGD, Adam and AdamW (without clip_norm) take a fused update instead
+On CPU, SGD, Adam and AdamW take a fused update instead
 (``fused_optimizer``): the step runs the gradient graph, its gradients landing in buffers of their
 own, and after a finite loss one C pass per parameter updates the parameters and the state in
 place (:mod:`onnxgrad.training.fused`; the same arithmetic as the optimizer graph). The
@@ -121,11 +121,11 @@ class Trainer:
     profile: a file prefix: turn on onnxruntime profiling of the step session.
     session_options: an onnxruntime.SessionOptions for the training sessions instead of the
         tuned default (:func:`session_options`: ORT_ENABLE_ALL, one thread per core).
-    fused_optimizer: "auto" (default): on CPU, SGD, Adam and AdamW without clip_norm update
-        the parameters with one fused C pass after the gradient graph
-        (:mod:`onnxgrad.training.fused`, built with the machine's C compiler on first use)
-        instead of the ONNX optimizer nodes; where it cannot, the optimizer graph runs. True:
-        the fused update or an error saying why not; False: always the optimizer graph.
+    fused_optimizer: "auto" (default): on CPU, SGD, Adam and AdamW update the parameters with
+        one fused C pass after the gradient graph (:mod:`onnxgrad.training.fused`, built with
+        the machine's C compiler on first use) instead of the ONNX optimizer nodes; where it
+        cannot, the optimizer graph runs. True: the fused update or an error saying why not;
+        False: always the optimizer graph.
         ``fused_reason`` says why a Trainer runs without it (None when it runs with it).
     """
 
@@ -182,16 +182,16 @@ class Trainer:
         self._frozen = frozen
         self._infer = self._eval = None
 
-        self._fused, self.fused_reason = None, self._fused_obstacle(fused_optimizer, clip_norm)
+        self._fused, self.fused_reason = None, self._fused_obstacle(fused_optimizer)
         if self.fused_reason is None or self._split:
             # the gradient graph (an accumulating one for split steps) without the optimizer
             build = build_accumulate_model if self._split else build_gradient_model
             self._acc = build(self.loss_model, self.loss_name, params, frozen)
         if self.fused_reason is None:
             dtypes = [self._acc.initial_params[p].dtype for p in self._acc.params]
-            self.fused_reason = fused.unsupported(self.optimizer, clip_norm, dtypes)
+            self.fused_reason = fused.unsupported(self.optimizer, dtypes)
             if self.fused_reason is None:
-                self._fused = fused.make(self.optimizer, dtypes[0], self.threads)
+                self._fused = fused.make(self.optimizer, dtypes[0], self.threads, clip_norm)
         if fused_optimizer is True and self.fused_reason is not None:
             raise InvalidArgumentError(f"fused_optimizer=True: {self.fused_reason}")
         if self._fused is None and not self._split:
@@ -292,13 +292,13 @@ class Trainer:
             b.bind_ortvalue_output(d.loss, self._loss)
         return b
 
-    def _fused_obstacle(self, wanted, clip_norm) -> str | None:
+    def _fused_obstacle(self, wanted) -> str | None:
         """Why this Trainer cannot take the fused optimizer, before any graph is built."""
         if wanted is False:
             return "fused_optimizer=False"
         if self.device != "cpu":
             return "the fused optimizer runs on CPU"
-        return fused.unsupported(self.optimizer, clip_norm, None) or fused.unavailable()
+        return fused.unsupported(self.optimizer) or fused.unavailable()
 
     def _setup_fused(self, init):
         """The gradient graph's binding: params in, loss and gradients out into ``_grads``."""
