@@ -119,8 +119,8 @@ def test_fused_with_clipping_equals_the_optimizer_graph(cc, opt, clip_norm):
 
 
 def test_fused_threads_split_the_parameters(cc):
-    """Past 65,536 elements per thread the kernel splits the parameters (laid end to end) into
-    ranges: the results do not depend on the split."""
+    """The kernel splits the parameters (laid end to end) into ranges of at least 65,536
+    elements, one per thread: the results do not depend on the split."""
     model, batches = _mlp(hidden=20000), _batches(steps=3)  # 8*20000 + 20000 + 20000*3 + 3
     one, _ = _run(model, AdamW(lr=1e-2), batches, fused_optimizer=True, threads=1)
     three, _ = _run(model, AdamW(lr=1e-2), batches, fused_optimizer=True, threads=3)

@@ -132,15 +132,15 @@ static void *og_run(void *arg) {
     return 0;
 }
 
-/* Split the elements into `threads` ranges (multiples of 64), run them in parallel, and return
-   the sum of what they return. */
+/* Split the elements into `threads` ranges (multiples of 64, at least 65536 elements each), run
+   them in parallel, and return the sum of what they return. */
 static double og_parallel(const og_slot *sl, int ns, const void *k, int flags, og_range f,
                           int threads) {
     int64_t total = 0;
     for (int s = 0; s < ns; s++) total += sl[s].n;
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
-    if (total < 65536 * (int64_t)threads) threads = 1;
+    if (total / 65536 < threads) threads = total / 65536 > 1 ? (int)(total / 65536) : 1;
     og_job jobs[64];
     pthread_t tid[64];
     int started[64] = {0};
