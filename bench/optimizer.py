@@ -28,6 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from onnxgrad.training import SGD, AdamW  # noqa: E402
+
 
 def shapes(model: str) -> list[tuple[int, ...]]:
     import torch_models
@@ -35,9 +37,7 @@ def shapes(model: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in module.parameters()]
 
 
-OURS = {"adamw": lambda: __import__("onnxgrad.training", fromlist=["AdamW"]).AdamW(lr=1e-3),
-        "sgd": lambda: __import__("onnxgrad.training", fromlist=["SGD"]).SGD(lr=1e-3,
-                                                                             momentum=0.9)}
+OURS = {"adamw": lambda: AdamW(lr=1e-3), "sgd": lambda: SGD(lr=1e-3, momentum=0.9)}
 
 
 def graph_side(values, grads, threads, opt):

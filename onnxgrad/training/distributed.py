@@ -366,13 +366,11 @@ class DistributedTrainer(Trainer):
                for k in (0, 1)]
         grads = [self._view(rf, 0, (s,)) for rf, s in zip(self._rflat, self._seg)]
         if self._fused is not None:  # the fused update: segment k in, segment 1 - k out
-            where = {ps: j for j, ps in enumerate(z.state_of)}
-            names_ = list(self._fused.state) + [None] * (3 - len(self._fused.state))
+            at = self._fused.state_index(z.state_of, names)
             self._zfused = [
                 [(seg[k][g].data_ptr(), grads[g].data_ptr(),
-                  *(0 if where.get((nm, slot)) is None else state[where[(nm, slot)]].data_ptr()
-                    for slot in names_), self._seg[g], seg[1 - k][g].data_ptr())
-                 for g, nm in enumerate(names)] for k in (0, 1)]
+                  *(0 if j is None else state[j].data_ptr() for j in at[g]), self._seg[g],
+                  seg[1 - k][g].data_ptr()) for g in range(len(names))] for k in (0, 1)]
             self._zkeep = (seg, grads)  # the views whose addresses the kernel gets
             return
         self._zsess = self._session(z.model)

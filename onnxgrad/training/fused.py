@@ -192,10 +192,9 @@ _why: str | None = None
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("ONNXGRAD_CACHE") or os.path.join(
+    return os.environ.get("ONNXGRAD_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "onnxgrad")
-    return base
 
 
 def library() -> ctypes.CDLL | None:
@@ -289,6 +288,13 @@ class Fused:
         self.threads, self.dtype = max(1, int(threads)), np.dtype(dtype)
         self.clip_norm = clip_norm
         self.flags = self._flags()
+
+    def state_index(self, state_of: list[tuple[str, str]], params: list[str]) -> list[tuple]:
+        """Per parameter, the positions of its s1, s2 and smax among the state tensors
+        (``state_of``: (parameter, slot) of each), None where the optimizer keeps none."""
+        at = {ps: j for j, ps in enumerate(state_of)}
+        slots = (*self.state, None, None)[:3]
+        return [tuple(at.get((p, slot)) for slot in slots) for p in params]
 
     def _flags(self) -> int:
         raise NotImplementedError

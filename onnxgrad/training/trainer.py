@@ -232,9 +232,7 @@ class Trainer:
                          if o.name == self.loss_name)
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), _np_dtype(loss_type)))
         if self._fused is not None:
-            where = {ps: len(self.params) + i for i, ps in enumerate(desc.state_of)}
-            names = list(self._fused.state) + [None] * (3 - len(self._fused.state))
-            self._fused_state = [[where.get((p, slot)) for slot in names] for p in self.params]
+            self._fused_state = self._fused.state_index(desc.state_of, self.params)
         if self._split:
             self._setup_accumulation(init)
         elif self._fused is not None:
@@ -312,15 +310,15 @@ class Trainer:
             b.bind_ortvalue_output(name, ov)
         self._bindings = [b, b]
 
-    def _fused_update(self, step: int, lr: float) -> None:
-        """The optimizer step on the buffers in place (the fused kernel)."""
-        bufs, slots = self._sets[0], []
-        for i, (s1, s2, smax) in enumerate(self._fused_state):
+    def _fused_update(self) -> None:
+        """The step being taken, on the buffers in place (the fused kernel)."""
+        bufs, k, slots = self._sets[0], len(self.params), []
+        for i, state in enumerate(self._fused_state):
             p = bufs[i]
             slots.append((p.data_ptr(), self._grads[i].data_ptr(),
-                          *(0 if j is None else bufs[j].data_ptr() for j in (s1, s2, smax)),
+                          *(0 if j is None else bufs[k + j].data_ptr() for j in state),
                           int(np.prod(p.shape(), dtype=np.int64))))
-        self._fused.apply(slots, lr, step)
+        self._fused.apply(slots, self._lr_now, self.step_count + 1)
 
     def _setup_accumulation(self, init):
         a = self._acc
@@ -407,21 +405,16 @@ class Trainer:
         if total_rows is not None and not self._split:
             raise InvalidArgumentError("total_rows weights the gradients of a split step only")
         n = self.step_count + 1
-        lr = self._lr_now = self.lr_at(n)
-        self._lr.update_inplace(np.array(lr, np.float64))
+        self._lr_now = self.lr_at(n)
+        self._lr.update_inplace(np.array(self._lr_now, np.float64))
         self._stepv.update_inplace(np.array(n, np.int64))
-        if self._fused is not None and not self._split:
-            b = self._bindings[0]
-            self._feed(b, batch)
-            self._run(self._acc_sess, b)
-            loss = float(self._loss.numpy())
-            if math.isfinite(loss):
-                self._fused_update(n, lr)
-        elif not self._split:
+        if not self._split:  # the one-graph step, or the gradient graph and the fused update
             b = self._bindings[self._cur]
             self._feed(b, batch)
-            self._run(self._sess, b)
+            self._run(self._loss_sess, b)
             loss = float(self._loss.numpy())
+            if self._fused is not None and math.isfinite(loss):
+                self._fused_update()
         else:
             loss = self._reduce_gradients(self._accumulate(batch, total_rows))
             if math.isfinite(loss):
@@ -469,7 +462,7 @@ class Trainer:
         """Run the optimizer graph on ``_grads`` (reads buffer set ``_cur``, writes the other),
         or the fused update (in place)."""
         if self._fused is not None:
-            self._fused_update(self.step_count + 1, self._lr_now)
+            self._fused_update()
         else:
             self._run(self._sess, self._bindings[self._cur])
 
