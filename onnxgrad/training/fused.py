@@ -50,10 +50,27 @@ enum { DECOUPLED = 1, L2 = 2, AMSGRAD = 4 };                /* Adam's flags */
 enum { WD = 1, MOMENTUM = 2, DAMPENING = 4, NESTEROV = 8 };  /* SGD's flags */
 enum { CLIP = 16 };  /* both: g times the clipping coefficient, the last scalar, first */
 
+/* NAME(s, k, flags, a, b) calls one copy of BODY per flags value, in which the flags are
+   constants: each copy's loop has no branch and is vectorised (a loop testing five flags is
+   not: gcc unswitches only three) */
+#define OG_CASE(BODY, F) case F: return BODY(s, kv, F, a, b);
+#define OG_CASE4(BODY, F) \
+    OG_CASE(BODY, F) OG_CASE(BODY, F + 1) OG_CASE(BODY, F + 2) OG_CASE(BODY, F + 3)
+#define OG_DISPATCH(NAME, BODY)                                                              \
+static double NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {     \
+    switch (flags) {                                                                         \
+        OG_CASE4(BODY, 0) OG_CASE4(BODY, 4) OG_CASE4(BODY, 8) OG_CASE4(BODY, 12)             \
+        OG_CASE4(BODY, 16) OG_CASE4(BODY, 20) OG_CASE4(BODY, 24) OG_CASE4(BODY, 28)          \
+    }                                                                                        \
+    return BODY(s, kv, flags, a, b);                                                         \
+}
+#define OG_BODY(NAME) static inline __attribute__((always_inline)) double NAME(              \
+    const og_slot *s, const void *kv, const int flags, int64_t a, int64_t b)
+
 /* The expressions of the ONNX nodes (optimizers.py), each operation rounded to T.
    Adam's k: decay, weight_decay, beta1, beta2, step_size, eps'. */
 #define OG_ADAM(NAME, T, SQRT)                                                               \
-static double NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {     \
+OG_BODY(NAME##_body) {                                                                       \
     const T *k = (const T *)kv;                                                              \
     const T decay = k[0], wd = k[1], b1 = k[2], b2 = k[3], step = k[4], eps = k[5];          \
     const T clip = k[6];                                                                     \
@@ -61,15 +78,6 @@ static double NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64
     T *po = s->pout ? (T *)s->pout : (T *)s->p;                                              \
     const T *restrict g = (const T *)s->g;                                                   \
     T *restrict m = (T *)s->s1, *restrict v = (T *)s->s2, *restrict mx = (T *)s->smax;       \
-    if (flags == DECOUPLED) {                   /* AdamW: the common case, vectorised */     \
-        for (int64_t i = a; i < b; i++) {                                                    \
-            T gi = g[i], pi = p[i] * decay;                                                  \
-            T mi = m[i] * b1 + gi, vi = v[i] * b2 + gi * gi;                                 \
-            m[i] = mi; v[i] = vi;                                                            \
-            po[i] = pi - mi / (SQRT(vi) + eps) * step;                                       \
-        }                                                                                    \
-        return 0;                                                                            \
-    }                                                                                        \
     for (int64_t i = a; i < b; i++) {                                                        \
         T gi = g[i], pi = p[i];                                                              \
         if (flags & CLIP) gi = gi * clip;                                                    \
@@ -81,11 +89,12 @@ static double NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64
         po[i] = pi - mi / (SQRT(vi) + eps) * step;                                           \
     }                                                                                        \
     return 0;                                                                                \
-}
+}                                                                                            \
+OG_DISPATCH(NAME, NAME##_body)
 /* SGD's k: lr, weight_decay, the momentum factor and (1 - dampening) of this step (0 and 1 on
    the first), momentum (Nesterov's term), the clipping coefficient. */
 #define OG_SGD(NAME, T)                                                                      \
-static double NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {     \
+OG_BODY(NAME##_body) {                                                                       \
     const T *k = (const T *)kv;                                                              \
     const T lr = k[0], wd = k[1], mom_t = k[2], damp_t = k[3], momentum = k[4], clip = k[5]; \
     const T *p = (const T *)s->p;                                                            \
@@ -104,7 +113,8 @@ static double NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64
         po[i] = pi - d * lr;                                                                 \
     }                                                                                        \
     return 0;                                                                                \
-}
+}                                                                                            \
+OG_DISPATCH(NAME, NAME##_body)
 /* the sum of g * g in double (for the clipping norm) */
 #define OG_SUMSQ(NAME, T)                                                                    \
 static double NAME(const og_slot *s, const void *kv, int flags, int64_t a, int64_t b) {     \
