@@ -51,6 +51,14 @@ def broadcast_dims(shapes):
         return shapes[0]
     if any(s is None for s in shapes):
         return None
+    try:
+        return _broadcast(tuple(shapes))
+    except TypeError:  # a shape a rule gave as a list
+        return _broadcast.__wrapped__(shapes)
+
+
+@functools.lru_cache(maxsize=4096)  # a model has few distinct shape pairs, met again and again
+def _broadcast(shapes):
     full = [s for s in shapes if s]  # rank-0 shapes broadcast away
     if not full:
         return ()
@@ -213,16 +221,17 @@ class Emitter:
 
         ``_dtype`` (one dtype, or one per output) and ``_shape`` (output 0's static shape)
         override what the emitter infers."""
-        # (type(x) is V first: isinstance against ir.Value, a typing Protocol, is slow)
-        ins = [x if type(x) is V or not isinstance(x, ir.Value) else V(x, self) for x in inputs]
-        ctx = None
-        for x in ins:
-            if type(x) is V and x.dtype is not None:
-                if x.dtype in FLOAT_DTYPES:
-                    ctx = x.dtype
-                    break
-                ctx = ctx or x.dtype
-        if not all(x is None or type(x) is V for x in ins):
+        ins = list(inputs)
+        if not all(x is None or type(x) is V for x in ins):  # constants, ir.Values: convert
+            # (type(x) is V first: isinstance against ir.Value, a typing Protocol, is slow)
+            ins = [x if type(x) is V or not isinstance(x, ir.Value) else V(x, self) for x in ins]
+            ctx = None  # a constant takes the dtype of the first float input, else the first
+            for x in ins:
+                if type(x) is V and x.dtype is not None:
+                    if x.dtype in FLOAT_DTYPES:
+                        ctx = x.dtype
+                        break
+                    ctx = ctx or x.dtype
             ins = [self._as_input(x, ctx) for x in ins]
         if op_type in _WIDENED and len(ins) > 1 and self._scalars and any(
                 x is not None and x.value in self._scalars for x in ins):
@@ -271,8 +280,9 @@ class Emitter:
                     out.shape = ir.Shape(shapes[i])
         self.graph.append(node)
         self.nodes.append(node)
-        outs = tuple(V(o, self, dtypes[i], shapes[i]) for i, o in enumerate(node.outputs))
-        return outs[0] if _outputs == 1 else outs
+        if _outputs == 1:
+            return V(node.outputs[0], self, dtypes[0], shape)
+        return tuple(V(o, self, dtypes[i], shapes[i]) for i, o in enumerate(node.outputs))
 
     def __getattr__(self, op_type: str):
         if not op_type[:1].isupper():
