@@ -178,32 +178,33 @@ def check(name, make, vision: bool, dynamo: bool) -> dict:
     # an initializer under another name (the dynamo exporter stores Linear weights transposed,
     # as new initializers): the parameter whose values, or transposed values, are its bytes
     by_bytes = {}
-    for p in params.values():
+    for pname, p in params.items():
         a = p.detach().numpy()
-        by_bytes.setdefault((a.shape, a.tobytes()), (p, False))
+        by_bytes.setdefault((a.shape, a.tobytes()), (pname, False))
         if a.ndim == 2:
-            by_bytes.setdefault((a.T.shape, np.ascontiguousarray(a.T).tobytes()), (p, True))
-    # ours summed over the initializers that hold one parameter (a shared layer, ALBERT's, is
-    # stored once per use when the exporter transposes it), then compared once with torch
-    sums, folded = {}, 0
+            by_bytes.setdefault((a.T.shape, np.ascontiguousarray(a.T).tobytes()), (pname, True))
+    # per parameter: ours summed over the initializers that hold it (a shared layer, ALBERT's,
+    # is stored once per use when the exporter transposes it), then compared once with torch
+    sums, folded = {}, 0  # parameter -> (its first initializer's name, ours or None)
     for t, g in zip(inits, res.grads[1:]):
         a = numpy_helper.to_array(t)
-        p, transposed = params.get(t.name), False
+        pname, transposed, p = t.name, False, params.get(t.name)
         if p is not None and tuple(p.shape) == a.shape and \
                 not np.array_equal(a, p.detach().numpy()):
             folded += 1  # another function of the parameter
             continue
         if p is None or tuple(p.shape) != a.shape:
-            p, transposed = by_bytes.get((a.shape, a.tobytes()), (None, False))
-            if p is None:
+            pname, transposed = by_bytes.get((a.shape, a.tobytes()), (None, False))
+            if pname is None:
                 continue
-        mine = None if g is None else (ours[g].T if transposed else ours[g])
-        name, prev = sums.get(id(p), (t.name, None))
-        sums[id(p)] = (name, mine if prev is None else prev if mine is None else prev + mine)
-    by_id = {id(p): p for p in params.values()}
+        first, acc = sums.get(pname, (t.name, None))
+        if g is not None:
+            mine = ours[g].T if transposed else ours[g]
+            acc = mine if acc is None else acc + mine
+        sums[pname] = (first, acc)
     worst, missing = (0.0, "-"), []
-    for key, (name, mine) in sums.items():
-        p = by_id[key]
+    for pname, (name, mine) in sums.items():
+        p = params[pname]
         tg = np.zeros(p.shape, np.float32) if p.grad is None else p.grad.numpy()
         if mine is None:
             if np.abs(tg).max() > 0:

@@ -467,7 +467,7 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     same_rank = sum(n.op_type in SAME_RANK or n.op_type in AXES_RANK or n.op_type == "Loop"
                     or n.op_type in OUTPUT_RANKS for g in graphs for n in g.node)
     dropped = set()  # outputs of ceil_mode pools whose dims onnx got wrong (and declared so)
-    late = [set()] * len(graphs)  # per graph: dropped and what is computed from it
+    late = [set() for _ in graphs]  # per graph: dropped and what is computed from it
     for _ in range(min(pools + same_rank, 8) + 1):  # each may type inputs of further ones
         changed = _rewrite_ceil_pools(out.graph, graphs) if pools else set()
         if changed:  # what was declared from onnx's dims is forgotten too (as for STFT)

@@ -21,7 +21,6 @@ from onnxgrad.training import SGD, Adam, AdamW, NonFiniteLossError, Trainer, fus
 from util import make_model
 
 
-
 @pytest.fixture
 def cc():
     """The kernel library; without a C compiler these tests fail and say so (the Trainer itself

@@ -187,6 +187,11 @@ double og_sumsq(const og_slot *sl, int ns, int is_double, int threads) {
 }
 """
 
+# the flag bits of the C source's enums
+_DECOUPLED, _L2, _AMSGRAD = 1, 2, 4                  # Adam
+_WD, _MOMENTUM, _DAMPENING, _NESTEROV = 1, 2, 4, 8   # SGD
+_CLIP = 16                                           # both
+
 # no -ffast-math, no -march: every operation rounded as onnxruntime's kernels round it
 _FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
 
@@ -319,7 +324,7 @@ class Fused:
         dbl, flags, coef = int(self.dtype == np.float64), self.flags, 1.0
         if clip and self.clip_norm is not None:
             norm = math.sqrt(self.lib.og_sumsq(arr, len(slots), dbl, self.threads))
-            coef, flags = min(1.0, self.clip_norm / (norm + 1e-6)), flags | 16
+            coef, flags = min(1.0, self.clip_norm / (norm + 1e-6)), flags | _CLIP
         k = np.append(self.scalars(lr, step), self.dtype.type(coef))
         self.fn(arr, len(slots), k.ctypes.data, flags, dbl, self.threads)
 
@@ -329,9 +334,9 @@ class FusedAdam(Fused):
 
     def _flags(self) -> int:
         o = self.opt
-        return ((1 if o.decoupled and o.weight_decay != 0 else 0)
-                | (2 if not o.decoupled and o.weight_decay != 0 else 0)
-                | (4 if o.amsgrad else 0))
+        return ((_DECOUPLED if o.decoupled and o.weight_decay != 0 else 0)
+                | (_L2 if not o.decoupled and o.weight_decay != 0 else 0)
+                | (_AMSGRAD if o.amsgrad else 0))
 
     def scalars(self, lr: float, step: int) -> np.ndarray:
         """decay, weight_decay, beta1, beta2, step size, eps' in the parameters' dtype, computed
@@ -354,8 +359,8 @@ class FusedSGD(Fused):
 
     def _flags(self) -> int:
         o = self.opt
-        return ((1 if o.weight_decay != 0 else 0) | (2 if o.momentum != 0 else 0)
-                | (4 if o.dampening != 0 else 0) | (8 if o.nesterov else 0))
+        return ((_WD if o.weight_decay != 0 else 0) | (_MOMENTUM if o.momentum != 0 else 0)
+                | (_DAMPENING if o.dampening != 0 else 0) | (_NESTEROV if o.nesterov else 0))
 
     def scalars(self, lr: float, step: int) -> np.ndarray:
         """lr, weight_decay, this step's momentum factor and 1 - dampening ((0, 1) on the first
