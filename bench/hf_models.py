@@ -3,6 +3,7 @@
     pip install transformers          # not in the test extras: an optional, large dependency
     python bench/hf_models.py                     # every architecture, both exporters
     python bench/hf_models.py bert llama --exporter dynamo
+    python bench/hf_models.py --ort-optimized     # as onnxruntime's optimizer saves them
 
 Each architecture is built from a small random config (2 layers, width 32; images 32x32; no
 pretrained weights, nothing is downloaded), every parameter nudged by 0.02 N(0, 1) so that no two
@@ -28,6 +29,13 @@ initializer])`` runs on onnxruntime CPU in float32. Columns:
 - fd: the input gradient along one random direction against central differences of the exported
   model on onnxruntime (the best of steps 1e-2 to 3e-4; float32, a sanity check that needs
   no torch).
+
+With ``--ort-optimized`` the exported model is first saved by onnxruntime after its graph
+optimizations (ORT_ENABLE_EXTENDED), as a user who keeps ``optimized_model_filepath`` has it:
+com.microsoft ops (FusedMatMul, SkipLayerNormalization, Gelu, BiasGelu, QuickGelu, FusedConv ...)
+and onnxruntime's SimplifiedLayerNormalization replace the subgraphs they fuse, BatchNorm is
+folded into Conv; the last columns list those ops. forward is then onnxruntime's run of that
+saved model against torch.
 
 Note (a trap met while writing this): torch.onnx.export(dynamo=False) puts the module back in
 its mode with ``module.train(mode)``, which recurses: a wrapper left in training mode around a
@@ -99,7 +107,25 @@ def _vision(T):
     }
 
 
-def check(name, make, vision: bool, dynamo: bool) -> dict:
+def ort_optimized(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model as onnxruntime saves it after its graph optimizations at ORT_ENABLE_EXTENDED:
+    com.microsoft ops (FusedMatMul, SkipLayerNormalization, Gelu, FusedConv ...) in place of the
+    subgraphs they fuse, BatchNorm folded into Conv."""
+    import os
+    import tempfile
+
+    from onnxgrad.runtime import ort_module
+    ort = ort_module()
+    with tempfile.TemporaryDirectory() as d:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        so.optimized_model_filepath = os.path.join(d, "optimized.onnx")
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return onnx.load(so.optimized_model_filepath)
+
+
+def check(name, make, vision: bool, dynamo: bool, optimized: bool = False) -> dict:
     """Export one model, differentiate it, compare with torch (see the module docstring)."""
     import torch
     import onnxgrad
@@ -148,6 +174,8 @@ def check(name, make, vision: bool, dynamo: bool) -> dict:
         model = onnx.load_from_string(f.getvalue())
         args = inputs(B + 1, S - 2)
     x = args[0]
+    if optimized:
+        model = ort_optimized(model)
 
     inits = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
     t0 = time.perf_counter()
@@ -218,7 +246,9 @@ def check(name, make, vision: bool, dynamo: bool) -> dict:
                 dx=rel(ours[res.grads[0]], xx.grad.numpy()), params=worst[0], worst=worst[1],
                 compared=compared, folded=folded, missing=missing,
                 fd=min(abs(f - gd) for f in fds) / max(abs(gd), 1e-12),
-                nodes=len(model.graph.node), grad_nodes=len(res.model.graph.node), build=build)
+                nodes=len(model.graph.node), grad_nodes=len(res.model.graph.node), build=build,
+                ort_ops=sorted({n.op_type for n in model.graph.node if n.domain == "com.microsoft"
+                                or n.op_type == "SimplifiedLayerNormalization"}))
 
 
 def main(argv=None) -> int:
@@ -229,25 +259,29 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models", nargs="*", help=f"any of {', '.join([*text, *vision])}")
     p.add_argument("--exporter", choices=["ts", "dynamo", "both"], default="both")
+    p.add_argument("--ort-optimized", action="store_true",
+                   help="differentiate the model as onnxruntime saves it after its graph "
+                        "optimizations (ORT_ENABLE_EXTENDED: com.microsoft fused ops)")
     args = p.parse_args(argv)
     unknown = [m for m in args.models if m not in text and m not in vision]
     if unknown:
         p.error(f"unknown model(s) {unknown}")
     exporters = {"ts": [False], "dynamo": [True], "both": [False, True]}[args.exporter]
     print("| model | exporter | nodes | gradient nodes | build s | forward | dx | params "
-          "(compared / folded) | worst tensor | fd (dx) | verdict |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
+          "(compared / folded) | worst tensor | fd (dx) | onnxruntime's ops | verdict |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|")
     bad = 0
     for dynamo in exporters:
         for name, make in [*text.items(), *vision.items()]:
             if args.models and name not in args.models:
                 continue
-            exp = "dynamo" if dynamo else "TorchScript"
+            exp = ("dynamo" if dynamo else "TorchScript") + (
+                " + onnxruntime optimizer" if args.ort_optimized else "")
             try:
-                r = check(name, make, name in vision, dynamo)
+                r = check(name, make, name in vision, dynamo, args.ort_optimized)
             except Exception as err:  # a refusal or a crash is a finding: report it, go on
                 bad += 1
-                print(f"| {name} | {exp} | | | | | | | | | {type(err).__name__}: "
+                print(f"| {name} | {exp} | | | | | | | | | | {type(err).__name__}: "
                       f"{str(err)[:200]} |", flush=True)
                 continue
             ok = max(r["forward"], r["dx"], r["params"]) < TOL and not r["missing"]
@@ -255,7 +289,7 @@ def main(argv=None) -> int:
             print(f"| {name} | {exp} | {r['nodes']} | {r['grad_nodes']} | {r['build']:.2f} "
                   f"| {r['forward']:.0e} | {r['dx']:.0e} | {r['params']:.0e} "
                   f"({r['compared']} / {r['folded']}) | {r['worst']} | {r['fd']:.0e} "
-                  f"| {'ok' if ok else 'MISMATCH ' + ', '.join(r['missing'][:3])} |", flush=True)
+                  f"| {', '.join(r['ort_ops'])} | {'ok' if ok else 'MISMATCH ' + ', '.join(r['missing'][:3])} |", flush=True)
     return 1 if bad else 0
 
 

@@ -22,6 +22,7 @@ from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError, UnsupportedError)
 from .inference import graphs_of, infer_ranks, infer_shapes, schema_output_dtypes
+from .ort_internal import standard_forms
 from .storage import load_model, strip_weights
 from .validation import check_model
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
@@ -74,7 +75,7 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
         raise InvalidArgumentError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
 
     model, weights = _without_weights(_load(model))
-    model = check_model(model, weights)  # (sorted, if only its node order was wrong)
+    model = check_model(standard_forms(model), weights)  # (sorted, if only its order was wrong)
     args = (ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
             {vi.name for vi in model.graph.value_info}, weights)
     # the sweep allocates millions of small objects and frees none: the cyclic collector would

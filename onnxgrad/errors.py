@@ -96,6 +96,10 @@ class NotDifferentiableError(UnsupportedError):
         route = " -> ".join(self.path) if self.path else "?"
         what = (f"no gradient rule for op {op_type!r}" if reason is None else
                 f"cannot differentiate op {op_type!r}")
+        if reason is None and domain == "com.microsoft.nchwc":
+            reason = ("a blocked-layout op that onnxruntime's optimizer writes for this CPU at "
+                      "ORT_ENABLE_ALL: save the model at ORT_ENABLE_EXTENDED, whose "
+                      "com.microsoft ops onnxgrad differentiates")
         why = "" if reason is None else f" ({reason})"
         super().__init__(
             f"{what} (domain {dom!r}, opset {opset}) at node {node_name!r}{why}, which lies on "

@@ -24,6 +24,10 @@ What onnx's own ``infer_shapes`` does not do:
   1, so the default is written out before inference (and stays: onnx's checker then infers the
   result right), and the dims declared downstream of such a node, which onnx inferred with the
   wrong default, are forgotten.
+- onnx has no schema for onnxruntime's own ops (the com.microsoft ops its optimizer writes,
+  its ai.onnx-domain SimplifiedLayerNormalization), so nothing after one would be typed: for the
+  inference run only, each is replaced by standard stand-in nodes that make outputs of the same
+  types and shapes (:func:`_standins`), and put back in the result.
 """
 from __future__ import annotations
 
@@ -146,8 +150,146 @@ def _strip(graph: onnx.GraphProto) -> None:
             _strip(body)
 
 
+def model_opset(m: onnx.ModelProto) -> int:
+    """The model's ai.onnx opset."""
+    return next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+# -- onnxruntime's own ops (rules/contrib.py, ort_internal.py) ------------------------------------
+_STANDIN = "onnxgrad_standin/"
+CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+
+
+def ort_internal(n: onnx.NodeProto, opset: int) -> bool:
+    """An op onnxruntime's optimizer writes into the ai.onnx domain, where no ONNX opset of the
+    model has it: SimplifiedLayerNormalization, LayerNormalization before opset 17."""
+    return n.domain in ("", "ai.onnx") and (
+        n.op_type == "SimplifiedLayerNormalization" or (
+            n.op_type == "LayerNormalization" and opset < 17))
+
+
+def _needs_standin(n: onnx.NodeProto, opset: int) -> bool:
+    return n.domain == "com.microsoft" or ort_internal(n, opset)
+
+
+def _standins(n: onnx.NodeProto, opset: int) -> list | None:
+    """Standard nodes that make the outputs of onnxruntime op ``n`` (com.microsoft, or
+    :func:`ort_internal`) with the same types and shapes (onnx's inference knows none of them),
+    named ``_STANDIN``; None for other ops."""
+    if not _needs_standin(n, opset):
+        return None
+    op, ins, outs = n.op_type, list(n.input), list(n.output)
+    attrs = {a.name: a for a in n.attribute}
+    made = []
+
+    def node(op_type, inputs, out=None, **kw):
+        out = out or f"{_STANDIN}{outs[0]}/{len(made)}"
+        made.append(onnx.helper.make_node(op_type, [i for i in inputs], [out],
+                                          name=_STANDIN + (n.name or outs[0]), **kw))
+        return out
+
+    def flag(name):
+        return name in attrs and attrs[name].i
+
+    def operand(v, side):  # FusedMatMul's op(v): see rules/contrib.py
+        t, tb = flag("trans" + side), flag("transBatch" + side)
+        if not (t or tb):
+            return v
+        eq = ("i...j->..." if tb else "...ij->...") + ("ji" if t else "ij")
+        return node("Einsum", [v], equation=eq)
+
+    if op in ("Gelu", "QuickGelu") or (op == "FastGelu" and (len(ins) < 2 or not ins[1])):
+        node("Identity", ins[:1], outs[0])
+    elif op in ("FastGelu", "BiasGelu"):
+        node("Add", ins[:2], outs[0])
+    elif op == "FusedMatMul":
+        node("MatMul", [operand(ins[0], "A"), operand(ins[1], "B")], outs[0])
+    elif op in ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization",
+                "SimplifiedLayerNormalization", "LayerNormalization"):
+        skip = op.startswith("Skip")
+        s = node("Add", ins[:2]) if skip else ins[0]
+        bias = ins[3 if op == "SkipSimplifiedLayerNormalization" else 4:][:1] if skip else []
+        if bias and bias[0]:
+            s = node("Add", [s, bias[0]])
+        axis = attrs["axis"].i if "axis" in attrs else -1
+        axes = list(range(axis, 0))  # (a statistic over axis >= 0 is left untyped)
+        kw = {"axes": axes} if opset < 18 else {}
+        last = [] if kw or not axes else [node("Constant", [], value=onnx.helper.make_tensor(
+            "axes", onnx.TensorProto.INT64, [len(axes)], axes))]
+        stats = (1, 2) if skip or op == "LayerNormalization" else (1,)
+        for i, o in enumerate(outs):
+            if o and i in stats and axes:  # float32, 1 along the axes, whatever x's dtype
+                node("Cast", [node("ReduceMean", [s, *last], **kw)], o,
+                     to=onnx.TensorProto.FLOAT)
+            elif o and i not in stats:
+                node("Identity", [s], o)
+    elif op in ("FusedConv", "FusedGemm"):
+        keep = CONV_ATTRS if op == "FusedConv" else ("alpha", "beta", "transA", "transB")
+        std = onnx.helper.make_node(op[5:], ins[:3], outs[:1], name=_STANDIN + (n.name or outs[0]))
+        std.attribute.extend(a for a in n.attribute if a.name in keep)
+        made.append(std)
+    else:
+        return None
+    return made
+
+
+def _put_standins(m: onnx.ModelProto) -> list:
+    """Each graph's com.microsoft nodes replaced by their stand-ins; returns, per graph, the
+    original nodes in order (for :func:`_take_standins`)."""
+    opset = model_opset(m)
+    out = []
+    for g in graphs_of(m.graph):
+        nodes, originals = [], []
+        for n in g.node:
+            made = _standins(n, opset)
+            if made is None:
+                nodes.append(n)
+            else:
+                for s in made:  # which original a stand-in replaces
+                    s.doc_string = str(len(originals))
+                originals.append(onnx.NodeProto.FromString(n.SerializeToString()))
+                nodes += made
+        if originals:
+            kept = [onnx.NodeProto.FromString(n.SerializeToString()) for n in nodes]
+            del g.node[:]
+            g.node.extend(kept)
+        out.append(originals)
+    return out
+
+
+def _take_standins(m: onnx.ModelProto, originals: list) -> None:
+    for g, orig in zip(graphs_of(m.graph), originals):
+        if not orig:
+            continue
+        nodes, seen = [], set()
+        for n in g.node:
+            if not n.name.startswith(_STANDIN):
+                nodes.append(n)
+            elif n.doc_string not in seen:
+                seen.add(n.doc_string)
+                nodes.append(orig[int(n.doc_string)])
+        kept = [onnx.NodeProto.FromString(n.SerializeToString()) for n in nodes]
+        del g.node[:]
+        g.node.extend(kept)
+        vis = [vi for vi in g.value_info if not vi.name.startswith(_STANDIN)]
+        del g.value_info[:]
+        g.value_info.extend(vis)
+
+
 def _onnx_infer(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
-    """onnx's inference (a new model) with outer Constants visible in bodies; ``m`` is ours."""
+    """onnx's inference (a new model) with outer Constants visible in bodies and onnxruntime's
+    own ops typed by stand-ins; ``m`` is not changed."""
+    opset = model_opset(m)
+    if not any(_needs_standin(n, opset) for g in graphs_of(m.graph) for n in g.node):
+        return _infer_standard(m, **kw)
+    m = onnx.ModelProto.FromString(m.SerializeToString())
+    originals = _put_standins(m)
+    out = _infer_standard(m, **kw)
+    _take_standins(out, originals)
+    return out
+
+
+def _infer_standard(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
     if not any(_stft_without_onesided(n) or (n.attribute and next(node_subgraphs(n), None))
                for n in m.graph.node):
         return onnx.shape_inference.infer_shapes(m, **kw)

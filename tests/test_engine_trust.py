@@ -75,7 +75,7 @@ MSFT = helper.make_opsetid("com.microsoft", 1)
 CUSTOM = helper.make_opsetid("example.custom", 1)
 
 
-def untyped_model(op="FusedMatMul", domain="com.microsoft"):
+def untyped_model(op="CDist", domain="com.microsoft"):
     """x -> Tanh -> t; z = <untyped op>(t, W); y = z * W2 (y has no type either)."""
     return graph_model(
         [helper.make_node("Tanh", ["x"], ["t"]),
@@ -87,7 +87,7 @@ def untyped_model(op="FusedMatMul", domain="com.microsoft"):
         extra_opsets=[MSFT, CUSTOM])
 
 
-@pytest.mark.parametrize("op,domain", [("FusedMatMul", "com.microsoft"), ("Mix", "example.custom")])
+@pytest.mark.parametrize("op,domain", [("CDist", "com.microsoft"), ("Mix", "example.custom")])
 @pytest.mark.parametrize("xs", [["x"], ["W"], ["t"], ["x", "W2"]])
 @pytest.mark.parametrize("unconnected", ["none", "zero"])
 def test_untyped_op_on_the_path_is_refused(op, domain, xs, unconnected):
@@ -104,15 +104,17 @@ def test_untyped_op_held_constant_by_stop_gradients():
     res = onnxgrad.gradients(m, "y", ["W2", "x"], stop_gradients=["z"])
     assert res.grads[1] is None
     x = np.random.default_rng(0).standard_normal((2, 3)).astype(F)
-    (g,) = session(res.model).run(res.grads[:1], {"x": x})  # onnxruntime has FusedMatMul
-    np.testing.assert_allclose(g, np.tanh(x).sum(0), rtol=1e-5)  # z = tanh(x) @ I
+    (g,) = session(res.model).run(res.grads[:1], {"x": x})  # onnxruntime has CDist
+    # z[i, j] = |tanh(x)[i] - I[j]|^2 (CDist's default metric, sqeuclidean)
+    z = ((np.tanh(x)[:, None, :] - np.eye(3)[None]) ** 2).sum(-1)
+    np.testing.assert_allclose(g, z.sum(0), rtol=1e-5)
     # y = Mul(z, W2) with z untyped: Mul's schema ties y's type to W2's (float), which is
     # certain, so dy/dW2 = sum of z's rows is built; z's own type still matters to nothing else
     m2 = untyped_model()
     m2.graph.output[0].CopyFrom(helper.make_empty_tensor_value_info("y"))
     res2 = onnxgrad.gradients(m2, "y", ["W2"])
     (g2,) = session(res2.model).run(res2.grads, {"x": x})
-    np.testing.assert_allclose(g2, np.tanh(x).sum(0), rtol=1e-5)
+    np.testing.assert_allclose(g2, z.sum(0), rtol=1e-5)
 
 
 def test_untyped_indices_are_refused_not_dropped():
@@ -140,16 +142,16 @@ def test_untyped_value_read_by_a_subgraph_is_refused():
 
 
 def test_untyped_op_refused_by_cli_and_trainer(capsys, tmp_path):
-    assert_refused(capsys, tmp_path, untyped_model(), NotDifferentiableError, "'FusedMatMul'",
-                   "no gradient rule for op 'FusedMatMul' (domain 'com.microsoft'")
-    cli_error(capsys, ["check", tmp_path / "m.onnx", "--ys", "y", "--xs", "x"], "'FusedMatMul'")
+    assert_refused(capsys, tmp_path, untyped_model(), NotDifferentiableError, "'CDist'",
+                   "no gradient rule for op 'CDist' (domain 'com.microsoft'")
+    cli_error(capsys, ["check", tmp_path / "m.onnx", "--ys", "y", "--xs", "x"], "'CDist'")
     from onnxgrad.training.step import build_train_step
     loss = untyped_model()
     loss.graph.node.append(helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0))
     loss.graph.output.append(vi("loss", []))
-    with pytest.raises(NotDifferentiableError, match="'FusedMatMul'"):
+    with pytest.raises(NotDifferentiableError, match="'CDist'"):
         build_train_step(loss, "loss")  # (Trainer builds its step graph with it)
-    with pytest.raises(NotDifferentiableError, match="'FusedMatMul'"):
+    with pytest.raises(NotDifferentiableError, match="'CDist'"):
         onnxgrad.Trainer(loss, "loss", device="cpu", progress=False)
 
 

@@ -101,7 +101,7 @@ def _infer_types(n, clones, fp):
     last = [o for o in clones[-1].outputs] if clones else []
     graph = helper.make_graph(nodes, "body", inputs,
                               [helper.make_empty_tensor_value_info(o.name) for o in last], inits)
-    opsets = list(fp.opset_import) or [helper.make_opsetid("", n.opset)]
+    opsets = (fp and list(fp.opset_import)) or [helper.make_opsetid("", n.opset)]
     model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 10
     inferred = infer_shapes(model, data_prop=True)
@@ -142,6 +142,25 @@ def differentiate_body(n, append=None):
         nodes, swap = append(e, clones)
     outs = [swap.get(o, o) if o is not None else None for o in outs]
     seeds = {o: gi for o, gi in zip(outs, n.gs) if o is not None and gi is not None}
+    xs = [v for v in n.node.inputs if v is not None and n.wants(v)]
+    view = ir.GraphView(inputs=[], outputs=[], nodes=nodes)
+    got = dict(zip(xs, n.differentiate(view, seeds, xs, e)))
+    return tuple(got.get(v) if v is not None else None for v in n.node.inputs)
+
+
+def differentiate_expansion(n, build, gs=None):
+    """The gradients of the node's inputs through the standard ops that ``build(e)`` emits (a
+    forward expansion of the node: an op outside the ONNX standard, written as ops with rules),
+    typed by onnx shape inference and differentiated by the sweep. ``build`` returns the values
+    that ``gs`` seed (default: the node's outputs and their gradients). The expansion's forward
+    nodes that no gradient reads are dropped with the rest of the dead nodes."""
+    e = n.e
+    start = len(e.nodes)
+    outs = build(e)
+    nodes = e.nodes[start:]
+    _infer_types(n, nodes, None)
+    seeds = {o.value: g for o, g in zip(outs, n.gs if gs is None else gs)
+             if o is not None and g is not None}
     xs = [v for v in n.node.inputs if v is not None and n.wants(v)]
     view = ir.GraphView(inputs=[], outputs=[], nodes=nodes)
     got = dict(zip(xs, n.differentiate(view, seeds, xs, e)))

@@ -26,14 +26,34 @@ def _schema(domain: str, op_type: str, opset: int):
 
 
 @functools.lru_cache(maxsize=None)
+def _ort_defaults(domain: str, op_type: str) -> dict:
+    """{attribute: AttributeProto} defaults of an op onnxruntime defines (com.microsoft), from
+    its own schema registry (onnx has no schema for them)."""
+    from ..runtime import ort_module
+    state = ort_module().capi.onnxruntime_pybind11_state
+    schema = max((s for s in state.get_all_operator_schema()
+                  if s.domain == domain and s.name == op_type),
+                 key=lambda s: s.since_version, default=None)
+    if schema is None:
+        return {}
+    out = {k: onnx.AttributeProto.FromString(a._default_value)
+           for k, a in schema.attributes.items() if a._default_value}
+    return {k: a for k, a in out.items() if a.type != _UNDEFINED}
+
+
+@functools.lru_cache(maxsize=None)
 def default(domain: str, op_type: str, opset: int, name: str):
     """The schema's default of attribute ``name`` (None when it has none); strings as str,
-    lists as tuples."""
-    schema = _schema(domain, op_type, opset)
-    a = None if schema is None else schema.attributes.get(name)
-    if a is None or a.default_value.type == _UNDEFINED:
+    lists as tuples. Ops of onnxruntime's com.microsoft domain: onnxruntime's schema."""
+    if domain == "com.microsoft":
+        proto = _ort_defaults(domain, op_type).get(name)
+    else:
+        schema = _schema(domain, op_type, opset)
+        a = None if schema is None else schema.attributes.get(name)
+        proto = None if a is None or a.default_value.type == _UNDEFINED else a.default_value
+    if proto is None:
         return None
-    v = helper.get_attribute_value(a.default_value)
+    v = helper.get_attribute_value(proto)
     if isinstance(v, bytes):
         return v.decode()
     return tuple(v) if isinstance(v, list) else v

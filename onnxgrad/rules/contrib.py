@@ -1,0 +1,175 @@
+"""Gradient rules: the com.microsoft ops that onnxruntime's graph optimizer writes into a model
+saved after its optimizations (``SessionOptions.optimized_model_filepath``): Gelu, FastGelu,
+BiasGelu, QuickGelu, FusedMatMul, FusedGemm, FusedConv, SkipLayerNormalization and
+SkipSimplifiedLayerNormalization.
+
+The forward keeps onnxruntime's fused kernel. Each rule emits the op's expansion into standard ops
+(what the kernel computes: tests/test_rules_contrib.py runs the kernel against PyTorch) and lets
+the sweep differentiate it (:func:`~onnxgrad.rules.function.differentiate_expansion`), so the gradient
+graph holds standard ops only and every derivative is one of the audited rules. Expansion nodes
+that no gradient reads (FusedMatMul's product, Conv's output) are dropped. FusedConv and FusedGemm
+take the activation's derivative from the fused output where it is a function of it (Relu, Tanh,
+Sigmoid, HardSigmoid; LeakyRelu with alpha >= 0), so the convolution is not computed twice.
+onnx's shape inference knows none of these ops: :mod:`onnxgrad.inference` types their outputs
+from stand-ins of the same shapes.
+"""
+from __future__ import annotations
+
+import math
+
+from ..inference import CONV_ATTRS
+from ..registry import register, table
+from .function import differentiate_expansion
+from .spec import attr
+
+MS = "com.microsoft"
+_SQRT_2_PI = math.sqrt(2 / math.pi)
+
+
+def _gelu(e, x):
+    return 0.5 * x * (1 + e.Erf(x * (1 / math.sqrt(2))))
+
+
+def _tanh_gelu(e, x):
+    return 0.5 * x * (1 + e.Tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x)))
+
+
+_expand = differentiate_expansion
+
+
+def _biased(n):
+    return n.x if n.input(1) is None else n.x + n.input(1)
+
+
+table({
+    "Gelu": lambda n, g: _expand(n, lambda e: [_gelu(e, n.x)]),
+    "BiasGelu": lambda n, g: _expand(n, lambda e: [_gelu(e, _biased(n))]),
+    "FastGelu": lambda n, g: _expand(n, lambda e: [_tanh_gelu(e, _biased(n))]),
+    "QuickGelu": lambda n, g: _expand(n, lambda e: [n.x * e.Sigmoid(n.x * attr(n, "alpha"))]),
+}, domain=MS)
+
+
+# -- FusedMatMul ---------------------------------------------------------------------------------
+def _operand(e, v, trans: bool, trans_batch: bool, side: str):
+    """op(v) of FusedMatMul: transBatch moves dim 0 behind the batch dims, trans swaps the last
+    two (onnxruntime's kernel; a rank-1 operand takes neither)."""
+    if not (trans or trans_batch):
+        return v
+    r = v.rank
+    if r is None or r < 2 or (trans_batch and r < 3):
+        raise NotImplementedError(
+            f"FusedMatMul with trans{side}={int(trans)}, transBatch{side}={int(trans_batch)} "
+            f"needs operand {side} of known rank >= {3 if trans_batch else 2} (rank {r})")
+    perm = list(range(1, r - 1)) + [0, r - 1] if trans_batch else list(range(r))
+    if trans:
+        perm[-2], perm[-1] = perm[-1], perm[-2]
+    return e.Transpose(v, perm=perm)
+
+
+@register("FusedMatMul", domain=MS)
+def _fused_matmul(n, g):
+    alpha = float(attr(n, "alpha"))
+
+    def build(e):
+        a = _operand(e, n.ins[0], attr(n, "transA"), attr(n, "transBatchA"), "A")
+        b = _operand(e, n.ins[1], attr(n, "transB"), attr(n, "transBatchB"), "B")
+        p = e.MatMul(a, b)
+        return [p if alpha == 1.0 else p * alpha]
+    return _expand(n, build)
+
+
+# -- layer norms with a skip connection ----------------------------------------------------------
+def _skip_norm(n, simplified: bool):
+    """output = norm(s) * gamma (+ beta), s = input + skip (+ bias) over the last axis; outputs
+    1 and 2 (the mean and 1/std onnxruntime's training kernels keep, in float32 whatever the
+    input's dtype) are refused as differentiation targets."""
+    if any(g is not None for g in n.gs[1:3]):
+        raise NotImplementedError(
+            f"{n.node.op_type}'s mean and inv_std_var outputs are on the path: only output 0 "
+            "and input_skip_bias_sum are differentiated")
+    eps = float(attr(n, "epsilon"))
+    x, skip, gamma = n.ins[0], n.ins[1], n.ins[2]
+    beta, bias = (None, n.input(3)) if simplified else (n.input(3), n.input(4))
+
+    def build(e):
+        s = x + skip if bias is None else x + skip + bias
+        d = s if simplified else s - e.reduce("ReduceMean", s, [-1])
+        y = d / e.Sqrt(e.reduce("ReduceMean", d * d, [-1]) + eps) * gamma
+        return [y if beta is None else y + beta, None, None, s]
+    return _expand(n, build)
+
+
+register("SkipLayerNormalization", domain=MS)(lambda n, g: _skip_norm(n, False))
+register("SkipSimplifiedLayerNormalization", domain=MS)(lambda n, g: _skip_norm(n, True))
+
+
+# -- FusedConv, FusedGemm: a Conv or Gemm and an activation --------------------------------------
+def _activation(n):
+    """(name, params) of the fused activation; FusedConv gives its parameters as
+    activation_params, FusedGemm as activation_alpha / activation_beta."""
+    name = attr(n, "activation")
+    if n.node.op_type == "FusedConv":
+        params = list(n.attr("activation_params") or [])
+    else:
+        params = [p for p in (n.attr("activation_alpha"), n.attr("activation_beta"))
+                  if p is not None]
+    known = {"Relu": 0, "Tanh": 0, "Sigmoid": 0, "LeakyRelu": 1, "HardSigmoid": 2, "Clip": 2}
+    if name not in known or len(params) < known[name]:
+        raise NotImplementedError(
+            f"{n.node.op_type} with activation {name!r} and parameters {params}: onnxruntime "
+            f"fuses {sorted(known)} (LeakyRelu with alpha, HardSigmoid and Clip with two)")
+    return name, [float(p) for p in params]
+
+
+def _activation_grad(e, name, params, y, g):
+    """dL/d(pre-activation) from the fused output y where the activation's derivative is a
+    function of y (the forward rules' own forms); None where it is not."""
+    zero = e.const(0, g.dtype)
+    if name == "Relu" or (name == "LeakyRelu" and params[0] >= 0):
+        slope = zero if name == "Relu" else g * params[0]
+        return e.Where(e.Greater(y, e.const(0, y.dtype)), g, slope)
+    if name == "Sigmoid":
+        return g * y * (1 - y)
+    if name == "Tanh":
+        return g * (1 - y * y)
+    if name == "HardSigmoid":
+        inside = e.And(e.Greater(y, zero), e.Less(y, e.const(1, y.dtype)))
+        return e.Where(inside, g * params[0], zero)
+    return None
+
+
+def _apply(e, name, params, t):
+    if name == "LeakyRelu":
+        return e.LeakyRelu(t, alpha=params[0])
+    if name == "HardSigmoid":
+        return e.HardSigmoid(t, alpha=params[0], beta=params[1])
+    if name == "Clip":
+        return e.Clip(t, e.const(params[0], t.dtype), e.const(params[1], t.dtype))
+    return e.op(name, t)
+
+
+def _fused(n, g, linear):
+    """Gradient of act(linear(e)): seeded at linear's output with the activation's derivative
+    read off the output, else through the activation recomputed."""
+    name, params = _activation(n)
+    gz = _activation_grad(n.e, name, params, n.y, g)
+    if gz is not None:
+        return _expand(n, lambda e: [linear(e)], [gz])
+    return _expand(n, lambda e: [_apply(e, name, params, linear(e))])
+
+
+@register("FusedConv", domain=MS)
+def _fused_conv(n, g):
+    attrs = {k: attr(n, k) for k in CONV_ATTRS if n.attr(k) is not None}
+    x, w, b, z = n.ins[0], n.ins[1], n.input(2), n.input(3)
+
+    def conv(e):
+        y = e.Conv(x, w, b, **attrs)
+        return y if z is None else y + z
+    return _fused(n, g, conv)
+
+
+@register("FusedGemm", domain=MS)
+def _fused_gemm(n, g):
+    attrs = {k: attr(n, k) for k in ("alpha", "beta", "transA", "transB")}
+    return _fused(n, g, lambda e: e.Gemm(*n.ins[:2], n.input(2), **attrs))
