@@ -107,6 +107,31 @@ def _vision(T):
     }
 
 
+def nudged(make):
+    """The architecture from its small config, in eval mode with eager attention, every
+    parameter nudged by 0.02 N(0, 1) (see the module docstring)."""
+    import torch
+    torch.manual_seed(0)
+    m = make().eval()
+    m.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.02 * torch.randn(p.shape))
+    return m
+
+
+def params_by_bytes(params: dict) -> dict:
+    """{(shape, bytes): (parameter name, transposed)}: the parameter an initializer holds, as
+    it is or transposed (the dynamo exporter stores Linear weights transposed)."""
+    out = {}
+    for name, p in params.items():
+        a = p.detach().numpy()
+        out.setdefault((a.shape, a.tobytes()), (name, False))
+        if a.ndim == 2:
+            out.setdefault((a.T.shape, np.ascontiguousarray(a.T).tobytes()), (name, True))
+    return out
+
+
 def ort_optimized(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model as onnxruntime saves it after its graph optimizations at ORT_ENABLE_EXTENDED:
     com.microsoft ops (FusedMatMul, SkipLayerNormalization, Gelu, FusedConv ...) in place of the
@@ -141,12 +166,7 @@ def check(name, make, vision: bool, dynamo: bool, optimized: bool = False) -> di
             out = getattr(o, "logits", None)
             return ((o.last_hidden_state if out is None else out) * c).sum()
 
-    torch.manual_seed(0)
-    m = make().eval()
-    m.config._attn_implementation = "eager"
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.02 * torch.randn(p.shape))
+    m = nudged(make)
     w = Wrap(m).eval()
 
     def inputs(b, s):
@@ -205,12 +225,7 @@ def check(name, make, vision: bool, dynamo: bool, optimized: bool = False) -> di
     scale = max(float(p.grad.abs().max()) for p in params.values() if p.grad is not None)
     # an initializer under another name (the dynamo exporter stores Linear weights transposed,
     # as new initializers): the parameter whose values, or transposed values, are its bytes
-    by_bytes = {}
-    for pname, p in params.items():
-        a = p.detach().numpy()
-        by_bytes.setdefault((a.shape, a.tobytes()), (pname, False))
-        if a.ndim == 2:
-            by_bytes.setdefault((a.T.shape, np.ascontiguousarray(a.T).tobytes()), (pname, True))
+    by_bytes = params_by_bytes(params)
     # per parameter: ours summed over the initializers that hold it (a shared layer, ALBERT's,
     # is stored once per use when the exporter transposes it), then compared once with torch
     sums, folded = {}, 0  # parameter -> (its first initializer's name, ours or None)

@@ -228,6 +228,26 @@ def _standins(n: onnx.NodeProto, opset: int) -> list | None:
         std = onnx.helper.make_node(op[5:], ins[:3], outs[:1], name=_STANDIN + (n.name or outs[0]))
         std.attribute.extend(a for a in n.attribute if a.name in keep)
         made.append(std)
+    elif op == "Attention":  # output: the V part of input @ weights, [B, S, v_hidden]
+        qkv = node("MatMul", ins[:2])
+        sizes = list(attrs["qkv_hidden_sizes"].ints) if "qkv_hidden_sizes" in attrs else None
+        split = [node("Constant", [], value=onnx.helper.make_tensor(
+            "sizes", onnx.TensorProto.INT64, [3], sizes))] if sizes else []
+        kw = {"num_outputs": 3} if opset >= 18 and not sizes else {}
+        parts = [f"{_STANDIN}{outs[0]}/{k}" for k in ("q", "k", "v")]
+        made.append(onnx.helper.make_node("Split", [qkv, *split], parts, axis=-1,
+                                          name=_STANDIN + (n.name or outs[0]), **kw))
+        node("Identity", parts[2:], outs[0])
+    elif op == "EmbedLayerNormalization":  # output and embedding_sum: word_embedding[ids]
+        for i in (0, 2):
+            if i < len(outs) and outs[i]:
+                node("Gather", [ins[2], ins[0]], outs[i])
+        if len(outs) > 1 and outs[1]:  # mask_index: int32 [B]
+            axes = [node("Constant", [], value=onnx.helper.make_tensor(
+                "axes", onnx.TensorProto.INT64, [1], [1]))] if opset >= 13 else []
+            total = node("ReduceSum", [ins[0], *axes], keepdims=0,
+                         **({} if axes else {"axes": [1]}))
+            node("Cast", [total], outs[1], to=onnx.TensorProto.INT32)
     else:
         return None
     return made

@@ -102,6 +102,41 @@ def test_planted_wrong_rule_is_blamed(monkeypatch, dtype):
     assert out.where.startswith("Sigmoid (glue): alone wrong"), out.where
 
 
+def test_planted_nan_rule_is_wrong(monkeypatch):
+    """A NaN gradient where every value of the forward is finite is wrong, not 'domain'."""
+    import onnxgrad.autodiff as autodiff
+    real = autodiff.lookup
+
+    def lookup(domain, op_type, opset):
+        if op_type == "Sigmoid":
+            return lambda n, g: g * n.y * (1 - n.y) / (n.y - n.y)  # 0 / 0
+        return real(domain, op_type, opset)
+
+    monkeypatch.setattr(autodiff, "lookup", lookup)
+    out = fuzz_check.evaluate(fuzz_graphs.build(_sigmoid_graph()))
+    assert out.verdict == "wrong", out
+
+
+def test_nan_from_an_infinite_value_inside_the_forward_is_a_domain_skip():
+    """Seed 1203's one 'wrong' (8,717 graphs): ReduceLogSum of an empty axis is -inf, Tanh
+    makes it -1, so every output is finite; the first-order graph then holds 0 / 0 (hidden by
+    an empty Expand) and its second order 0 * inf = NaN where differences give 0. The chain rule
+    meets 0 * inf there in any framework: the oracle skips it as outside the domain."""
+    spec = fuzz_graphs.Spec(
+        opset=3, dtype=1, batch=False, symbolic=False, value_info=False,
+        inputs=((0, (2, 1, 1)), (0, (1, 3, 4)), (1, (2, 1, 1))),
+        steps=((0, (8659, 32, 26712, 63049, 893, 1048576, 11645, 707)),
+               (0, (510299, 689974, 7093, 553, 2237, 7215, 4, 164)),
+               (1, (40135, 938784, 15516, 612821, 111, 77, 1048575, 2080)),
+               (0, (73805, 8732, 1527, 281, 200, 7216, 244158, 13499)),
+               (1, (8659, 32, 26712, 63049, 893, 1048576, 11645, 707)),
+               (1, (510299, 689974, 7093, 553, 2237, 7215, 4, 164))),
+        ys=(93579, 350, 1228), xs=(0, 278964), stops=(), grad_ys=(), unconnected=False,
+        scope=0, aggregation=0, second=(1048575, 2196), seed=5058)
+    out = fuzz_check.evaluate(fuzz_graphs.build(spec))
+    assert out.verdict == "skipped-domain" and out.stage == "second", out
+
+
 def test_planted_float32_constant_is_invalid(monkeypatch):
     """A rule that hard-wires a float32 constant gives an invalid float64 gradient graph."""
     import onnxgrad.autodiff as autodiff

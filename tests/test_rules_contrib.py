@@ -532,3 +532,155 @@ def test_simplified_layer_norm_in_float16_computes_in_float32():
     res = onnxgrad.gradients(model, "y", ["x", "scale"])
     gx, gs = session(res.model).run(res.grads, {"x": x})
     assert gx.dtype == np.float16 and np.isfinite(gx).all() and np.isfinite(gs).all()
+
+
+@pytest.mark.parametrize("op, shapes, attrs, ref", [
+    ("FusedMatMul", {"x": (2, 3, 4), "w": (2, 3, 5)}, {"alpha": 0.5, "transA": 1},
+     lambda t: 0.5 * t["x"].transpose(-1, -2) @ t["w"]),
+    ("QuickGelu", {"x": (2, 3, 4)}, {"alpha": 1.3}, lambda t: t["x"] * torch.sigmoid(1.3 * t["x"])),
+    ("SkipLayerNormalization", {"x": (2, 3, 4), "s": (2, 3, 4), "g": (4,)}, {},
+     lambda t: TF.layer_norm(t["x"] + t["s"], (4,), t["g"], None, 1e-12))])
+def test_second_order(op, shapes, attrs, ref):
+    """The gradient graph (which keeps the fused forward) differentiated again: the gradient of
+    sum_i <dy/dx_i, d_i> wrt every input agrees with torch's double backward."""
+    ins = {k: arrays(i, s)[0] for i, (k, s) in enumerate(shapes.items())}
+    xs = list(ins)
+    first = onnxgrad.gradients(ms_model(op, ins, ["y"], **attrs), "y", xs)
+    m = first.model
+    for i, g in enumerate(first.grads):
+        m.graph.input.append(helper.make_tensor_value_info(f"d{i}", 1, list(ins[xs[i]].shape)))
+        m.graph.node.extend([helper.make_node("Mul", [g, f"d{i}"], [f"gd{i}"]),
+                             helper.make_node("ReduceSum", [f"gd{i}"], [f"z{i}"], keepdims=0)])
+    m.graph.node.append(helper.make_node("Sum", [f"z{i}" for i in range(len(xs))], ["z"]))
+    m.graph.output.append(helper.make_tensor_value_info("z", 1, []))
+    second = onnxgrad.gradients(m, "z", xs)
+    onnx.checker.check_model(second.model, full_check=True)
+    ds = {f"d{i}": arrays(9 + i, ins[k].shape)[0] for i, k in enumerate(xs)}
+    got = session(second.model).run(second.grads, {**ins, **ds})
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in ins.items()}
+    gs = torch.autograd.grad(ref(t).sum(), [t[k] for k in xs], create_graph=True)
+    z = sum((g * torch.tensor(ds[f"d{i}"], dtype=torch.float64)).sum() for i, g in enumerate(gs))
+    for k, g, w in zip(xs, got, torch.autograd.grad(z, [t[k] for k in xs])):
+        w = w.numpy()
+        assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), (op, k)
+
+
+# -- Attention and EmbedLayerNormalization (onnxruntime's transformers optimizer) -------------
+def attention_ref(x, w, b, heads, sizes, scale, masked, fill):
+    """torch: softmax(q k^T * scale + fill where masked) v over heads, merged."""
+    qkv = x @ w + (0 if b is None else b)
+    q, k, v = qkv.split(sizes, dim=-1)
+    B, S = x.shape[:2]
+    split = [t.reshape(B, S, heads, -1).transpose(1, 2) for t in (q, k, v)]
+    scores = split[0] @ split[1].transpose(-1, -2) * scale
+    if masked is not None:
+        scores = scores + torch.where(torch.tensor(masked), fill, 0.0)
+    p = torch.softmax(scores, -1)
+    return (p @ split[2]).transpose(1, 2).reshape(B, S, -1)
+
+
+@SETTINGS
+@given(st.integers(1, 3), st.integers(1, 5), st.sampled_from([1, 2]), st.integers(1, 3),
+       st.sampled_from(["none", "lengths", "keys", "full"]), st.booleans(), st.booleans(),
+       st.booleans(), st.integers(0, 99))
+def test_attention(batch, seq, heads, head_dim, mask_form, causal, unequal, scale, seed):
+    """onnxruntime 1.31's CPU kernel crashes (segfault) without the optional bias: every case
+    has one."""
+    has_bias = True
+    hidden = heads * head_dim
+    sizes = [hidden, hidden, heads * (head_dim + 1)] if unequal else [hidden] * 3
+    x, w, b = arrays(seed, (batch, seq, hidden), (hidden, sum(sizes)), (sum(sizes),))
+    rng = np.random.default_rng(seed)
+    mask = masked = None
+    if mask_form == "lengths":
+        mask = rng.integers(1, seq + 1, batch).astype(np.int32)
+        masked = np.arange(seq)[None, :] >= mask[:, None]
+        masked = masked[:, None, None, :]
+    elif mask_form in ("keys", "full"):
+        shape = (batch, seq) if mask_form == "keys" else (batch, seq, seq)
+        mask = (rng.random(shape) > 0.3).astype(np.int32)
+        # every query sees key 0: a row whose keys are all masked is softmax(score - 10000)
+        # in float32, whose rounding no float64 reference reproduces
+        mask[..., 0] = 1
+        masked = (mask == 0)[:, None, None, :] if mask_form == "keys" else (mask == 0)[:, None]
+    if causal:
+        future = np.triu(np.ones((seq, seq), bool), 1)[None, None]
+        masked = future if masked is None else masked | future
+    attrs = {"num_heads": heads, "unidirectional": int(causal)}
+    if unequal:
+        attrs["qkv_hidden_sizes"] = sizes
+    if scale:
+        attrs["scale"] = 0.3
+    fill = -10000.0
+    inputs = {"x": x, "w": w, "b": b if has_bias else None}
+    if mask is not None:
+        inputs["mask"] = mask
+    model = ms_model("Attention", inputs, ["y"], **attrs)
+    # the mask is int32 (not a float input of the check)
+    model.graph.input[-1].type.tensor_type.elem_type = TensorProto.INT32 if mask is not None \
+        else model.graph.input[-1].type.tensor_type.elem_type
+    feeds = {k: v for k, v in inputs.items() if v is not None}
+    (want_fwd,) = session(model).run(None, feeds)
+    ts = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True)
+          for k, v in (("x", x), ("w", w), ("b", b)) if inputs.get(k) is not None}
+    y = attention_ref(ts["x"], ts["w"], ts.get("b"), heads, sizes,
+                      0.3 if scale else 1 / np.sqrt(sizes[0] // heads), masked, fill)
+    np.testing.assert_allclose(want_fwd, y.detach().numpy(), rtol=1e-4, atol=1e-5)
+    c = np.random.default_rng(1).standard_normal(want_fwd.shape).astype(np.float32)
+    (y * torch.tensor(c, dtype=torch.float64)).sum().backward()
+    xs = list(ts)
+    res = onnxgrad.gradients(model, "y", xs, grad_ys=["c"])
+    onnx.checker.check_model(res.model, full_check=True)
+    got = session(res.model).run(res.grads, {**feeds, "c": c})
+    for k, g in zip(xs, got):
+        w_ = ts[k].grad.numpy()
+        assert np.abs(g - w_).max() <= 1e-4 * max(np.abs(w_).max(), 1e-3), k
+
+
+@SETTINGS
+@given(st.integers(1, 3), st.integers(1, 5), st.booleans(), st.booleans(), st.integers(0, 99))
+def test_embed_layer_normalization(batch, seq, segments, position_ids, seed):
+    hidden, vocab = 8, 11
+    rng = np.random.default_rng(seed)
+    word, pos, seg, gamma, beta = arrays(seed, (vocab, hidden), (seq + 2, hidden),
+                                         (2, hidden), (hidden,), (hidden,))
+    ids = rng.integers(0, vocab, (batch, seq)).astype(np.int32)
+    seg_ids = rng.integers(0, 2, (batch, seq)).astype(np.int32)
+    pos_ids = rng.integers(0, seq + 2, (batch, seq)).astype(np.int32)
+    names = ["ids", "seg_ids" if segments else "", "word", "pos", "seg" if segments else "",
+             "gamma", "beta", "", "pos_ids" if position_ids else ""]
+    while not names[-1]:
+        names.pop()
+    node = helper.make_node("EmbedLayerNormalization", names, ["y", "", "sum"], domain=MS,
+                            epsilon=1e-5)
+    ints = [("ids", ids), ("seg_ids", seg_ids), ("pos_ids", pos_ids)]
+    floats = [("word", word), ("pos", pos), ("seg", seg), ("gamma", gamma), ("beta", beta)]
+    graph = helper.make_graph(
+        [node], "m", [helper.make_tensor_value_info(k, TensorProto.INT32, ["B", "S"])
+                      for k, _ in ints if k in names] +
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape) for k, v in floats
+         if k in names],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("y", "sum")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(MS, 1)], ir_version=10)
+    feeds = {k: v for k, v in ints + floats if k in names}
+    want = session(model).run(["y", "sum"], feeds)
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in floats}
+    at = torch.tensor(pos_ids, dtype=torch.long) if position_ids else torch.arange(seq)
+    s = t["word"][torch.tensor(ids, dtype=torch.long)] + t["pos"][at]
+    if segments:
+        s = s + t["seg"][torch.tensor(seg_ids, dtype=torch.long)]
+    y = TF.layer_norm(s, (hidden,), t["gamma"], t["beta"], 1e-5)
+    for w_, r in zip(want, (y, s)):
+        np.testing.assert_allclose(w_, r.detach().numpy(), rtol=1e-4, atol=1e-5)
+    cy, cs = (np.random.default_rng(k).standard_normal(want[0].shape).astype(np.float32)
+              for k in (1, 2))
+    ((y * torch.tensor(cy, dtype=torch.float64)).sum()
+     + (s * torch.tensor(cs, dtype=torch.float64)).sum()).backward()
+    xs = [k for k, _ in floats if k in names]
+    res = onnxgrad.gradients(model, ["y", "sum"], xs, grad_ys=["cy", "cs"])
+    onnx.checker.check_model(res.model, full_check=True)
+    got = session(res.model).run(res.grads, {**feeds, "cy": cy, "cs": cs})
+    for k, g in zip(xs, got):
+        w_ = t[k].grad.numpy()
+        assert np.abs(g - w_).max() <= 1e-4 * max(np.abs(w_).max(), 1e-3), k

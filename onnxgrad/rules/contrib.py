@@ -1,7 +1,8 @@
 """Gradient rules: the com.microsoft ops that onnxruntime's graph optimizer writes into a model
 saved after its optimizations (``SessionOptions.optimized_model_filepath``): Gelu, FastGelu,
 BiasGelu, QuickGelu, FusedMatMul, FusedGemm, FusedConv, SkipLayerNormalization and
-SkipSimplifiedLayerNormalization.
+SkipSimplifiedLayerNormalization; and Attention and EmbedLayerNormalization, which its
+transformers optimizer (``onnxruntime.transformers.optimizer``) writes for BERT-like models.
 
 The forward keeps onnxruntime's fused kernel. Each rule emits the op's expansion into standard ops
 (what the kernel computes: tests/test_rules_contrib.py runs the kernel against PyTorch) and lets
@@ -17,12 +18,15 @@ from __future__ import annotations
 
 import math
 
+import onnx_ir as ir
+
 from ..inference import CONV_ATTRS
 from ..registry import register, table
 from .function import differentiate_expansion
 from .spec import attr
 
 MS = "com.microsoft"
+INT64 = ir.DataType.INT64
 _SQRT_2_PI = math.sqrt(2 / math.pi)
 
 
@@ -173,3 +177,94 @@ def _fused_conv(n, g):
 def _fused_gemm(n, g):
     attrs = {k: attr(n, k) for k in ("alpha", "beta", "transA", "transB")}
     return _fused(n, g, lambda e: e.Gemm(*n.ins[:2], n.input(2), **attrs))
+
+
+# -- BERT's attention and embeddings (onnxruntime's transformers optimizer) ----------------------
+def _heads(e, t, n_heads):
+    """[B, S, N*d] -> [B, N, S, d]."""
+    return e.Transpose(e.Reshape(t, [0, 0, n_heads, -1]), perm=[0, 2, 1, 3])
+
+
+def _mask_bias(e, n, mask, scores, fill):
+    """``fill`` where a query may not attend a key, else 0, broadcastable to the scores
+    [B, N, S, T]: mask_index as key lengths [B] (right padding), a raw key mask [B, T] or an
+    attention mask [B, S, T] (0: masked), and the causal mask of unidirectional=1. Where both
+    mask a score it holds ``fill`` once, as onnxruntime's kernel does."""
+    dims = e.Shape(scores)
+
+    def arange(axis):  # 0 .. dims[axis] - 1, int64
+        return e.Range(e.const(0, INT64), e.Squeeze(e.Slice(dims, [axis], [axis + 1]), [0]),
+                       e.const(1, INT64))
+    masked = None
+    if mask is not None:
+        rank = mask.rank
+        if rank == 1:  # Reshape to [B]: a [2B] end/start index fails here, not silently
+            lengths = e.Cast(e.Reshape(mask, e.Slice(dims, [0], [1])), to=INT64)
+            masked = e.Unsqueeze(e.GreaterOrEqual(e.Unsqueeze(arange(3), [0]),
+                                                  e.Unsqueeze(lengths, [1])), [1, 2])
+        elif rank in (2, 3):
+            masked = e.Unsqueeze(e.Not(e.Greater(mask, e.const(0, mask.dtype))),
+                                 [1, 2] if rank == 2 else [1])
+        else:
+            raise NotImplementedError(
+                f"Attention node {n.node.name!r}: mask_index of rank {rank}: onnxgrad takes "
+                "key lengths [B], a key mask [B, T] or an attention mask [B, S, T]")
+    if attr(n, "unidirectional"):  # a key after the query
+        future = e.Greater(e.Unsqueeze(arange(3), [0]), e.Unsqueeze(arange(2), [1]))
+        masked = future if masked is None else e.Or(masked, future)
+    if masked is None:
+        return None
+    return e.Where(masked, e.const(fill, scores.dtype), e.const(0, scores.dtype))
+
+
+@register("Attention", domain=MS)
+def _ms_attention(n, g):
+    """output = concat over heads of softmax(q k^T * scale + mask) v, [q, k, v] = input @ weights
+    + bias (without past state, attention_bias or rotary embedding)."""
+    for i, what in ((4, "past"), (5, "attention_bias"), (6, "past_sequence_length")):
+        if n.input(i) is not None:
+            raise NotImplementedError(f"Attention with a {what} input")
+    if attr(n, "do_rotary") or (len(n.gs) > 1 and n.gs[1] is not None):
+        raise NotImplementedError("Attention with a rotary embedding or a present output")
+    heads = int(attr(n, "num_heads"))
+    x, w, bias, mask = n.ins[0], n.ins[1], n.input(2), n.input(3)
+    sizes = attr(n, "qkv_hidden_sizes")
+    if not sizes:
+        if w.shape is None or not isinstance(w.shape[-1], int):
+            raise NotImplementedError("Attention needs a static weights shape (or "
+                                      "qkv_hidden_sizes)")
+        sizes = [w.shape[-1] // 3] * 3
+    scale = attr(n, "scale") or 1 / math.sqrt(sizes[0] // heads)
+    fill = attr(n, "mask_filter_value")
+    fill = -10000.0 if fill is None else fill
+
+    def build(e):
+        qkv = x @ w if bias is None else x @ w + bias
+        q, k, v = (_heads(e, t, heads) for t in e.Split(qkv, sizes, axis=-1, _outputs=3))
+        scores = (q @ e.Transpose(k, perm=[0, 1, 3, 2])) * scale
+        masked = _mask_bias(e, n, mask, scores, fill)
+        p = e.Softmax(scores if masked is None else scores + masked, axis=-1)
+        return [e.Reshape(e.Transpose(p @ v, perm=[0, 2, 1, 3]), [0, 0, -1])]
+    return _expand(n, build)
+
+
+@register("EmbedLayerNormalization", domain=MS)
+def _embed_layer_norm(n, g):
+    """s = word_embedding[input_ids] + position_embedding[position_ids or 0..S-1]
+    (+ segment_embedding[segment_ids]); output = LayerNorm(s) * gamma + beta; embedding_sum = s."""
+    ids, seg_ids, word, pos, seg, gamma, beta = (n.input(i) for i in range(7))
+    pos_ids, eps = n.input(8), float(attr(n, "epsilon"))
+
+    def build(e):
+        if pos_ids is None:
+            count = e.Slice(e.Shape(ids), [1], [2])
+            at = e.Range(e.const(0, INT64), e.Squeeze(count, [0]), e.const(1, INT64))
+        else:
+            at = pos_ids
+        s = e.Gather(word, ids) + e.Gather(pos, at)
+        if seg is not None and seg_ids is not None:
+            s = s + e.Gather(seg, seg_ids)
+        d = s - e.reduce("ReduceMean", s, [-1])
+        y = d / e.Sqrt(e.reduce("ReduceMean", d * d, [-1]) + eps) * gamma + beta
+        return [y, None, s]
+    return _expand(n, build)

@@ -95,13 +95,19 @@ def _infer_types(n, clones, fp):
     consts = {v: n.const(i) for i, v in enumerate(n.node.inputs) if v is not None}
     for v in outer:
         inputs.append(ir.serde.serialize_value(v))
-        if consts.get(v) is not None:  # lets data propagation see e.g. AffineGrid's size
-            inits.append(onnx.numpy_helper.from_array(consts[v], v.name))
+        value = consts.get(v)
+        made = v.producer()
+        if value is None and made is not None and made.op_type == "Constant" and \
+                "value" in made.attributes and made.attributes["value"].value.size <= 64:
+            value = made.attributes["value"].value.numpy()  # a shape the emitter made earlier
+        if value is not None:  # lets data propagation see e.g. AffineGrid's size
+            inits.append(onnx.numpy_helper.from_array(value, v.name))
     nodes = [ir.serde.serialize_node(c) for c in clones]
     last = [o for o in clones[-1].outputs] if clones else []
     graph = helper.make_graph(nodes, "body", inputs,
                               [helper.make_empty_tensor_value_info(o.name) for o in last], inits)
-    opsets = (fp and list(fp.opset_import)) or [helper.make_opsetid("", n.opset)]
+    # an expansion (fp None) is in ai.onnx at the model's opset, whatever the node's domain
+    opsets = (fp and list(fp.opset_import)) or [helper.make_opsetid("", n.e.opset)]
     model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 10
     inferred = infer_shapes(model, data_prop=True)
