@@ -566,8 +566,9 @@ def test_second_order(op, shapes, attrs, ref):
 
 
 # -- Attention and EmbedLayerNormalization (onnxruntime's transformers optimizer) -------------
-def attention_ref(x, w, b, heads, sizes, scale, masked, fill):
-    """torch: softmax(q k^T * scale + fill where masked) v over heads, merged."""
+def attention_ref(x, w, b, heads, sizes, scale, masked, fill, causal):
+    """torch: softmax(q k^T * scale + fill where masked, -inf on future keys) v over heads,
+    merged."""
     qkv = x @ w + (0 if b is None else b)
     q, k, v = qkv.split(sizes, dim=-1)
     B, S = x.shape[:2]
@@ -575,6 +576,9 @@ def attention_ref(x, w, b, heads, sizes, scale, masked, fill):
     scores = split[0] @ split[1].transpose(-1, -2) * scale
     if masked is not None:
         scores = scores + torch.where(torch.tensor(masked), fill, 0.0)
+    if causal:
+        future = torch.ones(S, S, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(future, -np.inf)
     p = torch.softmax(scores, -1)
     return (p @ split[2]).transpose(1, 2).reshape(B, S, -1)
 
@@ -582,10 +586,14 @@ def attention_ref(x, w, b, heads, sizes, scale, masked, fill):
 @SETTINGS
 @given(st.integers(1, 3), st.integers(1, 5), st.sampled_from([1, 2]), st.integers(1, 3),
        st.sampled_from(["none", "lengths", "keys", "full"]), st.booleans(), st.booleans(),
-       st.booleans(), st.integers(0, 99))
-def test_attention(batch, seq, heads, head_dim, mask_form, causal, unequal, scale, seed):
+       st.booleans(), st.sampled_from([None, -30.0]), st.integers(0, 99))
+def test_attention(batch, seq, heads, head_dim, mask_form, causal, unequal, scale, fill,
+                   seed):
     """onnxruntime 1.31's CPU kernel crashes (segfault) without the optional bias: every case
-    has one."""
+    has one. With the default mask_filter_value (-10000) every query sees key 0: a query whose
+    keys are all masked is softmax(score - 10000) in float32, whose rounding no float64
+    reference reproduces; with -30 such queries are drawn too (and under unidirectional=1 they
+    attend their padded earlier keys, never the future ones)."""
     has_bias = True
     hidden = heads * head_dim
     sizes = [hidden, hidden, heads * (head_dim + 1)] if unequal else [hidden] * 3
@@ -593,25 +601,22 @@ def test_attention(batch, seq, heads, head_dim, mask_form, causal, unequal, scal
     rng = np.random.default_rng(seed)
     mask = masked = None
     if mask_form == "lengths":
-        mask = rng.integers(1, seq + 1, batch).astype(np.int32)
+        mask = rng.integers(1 if fill is None else 0, seq + 1, batch).astype(np.int32)
         masked = np.arange(seq)[None, :] >= mask[:, None]
         masked = masked[:, None, None, :]
     elif mask_form in ("keys", "full"):
         shape = (batch, seq) if mask_form == "keys" else (batch, seq, seq)
         mask = (rng.random(shape) > 0.3).astype(np.int32)
-        # every query sees key 0: a row whose keys are all masked is softmax(score - 10000)
-        # in float32, whose rounding no float64 reference reproduces
-        mask[..., 0] = 1
+        if fill is None:
+            mask[..., 0] = 1
         masked = (mask == 0)[:, None, None, :] if mask_form == "keys" else (mask == 0)[:, None]
-    if causal:
-        future = np.triu(np.ones((seq, seq), bool), 1)[None, None]
-        masked = future if masked is None else masked | future
     attrs = {"num_heads": heads, "unidirectional": int(causal)}
+    if fill is not None:
+        attrs["mask_filter_value"] = fill
     if unequal:
         attrs["qkv_hidden_sizes"] = sizes
     if scale:
         attrs["scale"] = 0.3
-    fill = -10000.0
     inputs = {"x": x, "w": w, "b": b if has_bias else None}
     if mask is not None:
         inputs["mask"] = mask
@@ -624,7 +629,8 @@ def test_attention(batch, seq, heads, head_dim, mask_form, causal, unequal, scal
     ts = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True)
           for k, v in (("x", x), ("w", w), ("b", b)) if inputs.get(k) is not None}
     y = attention_ref(ts["x"], ts["w"], ts.get("b"), heads, sizes,
-                      0.3 if scale else 1 / np.sqrt(sizes[0] // heads), masked, fill)
+                      0.3 if scale else 1 / np.sqrt(sizes[0] // heads), masked,
+                      -10000.0 if fill is None else fill, causal)
     np.testing.assert_allclose(want_fwd, y.detach().numpy(), rtol=1e-4, atol=1e-5)
     c = np.random.default_rng(1).standard_normal(want_fwd.shape).astype(np.float32)
     (y * torch.tensor(c, dtype=torch.float64)).sum().backward()
@@ -635,6 +641,34 @@ def test_attention(batch, seq, heads, head_dim, mask_form, causal, unequal, scal
     for k, g in zip(xs, got):
         w_ = ts[k].grad.numpy()
         assert np.abs(g - w_).max() <= 1e-4 * max(np.abs(w_).max(), 1e-3), k
+
+
+@pytest.mark.parametrize("mask", [[[0, 1, 1]], [[0, 0, 1]], [[1, 0, 1]]])
+@pytest.mark.parametrize("fill", [None, -30.0])
+def test_causal_attention_never_attends_the_future(mask, fill):
+    """unidirectional=1 with padded keys: a query whose earlier keys are all padding attends
+    those (onnxruntime leaves the future keys out altogether; mask_filter_value on them too
+    would spread it over the future ones): the kernel's output and the gradient agree with a
+    reference that gives future keys -inf."""
+    x, w, b = arrays(0, (1, 3, 2), (2, 6), (6,))
+    mask = np.array(mask, np.int32)
+    attrs = {"num_heads": 1, "unidirectional": 1}
+    if fill is not None:
+        attrs["mask_filter_value"] = fill
+    model = ms_model("Attention", {"x": x, "w": w, "b": b, "mask": mask}, ["y"], **attrs)
+    model.graph.input[-1].type.tensor_type.elem_type = TensorProto.INT32
+    feeds = {"x": x, "w": w, "b": b, "mask": mask}
+    (kernel,) = session(model).run(None, feeds)
+    ts = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True)
+          for k, v in (("x", x), ("w", w), ("b", b))}
+    y = attention_ref(ts["x"], ts["w"], ts["b"], 1, [2, 2, 2], 1 / np.sqrt(2),
+                      (mask == 0)[:, None, None, :], -10000.0 if fill is None else fill, True)
+    # 2e-3: a fully padded query's scores are score - 10000 in float32 (rounded to 1e-3)
+    np.testing.assert_allclose(kernel, y.detach().numpy(), rtol=2e-3, atol=2e-3)
+    y.sum().backward()
+    res = onnxgrad.gradients(model, "y", list(ts))
+    for k, g in zip(ts, session(res.model).run(res.grads, feeds)):
+        np.testing.assert_allclose(g, ts[k].grad.numpy(), rtol=2e-3, atol=2e-3, err_msg=k)
 
 
 @SETTINGS

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import onnx_ir as ir
 
 from ..inference import CONV_ATTRS
@@ -97,10 +98,16 @@ def _skip_norm(n, simplified: bool):
 
     def build(e):
         s = x + skip if bias is None else x + skip + bias
-        d = s if simplified else s - e.reduce("ReduceMean", s, [-1])
-        y = d / e.Sqrt(e.reduce("ReduceMean", d * d, [-1]) + eps) * gamma
-        return [y if beta is None else y + beta, None, None, s]
+        return [_layer_norm(e, s, gamma, beta, eps, simplified), None, None, s]
     return _expand(n, build)
+
+
+def _layer_norm(e, s, gamma, beta, eps, simplified=False):
+    """(s - mean) / sqrt(var + eps) * gamma (+ beta) over the last axis; RMSNorm (no mean,
+    mean(s^2) for var) when simplified."""
+    d = s if simplified else s - e.reduce("ReduceMean", s, [-1])
+    y = d / e.Sqrt(e.reduce("ReduceMean", d * d, [-1]) + eps) * gamma
+    return y if beta is None else y + beta
 
 
 register("SkipLayerNormalization", domain=MS)(lambda n, g: _skip_norm(n, False))
@@ -185,17 +192,17 @@ def _heads(e, t, n_heads):
     return e.Transpose(e.Reshape(t, [0, 0, n_heads, -1]), perm=[0, 2, 1, 3])
 
 
-def _mask_bias(e, n, mask, scores, fill):
-    """``fill`` where a query may not attend a key, else 0, broadcastable to the scores
-    [B, N, S, T]: mask_index as key lengths [B] (right padding), a raw key mask [B, T] or an
-    attention mask [B, S, T] (0: masked), and the causal mask of unidirectional=1. Where both
-    mask a score it holds ``fill`` once, as onnxruntime's kernel does."""
+def _masked(e, n, mask, scores, fill):
+    """The scores with the masks applied, as onnxruntime's kernel does: ``fill``
+    (mask_filter_value) added where mask_index masks a key (key lengths [B] for right padding,
+    a key mask [B, T] or an attention mask [B, S, T], 0 meaning masked), and keys after the
+    query left out altogether under unidirectional=1 (-inf: a query whose every earlier key is
+    padding attends those, not the future ones)."""
     dims = e.Shape(scores)
 
     def arange(axis):  # 0 .. dims[axis] - 1, int64
         return e.Range(e.const(0, INT64), e.Squeeze(e.Slice(dims, [axis], [axis + 1]), [0]),
                        e.const(1, INT64))
-    masked = None
     if mask is not None:
         rank = mask.rank
         if rank == 1:  # Reshape to [B]: a [2B] end/start index fails here, not silently
@@ -209,12 +216,12 @@ def _mask_bias(e, n, mask, scores, fill):
             raise NotImplementedError(
                 f"Attention node {n.node.name!r}: mask_index of rank {rank}: onnxgrad takes "
                 "key lengths [B], a key mask [B, T] or an attention mask [B, S, T]")
-    if attr(n, "unidirectional"):  # a key after the query
+        zero = e.const(0, scores.dtype)
+        scores = scores + e.Where(masked, e.const(fill, scores.dtype), zero)
+    if attr(n, "unidirectional"):
         future = e.Greater(e.Unsqueeze(arange(3), [0]), e.Unsqueeze(arange(2), [1]))
-        masked = future if masked is None else e.Or(masked, future)
-    if masked is None:
-        return None
-    return e.Where(masked, e.const(fill, scores.dtype), e.const(0, scores.dtype))
+        scores = e.Where(future, e.const(-np.inf, scores.dtype), scores)
+    return scores
 
 
 @register("Attention", domain=MS)
@@ -242,8 +249,7 @@ def _ms_attention(n, g):
         qkv = x @ w if bias is None else x @ w + bias
         q, k, v = (_heads(e, t, heads) for t in e.Split(qkv, sizes, axis=-1, _outputs=3))
         scores = (q @ e.Transpose(k, perm=[0, 1, 3, 2])) * scale
-        masked = _mask_bias(e, n, mask, scores, fill)
-        p = e.Softmax(scores if masked is None else scores + masked, axis=-1)
+        p = e.Softmax(_masked(e, n, mask, scores, fill), axis=-1)
         return [e.Reshape(e.Transpose(p @ v, perm=[0, 2, 1, 3]), [0, 0, -1])]
     return _expand(n, build)
 
@@ -264,7 +270,5 @@ def _embed_layer_norm(n, g):
         s = e.Gather(word, ids) + e.Gather(pos, at)
         if seg is not None and seg_ids is not None:
             s = s + e.Gather(seg, seg_ids)
-        d = s - e.reduce("ReduceMean", s, [-1])
-        y = d / e.Sqrt(e.reduce("ReduceMean", d * d, [-1]) + eps) * gamma + beta
-        return [y, None, s]
+        return [_layer_norm(e, s, gamma, beta, eps), None, s]
     return _expand(n, build)
