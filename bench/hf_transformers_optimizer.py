@@ -35,7 +35,8 @@ from hf_models import TOL, _text, nudged, params_by_bytes  # noqa: E402
 
 # architecture -> model_type for the optimizer
 MODELS = {"bert": "bert", "distilbert": "bert", "roberta": "bert", "electra": "bert",
-          "albert": "bert", "deberta_v2": "bert", "mpnet": "bert", "gpt2": "gpt2"}
+          "albert": "bert", "deberta_v2": "bert", "mpnet": "bert", "gpt2": "gpt2",
+          "t5_encoder": "t5", "llama": "gpt2"}
 
 
 def check(name: str, make, model_type: str) -> dict:
@@ -112,7 +113,8 @@ def check(name: str, make, model_type: str) -> dict:
         err = float(np.abs(mine - want.numpy()).max() / max(float(want.abs().max()),
                                                              1e-3 * scale))
         worst = max(worst, (err, pname))
-    return dict(ops=sorted({n.op_type for n in model.graph.node if n.domain == "com.microsoft"}),
+    return dict(ops=sorted({n.op_type for n in model.graph.node if n.domain == "com.microsoft"
+                            or n.op_type == "SimplifiedLayerNormalization"}),
                 forward=abs(forward - float(loss)) / abs(float(loss)), worst=worst,
                 compared=len(sums), params=len(params))
 
