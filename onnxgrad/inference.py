@@ -184,7 +184,7 @@ def _standins(n: onnx.NodeProto, opset: int) -> list | None:
 
     def node(op_type, inputs, out=None, **kw):
         out = out or f"{_STANDIN}{outs[0]}/{len(made)}"
-        made.append(onnx.helper.make_node(op_type, [i for i in inputs], [out],
+        made.append(onnx.helper.make_node(op_type, list(inputs), [out],
                                           name=_STANDIN + (n.name or outs[0]), **kw))
         return out
 
@@ -267,12 +267,11 @@ def _put_standins(m: onnx.ModelProto) -> list:
             else:
                 for s in made:  # which original a stand-in replaces
                     s.doc_string = str(len(originals))
-                originals.append(onnx.NodeProto.FromString(n.SerializeToString()))
+                originals.append(n)
                 nodes += made
         if originals:
-            kept = [onnx.NodeProto.FromString(n.SerializeToString()) for n in nodes]
             del g.node[:]
-            g.node.extend(kept)
+            g.node.extend(nodes)
         out.append(originals)
     return out
 
@@ -288,9 +287,8 @@ def _take_standins(m: onnx.ModelProto, originals: list) -> None:
             elif n.doc_string not in seen:
                 seen.add(n.doc_string)
                 nodes.append(orig[int(n.doc_string)])
-        kept = [onnx.NodeProto.FromString(n.SerializeToString()) for n in nodes]
         del g.node[:]
-        g.node.extend(kept)
+        g.node.extend(nodes)
         vis = [vi for vi in g.value_info if not vi.name.startswith(_STANDIN)]
         del g.value_info[:]
         g.value_info.extend(vis)
@@ -448,15 +446,21 @@ def out_rank(op_type: str, keepdims: int, rank: int | None, len1: int | None) ->
     return a * (rank or 0) + b * len1
 
 
-def _rank_seeds(graphs: list) -> list:
-    """[(graph index, ValueInfoProto)]: the rank (dims unknown) of each output of a
-    :data:`SAME_RANK` or :data:`AXES_RANK` op that inference left without one, where
-    :func:`out_rank` tells it."""
-    types, out = {}, []
+def value_types(graphs: list) -> dict:
+    """{name: TypeProto} of the inputs, value_info, outputs and initializers of ``graphs``."""
+    types = {}
     for g in graphs:
         types.update((vi.name, vi.type) for vi in [*g.input, *g.value_info, *g.output])
         types.update((t.name, onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)))
                      for t in g.initializer)
+    return types
+
+
+def _rank_seeds(graphs: list) -> list:
+    """[(graph index, ValueInfoProto)]: the rank (dims unknown) of each output of a
+    :data:`SAME_RANK` or :data:`AXES_RANK` op that inference left without one, where
+    :func:`out_rank` tells it."""
+    types, out = value_types(graphs), []
     for gi, g in enumerate(graphs):
         for n in g.node:
             if n.op_type == "Loop" and n.domain in ("", "ai.onnx"):

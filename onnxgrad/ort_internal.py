@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .errors import InvalidModelError
-from .inference import _onnx_infer, graphs_of, model_opset, ort_internal
+from .inference import _onnx_infer, graphs_of, model_opset, ort_internal, value_types
 from .rules.spec import _ort_defaults
 
 _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -27,19 +27,13 @@ def standard_forms(model: onnx.ModelProto) -> onnx.ModelProto:
     if not any(ort_internal(n, opset) for g in graphs_of(model.graph) for n in g.node):
         return model
     m = onnx.ModelProto.FromString(model.SerializeToString())
-    typed = _onnx_infer(m)
-    types = {}
-    for g in graphs_of(typed.graph):
-        types.update((vi.name, vi.type.tensor_type) for vi in [*g.input, *g.value_info, *g.output])
-        types.update((t.name, helper.make_tensor_type_proto(t.data_type, list(t.dims))
-                      .tensor_type) for t in g.initializer)
+    types = {k: t.tensor_type for k, t in value_types(graphs_of(_onnx_infer(m).graph)).items()}
     for g in graphs_of(m.graph):
         nodes = []
         for n in g.node:
             nodes += _expand(n, opset, types) if ort_internal(n, opset) else [n]
-        kept = [onnx.NodeProto.FromString(n.SerializeToString()) for n in nodes]
         del g.node[:]
-        g.node.extend(kept)
+        g.node.extend(nodes)
     return m
 
 

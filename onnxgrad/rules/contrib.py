@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from ..inference import CONV_ATTRS
 from ..registry import register, table
-from .function import differentiate_expansion
+from .function import differentiate_expansion as _expand
 from .spec import attr
 
 MS = "com.microsoft"
@@ -37,9 +37,6 @@ def _gelu(e, x):
 
 def _tanh_gelu(e, x):
     return 0.5 * x * (1 + e.Tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x)))
-
-
-_expand = differentiate_expansion
 
 
 def _biased(n):

@@ -147,10 +147,16 @@ def differentiate_body(n, append=None):
     else:
         nodes, swap = append(e, clones)
     outs = [swap.get(o, o) if o is not None else None for o in outs]
-    seeds = {o: gi for o, gi in zip(outs, n.gs) if o is not None and gi is not None}
+    return _sweep(n, nodes, zip(outs, n.gs))
+
+
+def _sweep(n, nodes, seeded):
+    """The gradients of the node's inputs through ``nodes`` (already in the graph), seeded by
+    the (value, gradient) pairs of ``seeded``."""
+    seeds = {o: g for o, g in seeded if o is not None and g is not None}
     xs = [v for v in n.node.inputs if v is not None and n.wants(v)]
     view = ir.GraphView(inputs=[], outputs=[], nodes=nodes)
-    got = dict(zip(xs, n.differentiate(view, seeds, xs, e)))
+    got = dict(zip(xs, n.differentiate(view, seeds, xs, n.e)))
     return tuple(got.get(v) if v is not None else None for v in n.node.inputs)
 
 
@@ -160,17 +166,12 @@ def differentiate_expansion(n, build, gs=None):
     typed by onnx shape inference and differentiated by the sweep. ``build`` returns the values
     that ``gs`` seed (default: the node's outputs and their gradients). The expansion's forward
     nodes that no gradient reads are dropped with the rest of the dead nodes."""
-    e = n.e
-    start = len(e.nodes)
-    outs = build(e)
-    nodes = e.nodes[start:]
+    start = len(n.e.nodes)
+    outs = build(n.e)
+    nodes = n.e.nodes[start:]
     _infer_types(n, nodes, None)
-    seeds = {o.value: g for o, g in zip(outs, n.gs if gs is None else gs)
-             if o is not None and g is not None}
-    xs = [v for v in n.node.inputs if v is not None and n.wants(v)]
-    view = ir.GraphView(inputs=[], outputs=[], nodes=nodes)
-    got = dict(zip(xs, n.differentiate(view, seeds, xs, e)))
-    return tuple(got.get(v) if v is not None else None for v in n.node.inputs)
+    return _sweep(n, nodes, ((None if o is None else o.value, g)
+                             for o, g in zip(outs, n.gs if gs is None else gs)))
 
 
 def _function_rule(n, g):
