@@ -5,6 +5,7 @@ onnxruntime-training 1.19.2, in one run.
     python bench/train_step.py --rows cnn-ts --threads 1 2 --steps 20
     python bench/train_step.py --profile cnn-ts  # also onnxruntime's per-node profile of a row
     python bench/train_step.py --device cuda     # what bench/train_gpu.py runs
+    python bench/train_step.py --rows cnn-ts --ort-saved  # the model onnxruntime's optimizer saves
 
 Rows (AdamW lr 1e-3, cross-entropy over 10 classes, the same initial weights and the same
 batches on every side, random data made once):
@@ -184,9 +185,11 @@ def batches(spec, n=8, seed=1):
 
 
 # -- what the sides share: files written once by the parent ---------------------------------
-def prepare(row, workdir):
+def prepare(row, workdir, ort_saved=False):
     """Write the row's ONNX model, batches (npz: x0, y0, ...) and, for exported rows, the
-    module's initial state_dict into ``workdir``; returns their paths and the trained params."""
+    module's initial state_dict into ``workdir``; returns their paths and the trained params.
+    ``ort_saved``: an exported model as onnxruntime's optimizer saves it (its com.microsoft
+    fused ops), which both ONNX sides then train."""
     import onnx
     out = {"row": row, "onnx": os.path.join(workdir, f"{row}.onnx"),
            "batches": os.path.join(workdir, f"{row}.npz")}
@@ -203,6 +206,9 @@ def prepare(row, workdir):
         out["state"] = os.path.join(workdir, f"{row}.pt")
         torch.save(module.state_dict(), out["state"])
         torch_models.export(module, shape, batch, out["onnx"], EXPORTERS[exporter])
+        if ort_saved:
+            from hf_models import ort_optimized
+            onnx.save(ort_optimized(onnx.load(out["onnx"])), out["onnx"])
         inits = {t.name for t in onnx.load(out["onnx"], load_external_data=False)
                  .graph.initializer}
         out["params"] = [k for k, _ in module.named_parameters()]
@@ -499,6 +505,9 @@ def main(argv=None):
                     "(none when given alone)")
     ap.add_argument("--profile", nargs="*", choices=ROWS, default=None,
                     help="profile these rows (all when given alone) with onnxruntime")
+    ap.add_argument("--ort-saved", action="store_true",
+                    help="exported rows as onnxruntime's optimizer saves them "
+                         "(ORT_ENABLE_EXTENDED: com.microsoft fused ops), for both ONNX sides")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--child-prep", help=argparse.SUPPRESS)
     ap.add_argument("--child-side", help=argparse.SUPPRESS)
@@ -537,7 +546,7 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="train_step-")
     try:
         for row in args.rows:
-            prep = prepare(row, work)
+            prep = prepare(row, work, args.ort_saved)
             prep_path = os.path.join(work, f"{row}.json")
             with open(prep_path, "w") as f:
                 json.dump(prep, f)
@@ -584,7 +593,7 @@ def main(argv=None):
                 prep_path = os.path.join(work, f"{row}.json")
                 if not os.path.exists(prep_path):
                     with open(prep_path, "w") as f:
-                        json.dump(prepare(row, work), f)
+                        json.dump(prepare(row, work, args.ort_saved), f)
                 prefix = os.path.join(tempfile.gettempdir(), f"train_step_{row}_profile")
                 res = spawn(prep_path, "onnxgrad",
                             argparse.Namespace(**{**vars(args), "repeat": 1}), t,

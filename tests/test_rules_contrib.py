@@ -201,6 +201,51 @@ def test_float64_finite_differences():
         assert report.ok, str(report)
 
 
+def test_float32_finite_differences():
+    """The ops onnxruntime runs in float32 only, against central differences in float32 (the
+    check's float32 step and tolerance), one configuration each beside the generated checks
+    against torch autograd; smooth activations (a kink within the step would decide nothing)."""
+    x, s, g, bt, bias = arrays(5, (2, 3, 4), (2, 3, 4), (4,), (4,), (4,))
+    cx, cw, cb, cz = arrays(6, (1, 2, 5, 5), (3, 2, 3, 3), (3,), (1, 3, 3, 3))
+    ga, gb, gc = arrays(7, (3, 4), (4, 5), (5,))
+    aw, ab = arrays(8, (4, 12), (12,))
+    word, pos, gamma, beta = arrays(9, (7, 4), (5, 4), (4,), (4,))
+    ids = np.array([[1, 3, 6], [0, 2, 2]], np.int32)
+    lengths = np.array([3, 2], np.int32)
+    cases = [
+        (ms_model("Gelu", {"x": x}, ["y"]), ["x"], {}),
+        (ms_model("BiasGelu", {"x": x, "b": bias}, ["y"]), ["x", "b"], {}),
+        (ms_model("SkipLayerNormalization", {"x": x, "s": s, "g": g, "bt": bt, "bias": bias},
+                  ["y"], epsilon=1e-5), ["x", "s", "g", "bt", "bias"], {}),
+        (ms_model("SkipSimplifiedLayerNormalization", {"x": x, "s": s, "g": g, "bias": bias},
+                  ["y"], epsilon=1e-5), ["x", "s", "g", "bias"], {}),
+        (ms_model("FusedConv", {"x": cx, "w": cw, "b": cb, "z": cz}, ["y"], activation="Tanh",
+                  kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+         ["x", "w", "b", "z"], {}),
+        (ms_model("FusedGemm", {"a": ga, "b": gb, "c": gc}, ["y"], activation="Sigmoid",
+                  alpha=0.5, beta=2.0), ["a", "b", "c"], {}),
+    ]
+    attention = ms_model("Attention", {"x": x, "w": aw, "b": ab, "m": lengths}, ["y"],
+                         num_heads=2)
+    attention.graph.input[-1].type.tensor_type.elem_type = TensorProto.INT32
+    cases.append((attention, ["x", "w", "b"], {"m": lengths}))
+    names = ["ids", "", "word", "pos", "", "gamma", "beta"]
+    embed = helper.make_model(helper.make_graph(
+        # (onnxruntime's kernel wants its mask_index output declared)
+        [helper.make_node("EmbedLayerNormalization", names, ["y", "mask_index"], domain=MS,
+                          epsilon=1e-5)],
+        "m", [helper.make_tensor_value_info("ids", TensorProto.INT32, [2, 3])] +
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape)
+         for k, v in (("word", word), ("pos", pos), ("gamma", gamma), ("beta", beta))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)], ir_version=10)
+    cases.append((embed, ["word", "pos", "gamma", "beta"],
+                  {"ids": ids, "word": word, "pos": pos, "gamma": gamma, "beta": beta}))
+    for model, xs, feeds in cases:
+        report = check_gradients(model, "y", xs, feeds, dtype="float32")
+        assert report.ok, f"{model.graph.node[0].op_type}: {report}"
+
+
 # -- FusedGemm and FusedConv: a linear op and an activation ------------------------------------
 ACTS = st.sampled_from([("Relu", []), ("Tanh", []), ("Sigmoid", []), ("LeakyRelu", [0.2]),
                         ("LeakyRelu", [-0.3]), ("HardSigmoid", [0.3, 0.4]),
