@@ -376,6 +376,24 @@ def test_skip_layer_norm_statistics_outputs_are_refused():
         onnxgrad.gradients(model, ["y", "inv_std"], ["x"])
 
 
+@pytest.mark.parametrize("extra, match", [
+    ({"m": np.ones((1, 1, 3, 3), np.int32)}, "mask_index of rank 4"),
+    ({"m": None, "past": np.zeros((2, 1, 2, 0, 2), np.float32)}, "past"),
+])
+def test_attention_forms_without_a_rule_are_refused(extra, match):
+    """Attention inputs the rule does not take are refused, naming the input; the model the
+    caller gave is left as it was."""
+    x, w, b = arrays(0, (1, 3, 4), (4, 12), (12,))
+    model = ms_model("Attention", {"x": x, "w": w, "b": b, **extra}, ["y"], num_heads=2)
+    for vi in model.graph.input:
+        if vi.name == "m":
+            vi.type.tensor_type.elem_type = TensorProto.INT32
+    before = model.SerializeToString()
+    with pytest.raises(onnxgrad.NotDifferentiableError, match=match):
+        onnxgrad.gradients(model, "y", ["x"])
+    assert model.SerializeToString() == before
+
+
 def test_unknown_fused_activation_is_refused():
     x, w = arrays(0, (1, 1, 4, 4), (1, 1, 3, 3))
     model = ms_model("FusedConv", {"x": x, "w": w}, ["y"], activation="Elu",
@@ -527,7 +545,9 @@ def test_onnxruntime_ai_onnx_ops_become_standard(op, axis, with_bias, stats, eps
                            opset, **attrs)
     with pytest.raises(onnx.checker.ValidationError):
         onnx.checker.check_model(model)  # what onnx says of the saved model
+    before = model.SerializeToString()
     std = standard_forms(model)
+    assert model.SerializeToString() == before  # the rewrite is of a copy
     onnx.checker.check_model(std, full_check=True)
     want = session(model).run(None, {"x": x})  # onnxruntime's own kernel
     got = session(std).run(None, {"x": x})
