@@ -1,0 +1,115 @@
+"""The build's own shortcuts give the IR onnx-ir's reader gives.
+
+``autodiff._deserialize`` types the main graph's values from value_info once per distinct type
+(shared frozen shapes) instead of letting onnx-ir read every entry; the rules then see exactly
+what onnx-ir would have given them. Checked on random graphs (the fuzz generator, after the same
+preparation as a gradients() call) and on the entries that need onnx-ir's full reader.
+"""
+import os
+import sys
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from hypothesis import HealthCheck, given, seed, settings
+from onnx import TensorProto, helper
+
+from onnxgrad.autodiff import _deserialize, _prepare, _unique_scope
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+import fuzz_graphs  # noqa: E402
+
+F = TensorProto.FLOAT
+
+
+def _both(model: onnx.ModelProto, prepare: bool = True):
+    """(onnx-ir's model, ours, the entries kept) of one copy of ``model``, prepared as a
+    gradients() call prepares it (shape inference), or as it is."""
+    proto = _prepare(model)[0] if prepare else model
+    theirs = ir.serde.deserialize_model(onnx.ModelProto.FromString(proto.SerializeToString()))
+    mine, kept = _deserialize(onnx.ModelProto.FromString(proto.SerializeToString()),
+                              {vi.name for vi in model.graph.value_info})
+    return theirs, mine, kept
+
+
+def _typing(irm: ir.Model) -> list:
+    """Every value of every graph: (name, type, shape, doc_string, metadata), in graph order."""
+    out = []
+    for graph in [irm.graph, *(g for n in ir.traversal.RecursiveGraphIterator(irm.graph)
+                               for a in n.attributes.values()
+                               for g in ([a.value] if a.type == ir.AttributeType.GRAPH else
+                                         a.value if a.type == ir.AttributeType.GRAPHS else []))]:
+        values = [*graph.inputs, *graph.initializers.values(),
+                  *(v for node in graph for v in node.outputs), *graph.outputs]
+        out += [(v.name, repr(v.type), repr(v.shape), v.doc_string, dict(v.metadata_props))
+                for v in values]
+    return out
+
+
+def _same(model: onnx.ModelProto, prepare: bool = True):
+    theirs, mine, kept = _both(model, prepare)
+    assert _typing(mine) == _typing(theirs)
+    # and the model each writes back is the same, value_info included
+    assert ir.serde.serialize_model(mine) == ir.serde.serialize_model(theirs)
+    return kept
+
+
+@seed(11)
+@settings(deadline=None, database=None, max_examples=60,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(fuzz_graphs.specs(max_steps=6))
+def test_typing_matches_onnx_ir_on_random_graphs(spec):
+    _same(fuzz_graphs.build(spec).model())
+
+
+def test_entries_that_need_onnx_irs_full_reader():
+    """An entry with a doc_string or metadata, one for a graph output
+    (whose own declaration wins in onnx-ir), a sequence, and a subgraph's own value_info."""
+    then = helper.make_graph([helper.make_node("Neg", ["a"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", F, None)])
+    other = helper.make_graph([helper.make_node("Abs", ["a"], ["u"])], "else", [],
+                              [helper.make_tensor_value_info("u", F, None)])
+    then.value_info.append(helper.make_tensor_value_info("t", F, ["K"]))
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("ReduceSum", ["a"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "w"], ["c"]),
+             helper.make_node("If", ["c"], ["b"], then_branch=then, else_branch=other),
+             helper.make_node("SequenceConstruct", ["a", "a"], ["q"]),
+             helper.make_node("SequenceAt", ["q", "i"], ["r"]),
+             helper.make_node("Add", ["b", "r"], ["y"])]
+    g = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, ["N", 3])],
+        [helper.make_tensor_value_info("y", F, ["N", 3])],
+        [onnx.numpy_helper.from_array(np.array(0.5, np.float32), "w"),
+         onnx.numpy_helper.from_array(np.array(1, np.int64), "i")])
+    noted = helper.make_tensor_value_info("a", F, ["N", 3], doc_string="after the Relu")
+    tagged = helper.make_tensor_value_info("s", F, [])
+    tagged.metadata_props.add(key="k", value="v")
+    g.value_info.extend([noted, tagged, helper.make_tensor_value_info("w", F, []),
+                         helper.make_tensor_value_info("y", F, [None, 3]),
+                         helper.make_tensor_sequence_value_info("q", F, ["N", 3]),
+                         helper.make_tensor_value_info("r", F, ["N", 3]),
+                         helper.make_tensor_value_info("b", F, ["N", 3])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    _same(m, prepare=False)  # (the preparation rewrites entries without doc_string, metadata)
+    kept = _same(m)
+    # the declared entries go back into the result (the initializer's was dropped by the
+    # preparation's shape inference, which keeps entries only for values nodes make)
+    assert sorted(vi.name for vi in kept) == ["a", "b", "q", "r", "s", "y"]
+
+
+def test_scope_search_matches_names_under_it():
+    """_unique_scope's one-string search: taken by an equal name, a name under scope/, or a
+    sequence gradient ...@scope, and by nothing else (a prefix alone is not under it)."""
+    def scope_for(names, name="gradients"):
+        nodes = [helper.make_node("Identity", ["x"], [n]) for n in names]
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1])],
+                              [helper.make_tensor_value_info(n, F, [1]) for n in names])
+        return _unique_scope(ir.serde.deserialize_graph(g), name)
+
+    assert scope_for(["gradients"]) == "gradients_1"
+    assert scope_for(["gradients/a", "gradients_1"]) == "gradients_2"
+    assert scope_for(["seq@gradients"]) == "gradients_1"
+    assert scope_for(["gradientsX", "gradients_", "my/gradients", "gradients@x"]) == "gradients"
+    assert scope_for(["a/b/c"], "a/b") == "a/b_1"
+    assert scope_for(["a/bc"], "a/b") == "a/b"
