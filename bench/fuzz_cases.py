@@ -41,8 +41,8 @@ NOT_FUZZED = {
                      "CudnnRNNParamsToCanonicalV2"],
                     "onnxgrad-domain ops: reached through the LSTM/GRU/RNN gradients only"),
     **dict.fromkeys(["BiasGelu", "EmbedLayerNormalization", "FastGelu", "FusedConv",
-                     "FusedGemm", "FusedMatMul", "QuickGelu", "SkipLayerNormalization",
-                     "SkipSimplifiedLayerNormalization"],
+                     "FusedGemm", "FusedMatMul", "MultiHeadAttention", "QuickGelu",
+                     "SkipLayerNormalization", "SkipSimplifiedLayerNormalization"],
                     "com.microsoft ops onnxruntime mostly runs in float32 only (no float64 "
                     "oracle): tests/test_rules_contrib.py generates their configurations "
                     "against torch autograd"),

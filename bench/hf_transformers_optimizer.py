@@ -7,7 +7,8 @@
 ``onnxruntime.transformers.optimizer.optimize_model`` (what optimum and Olive run for BERT-like
 models) rewrites a model around com.microsoft ops: EmbedLayerNormalization (the embeddings and
 their LayerNorm, from input_ids), Attention (one GEMM of merged q/k/v weights, the heads, the
-padding mask as key lengths), SkipLayerNormalization, BiasGelu, FastGelu. Each architecture of
+padding mask as key lengths), SkipLayerNormalization, BiasGelu, FastGelu; with its
+``use_multi_head_attention`` option (rows "+mha") MultiHeadAttention. Each architecture of
 bench/hf_models.py's text list that the optimizer knows as "bert" (or "gpt2") is built from the
 same small random config, exported by the TorchScript exporter with input_ids, an attention
 mask that pads the second sequence, and symbolic batch and sequence dims, optimized, and
@@ -33,16 +34,19 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_models import TOL, _text, nudged, params_by_bytes  # noqa: E402
 
-# architecture -> model_type for the optimizer
+# row -> model_type for the optimizer; "+mha": with its use_multi_head_attention option
+# (MultiHeadAttention from separate q, k, v projections, as it writes for T5, BART, Whisper)
 MODELS = {"bert": "bert", "distilbert": "bert", "roberta": "bert", "electra": "bert",
           "albert": "bert", "deberta_v2": "bert", "mpnet": "bert", "gpt2": "gpt2",
-          "t5_encoder": "t5", "llama": "gpt2"}
+          "t5_encoder": "t5", "llama": "gpt2", "bert+mha": "bert", "roberta+mha": "bert",
+          "electra+mha": "bert"}
 
 
 def check(name: str, make, model_type: str) -> dict:
     import onnx
     import torch
     from onnxruntime.transformers import optimizer
+    from onnxruntime.transformers.fusion_options import FusionOptions
 
     import onnxgrad
     from onnxgrad.runtime import session
@@ -71,9 +75,12 @@ def check(name: str, make, model_type: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".onnx") as tmp:
         tmp.write(f.getvalue())
         tmp.flush()
+        options = FusionOptions(model_type)
+        options.use_multi_head_attention = name.endswith("+mha")
         model = optimizer.optimize_model(tmp.name, model_type=model_type,
                                          num_heads=m.config.num_attention_heads,
-                                         hidden_size=m.config.hidden_size).model
+                                         hidden_size=m.config.hidden_size,
+                                         optimization_options=options).model
     inits = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
     res = onnxgrad.gradients(model, "loss", [t.name for t in inits])
     onnx.checker.check_model(res.model, full_check=True)
@@ -131,7 +138,7 @@ def main(argv=None) -> int:
     bad = 0
     for name in names:
         try:
-            r = check(name, text[name], MODELS[name])
+            r = check(name, text[name.split("+")[0]], MODELS[name])
         except Exception as err:  # a refusal or a crash is a finding: report it, go on
             bad += 1
             print(f"| {name} | | | | | {type(err).__name__}: {str(err)[:200]} |", flush=True)

@@ -238,6 +238,10 @@ def _standins(n: onnx.NodeProto, opset: int) -> list | None:
         made.append(onnx.helper.make_node("Split", [qkv, *split], parts, axis=-1,
                                           name=_STANDIN + (n.name or outs[0]), **kw))
         node("Identity", parts[2:], outs[0])
+    elif op == "MultiHeadAttention":  # output [B, S, v_hidden]: from 3-D query and value;
+        # packed KV (no value): [B, S, hidden]; other forms: onnx leaves the shape unknown
+        value = ins[2] if len(ins) > 2 and ins[2] else ins[0]
+        node("Einsum", [ins[0], value], outs[0], equation="bsd,btv->bsv")
     elif op == "EmbedLayerNormalization":  # output and embedding_sum: word_embedding[ids]
         for i in (0, 2):
             if i < len(outs) and outs[i]:

@@ -1,8 +1,9 @@
 """Gradient rules: the com.microsoft ops that onnxruntime's graph optimizer writes into a model
 saved after its optimizations (``SessionOptions.optimized_model_filepath``): Gelu, FastGelu,
 BiasGelu, QuickGelu, FusedMatMul, FusedGemm, FusedConv, SkipLayerNormalization and
-SkipSimplifiedLayerNormalization; and Attention and EmbedLayerNormalization, which its
-transformers optimizer (``onnxruntime.transformers.optimizer``) writes for BERT-like models.
+SkipSimplifiedLayerNormalization; and Attention, MultiHeadAttention and EmbedLayerNormalization,
+which its transformers optimizer (``onnxruntime.transformers.optimizer``) writes for BERT-like
+models (MultiHeadAttention for T5, BART and Whisper, and with ``use_multi_head_attention``).
 
 The forward keeps onnxruntime's fused kernel. Each rule emits the op's expansion into standard ops
 (what the kernel computes: tests/test_rules_contrib.py runs the kernel against PyTorch) and lets
@@ -194,7 +195,9 @@ def _masked(e, n, mask, scores, fill):
     (mask_filter_value) added where mask_index masks a key (key lengths [B] for right padding,
     a key mask [B, T] or an attention mask [B, S, T], 0 meaning masked), and keys after the
     query left out altogether under unidirectional=1 (-inf: a query whose every earlier key is
-    padding attends those, not the future ones)."""
+    padding attends those, not the future ones). Only with as many keys as queries: where they
+    differ, onnxruntime 1.31's CPU MultiHeadAttention follows no alignment of the two that we
+    could find (measured), so the expansion fails at run time in a Reshape instead."""
     dims = e.Shape(scores)
 
     def arange(axis):  # 0 .. dims[axis] - 1, int64
@@ -211,25 +214,47 @@ def _masked(e, n, mask, scores, fill):
                                  [1, 2] if rank == 2 else [1])
         else:
             raise NotImplementedError(
-                f"Attention node {n.node.name!r}: mask_index of rank {rank}: onnxgrad takes "
-                "key lengths [B], a key mask [B, T] or an attention mask [B, S, T]")
+                f"{n.node.op_type} node {n.node.name!r}: "
+                f"{'mask_index' if n.node.op_type == 'Attention' else 'key_padding_mask'} of "
+                f"rank {rank}: onnxgrad takes key lengths [B], a key mask [B, T] or an "
+                "attention mask [B, S, T]")
         zero = e.const(0, scores.dtype)
         scores = scores + e.Where(masked, e.const(fill, scores.dtype), zero)
     if attr(n, "unidirectional"):
-        future = e.Greater(e.Unsqueeze(arange(3), [0]), e.Unsqueeze(arange(2), [1]))
+        keys = arange(3)
+        queries = e.Reshape(arange(2), e.Shape(keys))  # as many as keys, or a run-time error
+        future = e.Greater(e.Unsqueeze(keys, [0]), e.Unsqueeze(queries, [1]))
         scores = e.Where(future, e.const(-np.inf, scores.dtype), scores)
     return scores
 
 
+def _attend(e, n, q, k, v, heads, scale, attention_bias, mask):
+    """Merged heads of softmax(q k^T * scale + attention_bias + mask) v; q, k, v [B, *, N*d]."""
+    q, k, v = (_heads(e, t, heads) for t in (q, k, v))
+    scores = (q @ e.Transpose(k, perm=[0, 1, 3, 2])) * scale
+    if attention_bias is not None:  # [B or 1, N or 1, S, T]
+        scores = scores + attention_bias
+    fill = attr(n, "mask_filter_value")
+    p = e.Softmax(_masked(e, n, mask, scores, -10000.0 if fill is None else fill), axis=-1)
+    return e.Reshape(e.Transpose(p @ v, perm=[0, 2, 1, 3]), [0, 0, -1])
+
+
+def _no_state(n, inputs):
+    """Refuse past state and the present/qk outputs (a decoder's key-value cache)."""
+    for i, what in inputs:
+        if n.input(i) is not None:
+            raise NotImplementedError(f"{n.node.op_type} with a {what} input")
+    if any(gy is not None for gy in n.gs[1:]):
+        raise NotImplementedError(f"{n.node.op_type} with a present or qk output on the path")
+
+
 @register("Attention", domain=MS)
 def _ms_attention(n, g):
-    """output = concat over heads of softmax(q k^T * scale + mask) v, [q, k, v] = input @ weights
-    + bias (without past state, attention_bias or rotary embedding)."""
-    for i, what in ((4, "past"), (5, "attention_bias"), (6, "past_sequence_length")):
-        if n.input(i) is not None:
-            raise NotImplementedError(f"Attention with a {what} input")
-    if attr(n, "do_rotary") or (len(n.gs) > 1 and n.gs[1] is not None):
-        raise NotImplementedError("Attention with a rotary embedding or a present output")
+    """output = concat over heads of softmax(q k^T * scale + attention_bias + mask) v,
+    [q, k, v] = input @ weights + bias (without past state or rotary embedding)."""
+    _no_state(n, ((4, "past"), (6, "past_sequence_length")))
+    if attr(n, "do_rotary"):
+        raise NotImplementedError("Attention with a rotary embedding")
     heads = int(attr(n, "num_heads"))
     x, w, bias, mask = n.ins[0], n.ins[1], n.input(2), n.input(3)
     sizes = attr(n, "qkv_hidden_sizes")
@@ -239,15 +264,38 @@ def _ms_attention(n, g):
                                       "qkv_hidden_sizes)")
         sizes = [w.shape[-1] // 3] * 3
     scale = attr(n, "scale") or 1 / math.sqrt(sizes[0] // heads)
-    fill = attr(n, "mask_filter_value")
-    fill = -10000.0 if fill is None else fill
 
     def build(e):
         qkv = x @ w if bias is None else x @ w + bias
-        q, k, v = (_heads(e, t, heads) for t in e.Split(qkv, sizes, axis=-1, _outputs=3))
-        scores = (q @ e.Transpose(k, perm=[0, 1, 3, 2])) * scale
-        p = e.Softmax(_masked(e, n, mask, scores, fill), axis=-1)
-        return [e.Reshape(e.Transpose(p @ v, perm=[0, 2, 1, 3]), [0, 0, -1])]
+        q, k, v = e.Split(qkv, sizes, axis=-1, _outputs=3)
+        return [_attend(e, n, q, k, v, heads, scale, n.input(5), mask)]
+    return _expand(n, build)
+
+
+@register("MultiHeadAttention", domain=MS)
+def _ms_multi_head_attention(n, g):
+    """output = concat over heads of softmax(q k^T * scale + attention_bias + mask) v with
+    [q, k, v] = [query, key, value] + bias, from separate 3-D query, key and value (self or
+    cross attention; not the packed QKV/KV or [B, N, T, d] key forms, nor past state)."""
+    _no_state(n, ((6, "past_key"), (7, "past_value"), (8, "past_sequence_length"),
+                  (9, "cache_indirection")))
+    query, key, value, bias, mask = (n.input(i) for i in range(5))
+    if key is None or value is None or any(t.rank != 3 for t in (query, key, value)):
+        raise NotImplementedError(
+            "MultiHeadAttention takes 3-D query, key and value here (not packed QKV or KV, "
+            "nor a [batch, heads, length, head_size] key and value)")
+    heads = int(attr(n, "num_heads"))
+    hidden, v_hidden = query.shape[-1], value.shape[-1]
+    if not isinstance(hidden, int) or (bias is not None and not isinstance(v_hidden, int)):
+        raise NotImplementedError("MultiHeadAttention needs static hidden sizes")
+    scale = attr(n, "scale") or 1 / math.sqrt(hidden // heads)
+
+    def build(e):
+        q, k, v = query, key, value
+        if bias is not None:
+            bq, bk, bv = e.Split(bias, [hidden, hidden, v_hidden], axis=0, _outputs=3)
+            q, k, v = q + bq, k + bk, v + bv
+        return [_attend(e, n, q, k, v, heads, scale, n.input(5), mask)]
     return _expand(n, build)
 
 
