@@ -84,10 +84,13 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     gc.disable()
     try:
         proto, opset = _prepare(model)
+        prepared = proto.SerializeToString()  # _gradients takes proto apart (value_info)
         try:
             return _gradients(proto, opset, *args)
         except NeedOpset as need:  # a rule needs a newer op: upgrade the whole model once, retry
-            proto, opset = _prepare(onnx.version_converter.convert_version(proto, need.version))
+            proto = onnx.version_converter.convert_version(
+                onnx.ModelProto.FromString(prepared), need.version)
+            proto, opset = _prepare(proto)
             return _gradients(proto, opset, *args)
     finally:
         if gc_was_on:

@@ -14,6 +14,7 @@ import onnx_ir as ir
 from hypothesis import HealthCheck, given, seed, settings
 from onnx import TensorProto, helper
 
+import onnxgrad
 from onnxgrad.autodiff import _deserialize, _prepare, _unique_scope
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
@@ -113,3 +114,22 @@ def test_scope_search_matches_names_under_it():
     assert scope_for(["gradientsX", "gradients_", "my/gradients", "gradients@x"]) == "gradients"
     assert scope_for(["a/b/c"], "a/b") == "a/b_1"
     assert scope_for(["a/bc"], "a/b") == "a/b"
+
+
+def test_opset_retry_keeps_the_declared_types():
+    """A rule that needs a newer opset (GatherND's gradient: ScatterND with reduction="add",
+    opset 16) makes the call upgrade the prepared model and start again; the retry starts from
+    the model as prepared, declared types included (here the int64 indices that a custom op
+    makes: untyped, they could be float, and the path would run through the op)."""
+    nodes = [helper.make_node("Foo", ["x"], ["idx"], domain="my"),
+             helper.make_node("GatherND", ["x", "idx"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [3, 4])],
+                          [helper.make_tensor_value_info("y", F, None)])
+    g.value_info.append(helper.make_tensor_value_info("idx", TensorProto.INT64, [2, 1]))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13),
+                                            helper.make_opsetid("my", 1)], ir_version=8)
+    res = onnxgrad.gradients(m, "y", ["x"])
+    assert {o.domain: o.version for o in res.model.opset_import}[""] == 16
+    assert [vi.type.tensor_type.elem_type for vi in res.model.graph.value_info
+            if vi.name == "idx"] == [TensorProto.INT64]
+    assert any(n.op_type == "ScatterND" for n in res.model.graph.node)
