@@ -8,11 +8,13 @@
 models) rewrites a model around com.microsoft ops: EmbedLayerNormalization (the embeddings and
 their LayerNorm, from input_ids), Attention (one GEMM of merged q/k/v weights, the heads, the
 padding mask as key lengths), SkipLayerNormalization, BiasGelu, FastGelu; with its
-``use_multi_head_attention`` option (rows "+mha") MultiHeadAttention. Each architecture of
-bench/hf_models.py's text list that the optimizer knows as "bert" (or "gpt2") is built from the
-same small random config, exported by the TorchScript exporter with input_ids, an attention
-mask that pads the second sequence, and symbolic batch and sequence dims, optimized, and
-differentiated with respect to every float initializer; f = sum(last_hidden_state * c).
+``use_multi_head_attention`` option (rows "+mha") MultiHeadAttention; BART and T5 (rows
+"bart", "t5") as encoder-decoders, the decoder's length (5) other than the encoder's (8).
+Each architecture of bench/hf_models.py's text list that the optimizer knows as "bert" (or
+"gpt2") is built from the same small random config, exported by the TorchScript exporter with
+input_ids, an attention mask that pads the second sequence, and symbolic batch and sequence
+dims, optimized, and differentiated with respect to every float initializer;
+f = sum(last_hidden_state * c).
 
 Each torch parameter's gradient is compared with the sum of ours over the initializers that
 hold it: under its bytes, transposed, or as a third of a merged q/k/v weight or bias (a layer
@@ -39,7 +41,16 @@ from hf_models import TOL, _text, nudged, params_by_bytes  # noqa: E402
 MODELS = {"bert": "bert", "distilbert": "bert", "roberta": "bert", "electra": "bert",
           "albert": "bert", "deberta_v2": "bert", "mpnet": "bert", "gpt2": "gpt2",
           "t5_encoder": "t5", "llama": "gpt2", "bert+mha": "bert", "roberta+mha": "bert",
-          "electra+mha": "bert"}
+          "electra+mha": "bert", "bart": "bart", "t5": "t5"}
+# encoder-decoder rows (decoder_input_ids of another length than input_ids)
+ENC_DEC = {
+    "bart": lambda T: T.BartModel(T.BartConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+        max_position_embeddings=64)),
+    "t5": lambda T: T.T5Model(T.T5Config(d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                         num_decoder_layers=2, num_heads=2, vocab_size=100)),
+}
 
 
 def check(name: str, make, model_type: str) -> dict:
@@ -52,26 +63,32 @@ def check(name: str, make, model_type: str) -> dict:
     from onnxgrad.runtime import session
 
     m = nudged(make)
+    enc_dec = name in ENC_DEC
 
     class Wrap(torch.nn.Module):
         def __init__(self, m):
             super().__init__()
             self.m = m
 
-        def forward(self, ids, am, c):
-            return (self.m(input_ids=ids, attention_mask=am).last_hidden_state * c).sum()
+        def forward(self, ids, am, c, dids=None):
+            out = self.m(input_ids=ids, attention_mask=am, **(
+                {"decoder_input_ids": dids} if enc_dec else {}))
+            return (out.last_hidden_state * c).sum()
 
     w = Wrap(m).eval()
     ids = torch.randint(2, 100, (2, 8))
     ids[0, 0] = 0  # padding_idx rows of some embeddings: see the module docstring
     am = torch.ones(2, 8, dtype=torch.int64)
     am[1, 5:] = 0
-    c = torch.randn(2, 8, m.config.hidden_size)
+    dids = torch.randint(2, 100, (2, 5))  # the decoder's length differs from the encoder's
+    c = torch.randn(2, 5 if enc_dec else 8, m.config.hidden_size)
+    args, names = ((ids, am, c, dids), ["ids", "am", "c", "dids"]) if enc_dec else \
+        ((ids, am, c), ["ids", "am", "c"])
+    axes = {k: {0: "b", 1: "s"} for k in ("ids", "am")}
+    axes.update({k: {0: "b", 1: "t" if enc_dec else "s"} for k in ("c", "dids")[:1 + enc_dec]})
     f = io.BytesIO()
-    torch.onnx.export(w, (ids, am, c), f, dynamo=False, opset_version=17,
-                      input_names=["ids", "am", "c"], output_names=["loss"],
-                      dynamic_axes={k: {0: "b", 1: "s"} for k in ("ids", "am", "c")},
-                      do_constant_folding=False)
+    torch.onnx.export(w, args, f, dynamo=False, opset_version=17, input_names=names,
+                      output_names=["loss"], dynamic_axes=axes, do_constant_folding=False)
     with tempfile.NamedTemporaryFile(suffix=".onnx") as tmp:
         tmp.write(f.getvalue())
         tmp.flush()
@@ -84,10 +101,10 @@ def check(name: str, make, model_type: str) -> dict:
     inits = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
     res = onnxgrad.gradients(model, "loss", [t.name for t in inits])
     onnx.checker.check_model(res.model, full_check=True)
-    feed = {"ids": ids.numpy(), "am": am.numpy(), "c": c.numpy()}
+    feed = dict(zip(names, (a.numpy() for a in args)))
     names = [g for g in res.grads if g is not None]
     ours = dict(zip(names, session(res.model).run(names, feed)))
-    loss = w(ids, am, c)
+    loss = w(*args)
     loss.backward()
     forward = float(session(model).run(["loss"], feed)[0])
 
@@ -138,7 +155,8 @@ def main(argv=None) -> int:
     bad = 0
     for name in names:
         try:
-            r = check(name, text[name.split("+")[0]], MODELS[name])
+            make = (lambda: ENC_DEC[name](T)) if name in ENC_DEC else text[name.split("+")[0]]
+            r = check(name, make, MODELS[name])
         except Exception as err:  # a refusal or a crash is a finding: report it, go on
             bad += 1
             print(f"| {name} | | | | | {type(err).__name__}: {str(err)[:200]} |", flush=True)

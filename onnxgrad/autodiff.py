@@ -21,7 +21,7 @@ from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError, UnsupportedError)
-from .inference import graphs_of, infer_ranks, infer_shapes, schema_output_dtypes
+from .inference import forget_made_up, graphs_of, infer_ranks, infer_shapes, schema_output_dtypes
 from .ort_internal import standard_forms
 from .storage import load_model, strip_weights
 from .validation import check_model
@@ -174,9 +174,11 @@ def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: se
     changed in any other way, the whole model is serialised instead. value_info is kept where
     the input model had it (with what inference makes of it) and written for the new values
     whose shape the emitter recorded (ranks that onnx shape inference cannot find again); the
-    other types from shape inference were for the rules."""
+    other types from shape inference were for the rules. What the call writes names no dim
+    that onnx's inference made up (:func:`~onnxgrad.inference.forget_made_up`)."""
     graph, g = irm.graph, proto.graph
     nodes = list(graph)
+    outputs = len(g.output)
     if nodes[:len(forward)] != forward or len(graph.initializers) != len(g.initializer):
         new = set(nodes) - set(forward)
         for node in graph:
@@ -184,7 +186,10 @@ def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: se
                 if (v.name not in declared and not v.is_graph_output()
                         and not (node in new and v.shape is not None)):
                     v.type, v.shape = None, None
-        return ir.serde.serialize_model(irm)
+        out = ir.serde.serialize_model(irm)
+        forget_made_up([*(vi for vi in out.graph.value_info if vi.name not in declared),
+                        *out.graph.output[outputs:]])
+        return out
     for i, node in enumerate(forward):
         if len(node.outputs) != len(g.node[i].output) or subgraphs(node):
             g.node[i].CopyFrom(ir.serde.serialize_node(node))
@@ -198,6 +203,7 @@ def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: se
         for v in node.outputs:
             if v.shape is not None and v.type is not None and not v.is_graph_output():
                 ir.serde.serialize_value_into(g.value_info.add(), v)
+    forget_made_up([*g.value_info[len(kept):], *g.output[outputs:]])
     for domain, version in irm.opset_imports.items():
         entry = next((o for o in proto.opset_import if o.domain == domain), None)
         if entry is None:
@@ -219,7 +225,9 @@ def _add_ranks(model: onnx.ModelProto, names: set) -> None:
     except onnx.shape_inference.InferenceError:  # a rank is missing then, as it was before
         return
     for g, t in zip(graphs_of(model.graph), graphs_of(typed.graph)):
-        g.value_info.extend(vi for vi in t.value_info if vi.name in names)
+        added = [vi for vi in t.value_info if vi.name in names]
+        forget_made_up(added)
+        g.value_info.extend(added)
 
 
 class Engine:

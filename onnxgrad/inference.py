@@ -326,12 +326,30 @@ def _infer_standard(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
 
 
 # -- declared types against inferred ones ----------------------------------------------------------
+MADE_UP = "unk__"  # onnx's inference names a dim it cannot compute unk__0, unk__1, ...
+
+
+def forget_made_up(entries) -> None:
+    """Make the dims named by onnx's inference (unk__N) unknown, in place, in these
+    ValueInfoProtos. Each inference run numbers them from 0 again, so one run's unk__1 is not
+    another's; and onnxruntime takes equal names for equal sizes: a model declaring two runs'
+    unk__1 made its planner share one buffer between tensors of different sizes."""
+    for vi in entries:
+        t = vi.type
+        while t.HasField("sequence_type") or t.HasField("optional_type"):
+            t = t.sequence_type.elem_type if t.HasField("sequence_type") else \
+                t.optional_type.elem_type
+        for d in t.tensor_type.shape.dim:
+            if d.dim_param.startswith(MADE_UP):
+                d.ClearField("dim_param")
+
+
 def _dims(t: TypeProto):
     """(elem_type or 0, [int | str | None per dim] or None when the rank is unknown); the
     symbols onnx makes up for dims it cannot compute (unk__N) count as unknown."""
     tt = t.tensor_type
     shape = ([d.dim_value if d.HasField("dim_value") else
-              (d.dim_param if d.dim_param and not d.dim_param.startswith("unk__") else None)
+              (d.dim_param if d.dim_param and not d.dim_param.startswith(MADE_UP) else None)
               for d in tt.shape.dim] if tt.HasField("shape") else None)
     return tt.elem_type, shape
 

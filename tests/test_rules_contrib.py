@@ -898,3 +898,68 @@ def test_embed_layer_normalization(batch, seq, segments, position_ids, seed):
     for k, g in zip(xs, got):
         w_ = t[k].grad.numpy()
         assert np.abs(g - w_).max() <= 1e-4 * max(np.abs(w_).max(), 1e-3), k
+
+
+class _EncDec(torch.nn.Module):
+    """An encoder over ids [B, S] and a decoder over ids [B, T] that attends it, each with
+    positions from arange and a residual LayerNorm (SkipLayerNormalization once saved): the
+    two expansions' dims are S and T, which onnx's inference of each cannot compute."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos = torch.nn.Embedding(20, 8), torch.nn.Embedding(16, 8)
+        self.ln1, self.ln2 = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def positions(self, ids):  # [B, L, 8], as BART's learned positions
+        return self.pos(torch.arange(ids.shape[1]).expand(ids.shape[0], -1))
+
+    def forward(self, ids, dids):
+        e = self.ln1(self.emb(ids) + self.positions(ids))
+        d = self.ln2(self.lin(self.emb(dids)) + self.positions(dids))
+        return torch.softmax(d @ e.transpose(1, 2), -1) @ e
+
+
+def test_encoder_decoder_after_the_transformers_optimizer_runs_with_other_lengths(tmp_path):
+    """Each com.microsoft expansion is typed by its own run of onnx's inference, which names
+    the dims it cannot compute unk__0, unk__1, ... from 0 again. The gradient model declared
+    them, so the encoder's [B, S, 8] and the decoder's [B, T, 8] shared names, and onnxruntime's
+    planner shared one buffer between them: the run failed once S != T (BART and T5 through the
+    transformers optimizer did). What the call writes names no made-up dim, and the gradients
+    agree with torch autograd."""
+    import io
+    torch.manual_seed(0)
+    module = _EncDec().eval()
+    with torch.no_grad():  # (equal initial LayerNorm weights would be exported as one)
+        for p in module.parameters():
+            p.add_(0.05 * torch.randn(p.shape))
+    f = io.BytesIO()
+    ids, dids = torch.randint(0, 20, (2, 7)), torch.randint(0, 20, (2, 4))
+    torch.onnx.export(module, (ids, dids), f, dynamo=False, opset_version=17,
+                      input_names=["ids", "dids"], output_names=["y"], do_constant_folding=False,
+                      dynamic_axes={"ids": {0: "B", 1: "S"}, "dids": {0: "B", 1: "T"},
+                                    "y": {0: "B", 1: "T"}})
+    (tmp_path / "m.onnx").write_bytes(f.getvalue())
+    from onnxruntime.transformers import optimizer
+    model = optimizer.optimize_model(str(tmp_path / "m.onnx"), model_type="bart", num_heads=0,
+                                     hidden_size=0).model
+    assert "SkipLayerNormalization" in {n.op_type for n in model.graph.node if n.domain == MS}
+    names = {n: p for n, p in module.named_parameters()}
+    inits = [t.name for t in model.graph.initializer if t.name in names]
+    res = onnxgrad.gradients(model, "y", inits, grad_ys=["c"])
+    made_up = [(vi.name, d.dim_param) for vi in [*res.model.graph.value_info,
+                                                 *res.model.graph.output]
+               for d in vi.type.tensor_type.shape.dim if d.dim_param.startswith("unk__")]
+    assert not made_up
+    for s, t in ((7, 4), (3, 9)):
+        ids, dids = torch.randint(0, 16, (2, s)), torch.randint(0, 16, (2, t))
+        module.zero_grad()
+        y = module(ids, dids)
+        c = torch.randn(y.shape)
+        (y * c).sum().backward()
+        got = session(res.model).run(res.grads, {"ids": ids.numpy(), "dids": dids.numpy(),
+                                                 "c": c.numpy()})
+        floor = 1e-3 * max(float(names[n].grad.abs().max()) for n in inits)
+        for n, g in zip(inits, got):
+            w = names[n].grad.numpy()
+            assert np.abs(g - w).max() <= 1e-4 * max(np.abs(w).max(), floor), (n, s, t)

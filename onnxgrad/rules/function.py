@@ -11,7 +11,7 @@ import onnx_ir as ir
 from onnx import helper
 
 from ..errors import NotDifferentiableError
-from ..inference import infer_shapes
+from ..inference import forget_made_up, infer_shapes
 from ..registry import fallback
 
 def _function_proto(n) -> onnx.FunctionProto | None:
@@ -116,7 +116,10 @@ def _infer_types(n, clones, fp):
 
 def _copy_types(nodes, graph: onnx.GraphProto, inputs=()):
     """Types inferred in ``graph`` (the serialized ``nodes``) onto the ir values, recursing into
-    the subgraphs (a Scan body in a function is untyped until inference types it)."""
+    the subgraphs (a Scan body in a function is untyped until inference types it). The dims
+    this run of onnx's inference made up stay unknown: the rules would take them for the
+    model's own dims of the same names."""
+    forget_made_up([*graph.value_info, *graph.output, *graph.input])
     types = {vi.name: vi for vi in [*graph.value_info, *graph.output, *graph.input]}
     for v in [*inputs, *(o for c in nodes for o in c.outputs)]:
         vi = types.get(v.name)
