@@ -34,7 +34,8 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_models import TOL, nudged, ort_optimized, params_by_bytes  # noqa: E402
+from hf_models import nudged, ort_optimized, params_by_bytes  # noqa: E402
+from hf_transformers_optimizer import row  # noqa: E402
 
 D = 32
 
@@ -161,11 +162,9 @@ def main(argv=None) -> int:
                 print(f"| {name} | {exp} | | | | | {'' if ours else 'not exported: '}"
                       f"{type(err).__name__}: {text} |", flush=True)
                 continue
-            ok = r["forward"] < TOL and r["worst"][0] < TOL
+            line, ok = row([name, exp], r)
             bad += not ok
-            print(f"| {name} | {exp} | {', '.join(r['ops'])} | {r['forward']:.0e} | "
-                  f"{r['worst'][0]:.0e} ({r['worst'][1]}) | {r['compared']} / {r['params']} | "
-                  f"{'ok' if ok else 'MISMATCH'} |", flush=True)
+            print(line, flush=True)
     return 1 if bad else 0
 
 

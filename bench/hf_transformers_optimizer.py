@@ -161,12 +161,19 @@ def main(argv=None) -> int:
             bad += 1
             print(f"| {name} | | | | | {type(err).__name__}: {str(err)[:200]} |", flush=True)
             continue
-        ok = r["forward"] < TOL and r["worst"][0] < TOL
+        line, ok = row([name], r)
         bad += not ok
-        print(f"| {name} | {', '.join(r['ops'])} | {r['forward']:.0e} | {r['worst'][0]:.0e} "
-              f"({r['worst'][1]}) | {r['compared']} / {r['params']} | "
-              f"{'ok' if ok else 'MISMATCH'} |", flush=True)
+        print(line, flush=True)
     return 1 if bad else 0
+
+
+def row(cells: list, r: dict) -> tuple[str, bool]:
+    """The table row of a check's result ``r`` after the leading ``cells``, and whether the
+    forward and every compared parameter agree with torch."""
+    ok = r["forward"] < TOL and r["worst"][0] < TOL
+    return (f"| {' | '.join(cells)} | {', '.join(r['ops'])} | {r['forward']:.0e} | "
+            f"{r['worst'][0]:.0e} ({r['worst'][1]}) | {r['compared']} / {r['params']} | "
+            f"{'ok' if ok else 'MISMATCH'} |"), ok
 
 
 if __name__ == "__main__":
