@@ -415,7 +415,7 @@ def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         upsample = {n.output[0]: n for n in model.graph.node if n.op_type == "Upsample"}
         model, opset = onnx.version_converter.convert_version(model, MIN_OPSET), MIN_OPSET
     try:  # returns a copy, so the caller's model is never touched
-        model = infer_shapes(model)
+        model = infer_shapes(model, data_prop=True)
     except onnx.shape_inference.InferenceError:  # onnx cannot type it: go on with what is declared
         model = onnx.ModelProto.FromString(model.SerializeToString())
     if upgraded:

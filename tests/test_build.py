@@ -133,3 +133,43 @@ def test_opset_retry_keeps_the_declared_types():
     assert [vi.type.tensor_type.elem_type for vi in res.model.graph.value_info
             if vi.name == "idx"] == [TensorProto.INT64]
     assert any(n.op_type == "ScatterND" for n in res.model.graph.node)
+
+
+def test_ranks_that_only_data_propagation_finds():
+    """Whisper's decoder, exported by the TorchScript exporter, builds its position ids as
+    Expand(Unsqueeze(Range(0, T)), ConstantOfShape(Shape(Concat(...)))): the Expand's rank is
+    the length of a shape computed from a shape, which onnx's inference finds only with data
+    propagation. Without it the LayerNormalization after was refused (its rank unknown); the
+    gradient agrees with finite differences."""
+    from onnxgrad.check import check_gradients
+    i64 = TensorProto.INT64
+    consts = {"zero": 0, "one": 1, "ax0": [0], "one1": [1]}
+    nodes = [helper.make_node("Constant", [], [k], value=helper.make_tensor(
+        k, i64, [] if isinstance(v, int) else [len(v)], [v] if isinstance(v, int) else v))
+        for k, v in consts.items()]
+    nodes += [
+        helper.make_node("Shape", ["x"], ["sx"]),
+        helper.make_node("Gather", ["sx", "one"], ["t"], axis=0),
+        helper.make_node("Range", ["zero", "t", "one"], ["r"]),
+        helper.make_node("Unsqueeze", ["r", "ax0"], ["u"]),
+        helper.make_node("Unsqueeze", ["t", "ax0"], ["t1"]),
+        helper.make_node("Concat", ["one1", "t1"], ["cat"], axis=0),
+        helper.make_node("Shape", ["cat"], ["scat"]),
+        helper.make_node("ConstantOfShape", ["scat"], ["ones"], value=helper.make_tensor(
+            "v", i64, [1], [1])),
+        helper.make_node("Expand", ["u", "ones"], ["ids"]),
+        helper.make_node("Gather", ["pos", "ids"], ["p"], axis=0),
+        helper.make_node("Add", ["x", "p"], ["h"]),
+        helper.make_node("LayerNormalization", ["h", "g", "b"], ["y"], axis=-1),
+    ]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["B", "T", 4])],
+                          [helper.make_tensor_value_info("y", F, None)],
+                          [onnx.numpy_helper.from_array(
+                              np.random.default_rng(0).standard_normal((16, 4)).astype(
+                                  np.float32), "pos"),
+                           onnx.numpy_helper.from_array(np.full(4, 1.5, np.float32), "g"),
+                           onnx.numpy_helper.from_array(np.full(4, 0.1, np.float32), "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = np.random.default_rng(1).standard_normal((2, 5, 4)).astype(np.float32)
+    report = check_gradients(m, "y", ["x", "pos", "g", "b"], {"x": x})
+    assert report.ok, str(report)
