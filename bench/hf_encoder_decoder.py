@@ -34,8 +34,7 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_models import nudged, ort_optimized, params_by_bytes  # noqa: E402
-from hf_transformers_optimizer import row  # noqa: E402
+from hf_models import TOL, nudged, ort_optimized, params_by_bytes  # noqa: E402
 
 D = 32
 
@@ -130,6 +129,15 @@ def check(make, dynamo: bool, optimized: bool) -> dict:
             worst = max(worst, (err, pname))
     return dict(forward=forward, worst=worst, compared=len(sums), params=len(params),
                 ops=sorted({n.op_type for n in model.graph.node if n.domain == "com.microsoft"}))
+
+
+def row(cells: list, r: dict) -> tuple[str, bool]:
+    """The table row of a check's result ``r`` after the leading ``cells``, and whether the
+    forward and every compared parameter agree with torch."""
+    ok = r["forward"] < TOL and r["worst"][0] < TOL
+    return (f"| {' | '.join(cells)} | {', '.join(r['ops'])} | {r['forward']:.0e} | "
+            f"{r['worst'][0]:.0e} ({r['worst'][1]}) | {r['compared']} / {r['params']} | "
+            f"{'ok' if ok else 'MISMATCH'} |"), ok
 
 
 def main(argv=None) -> int:

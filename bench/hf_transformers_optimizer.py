@@ -34,7 +34,8 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_models import TOL, _text, nudged, params_by_bytes  # noqa: E402
+from hf_encoder_decoder import models as enc_dec_models, row  # noqa: E402
+from hf_models import _text, nudged, params_by_bytes  # noqa: E402
 
 # row -> model_type for the optimizer; "+mha": with its use_multi_head_attention option
 # (MultiHeadAttention from separate q, k, v projections, as it writes for T5, BART, Whisper)
@@ -42,15 +43,9 @@ MODELS = {"bert": "bert", "distilbert": "bert", "roberta": "bert", "electra": "b
           "albert": "bert", "deberta_v2": "bert", "mpnet": "bert", "gpt2": "gpt2",
           "t5_encoder": "t5", "llama": "gpt2", "bert+mha": "bert", "roberta+mha": "bert",
           "electra+mha": "bert", "bart": "bart", "t5": "t5"}
-# encoder-decoder rows (decoder_input_ids of another length than input_ids)
-ENC_DEC = {
-    "bart": lambda T: T.BartModel(T.BartConfig(
-        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
-        max_position_embeddings=64)),
-    "t5": lambda T: T.T5Model(T.T5Config(d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                                         num_decoder_layers=2, num_heads=2, vocab_size=100)),
-}
+# encoder-decoder rows (decoder_input_ids of another length than input_ids), built as
+# bench/hf_encoder_decoder.py builds them
+ENC_DEC = ("bart", "t5")
 
 
 def check(name: str, make, model_type: str) -> dict:
@@ -148,14 +143,14 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     names = (argv if argv is not None else sys.argv[1:]) or list(MODELS)
-    text = _text(T)
+    text, enc_dec = _text(T), enc_dec_models(T)
     print("| model | onnxruntime's ops | forward | worst parameter | compared / parameters "
           "| verdict |")
     print("|---|---|---:|---:|---:|---|")
     bad = 0
     for name in names:
         try:
-            make = (lambda: ENC_DEC[name](T)) if name in ENC_DEC else text[name.split("+")[0]]
+            make = enc_dec[name] if name in ENC_DEC else text[name.split("+")[0]]
             r = check(name, make, MODELS[name])
         except Exception as err:  # a refusal or a crash is a finding: report it, go on
             bad += 1
@@ -165,15 +160,6 @@ def main(argv=None) -> int:
         bad += not ok
         print(line, flush=True)
     return 1 if bad else 0
-
-
-def row(cells: list, r: dict) -> tuple[str, bool]:
-    """The table row of a check's result ``r`` after the leading ``cells``, and whether the
-    forward and every compared parameter agree with torch."""
-    ok = r["forward"] < TOL and r["worst"][0] < TOL
-    return (f"| {' | '.join(cells)} | {', '.join(r['ops'])} | {r['forward']:.0e} | "
-            f"{r['worst'][0]:.0e} ({r['worst'][1]}) | {r['compared']} / {r['params']} | "
-            f"{'ok' if ok else 'MISMATCH'} |"), ok
 
 
 if __name__ == "__main__":
