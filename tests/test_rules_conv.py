@@ -270,6 +270,18 @@ PER_TAP = {
     "3d-small-fallback": ((2, 2, 2, 4, 4), (3, 3, 3), [1, 1, 1], [1] * 6, [1, 1, 1], "conv"),
     "3d-3x7x7-fallback": ((1, 2, 3, 8, 8), (3, 7, 7), [1, 2, 2], [1, 3, 3, 1, 3, 3], [1, 1, 1],
                           "conv"),
+    # 1-D and 2-D with >= 16 input channels on images of <= 256 output positions: one Gather of
+    # channels-last rows and one Gemm
+    "gather-3x3-pad": ((2, 16, 8, 7), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], "gather"),
+    "gather-no-pad": ((2, 17, 6, 6), (3, 3), [1, 1], [0, 0, 0, 0], [1, 1], "gather"),
+    "gather-stride-dil-asym": ((2, 16, 9, 8), (3, 2), [2, 3], [1, 0, 2, 1], [2, 1], "gather"),
+    "gather-crop": ((1, 16, 8, 8), (3, 3), [2, 2], [0, 0, 0, 0], [1, 1], "gather"),
+    "gather-pads-over-kernel": ((1, 16, 4, 4), (2, 2), [1, 1], [3, 0, 1, 2], [1, 1], "gather"),
+    "gather-1x1-stride": ((2, 16, 6, 5), (1, 1), [2, 2], [0, 0, 0, 0], [1, 1], "gather"),
+    "gather-1d": ((2, 16, 11), (3,), [2], [2, 1], [2], "gather"),
+    "1x1-whole": ((2, 16, 6, 5), (1, 1), [1, 1], [0, 0, 0, 0], [1, 1], "taps"),
+    "large-image-taps": ((1, 16, 17, 16), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], "taps"),
+    "3d-taps-not-gather": ((1, 16, 4, 8, 8), (3, 3, 3), [1, 1, 1], [1] * 6, [1, 1, 1], "taps"),
 }
 
 
@@ -284,12 +296,53 @@ def test_conv_weight_gradient_per_tap_versus_torch(case):
     feeds = {"x": rnd(xs), "w": rnd((5, xs[1], *k), 1), "b": rnd((5,), 2)}
     m = model_of("Conv", feeds, strides=s, pads=p, dilations=d)
     res = onnxgrad.gradients(m, "y", ["w"])
-    gemms = sum(n.op_type == "Gemm" for n in res.model.graph.node)
-    assert gemms == {"taps": int(np.prod(k)), "stacked": 1, "conv": 0}[form]
+    ops = [n.op_type for n in res.model.graph.node]
+    assert ops.count("Gemm") == {"taps": int(np.prod(k)), "stacked": 1, "gather": 1,
+                                 "conv": 0}[form]
+    assert ops.count("Gather") == (form == "gather")
     torch_pad = [v for i in reversed(range(nsp)) for v in (p[i], p[nsp + i])]
     versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: tconv(nsp)(
         F.pad(x, torch_pad), w, b, stride=s, dilation=d))
     fd(m, feeds)
+
+
+@st.composite
+def conv_geometries(draw):
+    """An ungrouped 1-D or 2-D Conv whose static geometry picks any of the dW forms (per tap,
+    stacked, gathered, the Conv form): channel counts on both sides of the gathered form's
+    16, images on both sides of its 256 output positions, pads that reach past the kernel,
+    strides above it, and inputs whose last elements no window reads."""
+    nsp = draw(st.integers(1, 2))
+    k = [draw(st.integers(1, 4)) for _ in range(nsp)]
+    s = [draw(st.integers(1, 3)) for _ in range(nsp)]
+    d = [draw(st.integers(1, 2)) for _ in range(nsp)]
+    p = [draw(st.integers(0, 4)) for _ in range(2 * nsp)]
+    big = draw(st.booleans())
+    dims = []
+    for j in range(nsp):
+        ek = d[j] * (k[j] - 1) + 1
+        lo = max(1, ek - p[j] - p[nsp + j])  # at least one window
+        dims.append(draw(st.integers(lo, lo + (18 if big and nsp == 2 else 40 if big else 6))))
+    c = draw(st.sampled_from([1, 2, 3, 15, 16, 20]))
+    co = draw(st.sampled_from([1, 5, 24]))
+    n = draw(st.integers(1, 3))
+    return (n, c, *dims), (co, c, *k), s, p, d, draw(st.booleans())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(geo=conv_geometries(), seed=st.integers(0, 2**16))
+def test_conv_weight_gradient_forms_versus_torch_generated(geo, seed):
+    """Every dW form (chosen from the geometry alone) against torch autograd, with a symbolic
+    batch half the time."""
+    import torch.nn.functional as F
+    xs, ws, s, p, d, symbolic = geo
+    nsp = len(s)
+    feeds = {"x": rnd(xs, seed), "w": rnd(ws, seed + 1)}
+    m = model_of("Conv", feeds, symbolic=("batch",) if symbolic else (), strides=s, pads=p,
+                 dilations=d)
+    torch_pad = [v for i in reversed(range(nsp)) for v in (p[i], p[nsp + i])]
+    versus_torch(m, feeds, ["x", "w"], lambda x, w: tconv(nsp)(
+        F.pad(x, torch_pad), w, stride=s, dilation=d), seed=seed + 2)
 
 
 def test_conv_stacked_taps_inception_stem_versus_torch():
@@ -371,7 +424,7 @@ def test_conv_transpose_3d_weight_gradient_per_tap():
     fd(m, feeds)
 
 
-@pytest.mark.parametrize("c", [3, 1])  # per tap; stacked
+@pytest.mark.parametrize("c", [3, 1, 16])  # per tap; stacked; gathered
 def test_conv_per_tap_second_order_versus_torch(c):
     feeds = {"x": rnd((2, c, 7, 6)), "w": rnd((4, c, 3, 2), 1), "b": rnd((4,), 2)}
     m = model_of("Conv", feeds, strides=[2, 1], pads=[1, 1, 0, 1], dilations=[1, 2])
