@@ -18,14 +18,12 @@ onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
   output positions take one Gemm over channels-last im2col rows instead, made by one Gather,
   which onnxruntime runs on every thread where its Slice and Pad use one (ResNet-18's training
   step: 4 % less kernel time at 2 threads, the same at one, 23 MB less peak memory; measured).
-  dW of a depthwise
-  convolution with unit strides on images of at least 256 output positions is per tap too: the
-  slice times g, summed per channel (2x faster). Otherwise
-  dW is a Conv of x with g as the kernel in which the images are the channels summed over
-  (strides and dilations trade places); for 1-D and 2-D convolutions the channels become one
-  more spatial axis in front (one large GEMM instead of one thin GEMM per channel: about 2x
-  faster in onnxruntime, measured), for 3-D ones and depthwise kernels they become the batch.
-  db is a ReduceSum of g.
+  dW of a depthwise convolution with unit strides on images of at least 256 output positions is
+  per tap too: the slice times g, summed per channel (2x faster). Otherwise dW is a Conv of x
+  with g as the kernel in which the images are the channels summed over (strides and dilations
+  trade places); for 1-D and 2-D convolutions the channels become one more spatial axis in front
+  (one large GEMM instead of one thin GEMM per channel: about 2x faster in onnxruntime,
+  measured), for 3-D ones and depthwise kernels they become the batch. db is a ReduceSum of g.
 - ConvTranspose: dx is the forward Conv of g with W; dW the same image/channel-swapped Conv with
   g as the image and x as the kernel; db a ReduceSum.
 - AveragePool and LpPool: the adjoint of summing each window (a ConvTranspose with a ones kernel,
