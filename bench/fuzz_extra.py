@@ -51,6 +51,16 @@ def fragments():
         {"x": _r((1, 2, 6, 6), 6), "rois": np.array([[0, 0, 0, 3, 3], [0, 1, 2, 5, 4]], float)},
         ("rois",), {"y": (2, 2, 2, 2)})
 
+    # Conv with 16 or more input channels on small images: the weight gradient's gathered form
+    # (the backend test cases have one channel)
+    for name, xs, ws, ys, attrs in [
+            ("3x3_pad", (1, 16, 5, 4), (3, 16, 3, 3), (1, 3, 5, 4), dict(pads=[1, 1, 1, 1])),
+            ("strided_dilated", (2, 16, 6, 5), (2, 16, 2, 3), (2, 2, 3, 3),
+             dict(strides=[2, 1], dilations=[1, 2], pads=[1, 0, 0, 2])),
+            ("1d", (2, 17, 7), (2, 17, 3), (2, 2, 4), dict(strides=[2], pads=[2, 1]))]:
+        add(f"extra_conv_wide_{name}", [n("Conv", ["x", "w"], ["y"], **attrs)],
+            {"x": _r(xs, 30), "w": _r(ws, 31)}, (), {"y": ys})
+
     # If: both branches read outer-scope tensors (captured values get gradients)
     then_g = helper.make_graph(
         [n("Tanh", ["a"], ["then_t"]), n("Mul", ["then_t", "b"], ["then_y"])], "then_branch",
