@@ -480,13 +480,18 @@ def test_conv_3d_per_tap_second_order_versus_torch():
     second_order_versus_torch(m, feeds, ["x", "w"], lambda x, w: F.conv3d(x, w, padding=1))
 
 
-def test_conv_float16_matches_float32():
+@pytest.mark.parametrize("wide", [False, True])  # True: 16 channels, the gathered dW
+def test_conv_float16_matches_float32(wide):
     feeds, attrs = conv_feeds("2d-group")
+    if wide:
+        feeds = {"x": rnd((2, 16, 6, 6)) * 0.25, "w": rnd((4, 16, 3, 3), 1) * 0.25}
+        attrs = dict(pads=[1, 1, 1, 1])
     grads = []
     for dt in (np.float16, np.float32):
         f = {k: v.astype(dt) for k, v in feeds.items()}
         m = model_of("Conv", f, **attrs)
         res = onnxgrad.gradients(m, "y", list(f))
+        assert wide == any(n.op_type == "Gather" for n in res.model.graph.node)
         grads.append(session(res.model).run(res.grads, f))
     for a, b in zip(*grads):
         assert a.dtype == np.float16
