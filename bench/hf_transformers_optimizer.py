@@ -79,8 +79,7 @@ def check(name: str, make, model_type: str) -> dict:
     c = torch.randn(2, 5 if enc_dec else 8, m.config.hidden_size)
     args, names = ((ids, am, c, dids), ["ids", "am", "c", "dids"]) if enc_dec else \
         ((ids, am, c), ["ids", "am", "c"])
-    axes = {k: {0: "b", 1: "s"} for k in ("ids", "am")}
-    axes.update({k: {0: "b", 1: "t" if enc_dec else "s"} for k in ("c", "dids")[:1 + enc_dec]})
+    axes = {k: {0: "b", 1: "t" if enc_dec and k in ("c", "dids") else "s"} for k in names}
     f = io.BytesIO()
     torch.onnx.export(w, args, f, dynamo=False, opset_version=17, input_names=names,
                       output_names=["loss"], dynamic_axes=axes, do_constant_folding=False)

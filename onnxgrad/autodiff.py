@@ -203,6 +203,8 @@ def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: se
         for v in node.outputs:
             if v.shape is not None and v.type is not None and not v.is_graph_output():
                 ir.serde.serialize_value_into(g.value_info.add(), v)
+    # _deserialize emptied g.value_info: past the kept (declared) entries is only what this
+    # call wrote, as past the model's own outputs
     forget_made_up([*g.value_info[len(kept):], *g.output[outputs:]])
     for domain, version in irm.opset_imports.items():
         entry = next((o for o in proto.opset_import if o.domain == domain), None)

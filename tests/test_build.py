@@ -13,6 +13,7 @@ import onnx
 import onnx_ir as ir
 from hypothesis import HealthCheck, given, seed, settings
 from onnx import TensorProto, helper
+from util import made_up_dims
 
 import onnxgrad
 from onnxgrad.autodiff import _deserialize, _prepare, _unique_scope
@@ -191,8 +192,5 @@ def test_what_the_call_writes_names_no_made_up_dim(spec):
     except onnxgrad.OnnxgradError:  # a listed refusal (the fuzzer's oracle judges those)
         return
     before = {vi.name for vi in [*model.graph.value_info, *model.graph.output]}
-    written = [(vi.name, d.dim_param) for vi in [*res.model.graph.value_info,
-                                                 *res.model.graph.output]
-               if vi.name not in before for d in vi.type.tensor_type.shape.dim
-               if d.dim_param.startswith("unk__")]
+    written = made_up_dims(res.model, skip=before)
     assert not written, written

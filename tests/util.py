@@ -140,3 +140,11 @@ def assert_dtypes_agree(build):
                                        err_msg=f"{np.dtype(dtype).name} {name}")
         wrong = [(n, d) for n, d in float_constants(res.model) if d != dtype]
         assert not wrong, f"constants not in {np.dtype(dtype).name}: {wrong}"
+
+
+def made_up_dims(model, skip=()) -> list:
+    """(value name, dim name) of every dim named like onnx's inference names the dims it cannot
+    compute (unk__N) in the main graph's value_info and outputs, leaving out the names in skip."""
+    return [(vi.name, d.dim_param) for vi in [*model.graph.value_info, *model.graph.output]
+            if vi.name not in skip for d in vi.type.tensor_type.shape.dim
+            if d.dim_param.startswith("unk__")]
