@@ -805,19 +805,22 @@ def test_max_pool_tiles_second_order_versus_torch(symbolic):
     second_order_versus_torch(m, feeds, ["x"], lambda x: F.max_pool2d(x, 2))
 
 
-def _tiles_and_indices_grads(x, k, symbolic, dtype=F32):
+def _tiles_and_indices_grads(x, k, symbolic, dtype=F32, opset=18, form=None):
     """dx of MaxPool k x k / stride k without Indices (the tiles form) and with them, and the
-    cotangent: the two must agree bit for bit, ties included."""
+    cotangent: the two must agree bit for bit, ties included. ``form``: the op that the tiles
+    form must put the tiles back with (Col2Im or DepthToSpace)."""
     feeds = {"x": x.astype(dtype)}
     cot = None
     out = []
     for n_out in (1, 2):
-        m = model_of("MaxPool", feeds, symbolic=symbolic, n_out=n_out, kernel_shape=[k, k],
-                     strides=[k, k])
+        m = model_of("MaxPool", feeds, symbolic=symbolic, opset=opset, n_out=n_out,
+                     kernel_shape=[k, k], strides=[k, k])
         y = "y" if n_out == 1 else "y0"
         res = onnxgrad.gradients(m, y, "x", grad_ys=["cot"])
         ops = {nd.op_type for nd in res.model.graph.node}
         assert ("ScatterElements" in ops) == (n_out == 2)  # the forward's Indices are reused
+        if form is not None and n_out == 1:
+            assert form in ops and not {"Col2Im", "DepthToSpace"} - {form} & ops, ops
         if cot is None:
             shape = run(m, feeds, outputs=[y])[0].shape
             cot = (np.arange(1, math.prod(shape) + 1).reshape(shape) % 7 + 1).astype(dtype)
@@ -843,12 +846,22 @@ def test_max_pool_tiles_ties_match_indices_and_torch(k, n, c, h, w, levels, symb
     np.testing.assert_array_equal(tiles, tx.grad.numpy())
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float64])
-def test_max_pool_tiles_other_float_types_keep_ties(dtype):
-    x = np.random.default_rng(3).integers(0, 2, (2, 3, 6, 5)).astype(F32)
-    tiles, indices, _ = _tiles_and_indices_grads(x, 2, ("batch",), dtype)
+@pytest.mark.parametrize("dtype, opset, form", [
+    (F32, 18, "Col2Im"), (np.float16, 18, "Col2Im"),  # float16 is pooled as float32
+    (np.float64, 18, "DepthToSpace"),  # onnxruntime's Col2Im: float32 only
+    (F32, 17, "DepthToSpace")])  # Col2Im is opset 18
+def test_max_pool_tiles_forms_keep_ties(dtype, opset, form):
+    """Each form of the tiles gradient routes a tile's gradient to its first maximum, as the
+    Indices form and torch do, on an input of zeros and ones (ties in most tiles), with a row
+    and a column in no tile."""
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(3).integers(0, 2, (2, 3, 7, 5)).astype(F32)
+    tiles, indices, cot = _tiles_and_indices_grads(x, 2, ("batch",), dtype, opset, form)
     assert tiles.dtype == dtype
     np.testing.assert_array_equal(tiles, indices)
+    tx = torch.tensor(x, requires_grad=True)
+    torch.nn.functional.max_pool2d(tx, 2).backward(torch.tensor(cot.astype(F32)))
+    np.testing.assert_array_equal(tiles, tx.grad.numpy().astype(dtype))
 
 
 def test_average_and_lp_pool_second_order_versus_torch():
