@@ -61,6 +61,13 @@ def fragments():
         add(f"extra_conv_wide_{name}", [n("Conv", ["x", "w"], ["y"], **attrs)],
             {"x": _r(xs, 30), "w": _r(ws, 31)}, (), {"y": ys})
 
+    # MaxPool over k x k tiles with several channels and a row or column in no tile: the
+    # gradient's folded form (the backend test cases have one channel)
+    for k, xs in ((2, (2, 3, 5, 4)), (3, (1, 4, 6, 7))):
+        add(f"extra_maxpool_tiles_k{k}", [n("MaxPool", ["x"], ["y"], kernel_shape=[k, k],
+                                            strides=[k, k])],
+            {"x": _r(xs, 32 + k)}, (), {"y": (xs[0], xs[1], xs[2] // k, xs[3] // k)})
+
     # If: both branches read outer-scope tensors (captured values get gradients)
     then_g = helper.make_graph(
         [n("Tanh", ["a"], ["then_t"]), n("Mul", ["then_t", "b"], ["then_y"])], "then_branch",
