@@ -820,7 +820,7 @@ def _tiles_and_indices_grads(x, k, symbolic, dtype=F32, opset=18, form=None):
         ops = {nd.op_type for nd in res.model.graph.node}
         assert ("ScatterElements" in ops) == (n_out == 2)  # the forward's Indices are reused
         if form is not None and n_out == 1:
-            assert form in ops and not {"Col2Im", "DepthToSpace"} - {form} & ops, ops
+            assert form in ops and not ({"Col2Im", "DepthToSpace"} - {form}) & ops, ops
         if cot is None:
             shape = run(m, feeds, outputs=[y])[0].shape
             cot = (np.arange(1, math.prod(shape) + 1).reshape(shape) % 7 + 1).astype(dtype)

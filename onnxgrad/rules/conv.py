@@ -848,10 +848,10 @@ def _tiles_grad(e, x, g, k):
         rest = None
     else:
         xf = e.Slice(xf, [0, 0], tiles, [2, 3])
-    taps = e.const(np.arange(k * k, dtype=np.int64).reshape(1, -1, 1, 1, 1))
+    taps = np.arange(k * k, dtype=np.int64)
     if e.opset >= 18 and xf.dtype == ir.DataType.FLOAT:  # onnxruntime's Col2Im: float only
         blocks = e.SpaceToDepth(e.Reshape(xf, [-1, 1, 0, 0]), blocksize=k)  # [N*C, k*k, Ho, Wo]
-        at = e.Equal(e.ArgMax(blocks, axis=1, keepdims=1), e.Reshape(taps, [1, -1, 1, 1]))
+        at = e.Equal(e.ArgMax(blocks, axis=1, keepdims=1), e.const(taps.reshape(1, -1, 1, 1)))
         spread = e.Where(at, e.Reshape(gf, [-1, 1, 0, 0]), e.const(0, gf.dtype))
         shape = e.Shape(gf)
         cols = e.Reshape(spread, e.Concat(e.Slice(shape, [0], [1]), [-1],
@@ -862,7 +862,8 @@ def _tiles_grad(e, x, g, k):
         blocks = e.SpaceToDepth(xf, blocksize=k)                      # [N, k*k*C, Ho, Wo]
         by_pos = e.Reshape(blocks, [0, k * k, -1, *gd] if gd is not None else
                            e.Concat([0, k * k, -1], _spatial_shape(e, g), axis=0))
-        at = e.Equal(e.ArgMax(by_pos, axis=1, keepdims=1), taps)       # [N, k*k, C, Ho, Wo]
+        at = e.Equal(e.ArgMax(by_pos, axis=1, keepdims=1),             # [N, k*k, C, Ho, Wo]
+                     e.const(taps.reshape(1, -1, 1, 1, 1)))
         spread = e.Where(at, e.Unsqueeze(gf, [1]), e.const(0, gf.dtype))
         dx = e.DepthToSpace(e.Reshape(spread, e.Shape(blocks)), blocksize=k, mode="DCR")
     if rest is not None:
