@@ -833,8 +833,8 @@ def _tiles_grad(e, x, g, k):
     In float32 from opset 18 the channels are folded into the batch first: SpaceToDepth of one
     channel and Col2Im (whose non-overlapping blocks each take one element) move blocks that
     stay together in memory, where a DepthToSpace over C channels gathers every element from C
-    planes apart: onnxruntime's whole form 0.4x to 0.9x the time at 2 threads, 0.65x to 0.85x
-    at 1 (forward included, 14x14 to 112x112 images, 16 to 64 channels; measured)."""
+    planes apart: onnxruntime's whole form 0.35x to 0.9x the time at 2 threads, 0.6x to 0.9x at
+    1 (forward included, 14x14 to 112x112 images, 16 to 64 channels; measured)."""
     half = x.dtype in _HALF  # onnxruntime's CPU SpaceToDepth and ArgMax have no float16
     xf, gf = (e.Cast(x, to=ir.DataType.FLOAT), e.Cast(g, to=ir.DataType.FLOAT)) if half \
         else (x, g)
