@@ -9,6 +9,7 @@ no dropout) so that both sides compute the same function. Weights keep torch.nn'
 initialisation (torchvision re-initialises them; the speed does not depend on it).
 
     make(name) -> (nn.Module, example input shape without the batch axis, default batch size)
+    labels(name, batch, shape, rng) -> a batch's int64 class labels
 """
 from __future__ import annotations
 
@@ -160,13 +161,51 @@ class Transformer(nn.Module):
         return self.fc(self.encoder(x).mean(1))
 
 
+class UNet(nn.Module):
+    """A two-level U-Net for segmentation (Ronneberger et al.'s shape, smaller): per level two
+    3x3 Conv-BatchNorm-ReLU, MaxPool 2 down, ConvTranspose 2x2 stride 2 up with the skip
+    concatenated, and a 1x1 Conv to per-pixel logits of SEGMENT_CLASSES classes."""
+
+    def __init__(self, c=16):
+        super().__init__()
+
+        def block(cin, cout):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                                 nn.BatchNorm2d(cout), nn.ReLU(),
+                                 nn.Conv2d(cout, cout, 3, padding=1, bias=False),
+                                 nn.BatchNorm2d(cout), nn.ReLU())
+        self.enc1, self.enc2, self.mid = block(3, c), block(c, 2 * c), block(2 * c, 4 * c)
+        self.up2, self.dec2 = nn.ConvTranspose2d(4 * c, 2 * c, 2, 2), block(4 * c, 2 * c)
+        self.up1, self.dec1 = nn.ConvTranspose2d(2 * c, c, 2, 2), block(2 * c, c)
+        self.head = nn.Conv2d(c, SEGMENT_CLASSES, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool2d(e1, 2))
+        m = self.mid(F.max_pool2d(e2, 2))
+        d2 = self.dec2(torch.cat([self.up2(m), e2], 1))
+        return self.head(self.dec1(torch.cat([self.up1(d2), e1], 1)))
+
+
+SEGMENT_CLASSES = 4
+
+
 MODELS = {  # name: (class, input shape without the batch axis, batch size)
     "mlp": (MLP, (784,), 256),
     "cnn": (CNN, (1, 28, 28), 64),
     "resnet18": (ResNet18, (3, 64, 64), 32),
     "mobilenetv3": (MobileNetV3Small, (3, 64, 64), 64),
     "transformer": (Transformer, (64, 256), 32),
+    "unet": (UNet, (3, 64, 64), 16),
 }
+
+
+def labels(name: str, batch: int, shape, rng):
+    """Random class labels for a batch: one per pixel for the segmentation model, else one per
+    row of 10 classes."""
+    if name == "unet":
+        return rng.integers(0, SEGMENT_CLASSES, (batch, *shape[1:]))
+    return rng.integers(0, 10, batch)
 
 
 def make(name: str, seed: int = 0):

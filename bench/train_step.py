@@ -17,10 +17,12 @@ batches on every side, random data made once):
           resnet18     torchvision's ResNet-18 (BatchNorm on batch statistics), 3x64x64, batch 32
           mobilenetv3  torchvision's MobileNetV3-small, 3x64x64, batch 64
           transformer  nn.TransformerEncoder 2 layers, d 256, 4 heads, [N, 64, 256], batch 32
+          unet         a two-level U-Net (BatchNorm, MaxPool 2, ConvTranspose, skips), 3x64x64,
+                       batch 16, cross-entropy over 4 classes per pixel
     mlp, cnn, lstm   hand-built ONNX graphs (Gemm; unpadded Conv; ONNX LSTM, hidden 128, 32
           steps, batch 64, against torch.nn.LSTM with the same weights, gates reordered)
 The dynamo exporter writes a training-mode BatchNorm as an inference BatchNormalization (running
-statistics), which its optimizer then folds into the Conv: for resnet18/mobilenetv3 the bench
+statistics), which its optimizer then folds into the Conv: for the models with BatchNorm the bench
 exports unoptimised, marks those nodes training_mode=1 and then runs the exporter's optimizer, so
 that every side trains the same function.
 
@@ -64,7 +66,7 @@ sys.path.insert(0, HERE)
 from rss import rss_mb  # noqa: E402
 
 BUILT = ("mlp", "cnn", "lstm")
-EXPORTED = ("mlp", "cnn", "resnet18", "mobilenetv3", "transformer")
+EXPORTED = ("mlp", "cnn", "resnet18", "mobilenetv3", "transformer", "unet")
 EXPORTERS = {"ts": "torchscript", "dynamo": "dynamo"}
 ROWS = BUILT + tuple(f"{m}-{x}" for m in EXPORTED for x in EXPORTERS)
 DEFAULT_ROWS = tuple(r for r in ROWS if "-" in r) + ("lstm",)
@@ -217,7 +219,7 @@ def prepare(row, workdir, ort_saved=False):
             raise RuntimeError(f"{row}: the exported model has no initializers {missing}")
         rng = np.random.default_rng(1)
         data = [(rng.standard_normal((batch, *shape)).astype(np.float32),
-                 rng.integers(0, 10, batch)) for _ in range(8)]
+                 torch_models.labels(name, batch, shape, rng)) for _ in range(8)]
     np.savez(out["batches"], **{f"{k}{i}": a for i, xy in enumerate(data)
                                  for k, a in zip("xy", xy)})
     return out
