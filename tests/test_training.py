@@ -161,6 +161,8 @@ LOSS_CASES = {
         ["N", 5, 3], {"weight": [0.5, 1.0, 2.0, 0.1, 1.5], "ignore_index": 2},
         lambda x, t: F.cross_entropy(x, t, weight=torch.tensor([0.5, 1.0, 2.0, 0.1, 1.5],
                                                                dtype=x.dtype), ignore_index=2)),
+    # per pixel, as a segmentation model's logits [N, C, H, W] against labels [N, H, W]
+    "cross_entropy_pixels": (["N", 4, 3, 5], {}, lambda x, t: F.cross_entropy(x, t)),
     "bce": (["N", 5], {}, lambda x, t: F.binary_cross_entropy_with_logits(x, t)),
     "bce_pos_weight": (["N", 5], {"pos_weight": [1.0, 2.0, 0.5, 3.0, 1.0]},
                        lambda x, t: F.binary_cross_entropy_with_logits(
@@ -183,7 +185,7 @@ def test_loss_matches_torch(case, dtype):
     rng = np.random.default_rng(3)
     x = (rng.standard_normal([7] + shape[1:]) * 3).astype(dtype)
     if kind == "cross_entropy":
-        t = rng.integers(0, 5, [7] + shape[2:])
+        t = rng.integers(0, shape[1], [7] + shape[2:])
     elif kind == "bce":
         t = rng.random(x.shape).astype(dtype)
     else:
