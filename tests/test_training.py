@@ -79,6 +79,29 @@ def cnn_model(seed=0):
     return m, forward, (1, 8, 8)
 
 
+def segnet_model(seed=0):
+    """A small segmentation net: Conv, MaxPool 2 down, ConvTranspose 2x2 stride 2 up, and a
+    1x1 Conv to 3 classes per pixel, trained with cross-entropy against labels [N, 8, 8]."""
+    rng = np.random.default_rng(seed)
+    w = {"C1": rng.standard_normal((4, 1, 3, 3)) * 0.4, "c1": rng.standard_normal(4) * 0.1,
+         "T": rng.standard_normal((4, 4, 2, 2)) * 0.3, "t": rng.standard_normal(4) * 0.1,
+         "K": rng.standard_normal((3, 4, 1, 1)) * 0.4, "k": np.zeros(3)}
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    nodes = [helper.make_node("Conv", ["x", "C1", "c1"], ["y1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["y1"], ["r1"]),
+             helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("ConvTranspose", ["p1", "T", "t"], ["u"], strides=[2, 2]),
+             helper.make_node("Relu", ["u"], ["r2"]),
+             helper.make_node("Conv", ["r2", "K", "k"], ["logits"])]
+    m = make_model(nodes, {"x": (np.float32, ["N", 1, 8, 8])}, ["logits"], inits=w)
+
+    def forward(x, p):
+        y = F.max_pool2d(F.relu(F.conv2d(x, p["C1"], p["c1"], padding=1)), 2)
+        y = F.relu(F.conv_transpose2d(y, p["T"], p["t"], stride=2))
+        return F.conv2d(y, p["K"], p["k"])
+    return m, forward, (1, 8, 8)
+
+
 OPTIMIZERS = {
     "sgd": (lambda: SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2), None,
             lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True,
@@ -97,13 +120,14 @@ OPTIMIZERS = {
     "sgd_clip": (lambda: SGD(lr=0.1, momentum=0.5), 0.2,
                  lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5)),
 }
-MODELS = {"mlp": mlp_model, "cnn": cnn_model}
+MODELS = {"mlp": mlp_model, "cnn": cnn_model, "segnet": segnet_model}
+LABELS = {"segnet": (8, 8)}  # a label per pixel; the others one per row
 
 
-def _batches(shape, steps=20, batch=6, classes=3, seed=1):
+def _batches(shape, steps=20, batch=6, classes=3, seed=1, labels=()):
     rng = np.random.default_rng(seed)
     return [(rng.standard_normal((batch, *shape)).astype(np.float32),
-             rng.integers(0, classes, batch)) for _ in range(steps)]
+             rng.integers(0, classes, (batch, *labels))) for _ in range(steps)]
 
 
 def _torch_train(forward, init, make_opt, clip, batches, lr_schedule=None):
@@ -136,7 +160,7 @@ def test_optimizer_matches_torch(model, opt):
     m, forward, shape = MODELS[model]()
     ours_opt, clip, make_torch = OPTIMIZERS[opt]
     init = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
-    batches = _batches(shape)
+    batches = _batches(shape, labels=LABELS.get(model, ()))
     sched = (lambda s: 0.05 / (1 + 0.1 * s)) if opt == "sgd" else None
     tr = Trainer(m, "cross_entropy", optimizer=ours_opt(), clip_norm=clip, device="cpu",
                  lr_schedule=sched, progress=False)
