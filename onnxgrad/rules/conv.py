@@ -391,6 +391,8 @@ class _Geo:
             co * (K - 1) > 2 * K * c or small)
         if not stacked and self._gather_pays(c, K, pb, pe):
             return self._weight_by_gather(inp, gt, pb, c, K)
+        if not stacked and self._batched_pays(inp, c, K):
+            return self._weight_by_batched_taps(inp, gy, pb, pe, c)
         for cut in self._tap_slices(inp, pb, pe):                  # [C, N, *O]
             if stacked:
                 cuts.append(e.Unsqueeze(cut, [1]))                 # [C, 1, N, *O]
@@ -403,6 +405,40 @@ class _Geo:
             return e.Reshape(taps[0], [0, 0, *self.k])
         r = e.Concat(*[e.Unsqueeze(t_, [2]) for t_ in taps], axis=2)   # [Co, C, K]
         return e.Reshape(r, [0, 0, *self.k])
+
+    def _batched_pays(self, inp, c, K) -> bool:
+        """Whether :meth:`_weight_by_batched_taps` applies: a float32 or float64 1-D or 2-D op
+        with unit strides, static channels and more than _GATHER_MAX output positions per image
+        (large images, where the gathered form would copy x K times at once)."""
+        return (self.nsp <= 2 and K > 1 and c is not None
+                and inp.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE)
+                and all(si == 1 for si in self.s) and self.short_dims is not None
+                and math.prod(self.short_dims) > _GATHER_MAX)
+
+    def _weight_by_batched_taps(self, inp, gy, pb, pe, c):
+        """dW per kernel tap on large images, each tap one batched MatMul over the images:
+        g [N, Co, O] times the tap's slice of channels-last x [N, O, C], summed over N. The
+        per-tap Gemm of :meth:`_weight_by_taps` has an inner size of N*O and an output of only
+        Co x C, which MLAS cannot split well across threads; per image the GEMMs run on every
+        thread, and channels-last slices copy rows of W*C floats. A U-Net's 3x3 layers on 32x32
+        and 64x64 images (batch 16, 16 to 64 channels, forward + dW): 0.80x to 0.97x the time
+        at 2 threads, 0.93x to 1.01x at one (measured). Every target shape is static (an empty
+        batch reshapes without a -1)."""
+        e = self.e
+        o = math.prod(self.short_dims)
+        axes = list(range(1, self.nsp + 1))
+        t = e.Transpose(inp, perm=[0, *self.axes, 1])                   # [N, *L, C]
+        if any(pb) or any(pe):
+            t = e.Pad(t, [0, *pb, 0, 0, *pe, 0])
+        g3 = e.Reshape(gy, [0, 0, o])                                   # [N, Co, O]
+        reach = [di * (ki - 1) for ki, di in zip(self.k, self.d)]
+        taps = []
+        for tap in itertools.product(*[range(ki) for ki in self.k]):
+            starts = [a * di for a, di in zip(tap, self.d)]
+            ends = [st - r if st < r else END for st, r in zip(starts, reach)]
+            cut = e.Reshape(e.Slice(t, starts, ends, axes), [0, o, c])    # [N, O, C]
+            taps.append(e.Unsqueeze(e.ReduceSum(e.MatMul(g3, cut), [0], keepdims=0), [2]))
+        return e.Reshape(e.Concat(*taps, axis=2), [0, 0, *self.k])      # [Co, C, K]
 
     def _cropped_dims(self):
         """Static mode: the long side's spatial dims after :meth:`_crop`, when static."""
