@@ -345,15 +345,20 @@ class _Geo:
         t = e.Transpose(inp, perm=[1, 0, *self.axes])              # [C, N, *L]
         if any(pb) or any(pe):
             t = e.Pad(t, [0, 0, *pb, 0, 0, *pe])
-        reach = [di * (ki - 1) for ki, di in zip(self.k, self.d)]
         steps = None if all(si == 1 for si in self.s) else self.s
-        for tap in itertools.product(*[range(ki) for ki in self.k]):
-            starts = [a * di for a, di in zip(tap, self.d)]
-            ends = [st - r if st < r else END for st, r in zip(starts, reach)]
+        for starts, ends in self._tap_windows():
             if steps is None and all(st == 0 for st in starts) and all(x == END for x in ends):
                 yield t                                            # a 1x1 kernel
             else:
                 yield e.Slice(t, starts, ends, self.axes, steps)
+
+    def _tap_windows(self):
+        """Per kernel tap in row-major order, the Slice starts and ends along the spatial axes
+        of the padded long side (END: to the end) that the tap's windows read."""
+        reach = [di * (ki - 1) for ki, di in zip(self.k, self.d)]
+        for tap in itertools.product(*[range(ki) for ki in self.k]):
+            starts = [a * di for a, di in zip(tap, self.d)]
+            yield starts, [st - r if st < r else END for st, r in zip(starts, reach)]
 
     def _taps_pay(self) -> bool:
         """Whether a 3-D or a depthwise window op's dW is faster per kernel tap than as the Conv
@@ -431,11 +436,8 @@ class _Geo:
         if any(pb) or any(pe):
             t = e.Pad(t, [0, *pb, 0, 0, *pe, 0])
         g3 = e.Reshape(gy, [0, 0, o])                                   # [N, Co, O]
-        reach = [di * (ki - 1) for ki, di in zip(self.k, self.d)]
         taps = []
-        for tap in itertools.product(*[range(ki) for ki in self.k]):
-            starts = [a * di for a, di in zip(tap, self.d)]
-            ends = [st - r if st < r else END for st, r in zip(starts, reach)]
+        for starts, ends in self._tap_windows():
             cut = e.Reshape(e.Slice(t, starts, ends, axes), [0, o, c])    # [N, O, C]
             taps.append(e.Unsqueeze(e.ReduceSum(e.MatMul(g3, cut), [0], keepdims=0), [2]))
         return e.Reshape(e.Concat(*taps, axis=2), [0, 0, *self.k])      # [Co, C, K]
