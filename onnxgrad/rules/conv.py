@@ -891,9 +891,8 @@ def _tiles_grad(e, x, g, k):
         blocks = e.SpaceToDepth(e.Reshape(xf, [-1, 1, 0, 0]), blocksize=k)  # [N*C, k*k, Ho, Wo]
         at = e.Equal(e.ArgMax(blocks, axis=1, keepdims=1), e.const(taps.reshape(1, -1, 1, 1)))
         spread = e.Where(at, e.Reshape(gf, [-1, 1, 0, 0]), e.const(0, gf.dtype))
-        shape = e.Shape(gf)
-        cols = e.Reshape(spread, e.Concat(e.Slice(shape, [0], [1]), [-1],
-                                          e.reduce("ReduceProd", e.Slice(shape, [2], [4]), [0]),
+        cols = e.Reshape(spread, e.Concat(e.Slice(e.Shape(gf), [0], [1]), [-1],
+                                          e.reduce("ReduceProd", _spatial_shape(e, gf), [0]),
                                           axis=0))  # [N, C*k*k, Ho*Wo]
         dx = e.Col2Im(cols, tiles, [k, k], strides=[k, k])
     else:
