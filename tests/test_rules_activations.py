@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import helper
 from util import assert_dtypes_agree, assert_gradients, grads_of, make_model, rand, run_grads
 
@@ -99,6 +101,31 @@ def test_relu_gradient_is_zero_below():
     x = np.array([-2, -0.5, -1e-3, 1e-3, 0.5, 2], F32)
     (gx,), _ = grads_of(m, "y", ["x"], {"x": x})
     np.testing.assert_array_equal(gx, [0, 0, 0, 1, 1, 1])
+
+
+_EDGES = [0.0, -0.0, 1e-30, -1e-30, np.inf, -np.inf, np.nan, 3.5, -2.25]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_relu_gradient_is_tf_relu_grad_generated(data):
+    """Relu's gradient is TF's ReluGrad, g * (x > 0), bit for bit in float32 and float64: the
+    mask's edges (x = +-0, denormal-sized x), and non-finite cotangents, which give NaN where
+    x <= 0 as in TF (0 * inf), never a silently dropped inf above 0."""
+    tf = pytest.importorskip("tensorflow")
+    dtype = data.draw(st.sampled_from([np.float32, np.float64]))
+    shape = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
+    size = int(np.prod(shape))
+    draw = st.lists(st.one_of(st.sampled_from(_EDGES), st.floats(-4, 4, width=32)),
+                    min_size=size, max_size=size)
+    x = np.array(data.draw(draw), dtype).reshape(shape)
+    g = np.array(data.draw(draw), dtype).reshape(shape)
+    m = act_model("Relu", {}, 18, shape=shape, dtype=dtype)
+    res = onnxgrad.gradients(m, ["y"], ["x"], grad_ys=["gy"])
+    onnx.checker.check_model(res.model, full_check=True)
+    (gx,) = run(res.model, {"x": x, "gy": g}, outputs=[res.grads[0]])
+    want = tf.raw_ops.ReluGrad(gradients=g, features=x).numpy()
+    np.testing.assert_array_equal(gx, want)  # NaN where TF has NaN, exact elsewhere
 
 
 # -- PRelu: slope broadcasting --------------------------------------------------------------------

@@ -16,6 +16,13 @@ def _pos(n):
     return n.e.Greater(n.x, n.e.const(0, n.x.dtype))
 
 
+def _relu(n, g):
+    """TF's ReluGrad, g * (x > 0) as a 0/1 tensor: onnxruntime runs Cast and Mul on every
+    thread and Where on one (a [16, 16, 64, 64] mask: 0.55 against 0.99 ms at 2 threads, 0.70
+    against 1.16 at one; measured). As in TF, a non-finite g where x <= 0 gives NaN, not 0."""
+    return g * n.e.Cast(_pos(n), to=g.dtype)
+
+
 def _gelu(n, g):
     e, x = n.e, n.x
     if attr(n, "approximate") == "tanh":
@@ -58,7 +65,7 @@ def _shrink(n, g):
 
 
 table({
-    "Relu": lambda n, g: _where(n, _pos(n), g, n.e.const(0, g.dtype)),
+    "Relu": _relu,
     "LeakyRelu": lambda n, g: _where(n, _pos(n), g, g * attr(n, "alpha")),
     "PRelu": lambda n, g: (_where(n, _pos(n), g, g * n.ins[1]),
                            n.sum_to(_where(n, _pos(n), n.e.const(0, g.dtype), g * n.x), n.ins[1])),

@@ -141,7 +141,9 @@ def _batch_norm(n, g):
         inv_m = _inv_count(e, x, axes)
         mu = _mean(e, x, axes)
         c = x - mu
-        r = e.Reciprocal(e.Sqrt(e.reduce("ReduceSumSquare", c, axes, keepdims=1) * inv_m + eps))
+        # Σc² as ReduceSum(c c): onnxruntime's ReduceSumSquare over these axes is not
+        # vectorised (1.0 against 0.2 ms for ReduceSum on [16, 16, 64, 64], measured)
+        r = e.Reciprocal(e.Sqrt(e.reduce("ReduceSum", c * c, axes, keepdims=1) * inv_m + eps))
         gx = gs = gb = gm = gv = None
         if g is not None:
             sg = e.reduce("ReduceSum", g, axes, keepdims=1)
