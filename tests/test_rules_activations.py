@@ -110,7 +110,7 @@ _EDGES = [0.0, -0.0, 1e-30, -1e-30, np.inf, -np.inf, np.nan, 3.5, -2.25]
 @given(st.data())
 def test_relu_gradient_is_tf_relu_grad_generated(data):
     """Relu's gradient is TF's ReluGrad, g * (x > 0), bit for bit in float32 and float64: the
-    mask's edges (x = +-0, denormal-sized x), and non-finite cotangents, which give NaN where
+    mask's edges (x = +-0, tiny x = +-1e-30), and non-finite cotangents, which give NaN where
     x <= 0 as in TF (0 * inf), never a silently dropped inf above 0. No subnormal values: TF's
     CPU kernels flush them to zero (ReluGrad of x = 1e-40 is 0 there), onnxruntime does not."""
     tf = pytest.importorskip("tensorflow")
