@@ -347,6 +347,30 @@ def test_dropout_training_mode_and_ratio_at_run_time(training):
     np.testing.assert_allclose(g, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("mask", [False, True])
+@pytest.mark.parametrize("as_node", [False, True])
+def test_dropout_training_with_constant_zero_ratio_is_identity(mask, as_node):
+    """A training-mode Dropout whose ratio is a constant 0 (an exported Dropout(p=0)) keeps every
+    element: its gradient is g itself, with no mask pass, and it needs no mask output."""
+    inits = {"t": np.array(True)}
+    if not as_node:
+        inits["ratio"] = np.array(0.0, F)
+    m = dropout_model(["x", "ratio", "t"], ["y", "mask"] if mask else ["y"], inits)
+    if as_node:  # the ratio from a Constant node instead of an initializer
+        ins = [i for i in m.graph.input if i.name != "ratio"]
+        del m.graph.input[:]
+        m.graph.input.extend(ins)
+        m.graph.node.insert(0, helper.make_node("Constant", [], ["ratio"],
+                                                value=helper.make_tensor("r", 1, [], [0.0])))
+    res = onnxgrad.gradients(m, "y", ["x"], grad_ys=["gy"])
+    onnx.checker.check_model(res.model, full_check=True)
+    added = [n.op_type for n in res.model.graph.node if n.name.startswith("gradients/")]
+    assert "Mul" not in added and "Cast" not in added, added
+    y, g = run(res.model, {"x": X, "gy": GY}, ["y", res.grads[0]])
+    np.testing.assert_array_equal(y, X)  # the forward keeps every element too
+    np.testing.assert_array_equal(g, GY)
+
+
 @pytest.mark.parametrize("inits", [{"t": np.array(True)}, None])
 def test_dropout_training_without_mask_raises(inits):
     m = dropout_model(["x", "", "t"], ["y"], inits)

@@ -339,6 +339,10 @@ def _dropout(n, g):
     flag = n.const(2)
     if training is None or (flag is not None and not bool(flag)):
         return g, None, None
+    if n.const(1) is not None and float(n.const(1)) == 0.0:
+        # a constant ratio of 0 keeps every element (mask all true, scale 1): the identity,
+        # as exporters write a training-mode Dropout(p=0) (TransformerEncoderLayer(dropout=0))
+        return g, None, None
     mask = _out(n, 1)
     if mask is None:
         raise NotImplementedError(
