@@ -142,3 +142,47 @@ def test_gradient_model_uses_them():
     plain = onnxgrad.gradients(m, "loss", ["w"])
     want = session(plain.model).run(plain.grads, {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def _dropout_model(ratio, mask_read=False, ratio_as_input=False):
+    """x -> Dropout(ratio, training) -> MatMul(w) -> ReduceSumSquare; the mask read by a second
+    output when ``mask_read``."""
+    nodes = [helper.make_node("Dropout", ["x", "r", "t"], ["d", "mask"], seed=1),
+             helper.make_node("MatMul", ["d", "w"], ["y"]),
+             helper.make_node("ReduceSumSquare", ["y"], ["loss"], keepdims=0)]
+    outs = [helper.make_tensor_value_info("loss", F32, [])]
+    if mask_read:
+        nodes.append(helper.make_node("Cast", ["mask"], ["kept"], to=F32))
+        outs.append(helper.make_tensor_value_info("kept", F32, None))
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array(rng.standard_normal((6, 4)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.array(ratio, np.float32), "r"),
+             numpy_helper.from_array(np.array(True), "t")]
+    ins = [helper.make_tensor_value_info("x", F32, ["N", 6])]
+    if ratio_as_input:
+        ins.append(helper.make_tensor_value_info("r", F32, []))
+    g = helper.make_graph(nodes, "m", ins, outs, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_zero_ratio_dropout_becomes_identity():
+    """build_gradient_model turns a training-mode Dropout of constant ratio 0 into an Identity
+    (the loss and gradient are those of the model without it, exactly); a nonzero ratio, a ratio
+    that may be fed, or a mask that something reads keeps the Dropout. The input model is not
+    changed."""
+    m = _dropout_model(0.0)
+    before = m.SerializeToString()
+    step = build_gradient_model(m, "loss", ["w"])
+    assert m.SerializeToString() == before
+    ops = [n.op_type for n in step.model.graph.node]
+    assert "Dropout" not in ops and "Identity" in ops
+    x = np.random.default_rng(6).standard_normal((3, 6)).astype(np.float32)
+    w = numpy_helper.to_array(m.graph.initializer[0])
+    loss, gw = session(step.model).run(["loss", step.grads[0]], {"x": x, "w": w})
+    y = x.astype(np.float64) @ w
+    np.testing.assert_allclose(loss, (y * y).sum(), rtol=1e-5)
+    np.testing.assert_allclose(gw, 2 * x.T.astype(np.float64) @ y, rtol=1e-5, atol=1e-5)
+    for kept in (_dropout_model(0.1), _dropout_model(0.0, mask_read=True),
+                 _dropout_model(0.0, ratio_as_input=True)):
+        step = build_gradient_model(kept, "loss", ["w"])
+        assert "Dropout" in [n.op_type for n in step.model.graph.node]

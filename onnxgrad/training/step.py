@@ -11,7 +11,8 @@ Updated values are named ``<param>.new`` and ``<param>.<slot>.new`` directly on 
 compute them (no Identity copies). A one-output MaxPool of the forward graph gets its Indices
 output in the step graph, so its gradient reuses the forward's argmax instead of pooling twice
 (except pools over k x k tiles, whose gradient needs no argmax). Convolutions on small images
-with a trained kernel take a faster equivalent form first (:mod:`.fast_forms`).
+with a trained kernel take a faster equivalent form first, and a Dropout of constant ratio 0
+becomes an Identity (:mod:`.fast_forms`).
 
 Also here: :func:`build_gradient_model` (gradients() with the parameters as inputs), and the two
 graphs a gradient-accumulating trainer runs: :func:`build_accumulate_model` (data, params, running
@@ -33,7 +34,7 @@ from ..autodiff import gradients
 from .losses import _taken, load
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..rules.conv import pool_tiles
-from .fast_forms import small_image_convs
+from .fast_forms import small_image_convs, zero_dropouts
 from .optimizers import AdamW, Builder, Optimizer, Scalars, Slot, check_number, clip_grad_norm
 
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
@@ -222,6 +223,7 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
     # data, whatever the model's size) and the step graph reads them as inputs
     values = _params_to_inputs(m, chosen)
     small_image_convs(m, set(chosen), _taken(m.graph))
+    zero_dropouts(m)
     res = gradients(m, [loss], chosen)
     gm = res.model
     params_ok = [p for p, g in zip(chosen, res.grads) if g is not None]
