@@ -361,7 +361,7 @@ def test_dropout_training_with_constant_zero_ratio_is_identity(mask, as_node):
         del m.graph.input[:]
         m.graph.input.extend(ins)
         m.graph.node.insert(0, helper.make_node("Constant", [], ["ratio"],
-                                                value=helper.make_tensor("r", 1, [], [0.0])))
+                                                value=helper.make_tensor("r", TensorProto.FLOAT, [], [0.0])))
     res = onnxgrad.gradients(m, "y", ["x"], grad_ys=["gy"])
     onnx.checker.check_model(res.model, full_check=True)
     added = [n.op_type for n in res.model.graph.node if n.name.startswith("gradients/")]

@@ -339,7 +339,8 @@ def _dropout(n, g):
     flag = n.const(2)
     if training is None or (flag is not None and not bool(flag)):
         return g, None, None
-    if n.const(1) is not None and float(n.const(1)) == 0.0:
+    fixed = n.const(1)  # the ratio, when constant
+    if fixed is not None and float(fixed) == 0.0:
         # a constant ratio of 0 keeps every element (mask all true, scale 1): the identity,
         # as exporters write a training-mode Dropout(p=0) (TransformerEncoderLayer(dropout=0))
         return g, None, None
@@ -352,8 +353,8 @@ def _dropout(n, g):
     ratio = n.input(1)
     if ratio is None:
         keep = e.const(2.0, g.dtype)
-    elif n.const(1) is not None:
-        keep = e.const(1.0 / (1.0 - float(n.const(1))), g.dtype)
+    elif fixed is not None:
+        keep = e.const(1.0 / (1.0 - float(fixed)), g.dtype)
     else:
         keep = e.Reciprocal(1 - _cast(e, ratio, g.dtype))
     gx = g * e.Cast(mask, to=g.dtype) * keep
