@@ -369,6 +369,8 @@ def test_dropout_training_with_constant_zero_ratio_is_identity(mask, as_node):
     y, g = run(res.model, {"x": X, "gy": GY}, ["y", res.grads[0]])
     np.testing.assert_array_equal(y, X)  # the forward keeps every element too
     np.testing.assert_array_equal(g, GY)
+    # float64 central differences, and the float32 graph at ORT_ENABLE_ALL
+    assert_gradients(m, "y", "x", {"x": X})
 
 
 @pytest.mark.parametrize("inits", [{"t": np.array(True)}, None])
