@@ -555,3 +555,41 @@ def test_state_in_place_check_refuses_unsafe_writers():
     gemm = [node("Gemm", ["a", "s", "g"], ["s.new"], name="axpy")]
     with pytest.raises(AssertionError, match="axpy.*Gemm"):
         _check_state_in_place(gemm, ["s"], ["s.new"])
+
+
+def _lstm_classifier(seed=0, T=5, I=3, H=4):
+    """x [T, N, I] -> ONNX LSTM -> last h [N, H] -> logits [N, 3]."""
+    rng = np.random.default_rng(seed)
+    w = {"W": rng.standard_normal((1, 4 * H, I)) * 0.5,
+         "R": rng.standard_normal((1, 4 * H, H)) * 0.5, "B": rng.standard_normal((1, 8 * H)) * 0.1, "D": rng.standard_normal((H, 3)) * 0.5}
+    nodes = [helper.make_node("LSTM", ["x", "W", "R", "B"], ["", "h"], hidden_size=H),
+             helper.make_node("Squeeze", ["h", "axis0"], ["hs"]),
+             helper.make_node("MatMul", ["hs", "D"], ["logits"])]
+    inits = {k: v.astype(np.float32) for k, v in w.items()}
+    inits["axis0"] = np.array([0], np.int64)
+    return make_model(nodes, {"x": (np.float32, [T, "N", I])}, ["logits"], inits=inits)
+
+
+def test_looping_steps_plan_memory_once():
+    """A step whose graph loops (the LSTM's Scans) runs with onnxruntime's memory pattern, and
+    its losses and weights are exactly those of the same step without it; a step without loops
+    keeps the pattern off (peak RSS)."""
+    from onnxgrad.training.trainer import session_options
+    rng = np.random.default_rng(1)
+    batches = [{"x": rng.standard_normal((5, 6, 3)).astype(np.float32),
+                "target": rng.integers(0, 3, 6)} for _ in range(4)]
+    params = ["W", "R", "B", "D"]
+    runs = {}
+    for pattern in (True, False):
+        so = None if pattern else session_options(1)
+        tr = Trainer(_lstm_classifier(), "cross_entropy", optimizer=AdamW(lr=0.05), params=params,
+                     device="cpu", threads=1, progress=False, session_options=so)
+        assert tr._loss_sess.get_session_options().enable_mem_pattern is pattern
+        runs[pattern] = [tr.step(b) for b in batches * 3], tr.parameters()
+    (losses, weights), (losses_off, weights_off) = runs[True], runs[False]
+    assert losses == losses_off and losses[-1] < losses[0]
+    for p in params:
+        np.testing.assert_array_equal(weights[p], weights_off[p])
+    m, _, _ = mlp_model()
+    tr = Trainer(m, "cross_entropy", optimizer=AdamW(lr=0.05), device="cpu", progress=False)
+    assert tr._loss_sess.get_session_options().enable_mem_pattern is False
