@@ -7,6 +7,7 @@ tensor they meet (never a hard-wired float32), lists of ints become int64 consta
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
@@ -78,6 +79,16 @@ def _broadcast(shapes):
     return tuple(out)
 
 
+class Piece(NamedTuple):
+    """A slice's gradient as :meth:`Emitter.place` made it: ``t`` at [start, stop) along
+    ``axis`` of x's shape, zeros elsewhere."""
+    axis: int
+    start: int
+    stop: int
+    t: "V"
+    x: "V"
+
+
 class NeedOpset(Exception):
     """Raised by a rule that needs a newer ai.onnx opset than the model has; the engine upgrades
     the model (onnx.version_converter) and starts again."""
@@ -144,6 +155,7 @@ class Emitter:
         self.unranked: list[ir.Node] = []  # nodes whose output rank only onnx inference finds
         self._consts: dict[tuple, V] = {}
         self._scalars: dict[ir.Value, np.ndarray] = {}  # the rank-0 constants made here
+        self.pieces: dict[ir.Value, Piece] = {}  # what :meth:`place` made
 
     def need(self, version: int) -> None:
         """Declare that the rule being run emits an op of ai.onnx opset ``version``."""
@@ -320,6 +332,33 @@ class Emitter:
                 return self.op("Reshape", row, self.op("Shape", x), _shape=xs)
         return self.op("Expand", t, self.op("Shape", x), _shape=xs)
 
+    def place(self, t: V, x: V, axis: int, start: int, stop: int) -> V:
+        """t, the slice [start, stop) of x along ``axis`` (>= 0), zero-padded back to x's shape:
+        the adjoint of taking the slice (x's dim there and its rank may be known only at run
+        time; stop <= that dim). Recorded, so that the gradients of slices that meet (q, k, v =
+        qkv[0], qkv[1], qkv[2]) are joined by one Concat instead of padded and summed
+        (autodiff's _aggregate)."""
+        d = x.shape[axis] if x.shape is not None else None
+        if isinstance(d, int):
+            rank = len(x.shape)
+            pads = [0] * (2 * rank)
+            pads[axis], pads[rank + axis] = start, d - stop
+        else:
+            after = self.op("Sub", self.op("Slice", self.op("Shape", x), [axis], [axis + 1]),
+                            [stop])
+            if x.rank is not None:
+                mid, tail = [0] * (x.rank - 1), [0] * (x.rank - axis - 1)
+            else:  # zeros for the other axes, from the rank at run time
+                rank = self.op("Shape", self.op("Shape", x))
+                i64 = ir.tensor(np.array([0], np.int64))
+                mid = self.op("ConstantOfShape", self.op("Sub", rank, [1]), value=i64)
+                tail = self.op("ConstantOfShape", self.op("Sub", rank, [axis + 1]), value=i64)
+            pads = self.op("Concat", *[p for p in ([0] * axis, [start], mid, after, tail)
+                                       if not isinstance(p, list) or p], axis=0)
+        out = self.op("Pad", t, pads, _shape=x.shape)
+        self.pieces[out.value] = Piece(axis, start, stop, t, x)
+        return out
+
     def reduce(self, op_type: str, x: V, axes, keepdims: int = 1) -> V:
         """ReduceXxx over ``axes`` (ints or an int64 tensor), in the form this opset wants."""
         axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
@@ -378,6 +417,7 @@ class Emitter:
         c._counts, c._issued, c.unranked = self._counts, self._issued, self.unranked
         c._consts = dict(self._consts) if outer_consts else {}
         c._scalars = dict(self._scalars) if outer_consts else {}
+        c.pieces = self.pieces
         return c
 
 

@@ -834,3 +834,93 @@ def test_dynamo_exported_unfold_fold_block_at_every_level():
         for k, a, b in zip([name, *params], got, want):
             np.testing.assert_allclose(a, b.numpy(), rtol=1e-5, atol=1e-5 * np.abs(b.numpy()).max(),
                                        err_msg=f"{level} {k}")
+
+
+# -- slices of one tensor along one axis: their gradients joined (generated) -------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _slicings(draw):
+    """x [D, 3] or [3, D], D static or symbolic; 2 to 4 consumers along the D axis, each a
+    scalar Gather or a unit-step Slice (bounds from -D-1 to D+1: empty, clamped, negative),
+    maybe a dense one."""
+    D, axis = draw(st.integers(2, 6)), draw(st.integers(0, 1))
+    kinds = draw(st.lists(st.sampled_from(["gather", "slice"]), min_size=2, max_size=4))
+    cuts = []
+    for kind in kinds:
+        if kind == "gather":
+            cuts.append(("gather", draw(st.integers(-D, D - 1))))
+        else:
+            cuts.append(("slice", draw(st.integers(-D - 1, D + 1)),
+                         draw(st.integers(-D - 1, D + 1))))
+    return D, axis, cuts, draw(st.booleans()), draw(st.booleans())
+
+
+def _interval(cut, D):
+    """[start, stop) of a cut along its axis (ONNX's clamping), empty as (start, start)."""
+    if cut[0] == "gather":
+        return cut[1] % D, cut[1] % D + 1
+    clamp = lambda i: min(max(i + D if i < 0 else i, 0), D)  # noqa: E731
+    start = clamp(cut[1])
+    return start, max(clamp(cut[2]), start)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_slicings())
+def test_slice_gradients_that_meet_are_joined_generated(case):
+    """The gradient of x through slices and scalar Gathers along one axis (adjacent, apart,
+    overlapping, empty, beside a dense use of x; the axis static or symbolic) is the sum of
+    each slice's gradient put back in place (numpy, float64, and finite differences); where
+    the placed slices (static bounds: Slices of a static axis, Gathers of index >= 0) do not
+    overlap, each run of adjacent ones is one Concat, padded once unless it covers a static
+    axis."""
+    D, axis, cuts, dense, symbolic = case
+    dims = ["D" if symbolic else D, 3]
+    shape = [D, 3] if axis == 0 else [3, D]
+    nodes, inits, terms = [], {"ax": np.array([axis], np.int64)}, []
+    for k, cut in enumerate(cuts):
+        if cut[0] == "gather":
+            inits[f"i{k}"] = np.array(cut[1], np.int64)
+            nodes.append(helper.make_node("Gather", ["x", f"i{k}"], [f"c{k}"], axis=axis))
+        else:
+            inits[f"s{k}"], inits[f"e{k}"] = np.array([cut[1]]), np.array([cut[2]])
+            nodes.append(helper.make_node("Slice", ["x", f"s{k}", f"e{k}", "ax"], [f"c{k}"]))
+        terms.append(f"c{k}")
+    if dense:
+        terms.append("x")
+    for t in terms:  # sum(t * t) each: gradient 2 t, put back where t came from
+        nodes += [helper.make_node("Mul", [t, t], [f"{t}2"]),
+                  helper.make_node("ReduceSum", [f"{t}2"], [f"{t}s"], keepdims=0)]
+    nodes.append(helper.make_node("Sum", [f"{t}s" for t in terms], ["y"]))
+    m = make_model(nodes, {"x": (np.float64, dims if axis == 0 else dims[::-1])}, ["y"],
+                   inits={k: v.astype(np.int64) for k, v in inits.items()})
+    x = np.random.default_rng(D * 7 + len(cuts)).uniform(0.5, 2.0, shape)
+    ref = 2 * x if dense else np.zeros(shape)
+    spans = [_interval(c, D) for c in cuts]
+    for start, stop in spans:
+        idx = [slice(None)] * 2
+        idx[axis] = slice(start, stop)
+        ref[tuple(idx)] += 2 * x[tuple(idx)]
+    res = onnxgrad.gradients(m, ["y"], ["x"])
+    onnx.checker.check_model(res.model, full_check=True)
+    got = onnxgrad.runtime.run(res.model, {"x": x}, [res.grads[0]])[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-14, atol=0)
+    assert_gradients(m, "y", "x", {"x": x})
+    # the Pads left: one per slice not placed, and per placed one unless they are joined
+    placeable = [s[1] > s[0] and (not symbolic or (c[0] == "gather" and c[1] >= 0))
+                 for c, s in zip(cuts, spans)]
+    placed = sorted(s for s, ok in zip(spans, placeable) if ok)
+    pads = placeable.count(False)
+    if len(placed) < 2 or any(a[1] > b[0] for a, b in zip(placed, placed[1:])):
+        pads += len(placed)
+    else:
+        runs = [[placed[0]]]
+        for s in placed[1:]:
+            if s[0] == runs[-1][-1][1]:
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        pads += sum(1 for r in runs if len(r) == 1 or symbolic or r[0][0] > 0 or r[-1][1] < D)
+    assert sum(n.op_type == "Pad" for n in res.model.graph.node) == pads

@@ -200,6 +200,9 @@ def _slice(n, g):
     if n.input(4) is not None and (steps is None or (steps != 1).any()):
         return _replay(n, g, lambda i: e.Slice(i, *n.ins[1:]), add=False)
     # unit steps: g zero-padded by what was cut off before and after, on each sliced axis
+    one = _one_static_slice(n)
+    if one is not None:
+        return e.place(g, n.x, *one)
     starts, ends, axes = (_i64(n, v) for v in (n.ins[1], n.ins[2], n.input(3)))
     if axes is None:
         axes = e.Range(0, e.Size(starts), 1)
@@ -210,6 +213,25 @@ def _slice(n, g):
 
     begin = clamp(starts)
     return _zero_pad(n, g, begin, dim - e.Max(clamp(ends), begin), axes)
+
+
+def _one_static_slice(n):
+    """(axis, start, stop) of a unit-step Slice of one axis with constant bounds, of static
+    length, that takes something, else None."""
+    starts, ends = n.const(1), n.const(2)
+    axes = n.const(3) if n.input(3) is not None else np.zeros(1, np.int64)
+    x = n.x
+    if starts is None or ends is None or axes is None or starts.size != 1 or ends.size != 1 \
+            or axes.size != 1 or x.shape is None:
+        return None
+    a = int(axes.ravel()[0]) % len(x.shape)
+    d = x.shape[a]
+    if not isinstance(d, int):
+        return None
+    clamp = lambda i: min(max(i + d if i < 0 else i, 0), d)  # noqa: E731  (ONNX's rule)
+    start = clamp(int(starts.ravel()[0]))
+    stop = max(clamp(int(ends.ravel()[0])), start)
+    return (a, start, stop) if stop > start else None
 
 
 @register("Pad")
@@ -286,15 +308,12 @@ def _pad_back(n, x, a, k, g):
     with zeros on either side."""
     e = n.e
     d = x.shape[a] if x.shape is not None else None
-    if isinstance(d, int):
-        k = k % d
-        before, after = e.const(np.array([k], np.int64)), e.const(np.array([d - 1 - k], np.int64))
-    else:
-        dim = e.Slice(e.Shape(x), [a], [a + 1])
-        if k < 0:    # k counts from the end
-            before, after = e.Add(dim, [k]), e.const(np.array([-k - 1], np.int64))
-        else:
-            before, after = e.const(np.array([k], np.int64)), e.Sub(dim, [k + 1])
+    if isinstance(d, int) or k >= 0:
+        k = k % d if isinstance(d, int) else k
+        return e.place(e.Unsqueeze(g, [a]), x, a, k, k + 1)
+    # k counts from the end of a dim known at run time only
+    before = e.Add(e.Slice(e.Shape(x), [a], [a + 1]), [k])
+    after = e.const(np.array([-k - 1], np.int64))
     if x.rank is not None:
         mid, tail = [0] * (x.rank - 1), [0] * (x.rank - a - 1)
     else:  # zeros for the other axes, from the rank at run time

@@ -77,8 +77,8 @@ def session_options(threads: int | None = None, profile: str | None = None,
     the first run holds more than its arena reuses on its own (a step's peak RSS: ResNet-18
     816 -> 685 MB, MobileNetV3 489 -> 367 MB, TransformerEncoder 514 -> 362 MB; step time within
     noise, measured one thread), but a Scan or Loop body planned once, rather than allocated
-    tensor by tensor at every iteration, makes the LSTM step 3 % (1 thread) to 5 % (2 threads)
-    faster for 9 MB."""
+    tensor by tensor at every iteration, makes the LSTM step about 2 % faster at 1 and at 2
+    threads for 9 MB (alternated processes)."""
     ort = runtime.ort_module()
     so = runtime.session_options(threads or cores())
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
