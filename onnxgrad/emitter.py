@@ -339,25 +339,29 @@ class Emitter:
         qkv[0], qkv[1], qkv[2]) are joined by one Concat instead of padded and summed
         (autodiff's _aggregate)."""
         d = x.shape[axis] if x.shape is not None else None
-        if isinstance(d, int):
-            rank = len(x.shape)
-            pads = [0] * (2 * rank)
-            pads[axis], pads[rank + axis] = start, d - stop
-        else:
-            after = self.op("Sub", self.op("Slice", self.op("Shape", x), [axis], [axis + 1]),
-                            [stop])
-            if x.rank is not None:
-                mid, tail = [0] * (x.rank - 1), [0] * (x.rank - axis - 1)
-            else:  # zeros for the other axes, from the rank at run time
-                rank = self.op("Shape", self.op("Shape", x))
-                i64 = ir.tensor(np.array([0], np.int64))
-                mid = self.op("ConstantOfShape", self.op("Sub", rank, [1]), value=i64)
-                tail = self.op("ConstantOfShape", self.op("Sub", rank, [axis + 1]), value=i64)
-            pads = self.op("Concat", *[p for p in ([0] * axis, [start], mid, after, tail)
-                                       if not isinstance(p, list) or p], axis=0)
-        out = self.op("Pad", t, pads, _shape=x.shape)
+        after = d - stop if isinstance(d, int) else \
+            self.op("Sub", self.op("Slice", self.op("Shape", x), [axis], [axis + 1]), [stop])
+        out = self.op("Pad", t, self.axis_pads(x, axis, start, after), _shape=x.shape)
         self.pieces[out.value] = Piece(axis, start, stop, t, x)
         return out
+
+    def axis_pads(self, x: V, axis: int, before, after):
+        """Pad's pads for x's rank: ``before`` and ``after`` (ints, or int64 [1] tensors) on
+        ``axis`` (>= 0), zeros on the other axes, whose number may be known at run time only."""
+        if x.rank is not None and isinstance(before, int) and isinstance(after, int):
+            pads = [0] * (2 * x.rank)
+            pads[axis], pads[x.rank + axis] = before, after
+            return pads
+        if x.rank is not None:
+            mid, tail = [0] * (x.rank - 1), [0] * (x.rank - axis - 1)
+        else:  # zeros for the other axes, from the rank at run time
+            rank = self.op("Shape", self.op("Shape", x))
+            i64 = ir.tensor(np.array([0], np.int64))
+            mid = self.op("ConstantOfShape", self.op("Sub", rank, [1]), value=i64)
+            tail = self.op("ConstantOfShape", self.op("Sub", rank, [axis + 1]), value=i64)
+        parts = [[0] * axis, [before] if isinstance(before, int) else before, mid,
+                 [after] if isinstance(after, int) else after, tail]
+        return self.op("Concat", *[p for p in parts if not isinstance(p, list) or p], axis=0)
 
     def reduce(self, op_type: str, x: V, axes, keepdims: int = 1) -> V:
         """ReduceXxx over ``axes`` (ints or an int64 tensor), in the form this opset wants."""

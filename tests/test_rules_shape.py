@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
-from util import assert_gradients, grads_of, make_model, op_model
+from util import assert_gradients, grads_of, make_model, op_model, vi_model
 
 import onnxgrad
 from onnxgrad.check import check_gradients
@@ -923,4 +923,36 @@ def test_slice_gradients_that_meet_are_joined_generated(case):
             else:
                 runs.append([s])
         pads += sum(1 for r in runs if len(r) == 1 or symbolic or r[0][0] > 0 or r[-1][1] < D)
+    assert sum(n.op_type == "Pad" for n in res.model.graph.node) == pads
+
+
+@pytest.mark.parametrize("ks, pads", [((0, 1, 2), 1), ((0, 2), 2), ((1, -1), 2),
+                                      ((2, 0, 1, 0), 4)])
+def test_gather_pieces_of_unknown_rank(ks, pads):
+    """Scalar Gathers of a tensor whose rank only the run time knows (a Reshape to a fed
+    shape, as the TorchScript exporter writes MultiheadAttention's q, k, v): each index's
+    gradient goes back in place (numpy); adjacent ones as one Concat padded once (the size of
+    the axis is unknown), others (apart, overlapping, or counted from the end) one Pad each."""
+    nodes = [helper.make_node("Reshape", ["x0", "shape"], ["x"])]
+    for j, k in enumerate(ks):
+        nodes += [helper.make_node("Gather", ["x", f"k{j}"], [f"c{j}"], axis=0),
+                  helper.make_node("Mul", [f"c{j}", f"c{j}"], [f"q{j}"]),
+                  helper.make_node("ReduceSum", [f"q{j}"], [f"s{j}"], keepdims=0)]
+    nodes.append(helper.make_node("Sum", [f"s{j}" for j in range(len(ks))], ["y"]))
+    D = onnx.TensorProto.DOUBLE
+    m = vi_model(nodes, [helper.make_tensor_value_info("x0", D, [12]),
+                         helper.make_tensor_value_info("shape", onnx.TensorProto.INT64, ["S"])],
+                 [helper.make_tensor_value_info("y", D, [])],
+                 inits={f"k{j}": np.array(k, np.int64) for j, k in enumerate(ks)})
+    assert not any(vi.name == "x" and vi.type.tensor_type.HasField("shape")
+                   for vi in m.graph.value_info)  # x's rank is unknown
+    x0 = np.random.default_rng(len(ks)).uniform(0.5, 2.0, 12)
+    res = onnxgrad.gradients(m, ["y"], ["x0"])
+    onnx.checker.check_model(res.model, full_check=True)
+    got = onnxgrad.runtime.run(res.model, {"x0": x0, "shape": np.array([3, 2, 2])},
+                               [res.grads[0]])[0]
+    ref = np.zeros((3, 4))
+    for k in ks:
+        ref[k] += 2 * x0.reshape(3, 4)[k]
+    np.testing.assert_allclose(got, ref.ravel(), rtol=1e-14, atol=0)
     assert sum(n.op_type == "Pad" for n in res.model.graph.node) == pads

@@ -313,17 +313,7 @@ def _pad_back(n, x, a, k, g):
         return e.place(e.Unsqueeze(g, [a]), x, a, k, k + 1)
     # k counts from the end of a dim known at run time only
     before = e.Add(e.Slice(e.Shape(x), [a], [a + 1]), [k])
-    after = e.const(np.array([-k - 1], np.int64))
-    if x.rank is not None:
-        mid, tail = [0] * (x.rank - 1), [0] * (x.rank - a - 1)
-    else:  # zeros for the other axes, from the rank at run time
-        rank = e.Shape(e.Shape(x))
-        i64 = ir.tensor(np.array([0], np.int64))
-        mid = e.ConstantOfShape(e.Sub(rank, [1]), value=i64)
-        tail = e.ConstantOfShape(e.Sub(rank, [a + 1]), value=i64)
-    parts = [[0] * a, before, mid, after, tail]
-    pads = e.Concat(*[p for p in parts if not isinstance(p, list) or p], axis=0)
-    return e.Pad(e.Unsqueeze(g, [a]), pads)
+    return e.Pad(e.Unsqueeze(g, [a]), e.axis_pads(x, a, before, -k - 1))
 
 
 @register("GatherElements")
