@@ -561,7 +561,9 @@ def _lstm_classifier(seed=0, T=5, I=3, H=4):
     """x [T, N, I] -> ONNX LSTM -> last h [N, H] -> logits [N, 3]."""
     rng = np.random.default_rng(seed)
     w = {"W": rng.standard_normal((1, 4 * H, I)) * 0.5,
-         "R": rng.standard_normal((1, 4 * H, H)) * 0.5, "B": rng.standard_normal((1, 8 * H)) * 0.1, "D": rng.standard_normal((H, 3)) * 0.5}
+         "R": rng.standard_normal((1, 4 * H, H)) * 0.5,
+         "B": rng.standard_normal((1, 8 * H)) * 0.1,
+         "D": rng.standard_normal((H, 3)) * 0.5}
     nodes = [helper.make_node("LSTM", ["x", "W", "R", "B"], ["", "h"], hidden_size=H),
              helper.make_node("Squeeze", ["h", "axis0"], ["hs"]),
              helper.make_node("MatMul", ["hs", "D"], ["logits"])]
