@@ -85,6 +85,9 @@ def session_options(threads: int | None = None, profile: str | None = None,
     so.enable_mem_pattern = device == "cuda" or loops
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.inter_op_num_threads = 1
+    # the pool's threads spin between a run's kernels, not after it: there they would take
+    # the cores from the fused optimizer's threads and the next step's Python
+    so.add_session_config_entry("session.force_spinning_stop", "1")
     if profile:
         so.enable_profiling = True
         so.profile_file_prefix = profile
