@@ -365,10 +365,36 @@ class Emitter:
 
     def reduce(self, op_type: str, x: V, axes, keepdims: int = 1) -> V:
         """ReduceXxx over ``axes`` (ints or an int64 tensor), in the form this opset wants."""
+        if op_type == "ReduceSum" and _leading(x, axes, self.opset):
+            return self._sum_leading(x, len(axes), keepdims)
         axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
         if axes_as_input:
             return self.op(op_type, x, axes, keepdims=keepdims)
         return self.op(op_type, x, axes=list(axes), keepdims=keepdims)
+
+    def _sum_leading(self, x: V, k: int, keepdims: int) -> V:
+        """The sum over x's first k axes as ones[R] @ x[R, C]: onnxruntime's ReduceSum over
+        leading axes (a bias gradient) runs 1.3x to 1.7x slower than this product at one
+        thread and 2x to 8x at two, where it is slower than at one (measured on [2048, 256] to
+        [16, 64, 64, 64]); its reductions over inner axes (0, 2, 3 of NCHW) are 2x faster than
+        products, and keep the ReduceSum."""
+        shape = x.shape
+        lead, trail = shape[:k], shape[k:]
+        c = int(np.prod(trail, dtype=np.int64))
+        rows = x if len(shape) == 2 else self.op("Reshape", x, [-1, c], _shape=(None, c))
+        vec = not keepdims and len(trail) == 1  # [R] @ [R, C] is [C]: no Reshape after
+        if all(isinstance(d, int) for d in lead):
+            count = [int(np.prod(lead, dtype=np.int64))]
+        else:  # the rows counted at run time (a symbolic batch)
+            count = self.op("Slice", self.op("Shape", rows), [0], [1])
+        if not vec:
+            count = [1, *count] if isinstance(count, list) else self.op("Concat", [1], count,
+                                                                        axis=0)
+        ones = self.op("ConstantOfShape", count, value=ir.tensor(np.ones(1, x.dtype.numpy())),
+                       _shape=(None,) if vec else (1, None))
+        total = self.op("MatMul", ones, rows, _shape=(c,) if vec else (1, c))
+        out = tuple([1] * k + list(trail)) if keepdims else trail
+        return total if total.shape == out else self.op("Reshape", total, list(out), _shape=out)
 
     def sum_to(self, t: V, x: V) -> V:
         """Sum ``t`` (broadcast from x) down to x's shape: the adjoint of numpy broadcasting.
@@ -482,6 +508,23 @@ _RANKS = {
     "Gather": lambda ins, attrs: (None if _rank(ins[0]) is None or _rank(ins[1]) is None
                                   else _rank(ins[0]) + _rank(ins[1]) - 1),
 }
+
+
+def _leading(x, axes, opset: int) -> bool:
+    """Whether a ReduceSum of x over ``axes`` sums its leading axes into static trailing ones,
+    on a float tensor large enough for :meth:`Emitter._sum_leading` to matter (32768 elements
+    or more by its static dims)."""
+    if opset < 10 or x.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or \
+            x.shape is None or not isinstance(axes, (list, tuple)) or \
+            not all(isinstance(a, int) for a in axes):
+        return False
+    rank = len(x.shape)
+    if sorted(a + rank if a < 0 else a for a in axes) != list(range(len(axes))) or \
+            not 0 < len(axes) < rank:
+        return False
+    static = [d for d in x.shape if isinstance(d, int)]
+    return all(isinstance(d, int) and d > 0 for d in x.shape[len(axes):]) and \
+        int(np.prod(static, dtype=np.int64)) >= 1 << 15
 
 
 def _computed_args(ins) -> bool:

@@ -588,3 +588,60 @@ def test_mod_torch():
     torch.fmod(ta, tb).sum().backward()
     np.testing.assert_allclose(ga, ta.grad.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gb, tb.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _leading_broadcasts(draw):
+    """x [*lead, *trail] (its first dim maybe symbolic) against b of shape trail or
+    [1] * len(lead) + trail: b's gradient sums over x's leading axes, on tensors both under and
+    over the 32768 elements from which that sum is a product with ones."""
+    lead = draw(st.lists(st.integers(1, 48), min_size=1, max_size=3))
+    trail = draw(st.lists(st.integers(1, 5), min_size=1, max_size=2))
+    if draw(st.booleans()):  # over the threshold (by the static dims, where there are two)
+        lead[-1] = max(lead[-1], -(-40000 // int(np.prod(lead[:-1] + trail))))
+    return (lead, trail, draw(st.sampled_from(["Add", "Sub", "Mul", "Div"])),
+            draw(st.booleans()), draw(st.booleans()), draw(st.sampled_from([F32, np.float64])))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_leading_broadcasts())
+@example(([16384], [3], "Mul", False, False, F32))           # [R] @ [R, C]: no Reshape
+@example(([16384], [3], "Div", True, False, np.float64))     # [1, R] @ [R, C], keepdims
+@example(([3, 4096], [2, 5], "Div", False, True, F32))       # rows counted at run time
+@example(([3, 4096], [2, 5], "Mul", True, True, np.float64))
+@example(([64, 64], [5], "Mul", False, False, F32))          # under the threshold
+def test_bias_gradients_summed_over_leading_axes_generated(case):
+    """The gradient of a broadcast operand b (a bias: x's trailing dims, with or without leading
+    1s) sums over x's leading axes: exact against numpy (float64 sums) and finite differences
+    (float32 and float64, static or symbolic batch). From 32768 elements (by the static dims) a
+    float sum is ones @ x as one MatMul, which onnxruntime runs faster than its ReduceSum over
+    leading axes; below, a ReduceSum."""
+    lead, trail, op, keep, symbolic, dt = case
+    b_shape = [1] * len(lead) + trail if keep else trail
+    x_dims = (["N"] if symbolic else lead[:1]) + lead[1:] + trail
+    m = make_model([helper.make_node(op, ["x", "b"], ["y"])],
+                   {"x": (dt, x_dims), "b": (dt, b_shape)}, ["y"])
+    rng = np.random.default_rng(len(lead) * 100 + sum(lead) + sum(trail))
+    x = rng.uniform(-2, 2, lead + trail).astype(dt)
+    b = rng.uniform(0.5, 2, b_shape).astype(dt)
+    res = onnxgrad.gradients(m, ["y"], ["b"])
+    onnx.checker.check_model(res.model, full_check=True)
+    got = run(res.model, {"x": x, "b": b}, [res.grads[0]])[0]
+    x64, b64, k = x.astype(np.float64), b.astype(np.float64), tuple(range(len(lead)))
+    terms = {"Add": np.ones_like(x64), "Sub": -np.ones_like(x64), "Mul": x64 + 0 * b64,
+             "Div": -x64 / (b64 * b64)}[op]
+    want = terms.sum(axis=k, keepdims=keep)
+    assert got.shape == want.shape and got.dtype == dt
+    scale = np.abs(terms).sum(axis=k, keepdims=keep)
+    np.testing.assert_array_less(np.abs(got - want), scale * (1e-5 if dt == F32 else 1e-13) + 1e-30)
+    static = int(np.prod([d for d in x_dims if isinstance(d, int)]))
+    added = [n.op_type for n in res.model.graph.node if n.name.startswith("gradients/")]
+    if static < 32768:
+        assert "MatMul" not in added
+    else:  # (with the seed of ones, Add's and Sub's sums are constants)
+        assert "ReduceSum" not in added and ("MatMul" in added or op in ("Add", "Sub"))
+    assert_gradients(m, "y", ["b"], {"x": x, "b": b})
