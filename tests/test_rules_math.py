@@ -614,12 +614,13 @@ def _leading_broadcasts(draw):
 @example(([3, 4096], [2, 5], "Div", False, True, F32))       # rows counted at run time
 @example(([3, 4096], [2, 5], "Mul", True, True, np.float64))
 @example(([64, 64], [5], "Mul", False, False, F32))          # under the threshold
+@example(([1, 40000], [1], "Add", True, False, F32))         # axes [1]: 0 has size 1
 def test_bias_gradients_summed_over_leading_axes_generated(case):
     """The gradient of a broadcast operand b (a bias: x's trailing dims, with or without leading
-    1s) sums over x's leading axes: exact against numpy (float64 sums) and finite differences
-    (float32 and float64, static or symbolic batch). From 32768 elements (by the static dims) a
-    float sum is ones @ x as one MatMul, which onnxruntime runs faster than its ReduceSum over
-    leading axes; below, a ReduceSum."""
+    1s) sums over x's leading axes (those of size 1 summing nothing): exact against numpy
+    (float64 sums) and finite differences (float32 and float64, static or symbolic batch). From
+    32768 elements (by the static dims) a float sum is ones @ x as one MatMul, which
+    onnxruntime runs faster than its ReduceSum over leading axes; below, a ReduceSum."""
     lead, trail, op, keep, symbolic, dt = case
     b_shape = [1] * len(lead) + trail if keep else trail
     x_dims = (["N"] if symbolic else lead[:1]) + lead[1:] + trail
@@ -645,3 +646,52 @@ def test_bias_gradients_summed_over_leading_axes_generated(case):
     else:  # (with the seed of ones, Add's and Sub's sums are constants)
         assert "ReduceSum" not in added and ("MatMul" in added or op in ("Add", "Sub"))
     assert_gradients(m, "y", ["b"], {"x": x, "b": b})
+
+
+@st.composite
+def _leading_reductions(draw):
+    """x of rank 2 to 4 (each leading dim maybe 1, the first maybe symbolic), axes a set of its
+    first k axes holding every one of size > 1 among them (negative or not), keepdims."""
+    rank = draw(st.integers(2, 4))
+    k = draw(st.integers(1, rank - 1))
+    lead = [draw(st.sampled_from([1, 3, 40, 300])) for _ in range(k)]
+    lead[-1] = max(lead[-1], -(-33000 // int(np.prod(lead[:-1]))))
+    dims = lead + [draw(st.integers(1, 3)) for _ in range(rank - k)]
+    axes = [i for i in range(k) if dims[i] > 1 or i == k - 1 or draw(st.booleans())]
+    axes = [a - rank if draw(st.booleans()) else a for a in axes]
+    return dims, axes, draw(st.sampled_from([0, 1])), draw(st.booleans())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_leading_reductions())
+@example(([1, 40000, 3], [1], 0, False))       # a size-1 axis left out, keepdims=0
+@example(([1, 40000, 3], [-2], 1, False))
+@example(([3, 1, 20000, 2], [0, 2], 0, True))  # rows counted at run time
+@example(([40000, 2], [0], 0, False))           # [R] @ [R, C]: no Reshape
+def test_emitter_sums_over_leading_axes_as_a_product_generated(case):
+    """``Emitter.reduce("ReduceSum", ...)`` over leading axes (some of size 1 left out, keepdims
+    0 or 1, a symbolic first dim) equals numpy's sum; from 32768 elements by the static dims it
+    is one MatMul with ones, whose output shape the emitter knows."""
+    import onnx_ir as ir
+    from onnxgrad.emitter import Emitter
+    dims, axes, keepdims, symbolic = case
+    xv = np.random.default_rng(sum(dims)).uniform(-1, 1, dims)
+    want = xv.sum(axis=tuple(a % len(dims) for a in axes), keepdims=bool(keepdims))
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.DOUBLE),
+                 shape=ir.Shape((["N"] if symbolic else dims[:1]) + dims[1:]))
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 18}, name="g")
+    e = Emitter(graph, "s", 18)
+    y = e.reduce("ReduceSum", e.wrap(x), axes, keepdims=keepdims)
+    y.value.shape = ir.Shape(want.shape)
+    graph.outputs.append(y.value)
+    model = ir.serde.serialize_model(ir.Model(graph, ir_version=10))
+    onnx.checker.check_model(model, full_check=True)
+    # (a symbolic first dim left out of the axes may not be 1: the ReduceSum stays)
+    product = int(np.prod(dims[1:] if symbolic else dims)) >= 32768 and \
+        (not symbolic or 0 in {a % len(dims) for a in axes})
+    assert ("MatMul" in {n.op_type for n in model.graph.node}) == product
+    if product:
+        assert y.shape == want.shape
+    (got,) = session(model).run(None, {"x": xv})
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
