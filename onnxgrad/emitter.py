@@ -385,12 +385,11 @@ class Emitter:
         rows = x if len(shape) == 2 else self.op("Reshape", x, [-1, c], _shape=(None, c))
         vec = not keepdims and len(trail) == 1  # [R] @ [R, C] is [C]: no Reshape after
         if all(isinstance(d, int) for d in lead):
-            count = [int(np.prod(lead, dtype=np.int64))]
+            r = int(np.prod(lead, dtype=np.int64))
+            count = [r] if vec else [1, r]
         else:  # the rows counted at run time (a symbolic batch)
-            count = self.op("Slice", self.op("Shape", rows), [0], [1])
-        if not vec:
-            count = [1, *count] if isinstance(count, list) else self.op("Concat", [1], count,
-                                                                        axis=0)
+            r = self.op("Slice", self.op("Shape", rows), [0], [1])
+            count = r if vec else self.op("Concat", [1], r, axis=0)
         ones = self.op("ConstantOfShape", count, value=ir.tensor(np.ones(1, x.dtype.numpy())),
                        _shape=(None,) if vec else (1, None))
         total = self.op("MatMul", ones, rows, _shape=(c,) if vec else (1, c))
@@ -520,10 +519,13 @@ def _leading(x, axes, opset: int) -> bool:
             not all(isinstance(a, int) for a in axes):
         return False
     shape, rank = x.shape, len(x.shape)
-    if any(not -rank <= a < rank for a in axes) or len({a % rank for a in axes}) < len(axes):
+    if rank < 2:
         return False
-    k = max(a % rank for a in axes) + 1
-    if k >= rank or any(shape[i] != 1 for i in range(k) if i not in {a % rank for a in axes}):
+    ks = {a % rank for a in axes}
+    if any(not -rank <= a < rank for a in axes) or len(ks) < len(axes):
+        return False
+    k = max(ks) + 1
+    if k >= rank or any(shape[i] != 1 for i in range(k) if i not in ks):
         return False
     static = [d for d in shape if isinstance(d, int)]
     return all(isinstance(d, int) and d > 0 for d in shape[k:]) and \
