@@ -365,8 +365,9 @@ class Emitter:
 
     def reduce(self, op_type: str, x: V, axes, keepdims: int = 1) -> V:
         """ReduceXxx over ``axes`` (ints or an int64 tensor), in the form this opset wants."""
-        if op_type == "ReduceSum" and _leading(x, axes, self.opset):
-            return self._sum_leading(x, {a % len(x.shape) for a in axes}, keepdims)
+        leading = _leading(x, axes, self.opset) if op_type == "ReduceSum" else None
+        if leading:
+            return self._sum_leading(x, leading, keepdims)
         axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
         if axes_as_input:
             return self.op(op_type, x, axes, keepdims=keepdims)
@@ -510,26 +511,28 @@ _RANKS = {
 }
 
 
-def _leading(x, axes, opset: int) -> bool:
-    """Whether a ReduceSum of x over ``axes`` sums its first k axes (but for some of static size
-    1, which sum nothing) into static trailing ones, on a float tensor large enough for
-    :meth:`Emitter._sum_leading` to matter (32768 elements or more by its static dims)."""
+def _leading(x, axes, opset: int) -> set | None:
+    """``axes`` made non-negative when a ReduceSum of x over them sums its first k axes (but
+    for some of static size 1, which sum nothing) into static trailing ones, on a float tensor
+    large enough for :meth:`Emitter._sum_leading` to matter (32768 elements or more by its
+    static dims); else None."""
     if opset < 10 or x.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or \
-            x.shape is None or not isinstance(axes, (list, tuple)) or not axes or \
-            not all(isinstance(a, int) for a in axes):
-        return False
+            x.shape is None or len(x.shape) < 2 or not isinstance(axes, (list, tuple)) or \
+            not axes or not all(isinstance(a, int) for a in axes):
+        return None
     shape, rank = x.shape, len(x.shape)
-    if rank < 2:
-        return False
+    if any(not -rank <= a < rank for a in axes):
+        return None
     ks = {a % rank for a in axes}
-    if any(not -rank <= a < rank for a in axes) or len(ks) < len(axes):
-        return False
     k = max(ks) + 1
-    if k >= rank or any(shape[i] != 1 for i in range(k) if i not in ks):
-        return False
+    if len(ks) < len(axes) or k >= rank or \
+            any(shape[i] != 1 for i in range(k) if i not in ks):
+        return None
     static = [d for d in shape if isinstance(d, int)]
-    return all(isinstance(d, int) and d > 0 for d in shape[k:]) and \
-        int(np.prod(static, dtype=np.int64)) >= 1 << 15
+    if all(isinstance(d, int) and d > 0 for d in shape[k:]) and \
+            int(np.prod(static, dtype=np.int64)) >= 1 << 15:
+        return ks
+    return None
 
 
 def _computed_args(ins) -> bool:

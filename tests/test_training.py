@@ -583,11 +583,11 @@ def test_step_sessions_stop_spinning_after_a_run():
     batches = [{"x": rng.standard_normal((8, 8)).astype(np.float32),
                 "target": rng.integers(0, 3, 8)} for _ in range(3)]
     losses = {}
-    for stop in ("1", "0"):
-        so = session_options(2)
-        so.add_session_config_entry("session.force_spinning_stop", stop)
+    spinning = session_options(2)
+    spinning.add_session_config_entry("session.force_spinning_stop", "0")
+    for stop, so in (("1", None), ("0", spinning)):
         tr = Trainer(m, "cross_entropy", optimizer=AdamW(lr=0.05), device="cpu", threads=2,
-                     progress=False, session_options=None if stop == "1" else so)
+                     progress=False, session_options=so)
         opts = tr._loss_sess.get_session_options()
         assert opts.get_session_config_entry("session.force_spinning_stop") == stop
         losses[stop] = [tr.step(b) for b in batches * 2]
