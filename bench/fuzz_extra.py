@@ -68,6 +68,14 @@ def fragments():
                                             strides=[k, k])],
             {"x": _r(xs, 32 + k)}, (), {"y": (xs[0], xs[1], xs[2] // k, xs[3] // k)})
 
+    # a bias broadcast over the leading axes of a tensor of 32768 elements or more: its
+    # gradient is summed by a MatMul with ones (Emitter._sum_leading), with the rows counted at
+    # run time when the batch is symbolic (the backend test cases are all smaller)
+    for op, bs in (("Add", (180,)), ("Mul", (200, 180))):
+        add(f"extra_{op.lower()}_bias_summed_as_a_product",
+            [n(op, ["x", "b"], ["y"])], {"x": _r((2, 200, 180), 40), "b": _r(bs, 41)}, (),
+            {"y": (2, 200, 180)})
+
     # If: both branches read outer-scope tensors (captured values get gradients)
     then_g = helper.make_graph(
         [n("Tanh", ["a"], ["then_t"]), n("Mul", ["then_t", "b"], ["then_y"])], "then_branch",

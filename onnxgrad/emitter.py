@@ -7,6 +7,7 @@ tensor they meet (never a hard-wired float32), lists of ints become int64 consta
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -183,6 +184,12 @@ class Emitter:
     # -- constants -------------------------------------------------------------------------
     def const(self, value, dtype: ir.DataType | None = None) -> V:
         """A Constant node (one per distinct value and dtype in a gradients call)."""
+        memo = _memo_key(value, dtype)  # Python numbers and int lists: found without numpy
+        hit = None if memo is None else self._consts.get(memo)
+        if hit is not None:
+            return hit
+        if memo is not None and memo[0] == "ints":
+            dtype = ir.DataType.INT64
         arr = np.asarray(value, dtype=None if dtype is None else dtype.numpy())
         if arr.dtype == np.float64 and dtype is None:
             raise TypeError("a float constant needs an explicit dtype")
@@ -196,6 +203,8 @@ class Emitter:
             self._consts[key] = hit
             if arr.ndim == 0:
                 self._scalars[hit.value] = arr
+        if memo is not None:
+            self._consts[memo] = hit
         return hit
 
     def _widen_scalars(self, ins: list) -> list:
@@ -210,7 +219,13 @@ class Emitter:
         out = []
         for x in ins:
             arr = None if x is None or x.shape != () else self._scalars.get(x.value)
-            out.append(x if arr is None else self.const(arr.reshape((1,) * rank), x.dtype))
+            if arr is not None:
+                key = ("widened", x.value, rank)
+                wide = self._consts.get(key)
+                if wide is None:
+                    wide = self._consts[key] = self.const(arr.reshape((1,) * rank), x.dtype)
+                x = wide
+            out.append(x)
         return out
 
     def _as_input(self, x, dtype):
@@ -219,7 +234,7 @@ class Emitter:
         if isinstance(x, ir.Value):
             return V(x, self)
         if isinstance(x, (list, tuple)) and all(isinstance(i, (int, np.integer)) for i in x):
-            return self.const(np.array(x, dtype=np.int64))
+            return self.const(x if all(type(i) is int for i in x) else np.array(x, np.int64))
         if isinstance(x, np.ndarray):
             return self.const(x)
         if dtype is None:
@@ -263,8 +278,6 @@ class Emitter:
                 name = self.unique(f"{self.prefix}/{op_type}")
             self._issued.update(f"{name}:{i}" for i in range(_outputs))
         attributes = [_attr(k, v) for k, v in attrs.items() if v is not None]
-        node = ir.Node(_domain, op_type, [None if x is None else x.value for x in ins],
-                       attributes, num_outputs=_outputs, name=name)
         dtype = _dtype or _out_dtype(op_type, ins, attrs)
         shape = _shape
         if shape is None and op_type in _ELEMENTWISE:
@@ -279,17 +292,21 @@ class Emitter:
         # an op whose rank onnx's inference will not find (computed split sizes, axes, kernel
         # ...): the rank is written into the model, for gradients of this gradient graph
         record = (op_type in SAME_RANK or op_type in AXES_RANK) and _computed_args(ins)
-        if record and shape is None:  # left to onnx shape inference on the result (autodiff)
-            self.unranked.append(node)
+        unranked = record and shape is None  # left to onnx shape inference on the result
+        if unranked:
             record = False
         if record:
             shapes = [shape] + [(None,) * len(shape)] * (_outputs - 1)
-        for i, out in enumerate(node.outputs):
-            out.name = name if _outputs == 1 else f"{name}:{i}"
-            if dtypes[i] is not None:
-                out.type = _tensor_type(dtypes[i])
-                if record:
-                    out.shape = ir.Shape(shapes[i])
+        # outputs made whole before the node: setting their names and types afterwards costs
+        # onnx-ir a fifth more per node (measured alone, 9.8 against 11.9 us)
+        outs = [ir.Value(name=name if _outputs == 1 else f"{name}:{i}",
+                         type=None if dtypes[i] is None else _tensor_type(dtypes[i]),
+                         shape=ir.Shape(shapes[i]) if record and dtypes[i] is not None else None)
+                for i in range(_outputs)]
+        node = ir.Node(_domain, op_type, [None if x is None else x.value for x in ins],
+                       attributes, outputs=outs, name=name)
+        if unranked:
+            self.unranked.append(node)
         self.graph.append(node)
         self.nodes.append(node)
         if _outputs == 1:
@@ -528,10 +545,22 @@ def _leading(x, axes, opset: int) -> set | None:
     if len(ks) < len(axes) or k >= rank or \
             any(shape[i] != 1 for i in range(k) if i not in ks):
         return None
-    static = [d for d in shape if isinstance(d, int)]
     if all(isinstance(d, int) and d > 0 for d in shape[k:]) and \
-            int(np.prod(static, dtype=np.int64)) >= 1 << 15:
+            math.prod(d for d in shape if isinstance(d, int)) >= 1 << 15:
         return ks
+    return None
+
+
+def _memo_key(value, dtype) -> tuple | None:
+    """:meth:`Emitter.const`'s key for a Python number of a given dtype, or a list or tuple of
+    Python ints (int64); None for anything else. A float's sign is part of it: -0.0 == 0.0."""
+    kind = type(value)
+    if dtype is not None and (kind is int or kind is bool):
+        return ("number", dtype, int(value))
+    if dtype is not None and kind is float:
+        return ("number", dtype, value, math.copysign(1.0, value))
+    if dtype is None and (kind is list or kind is tuple) and all(type(i) is int for i in value):
+        return ("ints", tuple(value))
     return None
 
 

@@ -1,4 +1,4 @@
-"""The build's own shortcuts give the IR onnx-ir's reader gives.
+"""The build's own shortcuts give the IR onnx-ir's reader gives, and the constants numpy gives.
 
 ``autodiff._deserialize`` types the main graph's values from value_info once per distinct type
 (shared frozen shapes) instead of letting onnx-ir read every entry; the rules then see exactly
@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import onnx
 import onnx_ir as ir
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, example, given, seed, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper
 from util import made_up_dims
 
@@ -194,3 +195,46 @@ def test_what_the_call_writes_names_no_made_up_dim(spec):
     before = {vi.name for vi in [*model.graph.value_info, *model.graph.output]}
     written = made_up_dims(res.model, skip=before)
     assert not written, written
+
+
+_FLOATS = [ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16]
+_FLOAT_NUMBERS = st.one_of(st.sampled_from([0.0, -0.0, 1.0, 0.5, -2.5, 1e-30, 3e38, float("inf"),
+                                            float("-inf"), float("nan")]),
+                           st.floats(allow_nan=True, allow_infinity=True, width=32))
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.one_of(
+    st.tuples(_FLOAT_NUMBERS, st.sampled_from(_FLOATS)),
+    st.tuples(st.one_of(st.integers(-3, 3), st.booleans()), st.sampled_from(
+        _FLOATS + [ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL])),
+    st.tuples(st.lists(st.integers(-(1 << 40), 1 << 40), max_size=4).map(
+        lambda v: tuple(v) if len(v) % 2 else v), st.none())), min_size=1, max_size=12))
+@example([(0.0, ir.DataType.FLOAT), (-0.0, ir.DataType.FLOAT), (0, ir.DataType.FLOAT)])
+@example([(1, ir.DataType.FLOAT), (1.0, ir.DataType.FLOAT), (True, ir.DataType.FLOAT),
+          (1, ir.DataType.DOUBLE), (1, ir.DataType.INT64)])
+@example([([1, 2], None), ((1, 2), None), ([], None), ((), None)])
+def test_constants_found_without_numpy_are_the_ones_numpy_makes(requests):
+    """``Emitter.const`` finds Python numbers and int lists it made before by a key of its own
+    (numpy conversion per constant was ~5 % of a build): every constant it hands out holds
+    exactly the bytes numpy gives the request (-0.0 is not 0.0, a list is int64, 1 and True and
+    1.0 share a float constant), two requests share a node exactly when those bytes (dtype and
+    shape included) are equal, and scalars widened for a broadcasting op keep their value."""
+    from onnxgrad.emitter import Emitter
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 3]))
+    e = Emitter(ir.Graph([x], [], nodes=[], opset_imports={"": 18}, name="g"), "s", 18)
+    seen = {}
+    for value, dtype in requests * 2:  # every request twice
+        with np.errstate(over="ignore"):  # (3e38 as float16)
+            want = np.asarray(value, dtype=np.int64 if dtype is None else dtype.numpy())
+            got = e.const(value, dtype)
+        t = got.value.producer().attributes["value"].value.numpy()
+        assert t.dtype == want.dtype and t.shape == want.shape and t.tobytes() == want.tobytes()
+        key = (want.dtype.str, want.shape, want.tobytes())
+        assert seen.setdefault(key, got.value) is got.value, (value, dtype)
+        if want.ndim == 0 and dtype is not None and dtype != ir.DataType.BOOL:
+            wide = e.op("Add", e.wrap(x), got) if dtype == ir.DataType.FLOAT else None
+            if wide is not None:
+                c = wide.value.producer().inputs[1].producer().attributes["value"].value.numpy()
+                assert c.shape == (1, 1) and c.tobytes() == want.tobytes()
+    assert len({v for v in seen.values()}) == len(seen)
