@@ -188,8 +188,6 @@ class Emitter:
         hit = None if memo is None else self._consts.get(memo)
         if hit is not None:
             return hit
-        if memo is not None and memo[0] == "ints":
-            dtype = ir.DataType.INT64
         arr = np.asarray(value, dtype=None if dtype is None else dtype.numpy())
         if arr.dtype == np.float64 and dtype is None:
             raise TypeError("a float constant needs an explicit dtype")
@@ -234,7 +232,7 @@ class Emitter:
         if isinstance(x, ir.Value):
             return V(x, self)
         if isinstance(x, (list, tuple)) and all(isinstance(i, (int, np.integer)) for i in x):
-            return self.const(x if all(type(i) is int for i in x) else np.array(x, np.int64))
+            return self.const(x, ir.DataType.INT64)
         if isinstance(x, np.ndarray):
             return self.const(x)
         if dtype is None:
@@ -399,11 +397,11 @@ class Emitter:
         products, and keep the ReduceSum."""
         shape, k = x.shape, max(axes) + 1
         lead, trail = shape[:k], shape[k:]
-        c = int(np.prod(trail, dtype=np.int64))
+        c = math.prod(trail)
         rows = x if len(shape) == 2 else self.op("Reshape", x, [-1, c], _shape=(None, c))
         vec = not keepdims and len(trail) == 1  # [R] @ [R, C] is [C]: no Reshape after
         if all(isinstance(d, int) for d in lead):
-            r = int(np.prod(lead, dtype=np.int64))
+            r = math.prod(lead)
             count = [r] if vec else [1, r]
         else:  # the rows counted at run time (a symbolic batch)
             r = self.op("Slice", self.op("Shape", rows), [0], [1])
@@ -552,14 +550,17 @@ def _leading(x, axes, opset: int) -> set | None:
 
 
 def _memo_key(value, dtype) -> tuple | None:
-    """:meth:`Emitter.const`'s key for a Python number of a given dtype, or a list or tuple of
-    Python ints (int64); None for anything else. A float's sign is part of it: -0.0 == 0.0."""
+    """:meth:`Emitter.const`'s key for a Python number of a given dtype, or an int64 list or tuple
+    of Python ints; None for anything else. A float's sign is part of it: -0.0 == 0.0."""
     kind = type(value)
-    if dtype is not None and (kind is int or kind is bool):
+    if dtype is None:
+        return None
+    if kind is int or kind is bool:
         return ("number", dtype, int(value))
-    if dtype is not None and kind is float:
+    if kind is float:
         return ("number", dtype, value, math.copysign(1.0, value))
-    if dtype is None and (kind is list or kind is tuple) and all(type(i) is int for i in value):
+    if dtype == ir.DataType.INT64 and (kind is list or kind is tuple) and \
+            all(type(i) is int for i in value):
         return ("ints", tuple(value))
     return None
 
