@@ -11,6 +11,8 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 import onnxgrad
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
@@ -143,12 +145,15 @@ def _np_kwargs(feeds, attrs):
     return kw
 
 
-def fd_check(op, feeds, attrs, rng, eps=1e-6, probes=2, seq_lens=None):
+def fd_check(op, feeds, attrs, rng, eps=1e-6, probes=2, seq_lens=None, xs=None):
     """onnxgrad's gradients (float64 on onnxruntime) against central differences of the NumPy
-    model, along random directions, for every input."""
+    model, along random directions, for every input in ``xs`` (all by default)."""
     model = onnx_rnn_model(op, feeds, seq_lens=seq_lens, **attrs)
     outs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
-    xs = list(feeds)
+    xs = xs or list(feeds)
+    t = feeds["X"].shape[1 if attrs.get("layout") else 0]
+    assert not probes or seq_lens is None or np.all(np.asarray(seq_lens) == t), \
+        "the NumPy model runs every step: no finite differences with shorter sequence_lens"
     res = onnxgrad.gradients(model, outs, xs, grad_ys=["g_" + o for o in outs])
     onnx.checker.check_model(res.model, full_check=True)
     ref = onnx_rnn_np(op, feeds["X"], feeds["W"], feeds["R"], **_np_kwargs(feeds, attrs))
@@ -156,6 +161,7 @@ def fd_check(op, feeds, attrs, rng, eps=1e-6, probes=2, seq_lens=None):
     run_model = without_forward(res.model, res.grads)
     fwd_vals = {k: v for k, v in zip(outs, ref) if k in {i.name for i in run_model.graph.input}}
     got = dict(zip(xs, session(run_model).run(res.grads, {**feeds, **cot, **fwd_vals})))
+    res.values = got  # (for callers comparing two calls)
 
     def objective(f):
         vals = onnx_rnn_np(op, f["X"], f["W"], f["R"], **_np_kwargs(f, attrs))
@@ -501,6 +507,56 @@ def test_sequence_lens_full_constant_takes_the_plain_path():
     res = onnxgrad.gradients(onnx_rnn_model("RNN", rand_feeds("RNN", rng), seq_lens=[T] * B),
                              "Y", "X")
     assert not any(n.op_type in ("CudnnRNNV2", "OnnxRNN") for n in res.model.graph.node)
+
+
+@st.composite
+def _configs(draw):
+    """An ONNX LSTM/GRU/RNN node with every option the rule supports drawn at random."""
+    op = draw(st.sampled_from(["LSTM", "GRU", "RNN"]))
+    attrs = {"direction": draw(st.sampled_from(["forward", "reverse", "bidirectional"])),
+             "layout": draw(st.sampled_from([0, 1]))}
+    if draw(st.booleans()):
+        attrs["clip"] = draw(st.sampled_from([0.6, 1.5]))
+    if op == "GRU":
+        attrs["linear_before_reset"] = draw(st.sampled_from([0, 1]))
+    if op == "RNN" and draw(st.booleans()):
+        attrs["activations"] = ["Relu"] * (2 if attrs["direction"] == "bidirectional" else 1)
+    kw = {"init": draw(st.booleans()), "bias": draw(st.booleans()),
+          "peep": op == "LSTM" and draw(st.booleans())}
+    lens = draw(st.none() | st.lists(st.integers(1, T), min_size=B, max_size=B))
+    return op, attrs, kw, lens
+
+
+@settings(max_examples=24, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_configs())
+def test_data_input_gets_no_input_gradient(cfg):
+    """X as data (its gradient not asked for): the backward op leaves input_backprop unnamed and
+    gets the ``.nodx`` body, which skips the input MatMul over all steps. Every other gradient is
+    the one the call that also asks for X gives, and (without sequence_lens) is checked against
+    finite differences."""
+    op, attrs, kw, lens = cfg
+    rng = np.random.default_rng(12)
+    nd = 2 if attrs["direction"] == "bidirectional" else 1
+    feeds = rand_feeds(op, rng, np.float64, nd, attrs["layout"], **kw,
+                       scale=1.0 if "clip" in attrs else 0.5)
+    xs = [k for k in feeds if k != "X"]
+    # (the NumPy model has no sequence_lens: such draws are compared with the full call only,
+    # which test_rnn_seqlens.py checks against torch's packed sequences)
+    res = fd_check(op, feeds, attrs, np.random.default_rng(3), seq_lens=lens, xs=xs,
+                   probes=2 if lens is None else 0)
+    bwd = [n for n in res.model.graph.node if n.op_type.endswith("Backprop")
+           or n.op_type.endswith("BackpropV2")]
+    assert len(bwd) == 1 and bwd[0].output[0] == "" and bwd[0].overload.endswith(".nodx")
+    full = fd_check(op, feeds, attrs, np.random.default_rng(3), seq_lens=lens, probes=0)
+    for k in xs:
+        np.testing.assert_allclose(res.values[k], full.values[k], rtol=1e-12, atol=1e-14,
+                                   err_msg=k)
+
+    def matmuls(r):  # in the backward op's body
+        body = next(f for f in r.model.functions if f.name == bwd[0].op_type)
+        return sum(n.op_type == "MatMul" for n in body.node)
+    assert matmuls(res) == matmuls(full) - nd  # layer 0's input MatMul, one per direction
 
 
 def test_unsupported_attributes_are_named():

@@ -307,6 +307,46 @@ def test_backward_function_finite_differences(mode):
     assert_directional_fd(f, bwd, res.grads, ys, prim, cot, rng)
 
 
+@pytest.mark.parametrize("op,mode,L,direction,input_mode,attrs", [
+    ("CudnnRNNV2", "lstm", 2, BI, "linear_input", dict(dropout=0.5, seed=3)),
+    ("CudnnRNN", "gru", 1, UNI, "skip_input", {}),
+    ("CudnnRNNV2", "rnn_relu", 3, UNI, "linear_input", {})])
+def test_unnamed_input_backprop_is_not_computed(op, mode, L, direction, input_mode, attrs):
+    """Without x's gradient, the backward node leaves input_backprop unnamed and gets the
+    ``.nodx`` body (no layer-0 input MatMul); the other gradients are those of the call that
+    also asks for x. A ``.nodx`` overload on a node that names input_backprop is refused."""
+    rng = np.random.default_rng(14)
+    n_in = H if input_mode == "skip_input" else I
+    fwd = rnn_model(op, mode, L, direction, TP.DOUBLE, input_mode, dims=(T, B, n_in, H),
+                    attach=False, **attrs)
+    ys = ["y", "hn"] + (["cn"] if mode == "lstm" else [])
+    cot = dict(zip(["g_y", "g_hn", "g_cn"], cotangents(mode, L, direction, np.float64, rng)))
+    cot = {k: v for k, v in cot.items() if k[2:] in ys}
+    x, h0, c0 = inputs(mode, L, direction, np.float64, rng, input_size=n_in)
+    p = rng.standard_normal(params_size(mode, L, H, n_in, direction, input_mode)) * 0.5
+    feeds = {"x": x, "h0": h0, "c0": c0, "p": p, **cot}
+    part = onnxgrad.gradients(fwd, ys, ["h0", "c0", "p"], grad_ys=list(cot))
+    full = onnxgrad.gradients(fwd, ys, ["x", "h0", "c0", "p"], grad_ys=list(cot))
+    onnx.checker.check_model(part.model, full_check=True)
+    bwd = next(n for n in part.model.graph.node if "Backprop" in n.op_type)
+    assert bwd.output[0] == "" and bwd.overload.endswith(".nodx")
+    got = session(part.model).run(part.grads, feeds)
+    want = session(full.model).run(full.grads, feeds)[1:]
+    for name, a, w in zip(part.grads, got, want):
+        np.testing.assert_allclose(a, w, rtol=1e-12, atol=1e-14, err_msg=name)
+    bwd.output[0] = "named"
+    with pytest.raises(ValueError, match="leaves input_backprop empty"):
+        attach_functions(part.model)
+
+
+def test_nodx_is_a_backward_variant():
+    from onnxgrad.rnn.ops import Variant
+    with pytest.raises(ValueError, match="backward op's variant"):
+        make_function("CudnnRNNV2", variant=Variant(nodx=True))
+    f = make_function("CudnnRNNBackpropV2", "gru", variant=Variant(nodx=True))
+    assert f.overload == "gru.unidirectional.linear_input.L1.nodx"
+
+
 def assert_directional_fd(f, bwd, grads, ys, prim, cot, rng, eps=1e-6):
     """float64 central differences of <outputs of session f, cot> along two random directions
     per input in ``prim`` (x, h0, c0, p) against the gradients ``grads`` of session bwd."""

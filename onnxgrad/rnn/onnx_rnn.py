@@ -253,13 +253,17 @@ def _onnx_rnn(n, g):
     n_out = 5 if variant.peep else 4
     res = e.op("OnnxRNNBackprop" if ex else "CudnnRNNBackpropV2", *bwd_ins, _outputs=n_out,
                _domain=DOMAIN, _dtype=[dt] * n_out, **attrs)
-    res[0].value.producer().overload = key
+    want_x = n.wants(X)
+    res[0].value.producer().overload = key if want_x else overload_key(
+        mode, cudnn_dir, "linear_input", 1, variant._replace_nodx(True))
     dx, dh0, dc0, dp = res[:4]
 
     # -- back to the node's shapes ---------------------------------------------------------
-    if direction == "reverse":
+    if not want_x:  # (X is data): the body skips input_backprop's MatMul over all steps
+        dx.value.name, dx = "", None
+    elif direction == "reverse":
         dx = flip(e, dx)
-    if layout:
+    if dx is not None and layout:
         dx = e.Transpose(dx, perm=[1, 0, 2])
     dB = None
     sW, sR = e.Reshape(e.Size(W), [1]), e.Reshape(e.Size(R), [1])
@@ -275,7 +279,7 @@ def _onnx_rnn(n, g):
         dB = back(e.Slice(dp, e.Add(sW, sR), [_INT_MAX]), Bias,
                   inv + [G + p for p in inv]).with_shape(Bias.shape)
     unstate = lambda v: e.Transpose(v, perm=[1, 0, 2]) if layout else v  # noqa: E731
-    grads = [dx.with_shape(X.shape), dW, dR, dB, None,
+    grads = [None if dx is None else dx.with_shape(X.shape), dW, dR, dB, None,
              None if h0 is None else unstate(dh0).with_shape(h0.shape)]
     if lstm:
         grads.append(None if c0 is None else unstate(dc0).with_shape(c0.shape))

@@ -86,6 +86,13 @@ same seeds give the same masks on every run (unlike TF, where the dropout state 
 step and seed = seed2 = 0 means a random seed): feed different seeds per step for fresh masks.
 Counters wrap modulo 2**31 - 1 (masks longer than that repeat).
 
+**An input_backprop nobody reads** (a backward node whose first output is "", as gradients()
+emits it when the input's gradient is not asked for; overload suffix ``.nodx``): the body skips
+layer 0's input gradient (one MatMul over all steps per direction, seq_length * batch *
+G * num_units * input_size multiply-adds), and its input_backprop is an empty tensor. A
+``.nodx`` overload on a node that names input_backprop is a ValueError at
+:func:`attach_functions`.
+
 **Params ops** (CudnnRNNParamsSize, CudnnRNNParamsToCanonical[V2], CudnnRNNCanonicalToParams[V2]):
 see :mod:`onnxgrad.rnn.params_ops`. :func:`op_signature` gives any op's TF signature (input and
 output names in order, attributes with defaults, list lengths) for converters.
@@ -130,21 +137,28 @@ BACKWARD_OUTPUTS = ["input_backprop", "input_h_backprop", "input_c_backprop", "p
 class Variant(tuple):
     """What changes a body's structure beyond (rnn_mode, direction, input_mode, num_layers):
     the ONNX cell options cuDNN lacks (GRU linear_before_reset=0, clip on the gate
-    pre-activations, LSTM peepholes, per-batch ``sequence_lens``; OnnxRNN* only) and dropout
-    between layers (CudnnRNN* only). ``Variant()`` is cuDNN's cell without dropout."""
+    pre-activations, LSTM peepholes, per-batch ``sequence_lens``; OnnxRNN* only), dropout
+    between layers (CudnnRNN* only) and, for backward ops, an input_backprop nobody reads
+    (``nodx``). ``Variant()`` is cuDNN's cell without dropout."""
 
     def __new__(cls, lbr: int = 1, clip: bool = False, peep: bool = False, drop: bool = False,
-                seq: bool = False):
-        return super().__new__(cls, (int(lbr), bool(clip), bool(peep), bool(drop), bool(seq)))
+                seq: bool = False, nodx: bool = False):
+        return super().__new__(cls, (int(lbr), bool(clip), bool(peep), bool(drop), bool(seq),
+                                     bool(nodx)))
 
     lbr = property(lambda self: self[0])
     clip = property(lambda self: self[1])
     peep = property(lambda self: self[2])
     drop = property(lambda self: self[3])
     seq = property(lambda self: self[4])
+    nodx = property(lambda self: self[5])
 
-    def _replace_drop(self, drop: bool = False) -> "Variant":
-        return Variant(self.lbr, self.clip, self.peep, drop, self.seq)
+    def _replace_nodx(self, nodx: bool = False) -> "Variant":
+        return Variant(*self[:5], nodx=nodx)
+
+    def cell(self) -> "Variant":
+        """The variant without what a node's attributes and outputs decide (dropout, nodx)."""
+        return Variant(self.lbr, self.clip, self.peep, seq=self.seq)
 
     @property
     def onnx_options(self) -> bool:
@@ -154,15 +168,15 @@ class Variant(tuple):
     def suffix(self) -> str:
         return ("" if self.lbr else ".lbr0") + (".clip" if self.clip else "") + \
             (".peep" if self.peep else "") + (".drop" if self.drop else "") + \
-            (".seq" if self.seq else "")
+            (".seq" if self.seq else "") + (".nodx" if self.nodx else "")
 
     @classmethod
     def parse(cls, parts) -> "Variant":
-        bad = set(parts) - {"lbr0", "clip", "peep", "drop", "seq"}
+        bad = set(parts) - {"lbr0", "clip", "peep", "drop", "seq", "nodx"}
         if bad:
             raise ValueError(f"unknown variant flags {sorted(bad)}")
         return cls(0 if "lbr0" in parts else 1, "clip" in parts, "peep" in parts,
-                   "drop" in parts, "seq" in parts)
+                   "drop" in parts, "seq" in parts, "nodx" in parts)
 
 
 CUDNN_CELL = Variant()
@@ -214,7 +228,7 @@ def parse_overload(key: str, with_variant: bool = False):
     except (ValueError, AssertionError, IndexError):
         raise ValueError(f"{key!r} is not an onnxgrad CudnnRNN overload "
                          "('<rnn_mode>.<direction>.<input_mode>.L<num_layers>"
-                         "[.lbr0][.clip][.peep]')") from None
+                         "[.lbr0][.clip][.peep][.drop][.seq][.nodx]')") from None
     return out + (variant,) if with_variant else out
 
 
@@ -681,7 +695,9 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
     valid = _valid_steps(b, dm) if variant.seq else None
     layer_mask = lambda layer: b.Gather(drop, b.scalar_int(layer - 1), axis=0)  # noqa: E731
     negH = b.Neg(H)
-    rows = [b.Gather(R, b.scalar_int(i), axis=0) for i in range(L * nd)]
+    # one layer and direction: a Squeeze shares R's buffer (a Gather would copy all of it)
+    rows = [b.Squeeze(R, b.ints(0))] if L * nd == 1 else \
+        [b.Gather(R, b.scalar_int(i), axis=0) for i in range(L * nd)]
     hseq = [b.Slice(r, negH, b.ints(_INT_MAX), b.ints(2)) for r in rows]
     minus1 = b.ints(-1)
     dY = "output_backprop"
@@ -759,15 +775,21 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
                 red = lambda v: b.ReduceSum(v, b.ints(0, 1), keepdims=0)  # noqa: E731
                 dps[idx] = b.Concat(red(b.Mul(sl(dgx, 0), cprev)), red(b.Mul(sl(dgx, 3), cs)),
                                     red(b.Mul(sl(dgx, 1), cprev)), axis=0)
+            if layer == 0 and variant.nodx:
+                continue
             if Wx is None:
                 dxs.append(b.ReduceSum(b.Reshape(dgx, b.Concat(dm.T, dm.B, b.ints(G), H, axis=0)),
                                        b.ints(2), keepdims=0))
             else:
                 dxs.append(b.MatMul(dgx, Wx))
-        dY = dxs[0] if nd == 1 else b.Add(*dxs)
+        if dxs:
+            dY = dxs[0] if nd == 1 else b.Add(*dxs)
         if drop is not None and layer > 0:
             dY = b.Mul(dY, layer_mask(layer))
-    b.Identity(dY, out="input_backprop")
+    if variant.nodx:  # an empty tensor: nothing reads it (the node leaves the output unnamed)
+        b.Expand(cl.zero, b.ints(0), out="input_backprop")
+    else:
+        b.Identity(dY, out="input_backprop")
     stack = lambda vs: b.Unsqueeze(vs[0], b.ints(0)) if len(vs) == 1 else \
         b.Concat(*[b.Unsqueeze(v, b.ints(0)) for v in vs], axis=0)  # noqa: E731
     b.Identity(stack(dh0s), out="input_h_backprop")
@@ -809,6 +831,8 @@ def make_function(op_type: str, rnn_mode: str = "lstm", direction: str = "unidir
     if variant.drop and opset < 15:
         raise ValueError(f"dropout in {op_type} needs ai.onnx opset >= 15 (CastLike), got "
                          f"{opset}")
+    if variant.nodx and op_type not in BACKWARD_OPS + ("OnnxRNNBackprop",):
+        raise ValueError(f"nodx (no input_backprop) is a backward op's variant, not {op_type}'s")
     if variant.clip and opset < 15:
         raise ValueError(f"clip in {op_type} needs ai.onnx opset >= 15 (CastLike), got {opset}")
     if not variant.lbr and rnn_mode != "gru":
@@ -905,7 +929,7 @@ def node_config(node: onnx.NodeProto, dims: dict | None = None, with_variant: bo
     hs = dims.get(node.input[1]) if len(node.input) > 1 else None
     if node.overload:
         key_mode, key_dir, key_in, layers, key_variant = parse_overload(node.overload, True)
-        if (key_mode, key_dir, key_variant._replace_drop()) != (rnn_mode, direction, variant):
+        if (key_mode, key_dir, key_variant.cell()) != (rnn_mode, direction, variant):
             raise ValueError(f"{node.op_type} {node.name!r}: overload {node.overload!r} does not "
                              f"match rnn_mode={rnn_mode!r}, direction={direction!r}"
                              + (f", cell options {variant.suffix()!r}" if ex else ""))
@@ -933,7 +957,12 @@ def node_config(node: onnx.NodeProto, dims: dict | None = None, with_variant: bo
     if drop and not 0 < a["dropout"] < 1:
         raise ValueError(f"{node.op_type} {node.name!r}: dropout={a['dropout']} must be in "
                          "[0, 1)")
-    variant = Variant(*variant[:3], drop=drop, seq=variant.seq)
+    # a backward node whose input_backprop is not asked for ("") skips computing it
+    nodx = not fwd and not (node.output and node.output[0])
+    if node.overload and key_variant.nodx and not nodx:
+        raise ValueError(f"{node.op_type} {node.name!r}: overload {node.overload!r} leaves "
+                         f"input_backprop empty, but the node names it {node.output[0]!r}")
+    variant = Variant(*variant[:3], drop=drop, seq=variant.seq, nodx=nodx)
     cfg = (rnn_mode, direction, input_mode, layers)
     return cfg + (variant,) if with_variant else cfg
 
@@ -965,7 +994,7 @@ def _check_pairs(m: onnx.ModelProto, nodes, cfgs) -> None:
             ba = _attrs(n, EX_ATTR_DEFAULTS if n.op_type in EX_OPS else ATTR_DEFAULTS)
             diff = [f"{k}: {fa.get(k)!r} vs {ba.get(k)!r}" for k in _MUST_MATCH + tuple(
                 EX_ATTR_DEFAULTS) if fa.get(k) != ba.get(k)]
-            if cfgs[id(f)] != cfgs[id(n)]:
+            if cfgs[id(f)] != cfgs[id(n)][:4] + (cfgs[id(n)][4]._replace_nodx(),):
                 diff.append(f"configuration (rnn_mode.direction.input_mode.layers): "
                             f"{overload_key(*cfgs[id(f)])!r} vs {overload_key(*cfgs[id(n)])!r}")
             if diff:
