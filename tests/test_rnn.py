@@ -311,10 +311,12 @@ def test_backward_function_finite_differences(mode):
     ("CudnnRNNV2", "lstm", 2, BI, "linear_input", dict(dropout=0.5, seed=3)),
     ("CudnnRNN", "gru", 1, UNI, "skip_input", {}),
     ("CudnnRNNV2", "rnn_relu", 3, UNI, "linear_input", {})])
-def test_unnamed_input_backprop_is_not_computed(op, mode, L, direction, input_mode, attrs):
-    """Without x's gradient, the backward node leaves input_backprop unnamed and gets the
-    ``.nodx`` body (no layer-0 input MatMul); the other gradients are those of the call that
-    also asks for x. A ``.nodx`` overload on a node that names input_backprop is refused."""
+@pytest.mark.parametrize("xs", [["h0", "c0", "p"], ["x", "h0"], ["c0"]])
+def test_outputs_not_asked_for_are_not_computed(op, mode, L, direction, input_mode, attrs, xs):
+    """Without x's (p's) gradient, the backward node leaves input_backprop (params_backprop)
+    unnamed and gets the ``.nodx`` (``.nodp``) body; the gradients asked for are those of the
+    call that asks for every input. Such an overload on a node that names the output is
+    refused."""
     rng = np.random.default_rng(14)
     n_in = H if input_mode == "skip_input" else I
     fwd = rnn_model(op, mode, L, direction, TP.DOUBLE, input_mode, dims=(T, B, n_in, H),
@@ -325,18 +327,57 @@ def test_unnamed_input_backprop_is_not_computed(op, mode, L, direction, input_mo
     x, h0, c0 = inputs(mode, L, direction, np.float64, rng, input_size=n_in)
     p = rng.standard_normal(params_size(mode, L, H, n_in, direction, input_mode)) * 0.5
     feeds = {"x": x, "h0": h0, "c0": c0, "p": p, **cot}
-    part = onnxgrad.gradients(fwd, ys, ["h0", "c0", "p"], grad_ys=list(cot))
-    full = onnxgrad.gradients(fwd, ys, ["x", "h0", "c0", "p"], grad_ys=list(cot))
+    every = ["x", "h0", "c0", "p"]
+    part = onnxgrad.gradients(fwd, ys, xs, grad_ys=list(cot))
+    full = onnxgrad.gradients(fwd, ys, every, grad_ys=list(cot))
     onnx.checker.check_model(part.model, full_check=True)
     bwd = next(n for n in part.model.graph.node if "Backprop" in n.op_type)
-    assert bwd.output[0] == "" and bwd.overload.endswith(".nodx")
+    flags = bwd.overload.split(".")
+    for k, name, flag in ((0, "x", "nodx"), (3, "p", "nodp")):
+        assert (bwd.output[k] == "", flag in flags) == (name not in xs,) * 2
     got = session(part.model).run(part.grads, feeds)
-    want = session(full.model).run(full.grads, feeds)[1:]
-    for name, a, w in zip(part.grads, got, want):
-        np.testing.assert_allclose(a, w, rtol=1e-12, atol=1e-14, err_msg=name)
-    bwd.output[0] = "named"
-    with pytest.raises(ValueError, match="leaves input_backprop empty"):
+    want = dict(zip(every, session(full.model).run(full.grads, feeds)))
+    for name, a in zip(xs, got):
+        np.testing.assert_allclose(a, want[name], rtol=1e-12, atol=1e-14, err_msg=name)
+    k, out = (0, "input_backprop") if "x" not in xs else (3, "params_backprop")
+    bwd.output[k] = "named"
+    with pytest.raises(ValueError, match=f"leaves {out} empty"):
         attach_functions(part.model)
+
+
+@pytest.mark.parametrize("op,outs", [("CudnnRNNV2", ["y", "hn"]), ("CudnnRNN", ["y"]),
+                                     ("CudnnRNNBackprop", ["dx", "dh"])])
+def test_trailing_outputs_may_be_left_out(op, outs):
+    """A node that leaves out trailing outputs (inference: no reserve_space) gets them back as
+    "" when its function is attached: onnx's inference of a function call needs them all."""
+    from onnxgrad.rnn.ops import op_inputs
+    rng = np.random.default_rng(15)
+    x, h0, c0 = inputs("lstm", 1, UNI, np.float64, rng)
+    p = rng.standard_normal(params_size("lstm", 1, H, I)) * 0.5
+    y, hn, cn, rs = rnn_forward(x, h0, c0, p, "lstm", UNI)
+    gy = rng.standard_normal(y.shape)
+    vals = {"input": x, "input_h": h0, "input_c": c0, "params": p, "output": y, "output_h": hn,
+            "output_c": cn, "output_backprop": gy, "output_h_backprop": np.zeros_like(hn),
+            "output_c_backprop": np.zeros_like(cn), "reserve_space": rs}
+    names = op_inputs(op)
+    node = make_node(op, names, outs, name="n")
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info(k, TP.DOUBLE,
+                                                                      np.shape(vals[k]))
+                                        for k in names],
+                          [helper.make_tensor_value_info(o, TP.DOUBLE, np.shape(v))
+                           for o, v in zip(outs, [x, h0] if "dx" in outs else [y, hn])])
+    m = attach_functions(helper.make_model(g, opset_imports=[
+        helper.make_opsetid("", 18), helper.make_opsetid("onnxgrad", 1)], ir_version=10))
+    assert len(m.graph.node[0].output) == 4 + op.endswith("V2") and \
+        list(m.graph.node[0].output[:len(outs)]) == outs
+    onnx.checker.check_model(m, full_check=True)
+    got = session(m).run(outs, {k: vals[k] for k in names})
+    if op.startswith("CudnnRNNBackprop"):
+        want = rnn_backward(x, h0, c0, p, gy, None, None, rs, "lstm", UNI)
+    else:
+        want = (y, hn)
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(a, w, rtol=1e-10, atol=1e-12)
 
 
 def test_nodx_is_a_backward_variant():

@@ -2,8 +2,9 @@
 CudnnRNN -> CudnnRNNBackprop, CudnnRNNV2 -> CudnnRNNBackpropV2 (the V1 forward has no
 host_reserved output to feed the V2 backward). The backward node reuses the forward's
 reserve_space (and host_reserved), so nothing is recomputed; outputs without an incoming gradient
-get zeros, as TF's gradients() gives them. When the input's gradient is not needed, the node
-leaves input_backprop unnamed and gets the ``.nodx`` body, which does not compute it.
+get zeros, as TF's gradients() gives them. When the input's (the params') gradient is not
+needed, the node leaves input_backprop (params_backprop) unnamed and gets the ``.nodx``
+(``.nodp``) body, which does not compute it.
 
 The emitted node carries the forward's overload (when set); ``onnxgrad.rnn.ops.attach_functions``
 adds the function bodies to the model that gradients() returns.
@@ -37,8 +38,9 @@ def _cudnn_rnn(n, g):
     res = e.op(_BACKWARD[op], *ins, _outputs=4, _domain=DOMAIN, _dtype=dtypes, **attrs)
     res[0].value.producer().overload = n.node.overload
     grads = [r.with_shape(x.shape) for r, x in zip(res, n.ins[:4])]
-    if not n.wants(n.node.inputs[0]):  # an unnamed input_backprop: the body skips it
-        res[0].value.name, grads[0] = "", None
+    for k in (0, 3):  # an unnamed input_backprop / params_backprop: the body skips it
+        if not n.wants(n.node.inputs[k]):
+            res[k].value.name, grads[k] = "", None
     return tuple(grads)
 
 from . import onnx_rnn as _onnx_rnn  # noqa: E402,F401  (ai.onnx LSTM, GRU, RNN)

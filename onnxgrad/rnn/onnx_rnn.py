@@ -127,6 +127,23 @@ def _replace_node(e, f, scratch, node, fwd, lstm, nd, layout, direction, flip):
     graph.remove(node, safe=True)
 
 
+def _weight_grads(e, op, dp, W, R, Bias, nd, G):
+    """(dW, dR, dB or None): params_backprop mapped back to the shapes of W, R and B (the
+    inverse of the gate gather)."""
+    sW, sR = e.Reshape(e.Size(W), [1]), e.Reshape(e.Size(R), [1])
+    wr = e.Reshape(e.Slice(dp, [0], e.Add(sW, sR)), [nd, -1])
+    dWp, dRp = e.op("Split", wr, e.Concat(e.Div(sW, [nd]), e.Div(sR, [nd]), axis=0), axis=1,
+                    _outputs=2)
+    inv = _INV[op]
+    back = lambda v, like, idx: e.Reshape(  # noqa: E731
+        e.Gather(e.Reshape(v, [nd, len(idx), -1]), idx, axis=1), e.Shape(like))
+    dB = None
+    if Bias is not None:
+        dB = back(e.Slice(dp, e.Add(sW, sR), [_INT_MAX]), Bias,
+                  inv + [G + p for p in inv]).with_shape(Bias.shape)
+    return back(dWp, W, inv).with_shape(W.shape), back(dRp, R, inv).with_shape(R.shape), dB
+
+
 @register(["LSTM", "GRU", "RNN"], since=7)
 def _onnx_rnn(n, g):
     op = n.node.op_type
@@ -253,31 +270,25 @@ def _onnx_rnn(n, g):
     n_out = 5 if variant.peep else 4
     res = e.op("OnnxRNNBackprop" if ex else "CudnnRNNBackpropV2", *bwd_ins, _outputs=n_out,
                _domain=DOMAIN, _dtype=[dt] * n_out, **attrs)
-    want_x = n.wants(X)
-    res[0].value.producer().overload = key if want_x else overload_key(
-        mode, cudnn_dir, "linear_input", 1, variant._replace_nodx(True))
+    # outputs nobody reads are left unnamed, and the body skips them: input_backprop when X is
+    # data (a MatMul over all steps), params_backprop when W, R and B are all frozen (several)
+    want_x, want_p = n.wants(X), any(n.wants(v) for v in (W, R, Bias) if v is not None)
+    res[0].value.producer().overload = overload_key(
+        mode, cudnn_dir, "linear_input", 1, variant.skipping(not want_x, not want_p))
     dx, dh0, dc0, dp = res[:4]
 
     # -- back to the node's shapes ---------------------------------------------------------
-    if not want_x:  # (X is data): the body skips input_backprop's MatMul over all steps
+    if not want_x:
         dx.value.name, dx = "", None
     elif direction == "reverse":
         dx = flip(e, dx)
     if dx is not None and layout:
         dx = e.Transpose(dx, perm=[1, 0, 2])
-    dB = None
-    sW, sR = e.Reshape(e.Size(W), [1]), e.Reshape(e.Size(R), [1])
-    wr = e.Reshape(e.Slice(dp, [0], e.Add(sW, sR)), [nd, -1])
-    dWp, dRp = e.op("Split", wr, e.Concat(e.Div(sW, [nd]), e.Div(sR, [nd]), axis=0), axis=1,
-                    _outputs=2)
-    inv = _INV[op]
-    back = lambda v, like, idx: e.Reshape(  # noqa: E731
-        e.Gather(e.Reshape(v, [nd, len(idx), -1]), idx, axis=1), e.Shape(like))
-    dW = back(dWp, W, inv).with_shape(W.shape)
-    dR = back(dRp, R, inv).with_shape(R.shape)
-    if Bias is not None:
-        dB = back(e.Slice(dp, e.Add(sW, sR), [_INT_MAX]), Bias,
-                  inv + [G + p for p in inv]).with_shape(Bias.shape)
+    dW = dR = dB = None
+    if want_p:
+        dW, dR, dB = _weight_grads(e, op, dp, W, R, Bias, nd, G)
+    else:
+        dp.value.name = ""
     unstate = lambda v: e.Transpose(v, perm=[1, 0, 2]) if layout else v  # noqa: E731
     grads = [None if dx is None else dx.with_shape(X.shape), dW, dR, dB, None,
              None if h0 is None else unstate(dh0).with_shape(h0.shape)]

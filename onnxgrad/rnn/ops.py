@@ -86,12 +86,13 @@ same seeds give the same masks on every run (unlike TF, where the dropout state 
 step and seed = seed2 = 0 means a random seed): feed different seeds per step for fresh masks.
 Counters wrap modulo 2**31 - 1 (masks longer than that repeat).
 
-**An input_backprop nobody reads** (a backward node whose first output is "", as gradients()
-emits it when the input's gradient is not asked for; overload suffix ``.nodx``): the body skips
-layer 0's input gradient (one MatMul over all steps per direction, seq_length * batch *
-G * num_units * input_size multiply-adds), and its input_backprop is an empty tensor. A
-``.nodx`` overload on a node that names input_backprop is a ValueError at
-:func:`attach_functions`.
+**Outputs nobody reads** (a backward node whose input_backprop or params_backprop is "", as
+gradients() emits it when the input's, or every weight's, gradient is not asked for; overload
+suffixes ``.nodx``, ``.nodp``): the body skips layer 0's input gradient (one MatMul over all
+steps per direction, seq_length * batch * G * num_units * input_size multiply-adds), or every
+weight and bias gradient (two or three MatMuls and the bias sums per layer and direction), and
+that output is an empty tensor. Such an overload on a node that names the output is a
+ValueError at :func:`attach_functions`.
 
 **Params ops** (CudnnRNNParamsSize, CudnnRNNParamsToCanonical[V2], CudnnRNNCanonicalToParams[V2]):
 see :mod:`onnxgrad.rnn.params_ops`. :func:`op_signature` gives any op's TF signature (input and
@@ -138,13 +139,13 @@ class Variant(tuple):
     """What changes a body's structure beyond (rnn_mode, direction, input_mode, num_layers):
     the ONNX cell options cuDNN lacks (GRU linear_before_reset=0, clip on the gate
     pre-activations, LSTM peepholes, per-batch ``sequence_lens``; OnnxRNN* only), dropout
-    between layers (CudnnRNN* only) and, for backward ops, an input_backprop nobody reads
-    (``nodx``). ``Variant()`` is cuDNN's cell without dropout."""
+    between layers (CudnnRNN* only) and, for backward ops, an input_backprop (``nodx``) or a
+    params_backprop (``nodp``) nobody reads. ``Variant()`` is cuDNN's cell without dropout."""
 
     def __new__(cls, lbr: int = 1, clip: bool = False, peep: bool = False, drop: bool = False,
-                seq: bool = False, nodx: bool = False):
+                seq: bool = False, nodx: bool = False, nodp: bool = False):
         return super().__new__(cls, (int(lbr), bool(clip), bool(peep), bool(drop), bool(seq),
-                                     bool(nodx)))
+                                     bool(nodx), bool(nodp)))
 
     lbr = property(lambda self: self[0])
     clip = property(lambda self: self[1])
@@ -152,12 +153,14 @@ class Variant(tuple):
     drop = property(lambda self: self[3])
     seq = property(lambda self: self[4])
     nodx = property(lambda self: self[5])
+    nodp = property(lambda self: self[6])
 
-    def _replace_nodx(self, nodx: bool = False) -> "Variant":
-        return Variant(*self[:5], nodx=nodx)
+    def skipping(self, nodx: bool = False, nodp: bool = False) -> "Variant":
+        return Variant(*self[:5], nodx=nodx, nodp=nodp)
 
     def cell(self) -> "Variant":
-        """The variant without what a node's attributes and outputs decide (dropout, nodx)."""
+        """The variant without what a node's attributes and outputs decide (dropout, nodx,
+        nodp)."""
         return Variant(self.lbr, self.clip, self.peep, seq=self.seq)
 
     @property
@@ -168,15 +171,16 @@ class Variant(tuple):
     def suffix(self) -> str:
         return ("" if self.lbr else ".lbr0") + (".clip" if self.clip else "") + \
             (".peep" if self.peep else "") + (".drop" if self.drop else "") + \
-            (".seq" if self.seq else "") + (".nodx" if self.nodx else "")
+            (".seq" if self.seq else "") + (".nodx" if self.nodx else "") + \
+            (".nodp" if self.nodp else "")
 
     @classmethod
     def parse(cls, parts) -> "Variant":
-        bad = set(parts) - {"lbr0", "clip", "peep", "drop", "seq", "nodx"}
+        bad = set(parts) - {"lbr0", "clip", "peep", "drop", "seq", "nodx", "nodp"}
         if bad:
             raise ValueError(f"unknown variant flags {sorted(bad)}")
         return cls(0 if "lbr0" in parts else 1, "clip" in parts, "peep" in parts,
-                   "drop" in parts, "seq" in parts, "nodx" in parts)
+                   "drop" in parts, "seq" in parts, "nodx" in parts, "nodp" in parts)
 
 
 CUDNN_CELL = Variant()
@@ -228,7 +232,7 @@ def parse_overload(key: str, with_variant: bool = False):
     except (ValueError, AssertionError, IndexError):
         raise ValueError(f"{key!r} is not an onnxgrad CudnnRNN overload "
                          "('<rnn_mode>.<direction>.<input_mode>.L<num_layers>"
-                         "[.lbr0][.clip][.peep][.drop][.seq][.nodx]')") from None
+                         "[.lbr0][.clip][.peep][.drop][.seq][.nodx][.nodp]')") from None
     return out + (variant,) if with_variant else out
 
 
@@ -666,6 +670,34 @@ def _check_host_reserved(b: _B, rnn_mode, direction, input_mode, L):
     return b.ReduceSum(b.Abs(diff), b.ints(0), keepdims=1)
 
 
+def _weight_grads(b, w, dm, layer, layer_in, row, hprev, dgx, dgh, Wx, lbr0):
+    """(dWx, dRh, dbx, dbh) of one layer and direction from its gate gradients over all steps
+    (dgx; dgh for GRU, whose recurrent gates differ), each one MatMul or ReduceSum."""
+    H, minus1 = dm.H, b.ints(-1)
+    flat = lambda v, width: b.Reshape(v, b.Concat(minus1, width, axis=0))  # noqa: E731
+    dgx2 = flat(dgx, w.GH)
+    dgh2 = dgx2 if dgh == dgx else flat(dgh, w.GH)
+
+    def wgrad(dg2, v, width):
+        """dg2^T @ v, v [T, B, width] flattened: v^T is made explicitly (3-D Transpose
+        and Reshape: onnxruntime's MatMul with a transposed A, which it would fuse a 2-D
+        Transpose into, is much slower) and is the smaller operand to transpose."""
+        vT = b.Reshape(b.Transpose(v, perm=[2, 0, 1]), b.Concat(width, minus1, axis=0))
+        return b.Transpose(b.MatMul(vT, dg2))
+
+    dWx = None if Wx is None else wgrad(dgx2, layer_in, w.in_dim(layer))
+    if lbr0:  # rows r, z multiply h_{t-1}; rows h multiply r * h_{t-1} (saved)
+        H2 = dm.mul(2, H)
+        rh = b.Slice(row, dm.mul(3, H), dm.mul(4, H), b.ints(2))
+        dRh = b.Concat(wgrad(b.Slice(dgh2, b.ints(0), H2, b.ints(1)), hprev, H),
+                       wgrad(b.Slice(dgh2, H2, w.GH, b.ints(1)), rh, H), axis=0)
+    else:
+        dRh = wgrad(dgh2, hprev, H)
+    dbx = b.ReduceSum(dgx2, b.ints(0), keepdims=0)
+    dbh = dbx if dgh2 == dgx2 else b.ReduceSum(dgh2, b.ints(0), keepdims=0)
+    return dWx, dRh, dbx, dbh
+
+
 def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_CELL):
     x, h0, c0, params = FORWARD_INPUTS
     lstm, gru = rnn_mode == "lstm", rnn_mode == "gru"
@@ -748,28 +780,9 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
                 dc0s[idx] = res[1]
             dgx = res[len(states)]
             dgh = res[-1]
-            flat = lambda v, width: b.Reshape(v, b.Concat(minus1, width, axis=0))  # noqa: E731
-            dgx2 = flat(dgx, w.GH)
-            dgh2 = dgx2 if dgh == dgx else flat(dgh, w.GH)
-
-            def wgrad(dg2, v, width):
-                """dg2^T @ v, v [T, B, width] flattened: v^T is made explicitly (3-D Transpose
-                and Reshape: onnxruntime's MatMul with a transposed A, which it would fuse a 2-D
-                Transpose into, is much slower) and is the smaller operand to transpose."""
-                vT = b.Reshape(b.Transpose(v, perm=[2, 0, 1]), b.Concat(width, minus1, axis=0))
-                return b.Transpose(b.MatMul(vT, dg2))
-
-            dWx = None if Wx is None else wgrad(dgx2, layer_in, w.in_dim(layer))
-            if lbr0:  # rows r, z multiply h_{t-1}; rows h multiply r * h_{t-1} (saved)
-                H2 = dm.mul(2, H)
-                rh = b.Slice(rows[idx], dm.mul(3, H), dm.mul(4, H), b.ints(2))
-                dRh = b.Concat(wgrad(b.Slice(dgh2, b.ints(0), H2, b.ints(1)), hprev, H),
-                               wgrad(b.Slice(dgh2, H2, w.GH, b.ints(1)), rh, H), axis=0)
-            else:
-                dRh = wgrad(dgh2, hprev, H)
-            dbx = b.ReduceSum(dgx2, b.ints(0), keepdims=0)
-            dbh = dbx if dgh2 == dgx2 else b.ReduceSum(dgh2, b.ints(0), keepdims=0)
-            grads[(layer, d)] = (dWx, dRh, dbx, dbh)
+            if not variant.nodp:
+                grads[(layer, d)] = _weight_grads(b, w, dm, layer, layer_in, rows[idx], hprev,
+                                                  dgx, dgh, Wx, lbr0)
             if peep:  # ONNX order i, o, f
                 sl = lambda v, j: b.Slice(v, dm.mul(j, H), dm.mul(j + 1, H), b.ints(2))  # noqa
                 red = lambda v: b.ReduceSum(v, b.ints(0, 1), keepdims=0)  # noqa: E731
@@ -799,6 +812,9 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
         b.Expand(cl.zero, b.Shape(c0), out="input_c_backprop")
     if variant.peep:
         b.Identity(stack(dps), out="peepholes_backprop")
+    if variant.nodp:  # as input_backprop above
+        b.Expand(cl.zero, b.ints(0), out="params_backprop")
+        return
     weights, biases = [], []
     for layer in range(L):
         for d in range(nd):
@@ -831,8 +847,9 @@ def make_function(op_type: str, rnn_mode: str = "lstm", direction: str = "unidir
     if variant.drop and opset < 15:
         raise ValueError(f"dropout in {op_type} needs ai.onnx opset >= 15 (CastLike), got "
                          f"{opset}")
-    if variant.nodx and op_type not in BACKWARD_OPS + ("OnnxRNNBackprop",):
-        raise ValueError(f"nodx (no input_backprop) is a backward op's variant, not {op_type}'s")
+    if (variant.nodx or variant.nodp) and op_type not in BACKWARD_OPS + ("OnnxRNNBackprop",):
+        raise ValueError(f"nodx / nodp (no input_backprop / params_backprop) are a backward "
+                         f"op's variants, not {op_type}'s")
     if variant.clip and opset < 15:
         raise ValueError(f"clip in {op_type} needs ai.onnx opset >= 15 (CastLike), got {opset}")
     if not variant.lbr and rnn_mode != "gru":
@@ -957,12 +974,13 @@ def node_config(node: onnx.NodeProto, dims: dict | None = None, with_variant: bo
     if drop and not 0 < a["dropout"] < 1:
         raise ValueError(f"{node.op_type} {node.name!r}: dropout={a['dropout']} must be in "
                          "[0, 1)")
-    # a backward node whose input_backprop is not asked for ("") skips computing it
-    nodx = not fwd and not (node.output and node.output[0])
-    if node.overload and key_variant.nodx and not nodx:
-        raise ValueError(f"{node.op_type} {node.name!r}: overload {node.overload!r} leaves "
-                         f"input_backprop empty, but the node names it {node.output[0]!r}")
-    variant = Variant(*variant[:3], drop=drop, seq=variant.seq, nodx=nodx)
+    # a backward node that does not ask for ("") input_backprop or params_backprop skips it
+    unnamed = [not fwd and not (len(node.output) > k and node.output[k]) for k in (0, 3)]
+    for k, out, flag in zip((0, 3), ("input_backprop", "params_backprop"), unnamed):
+        if node.overload and key_variant[5 + (k > 0)] and not flag:
+            raise ValueError(f"{node.op_type} {node.name!r}: overload {node.overload!r} leaves "
+                             f"{out} empty, but the node names it {node.output[k]!r}")
+    variant = Variant(*variant[:3], drop=drop, seq=variant.seq).skipping(*unnamed)
     cfg = (rnn_mode, direction, input_mode, layers)
     return cfg + (variant,) if with_variant else cfg
 
@@ -994,7 +1012,7 @@ def _check_pairs(m: onnx.ModelProto, nodes, cfgs) -> None:
             ba = _attrs(n, EX_ATTR_DEFAULTS if n.op_type in EX_OPS else ATTR_DEFAULTS)
             diff = [f"{k}: {fa.get(k)!r} vs {ba.get(k)!r}" for k in _MUST_MATCH + tuple(
                 EX_ATTR_DEFAULTS) if fa.get(k) != ba.get(k)]
-            if cfgs[id(f)] != cfgs[id(n)][:4] + (cfgs[id(n)][4]._replace_nodx(),):
+            if cfgs[id(f)] != cfgs[id(n)][:4] + (cfgs[id(n)][4].skipping(),):
                 diff.append(f"configuration (rnn_mode.direction.input_mode.layers): "
                             f"{overload_key(*cfgs[id(f)])!r} vs {overload_key(*cfgs[id(n)])!r}")
             if diff:
@@ -1037,6 +1055,11 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
             m.functions.append(params_ops.make_params_function(n.op_type, opset=opset, **kw))
             have.add((DOMAIN, n.op_type, key))
     _check_pairs(m, nodes, cfgs)
+    # a node may leave out trailing outputs, but onnx's inference of a function call needs
+    # every output the function has: omitted ones come back as ""
+    n_outs = {(f.domain, f.name, f.overload): len(f.output) for f in m.functions}
+    for n in nodes + pnodes:
+        n.output.extend([""] * (n_outs[(DOMAIN, n.op_type, n.overload)] - len(n.output)))
     if not any(o.domain == DOMAIN for o in m.opset_import):
         m.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
     m.ir_version = max(m.ir_version, 10)  # FunctionProto.overload / NodeProto.overload
