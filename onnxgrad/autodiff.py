@@ -76,6 +76,7 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
 
     model, weights = _without_weights(_load(model))
     model = check_model(standard_forms(model), weights)  # (sorted, if only its order was wrong)
+    model = _name_outputs(model)
     args = (ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
             {vi.name for vi in model.graph.value_info}, weights)
     # the sweep allocates millions of small objects and frees none: the cyclic collector would
@@ -402,6 +403,57 @@ def _without_weights(model: onnx.ModelProto):
 
 def _load(model) -> onnx.ModelProto:
     return load_model(model)
+
+
+def _always_computed(n: onnx.NodeProto, opset: int) -> list[int] | None:
+    """The output positions ``n`` computes whether or not they are named (the node's own count
+    for a variadic output); None for a node whose optional outputs change what it computes."""
+    from .rnn.ops import DOMAIN, FORWARD_OPS, OP_OUTPUT_COUNT, PARAMS_OPS
+    if n.domain == DOMAIN:  # function bodies compute every output; a backward op skips some
+        if n.op_type in FORWARD_OPS + ("OnnxRNN",):
+            return list(range(max(len(n.output), OP_OUTPUT_COUNT[n.op_type])))
+        return list(range(len(n.output))) if n.op_type in PARAMS_OPS else None
+    if n.domain not in ("", "ai.onnx") or not onnx.defs.has(n.op_type):
+        return None
+    formal = onnx.defs.get_schema(n.op_type, opset).outputs
+    opt = onnx.defs.OpSchema.FormalParameterOption.Optional
+    return [i for i in range(len(n.output))
+            if formal and formal[min(i, len(formal) - 1)].option != opt]
+
+
+def _name_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``, or a copy in which every output a node computes anyway but leaves unnamed
+    (a Scan's or Loop's final state, a Split part, a forward RNN op's reserve_space) has a
+    name: rules read them (the shape of a zero cotangent, the saved activations), and a
+    gradient node reading "" would make an invalid model. Optional outputs whose presence
+    changes the op (BatchNormalization's statistics, MaxPool's Indices) stay as they are."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    todo = []
+    for g in graphs_of(model.graph):
+        for k, n in enumerate(g.node):
+            if "" in n.output or n.domain:
+                idx = _always_computed(n, opset)
+                if idx and any(i >= len(n.output) or not n.output[i] for i in idx):
+                    todo.append((g, k, idx))
+    if not todo:
+        return model
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    graphs = graphs_of(m.graph)
+    index = {id(g): i for i, g in enumerate(graphs_of(model.graph))}
+    taken = {v for g in graphs for v in [*(i.name for i in g.input), *(t.name for t in
+             g.initializer), *(o for n in g.node for o in n.output)]}
+    for g, k, idx in todo:
+        n = graphs[index[id(g)]].node[k]
+        n.output.extend([""] * (max(idx) + 1 - len(n.output)))
+        for i in idx:
+            if not n.output[i]:
+                name, j = f"{n.name or n.op_type}:out{i}", 0
+                while name in taken:
+                    j += 1
+                    name = f"{n.name or n.op_type}:out{i}_{j}"
+                n.output[i] = name
+                taken.add(name)
+    return m
 
 
 def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:

@@ -129,6 +129,8 @@ EX_ATTR_DEFAULTS = {"rnn_mode": "lstm", "input_mode": "linear_input",
                     "direction": "unidirectional", "linear_before_reset": 1, "clip": 0.0}
 
 FORWARD_INPUTS = ["input", "input_h", "input_c", "params"]
+#: how many outputs each forward op has (its function computes all of them)
+OP_OUTPUT_COUNT = {"CudnnRNN": 4, "CudnnRNNV2": 5, "OnnxRNN": 4}
 FORWARD_OUTPUTS = ["output", "output_h", "output_c", "reserve_space"]
 BACKWARD_INPUTS = FORWARD_INPUTS + ["output", "output_h", "output_c", "output_backprop",
                                     "output_h_backprop", "output_c_backprop", "reserve_space"]
