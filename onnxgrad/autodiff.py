@@ -428,22 +428,21 @@ def _name_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     gradient node reading "" would make an invalid model. Optional outputs whose presence
     changes the op (BatchNormalization's statistics, MaxPool's Indices) stay as they are."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-    todo = []
-    for g in graphs_of(model.graph):
+    todo = []  # (graph's place in graphs_of, which is the same for a copy; node's; outputs)
+    for gi, g in enumerate(graphs_of(model.graph)):
         for k, n in enumerate(g.node):
             if "" in n.output or n.domain:
                 idx = _always_computed(n, opset)
                 if idx and any(i >= len(n.output) or not n.output[i] for i in idx):
-                    todo.append((g, k, idx))
+                    todo.append((gi, k, idx))
     if not todo:
         return model
     m = onnx.ModelProto.FromString(model.SerializeToString())
     graphs = graphs_of(m.graph)
-    index = {id(g): i for i, g in enumerate(graphs_of(model.graph))}
     taken = {v for g in graphs for v in [*(i.name for i in g.input), *(t.name for t in
              g.initializer), *(o for n in g.node for o in n.output)]}
-    for g, k, idx in todo:
-        n = graphs[index[id(g)]].node[k]
+    for gi, k, idx in todo:
+        n = graphs[gi].node[k]
         n.output.extend([""] * (max(idx) + 1 - len(n.output)))
         for i in idx:
             if not n.output[i]:

@@ -161,3 +161,30 @@ def test_unnamed_outputs_get_names_only_where_they_are_always_computed(outs):
     assert len(got["rnn"]) == 5 and all(got["rnn"]) and got["rnn"][0] == "y"
     assert got["ln"][0] == "z" and not any(got["ln"][1:])
     onnx.checker.check_model(res.model, full_check=True)
+
+
+def test_unnamed_output_inside_a_loop_body():
+    """The same inside a body: a Loop whose body splits x_t and leaves a part unnamed."""
+    body = helper.make_graph(
+        [helper.make_node("Gather", ["x", "i"], ["xt"], axis=0),
+         helper.make_node("Split", ["xt"], ["a", ""], axis=0, num_outputs=2),
+         helper.make_node("Mul", ["s", "a"], ["s2"]), helper.make_node("Identity", ["cond"], ["c2"]),
+         helper.make_node("Tanh", ["s2"], ["o"])], "body",
+        [helper.make_tensor_value_info("i", TP.INT64, []),
+         helper.make_tensor_value_info("cond", TP.BOOL, []), _vi("s", [2])],
+        [helper.make_tensor_value_info("c2", TP.BOOL, []), _vi("s2", [2]), _vi("o", [2])])
+    nodes = [helper.make_node("Constant", [], ["n"], value=helper.make_tensor("n", TP.INT64, [],
+                                                                              [3])),
+             helper.make_node("Loop", ["n", "", "s0"], ["final", "seq"], body=body)]
+    model = _model(nodes, [_vi("s0", [2]), _vi("x", [3, 4])], [_vi("seq", None)])
+    res = onnxgrad.gradients(model, "seq", ["s0", "x"])
+    onnx.checker.check_model(res.model, full_check=True)
+    named = onnx.ModelProto()
+    named.CopyFrom(model)
+    named.graph.node[1].attribute[0].g.node[1].output[1] = "b"
+    report = check_gradients(named, "seq", ["s0", "x"], seed=2)
+    assert report.ok, str(report)
+    for a, w in zip(_run(res.model, res.grads, report.feeds),
+                    _run(onnxgrad.gradients(named, "seq", ["s0", "x"]).model, res.grads,
+                         report.feeds)):
+        np.testing.assert_allclose(a, w, rtol=1e-12, atol=1e-14)
