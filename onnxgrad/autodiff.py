@@ -21,7 +21,8 @@ from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError, UnsupportedError)
-from .inference import forget_made_up, graphs_of, infer_ranks, infer_shapes, schema_output_dtypes
+from .inference import (forget_made_up, graphs_of, infer_ranks, infer_shapes, model_opset,
+                        schema_output_dtypes, unique_name)
 from .ort_internal import standard_forms
 from .storage import load_model, strip_weights
 from .validation import check_model
@@ -408,10 +409,10 @@ def _load(model) -> onnx.ModelProto:
 def _always_computed(n: onnx.NodeProto, opset: int) -> list[int] | None:
     """The output positions ``n`` computes whether or not they are named (the node's own count
     for a variadic output); None for a node whose optional outputs change what it computes."""
-    from .rnn.ops import DOMAIN, FORWARD_OPS, OP_OUTPUT_COUNT, PARAMS_OPS
+    from .rnn.ops import DOMAIN, FORWARD_OPS, PARAMS_OPS, op_outputs
     if n.domain == DOMAIN:  # function bodies compute every output; a backward op skips some
         if n.op_type in FORWARD_OPS + ("OnnxRNN",):
-            return list(range(max(len(n.output), OP_OUTPUT_COUNT[n.op_type])))
+            return list(range(max(len(n.output), len(op_outputs(n.op_type)))))
         return list(range(len(n.output))) if n.op_type in PARAMS_OPS else None
     if n.domain not in ("", "ai.onnx") or not onnx.defs.has(n.op_type):
         return None
@@ -427,7 +428,7 @@ def _name_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     name: rules read them (the shape of a zero cotangent, the saved activations), and a
     gradient node reading "" would make an invalid model. Optional outputs whose presence
     changes the op (BatchNormalization's statistics, MaxPool's Indices) stay as they are."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    opset = model_opset(model)
     todo = []  # (graph's place in graphs_of, which is the same for a copy; node's; outputs)
     for gi, g in enumerate(graphs_of(model.graph)):
         for k, n in enumerate(g.node):
@@ -445,13 +446,7 @@ def _name_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
         n = graphs[gi].node[k]
         n.output.extend([""] * (max(idx) + 1 - len(n.output)))
         for i in idx:
-            if not n.output[i]:
-                name, j = f"{n.name or n.op_type}:out{i}", 0
-                while name in taken:
-                    j += 1
-                    name = f"{n.name or n.op_type}:out{i}_{j}"
-                n.output[i] = name
-                taken.add(name)
+            n.output[i] = n.output[i] or unique_name(f"{n.name or n.op_type}:out{i}", taken)
     return m
 
 

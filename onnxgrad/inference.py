@@ -155,6 +155,16 @@ def model_opset(m: onnx.ModelProto) -> int:
     return next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
+def unique_name(base: str, taken: set[str]) -> str:
+    """``base``, or ``base_1``, ``base_2`` ..., whichever is not in ``taken`` (added to it)."""
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name
+
+
 # -- onnxruntime's own ops (rules/contrib.py, ort_internal.py) ------------------------------------
 _STANDIN = "onnxgrad_standin/"
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")

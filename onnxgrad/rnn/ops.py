@@ -129,8 +129,6 @@ EX_ATTR_DEFAULTS = {"rnn_mode": "lstm", "input_mode": "linear_input",
                     "direction": "unidirectional", "linear_before_reset": 1, "clip": 0.0}
 
 FORWARD_INPUTS = ["input", "input_h", "input_c", "params"]
-#: how many outputs each forward op has (its function computes all of them)
-OP_OUTPUT_COUNT = {"CudnnRNN": 4, "CudnnRNNV2": 5, "OnnxRNN": 4}
 FORWARD_OUTPUTS = ["output", "output_h", "output_c", "reserve_space"]
 BACKWARD_INPUTS = FORWARD_INPUTS + ["output", "output_h", "output_c", "output_backprop",
                                     "output_h_backprop", "output_c_backprop", "reserve_space"]
@@ -978,8 +976,10 @@ def node_config(node: onnx.NodeProto, dims: dict | None = None, with_variant: bo
                          "[0, 1)")
     # a backward node that does not ask for ("") input_backprop or params_backprop skips it
     unnamed = [not fwd and not (len(node.output) > k and node.output[k]) for k in (0, 3)]
-    for k, out, flag in zip((0, 3), ("input_backprop", "params_backprop"), unnamed):
-        if node.overload and key_variant[5 + (k > 0)] and not flag:
+    keyed = (key_variant.nodx, key_variant.nodp) if node.overload else (False, False)
+    for k, out, flag, key_says in zip((0, 3), ("input_backprop", "params_backprop"), unnamed,
+                                      keyed):
+        if key_says and not flag:
             raise ValueError(f"{node.op_type} {node.name!r}: overload {node.overload!r} leaves "
                              f"{out} empty, but the node names it {node.output[k]!r}")
     variant = Variant(*variant[:3], drop=drop, seq=variant.seq).skipping(*unnamed)

@@ -23,6 +23,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import DataError, InvalidArgumentError
+from ..inference import unique_name
 from ..storage import EXTERNAL_DATA_ABOVE, load_model, tensor_nbytes
 
 LOSSES = ("mse", "l1", "cross_entropy", "bce")
@@ -77,15 +78,6 @@ def _taken(graph: onnx.GraphProto) -> set[str]:
         names.update(n.output)
         names.add(n.name)
     return names
-
-
-def unique_name(base: str, taken: set[str]) -> str:
-    name, k = base, 0
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    taken.add(name)
-    return name
 
 
 def _output_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
