@@ -88,13 +88,31 @@ def _cudnn(draw):
     return m, ys, ["input", "input_h", "params"]
 
 
+def _to_canonical(draw):
+    """CudnnRNNParamsToCanonical of a one-layer rnn_tanh (W, R, b_W, b_R) with parts unnamed."""
+    from onnxgrad.rnn import params_size
+    from onnxgrad.rnn.ops import make_node
+    named = draw(st.lists(st.booleans(), min_size=4, max_size=4).filter(any))
+    outs = [o if keep else "" for o, keep in zip(["w", "r", "bw", "br"], named)]
+    sizes = [helper.make_tensor(k, TP.INT32, [], [v]) for k, v in zip("LHI", (1, 3, 2))]
+    m = _model([make_node("CudnnRNNParamsToCanonical", ["L", "H", "I", "p"], outs,
+                          rnn_mode="rnn_tanh", num_params=2)],
+               [_vi("p", [params_size("rnn_tanh", 1, 3, 2)])],
+               [_vi(o, {"w": [3, 2], "r": [3, 3], "bw": [3], "br": [3]}[o]) for o in outs if o])
+    m.graph.initializer.extend(sizes)
+    m.opset_import.append(helper.make_opsetid("onnxgrad", 1))
+    return m, [o for o in outs if o], ["p"]
+
+
 @st.composite
 def _cases(draw):
-    kind = draw(st.sampled_from(["Split", "Scan", "Loop", "CudnnRNNV2"]))
+    kind = draw(st.sampled_from(["Split", "Scan", "Loop", "CudnnRNNV2", "ToCanonical"]))
     if kind == "Split":
         return _split(draw)
     if kind == "CudnnRNNV2":
         return _cudnn(draw)
+    if kind == "ToCanonical":
+        return _to_canonical(draw)
     return _loop(draw, kind)
 
 
