@@ -584,7 +584,7 @@ def _fixed(v, n):
 
 def blame(p: Problem, out: Outcome) -> str:
     """The first unit (a case's nodes, or a glue node) that fails alone, or "engine"."""
-    m64 = p.model(np.float64)
+    m64 = p.model(np.float64, functions=False)  # the units name the graph's own nodes
     names = [o for n in p.nodes for o in n.output if o]
     feeds = p.feeds(fuzz_graphs.BATCH_SIZES[0], placeholders=True)
     try:

@@ -171,6 +171,7 @@ class Spec:
     aggregation: int = 0  # index into AGGREGATIONS
     second: tuple = ()  # picks among the first call's gradients: a second-order call on them
     seed: int = 0
+    function: int = 0  # one time in three, a run of nodes becomes a model function (see _as_function)
 
 
 def specs(max_steps: int = 5, max_inputs: int = 3, **fixed):
@@ -191,7 +192,8 @@ def specs(max_steps: int = 5, max_inputs: int = 3, **fixed):
         grad_ys=st.lists(st.integers(0, 2), max_size=3).map(tuple),
         unconnected=st.booleans(), scope=st.integers(0, len(SCOPES) - 1),
         aggregation=st.integers(0, len(AGGREGATIONS) - 1),
-        second=st.lists(big, max_size=2).map(tuple), seed=st.integers(0, 2**16))
+        second=st.lists(big, max_size=2).map(tuple), seed=st.integers(0, 2**16),
+        function=big)
     fields.update({k: st.just(v) for k, v in fixed.items()})
     return st.builds(Spec, **fields)
 
@@ -232,6 +234,7 @@ class Problem:
     units: list = field(default_factory=list)
     floats: set = field(default_factory=set)  # tensors of the graph's float dtype
     shapes: dict = field(default_factory=dict)  # made tensor -> its shape ("N": the batch)
+    function: int = 0  # Spec.function
 
     @property
     def sizes(self):
@@ -254,7 +257,9 @@ class Problem:
                     unconnected_gradients=self.unconnected, name=self.name,
                     aggregation_method=self.aggregation)
 
-    def model(self, dtype=None) -> onnx.ModelProto:
+    def model(self, dtype=None, functions: bool = True) -> onnx.ModelProto:
+        """The model in ``dtype``; ``functions``: with the run of nodes that ``function`` picks
+        as a model function (False: every node in the graph, as the units name them)."""
         dtype = np.dtype(dtype or self.dtype)
         elem = helper.np_dtype_to_tensor_dtype(dtype)
 
@@ -262,8 +267,12 @@ class Problem:
             e = elem if dt is None else helper.np_dtype_to_tensor_dtype(np.dtype(dt))
             return helper.make_tensor_value_info(name, e, shape)
 
+        nodes, fns = [_retyped(n, elem) for n in self.nodes], []
+        if functions and self.function % 3 == 1:
+            nodes, fns = _as_function(nodes, self.function // 3, self.opset,
+                                      set(self.xs) | set(self.stops), set(self.outputs))
         g = helper.make_graph(
-            [_retyped(n, elem) for n in self.nodes], "fuzz",
+            nodes, "fuzz",
             [vi(n, s, d) for n, (s, d) in self.inputs.items()],
             [vi(n, s, d) for n, (s, d) in self.outputs.items()],
             [numpy_helper.from_array(a.astype(dtype) if f else a, n)
@@ -271,8 +280,60 @@ class Problem:
         ops = [helper.make_opsetid("", self.opset)]
         from onnxgrad.runtime import MAX_IR_VERSION
         ir = min(helper.find_min_ir_version_for(ops), MAX_IR_VERSION)
-        m = helper.make_model(g, opset_imports=ops, ir_version=ir, producer_name="fuzz")
+        if fns:
+            ops.append(helper.make_opsetid(FUNCTION_DOMAIN, 1))
+        m = helper.make_model(g, opset_imports=ops, ir_version=ir, producer_name="fuzz",
+                              functions=fns)
         return onnx.shape_inference.infer_shapes(m) if self.value_info else m
+
+
+FUNCTION_DOMAIN = "fuzz.fn"
+
+
+def _as_function(nodes, pick, opset, avoid, outputs):
+    """``nodes`` with one run of them moved into a model function, called once in their place
+    (``pick`` chooses the run): what exporters of modules as functions write. Nodes with
+    subgraphs (their bodies read the outer scope) stay out, and so do nodes making a tensor of
+    ``avoid`` (xs and stop_gradients: the oracle cuts the graph at them)."""
+    ok = [n.domain in ("", "ai.onnx") and not set(n.output) & avoid and
+          not any(a.HasField("g") or a.graphs for a in n.attribute) for n in nodes]
+    runs, i = [], 0
+    while i < len(nodes):
+        j = i
+        while j < len(nodes) and ok[j]:
+            j += 1
+        if j > i:
+            runs.append((i, j))
+        i = j + 1
+    if not runs:
+        return nodes, []
+    i, j = runs[pick % len(runs)]
+    pick //= len(runs)
+    start = i + pick % (j - i)
+    end = start + 1 + pick // (j - i) % (j - start)
+    body = nodes[start:end]
+    made = {o for n in body for o in n.output if o}
+    later = set(outputs)
+    for n in nodes[end:]:
+        later.update(_names_read(n))
+    ins = list(dict.fromkeys(x for n in body for x in n.input if x and x not in made))
+    outs = [o for n in body for o in n.output if o in later]
+    if not outs:
+        return nodes, []
+    f = helper.make_function(FUNCTION_DOMAIN, "Block", ins, outs, body,
+                             [helper.make_opsetid("", opset)])
+    call = helper.make_node("Block", ins, outs, name="Block_call", domain=FUNCTION_DOMAIN)
+    return [*nodes[:start], call, *nodes[end:]], [f]
+
+
+def _names_read(node):
+    """Every name ``node`` reads, in its subgraphs too (a superset of its outer-scope reads)."""
+    out = set(node.input)
+    for a in node.attribute:
+        for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            for n in g.node:
+                out |= _names_read(n)
+    return out
 
 
 def _retyped(node, elem):
@@ -600,7 +661,8 @@ class _Builder:
             stops=stops, unconnected="zero" if s.unconnected else "none",
             name=SCOPES[s.scope % len(SCOPES)], aggregation=AGGREGATIONS[s.aggregation % 3],
             second=tuple(s.second), batched=s.batch, value_info=s.value_info,
-            dtype=self.dtype, units=self.units, floats=floats, shapes=made)
+            dtype=self.dtype, units=self.units, floats=floats, shapes=made,
+            function=s.function)
 
 
 def _rename_inputs(node, rename):

@@ -246,6 +246,12 @@ class Engine:
             return self.opset
         return self.irm.opset_imports.get(domain, 1)
 
+    def rule_of(self, node: ir.Node):
+        """(the node's gradient rule or None, the opset it is read at)."""
+        opset = self.opset_of(node.domain)
+        return lookup("" if node.domain == "ai.onnx" else node.domain, node.op_type, opset,
+                      node.op_identifier() in self.irm.functions), opset
+
     def sweep(self, graph: ir.Graph, e: Emitter, seeds: dict, xs: list, stop=frozenset()
               ) -> list[V | None]:
         """Gradients of the seeded values with respect to each of ``xs``, appended to ``e``'s graph.
@@ -275,10 +281,8 @@ class Engine:
             outs = [v for v in node.outputs if v in needed]
             if not outs:
                 continue
-            opset_of = self.opset_of(node.domain)
-            if any(v.dtype is None for v in outs) and lookup(
-                    "" if node.domain == "ai.onnx" else node.domain, node.op_type,
-                    opset_of) is None:
+            rule, opset_of = self.rule_of(node)
+            if any(v.dtype is None for v in outs) and rule is None:
                 raise NotDifferentiableError(node.op_type, node.domain, opset_of, node.name,
                                              _path(node, outs, ys, xs, live))
             ins = [v for v in _reads(node) if v in live and v not in stop]
@@ -319,8 +323,7 @@ class Engine:
             gs = [total(v) if v in grads and v not in stop else None for v in node.outputs]
             if all(g is None for g in gs):
                 continue
-            opset_of = self.opset_of(node.domain)
-            rule = lookup("" if node.domain == "ai.onnx" else node.domain, node.op_type, opset_of)
+            rule, opset_of = self.rule_of(node)
             if rule is None:
                 raise NotDifferentiableError(node.op_type, node.domain, opset_of, node.name,
                                              path(node))

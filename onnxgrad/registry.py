@@ -96,11 +96,12 @@ def attach_functions(model):
     return model
 
 
-_FALLBACK: list[Rule] = []  # the rule for ai.onnx ops with a function body and no rule of their own
+_FALLBACK: list[Rule] = []  # the rule for ops with a function body and no rule of their own
 
 
 def fallback(rule: Rule) -> Rule:
-    """Register the rule used for an ai.onnx op that has an ONNX function body but no rule."""
+    """Register the rule used for an op that has a function body (an ai.onnx schema's, or the
+    model's own) but no rule."""
     _FALLBACK[:] = [rule]
     return rule
 
@@ -114,11 +115,13 @@ def _has_function(op_type: str, opset: int) -> bool:
     return schema.has_function or schema.has_context_dependent_function
 
 
-def lookup(domain: str, op_type: str, opset: int) -> Rule | None:
+def lookup(domain: str, op_type: str, opset: int, local: bool = False) -> Rule | None:
+    """The rule for an op; ``local``: the model defines a function of that name (its body is
+    differentiated when no rule is registered, so onnxgrad's own ops keep their rules)."""
     for since, until, fn in reversed(_RULES.get((domain, op_type), ())):
         if since <= opset <= until:
             return fn
-    if domain == "" and _FALLBACK and _has_function(op_type, opset):
+    if _FALLBACK and (local or domain == "" and _has_function(op_type, opset)):
         return _FALLBACK[0]
     return None
 
@@ -200,6 +203,10 @@ class Node:
         self.ins = [e.wrap(v) for v in node.inputs]
         self.outs = [e.wrap(v) for v in node.outputs]
         self._engine, self._live = engine, live
+
+    def local_function(self) -> ir.Function | None:
+        """The model-local function this node calls, if the model defines one."""
+        return self._engine.irm.functions.get(self.node.op_identifier()) if self._engine else None
 
     def wants(self, value) -> bool:
         """Whether the gradient of ``value`` (an input or captured ir.Value, or a V) is needed."""

@@ -241,10 +241,28 @@ def test_not_an_onnx_file(capsys, tmp_path):
 
 
 def test_not_differentiable(capsys, saved, tmp_path):
-    rc, _, err = cli(capsys, "grad", saved(twice_model()), "-o", tmp_path / "o.onnx",
+    """A custom op with neither a rule nor a function body in the model."""
+    m = twice_model()
+    del m.functions[:]
+    rc, _, err = cli(capsys, "grad", saved(m), "-o", tmp_path / "o.onnx",
                      "--ys", "y", "--xs", "x")
     assert_one_line_error(rc, err, "no gradient rule for op 'Twice'", TEST_DOMAIN,
                           "stop_gradients")
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_grad_through_a_model_function(capsys, saved, tmp_path):
+    """The same op with its body among the model's functions: differentiated through it."""
+    out = tmp_path / "o.onnx"
+    rc, stdout, err = cli(capsys, "grad", saved(twice_model()), "-o", out, "--ys", "y",
+                          "--xs", "x")
+    assert rc == 0, stdout + err
+    m = onnx.load(out)
+    onnx.checker.check_model(m, full_check=True)
+    import onnxruntime as ort
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.arange(4, dtype=np.float32)
+    np.testing.assert_array_equal(sess.run(["gradients/x_grad"], {"x": x})[0], np.full(4, 2.0))
 
 
 @pytest.mark.parametrize("argv, needle", [

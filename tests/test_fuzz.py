@@ -89,10 +89,10 @@ def test_planted_wrong_rule_is_blamed(monkeypatch, dtype):
     import onnxgrad.autodiff as autodiff
     real = autodiff.lookup
 
-    def lookup(domain, op_type, opset):
+    def lookup(domain, op_type, opset, *local):
         if op_type == "Sigmoid":
             return lambda n, g: g * n.y  # misses the (1 - y) factor
-        return real(domain, op_type, opset)
+        return real(domain, op_type, opset, *local)
 
     spec = replace(_sigmoid_graph(), dtype=dtype)
     assert fuzz_check.evaluate(fuzz_graphs.build(spec)).verdict == "ok"
@@ -107,10 +107,10 @@ def test_planted_nan_rule_is_wrong(monkeypatch):
     import onnxgrad.autodiff as autodiff
     real = autodiff.lookup
 
-    def lookup(domain, op_type, opset):
+    def lookup(domain, op_type, opset, *local):
         if op_type == "Sigmoid":
             return lambda n, g: g * n.y * (1 - n.y) / (n.y - n.y)  # 0 / 0
-        return real(domain, op_type, opset)
+        return real(domain, op_type, opset, *local)
 
     monkeypatch.setattr(autodiff, "lookup", lookup)
     out = fuzz_check.evaluate(fuzz_graphs.build(_sigmoid_graph()))
@@ -142,10 +142,10 @@ def test_planted_float32_constant_is_invalid(monkeypatch):
     import onnxgrad.autodiff as autodiff
     real = autodiff.lookup
 
-    def lookup(domain, op_type, opset):
+    def lookup(domain, op_type, opset, *local):
         if op_type == "Sigmoid":
             return lambda n, g: g * n.y * (n.e.const(np.array(1, np.float32)) - n.y)
-        return real(domain, op_type, opset)
+        return real(domain, op_type, opset, *local)
 
     monkeypatch.setattr(autodiff, "lookup", lookup)
     out = fuzz_check.evaluate(fuzz_graphs.build(_sigmoid_graph()))

@@ -1,7 +1,9 @@
-"""The fallback rule: any ai.onnx op that has an ONNX function body (Attention, RotaryEmbedding,
-SwiGLU, ... every op the schema defines as a function) and no rule of its own. The body is expanded
-for this node (context-dependent bodies included), its nodes are appended to the graph (they
-recompute the forward), and the engine's sweep differentiates that expansion.
+"""The fallback rule: any op that has a function body and no rule of its own: an ai.onnx op the
+schema defines as a function (Attention, RotaryEmbedding, SwiGLU, ...; context-dependent bodies
+included), or a call of one of the model's own functions (``ModelProto.functions``: modules
+exported as functions, onnxscript models). The body is expanded for this node, its nodes are
+appended to the graph (they recompute the forward; the node itself stays as it is), and the
+engine's sweep differentiates that expansion (calls of other functions in it the same way).
 """
 from __future__ import annotations
 
@@ -14,17 +16,24 @@ from ..errors import NotDifferentiableError
 from ..inference import forget_made_up, infer_shapes
 from ..registry import fallback
 
-def _function_proto(n) -> onnx.FunctionProto | None:
+def _function_proto(n) -> tuple[onnx.FunctionProto, dict] | None:
+    """(the body the node calls, its attributes' defaults: name -> AttributeProto), or None."""
+    local = n.local_function()
+    if local is not None:
+        fp = ir.serde.serialize_function(local)
+        return fp, {a.name: a for a in fp.attribute_proto}
     node = n.node
     try:
         schema = onnx.defs.get_schema(node.op_type, n.opset, node.domain or "")
     except onnx.defs.SchemaError:
         return None
+    defaults = {name: a.default_value for name, a in schema.attributes.items()
+                if a.default_value.type != onnx.AttributeProto.UNDEFINED}
     if schema.has_function:
         version = max((v for v in schema.function_opset_versions if v <= n.opset), default=None)
         fp = None if version is None else schema.get_function_with_opset_version(version)
         if fp:
-            return onnx.FunctionProto.FromString(fp) if isinstance(fp, bytes) else fp
+            return (onnx.FunctionProto.FromString(fp) if isinstance(fp, bytes) else fp), defaults
     if schema.has_context_dependent_function:
         version = max((v for v in schema.context_dependent_function_opset_versions
                        if v <= n.opset), default=None)
@@ -42,25 +51,24 @@ def _function_proto(n) -> onnx.FunctionProto | None:
                 types.append(t.SerializeToString())
             fp = schema.get_context_dependent_function_with_opset_version(version, proto, types)
             if fp:
-                return onnx.FunctionProto.FromString(fp)
+                return onnx.FunctionProto.FromString(fp), defaults
     return None
 
 
-def _attr_map(n, schema):
+def _attr_map(n, defaults: dict):
     attrs = dict(n.node.attributes)
-    for name, a in schema.attributes.items():
-        if name not in attrs and a.default_value.type != onnx.AttributeProto.UNDEFINED:
-            attrs[name] = ir.serde.deserialize_attribute(a.default_value)
+    for name, a in defaults.items():
+        if name not in attrs:
+            attrs[name] = ir.serde.deserialize_attribute(a)
     return attrs
 
 
-def _expand(n, fp: onnx.FunctionProto):
+def _expand(n, fp: onnx.FunctionProto, defaults: dict):
     """Clone the body into the node's graph (named under the rule's prefix, typed by onnx shape
     inference); returns (nodes, outputs aligned with the node's outputs)."""
     from onnx_ir import _cloner
 
     e, node = n.e, n.node
-    schema = onnx.defs.get_schema(node.op_type, n.opset, node.domain or "")
     # a context-dependent body may name outputs (Attention's present_key ...) it does not make
     made = {o for c in fp.node for o in c.output} | set(fp.input)
     names = [o if o in made else None for o in fp.output[:len(node.outputs)]]
@@ -77,7 +85,7 @@ def _expand(n, fp: onnx.FunctionProto):
         for k, o in enumerate(c.outputs):
             o.name = c.name if len(c.outputs) == 1 else f"{c.name}:{k}"
 
-    cloner = _cloner.Cloner(attr_map=_attr_map(n, schema), value_map=value_map, metadata_props={},
+    cloner = _cloner.Cloner(attr_map=_attr_map(n, defaults), value_map=value_map, metadata_props={},
                             post_process=rename, resolve_ref_attrs=True)
     clones = [cloner.clone_node(c) for c in func]
     it = iter(func.outputs)
@@ -108,10 +116,21 @@ def _infer_types(n, clones, fp):
                               [helper.make_empty_tensor_value_info(o.name) for o in last], inits)
     # an expansion (fp None) is in ai.onnx at the model's opset, whatever the node's domain
     opsets = (fp and list(fp.opset_import)) or [helper.make_opsetid("", n.e.opset)]
-    model = helper.make_model(graph, opset_imports=opsets)
+    # a body may call the model's other functions
+    model = helper.make_model(graph, opset_imports=opsets, functions=_model_functions(n))
     model.ir_version = 10
     inferred = infer_shapes(model, data_prop=True)
     _copy_types(clones, inferred.graph)
+
+
+def _model_functions(n) -> list[onnx.FunctionProto]:
+    engine = n._engine
+    if engine is None or not engine.irm.functions:
+        return []
+    if getattr(engine, "function_protos", None) is None:
+        engine.function_protos = [ir.serde.serialize_function(f)
+                                  for f in engine.irm.functions.values()]
+    return engine.function_protos
 
 
 def _copy_types(nodes, graph: onnx.GraphProto, inputs=()):
@@ -123,7 +142,7 @@ def _copy_types(nodes, graph: onnx.GraphProto, inputs=()):
     types = {vi.name: vi for vi in [*graph.value_info, *graph.output, *graph.input]}
     for v in [*inputs, *(o for c in nodes for o in c.outputs)]:
         vi = types.get(v.name)
-        if vi is not None and vi.type.HasField("tensor_type"):
+        if vi is not None and vi.type.WhichOneof("value") is not None:  # sequences, optionals too
             t = ir.serde.deserialize_value_info_proto(vi, None)
             v.type, v.shape = t.type, t.shape
     for c, proto in zip(nodes, graph.node):
@@ -137,11 +156,11 @@ def differentiate_body(n, append=None):
     """The gradients of the node's inputs through its expanded function body. ``append(e,
     clones)`` may put the clones into the graph rewritten; it returns every node it added and
     {clone output: the value that replaces it} (default: the clones as they are)."""
-    fp = _function_proto(n)
-    if fp is None:
+    found = _function_proto(n)
+    if found is None:
         raise NotDifferentiableError(n.node.op_type, n.node.domain, n.opset, n.node.name, [])
     e = n.e
-    clones, outs = _expand(n, fp)
+    clones, outs = _expand(n, *found)
     if append is None:
         for c in clones:
             e.graph.append(c)

@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+import onnx.inliner
 from onnx import TensorProto, helper, numpy_helper
 
 from ..autodiff import gradients
+from ..registry import lookup
 from .losses import _taken, load
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..rules.conv import pool_tiles
@@ -214,7 +216,6 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
     not depend on are left as initializers and listed in ``unconnected``."""
     m = load(model)
     _check_loss(m, loss)
-    _expose_pool_indices(m)
     chosen, frozen = _resolve_params(m, params, frozen)
     if not chosen:
         raise InvalidArgumentError("no parameters to train: the model has no float initializers "
@@ -222,6 +223,8 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
     # the parameters become graph inputs first: gradients() then sees a small model (no weight
     # data, whatever the model's size) and the step graph reads them as inputs
     values = _params_to_inputs(m, chosen)
+    m = _inline_functions(m)
+    _expose_pool_indices(m)
     small_image_convs(m, set(chosen), _taken(m.graph))
     zero_dropouts(m)
     res = gradients(m, [loss], chosen)
@@ -242,6 +245,25 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
     return TrainStep(model=gm, loss=loss, data_inputs=data, params=params_ok, param_outputs=[],
                      grads=grads, lr=None, step=None, initial_params=values, frozen=frozen,
                      unconnected=unconnected)
+
+
+def _inline_functions(m: onnx.ModelProto) -> onnx.ModelProto:
+    """The model's own functions inlined: gradients() would recompute each call's body, and the
+    fast forms below see inside. onnxgrad's ops keep their calls: their rules are faster than
+    their bodies' (an RNN's Scan)."""
+    keep = [(f.domain, f.name) for f in m.functions
+            if lookup(f.domain, f.name, _opset_of(m, f.domain)) is not None]
+    if len(keep) == len(m.functions):
+        return m
+    inits = list(m.graph.initializer)  # the inliner serializes: no frozen weights (2 GB limit)
+    del m.graph.initializer[:]
+    out = onnx.inliner.inline_selected_functions(m, keep, exclude=True)
+    out.graph.initializer.extend(inits)
+    return out
+
+
+def _opset_of(m: onnx.ModelProto, domain: str) -> int:
+    return next((o.version for o in m.opset_import if o.domain == domain), 1)
 
 
 def _expose_pool_indices(m: onnx.ModelProto):
