@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import functools
 import gc
 import json
 from collections import deque
@@ -245,6 +246,10 @@ class Engine:
         if domain in ("", "ai.onnx"):
             return self.opset
         return self.irm.opset_imports.get(domain, 1)
+
+    @functools.cached_property
+    def function_protos(self) -> list[onnx.FunctionProto]:
+        return [ir.serde.serialize_function(f) for f in self.irm.functions.values()]
 
     def rule_of(self, node: ir.Node):
         """(the node's gradient rule or None, the opset it is read at)."""

@@ -117,20 +117,10 @@ def _infer_types(n, clones, fp):
     # an expansion (fp None) is in ai.onnx at the model's opset, whatever the node's domain
     opsets = (fp and list(fp.opset_import)) or [helper.make_opsetid("", n.e.opset)]
     # a body may call the model's other functions
-    model = helper.make_model(graph, opset_imports=opsets, functions=_model_functions(n))
+    model = helper.make_model(graph, opset_imports=opsets, functions=n.model_functions())
     model.ir_version = 10
     inferred = infer_shapes(model, data_prop=True)
     _copy_types(clones, inferred.graph)
-
-
-def _model_functions(n) -> list[onnx.FunctionProto]:
-    engine = n._engine
-    if engine is None or not engine.irm.functions:
-        return []
-    if getattr(engine, "function_protos", None) is None:
-        engine.function_protos = [ir.serde.serialize_function(f)
-                                  for f in engine.irm.functions.values()]
-    return engine.function_protos
 
 
 def _copy_types(nodes, graph: onnx.GraphProto, inputs=()):
