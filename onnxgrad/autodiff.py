@@ -344,6 +344,12 @@ class Engine:
             except NotImplementedError as err:  # a rule refusing a configuration (its message)
                 raise NotDifferentiableError(node.op_type, node.domain, opset_of, node.name,
                                              path(node), reason=str(err)) from None
+            extra = next((k for k, gk in enumerate(gs) if k and gk is not None), None)
+            if extra is not None and not ctx.read_gs:
+                raise NotDifferentiableError(
+                    node.op_type, node.domain, opset_of, node.name, path(node),
+                    reason=f"its rule takes the gradient of output 0 alone, and output {extra} "
+                           f"({node.outputs[extra].name!r}) has one too")
             for v, gv in _pairs(node, out):
                 if gv is not None and v is not None and v in live:
                     grads.setdefault(v, []).append(gv)

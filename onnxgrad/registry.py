@@ -3,6 +3,8 @@
 A rule is ``rule(n, g)``: ``n`` is the :class:`Node` context below, ``g`` the gradient of the
 node's first output (None when it has none; ``n.gs`` holds all of them). It returns the gradient
 of each input: one value for a single-input op, or a tuple (None for an input with no gradient).
+A rule that never reads ``n.gs`` handles its first output's gradient alone: where another output
+has one too, the engine refuses the call instead of dropping it.
 
 Nodes with subgraphs (If, Loop, Scan, SequenceMap) also read outer-scope values implicitly
 (:func:`captured` lists them). Their rules return ``Grads(inputs, captured={value: grad})``: the
@@ -117,11 +119,15 @@ def _has_function(op_type: str, opset: int) -> bool:
 
 def lookup(domain: str, op_type: str, opset: int, local: bool = False) -> Rule | None:
     """The rule for an op; ``local``: the model defines a function of that name (its body is
-    differentiated when no rule is registered, so onnxgrad's own ops keep their rules)."""
+    differentiated when no rule is registered). Never the body of an op of onnxgrad's own
+    domains (the functions attach_functions adds): their rules leave buffers such as the RNN's
+    reserve_space without a gradient, so the body of an op that reads them (the RNN backward,
+    in a second-order call) would be differentiated without those terms; they are refused."""
     for since, until, fn in reversed(_RULES.get((domain, op_type), ())):
         if since <= opset <= until:
             return fn
-    if _FALLBACK and (local or domain == "" and _has_function(op_type, opset)):
+    if _FALLBACK and (local and domain not in _FUNCTIONS or
+                      domain == "" and _has_function(op_type, opset)):
         return _FALLBACK[0]
     return None
 
@@ -199,10 +205,17 @@ class Node:
 
     def __init__(self, node: ir.Node, e: Emitter, gs: list[V | None], opset: int, engine=None,
                  live=None):
-        self.node, self.e, self.gs, self.opset = node, e, gs, opset
+        self.node, self.e, self._gs, self.opset = node, e, gs, opset
+        self.read_gs = False
         self.ins = [e.wrap(v) for v in node.inputs]
         self.outs = [e.wrap(v) for v in node.outputs]
         self._engine, self._live = engine, live
+
+    @property
+    def gs(self) -> list[V | None]:
+        """The gradient of each output (None where it has none)."""
+        self.read_gs = True
+        return self._gs
 
     def local_function(self) -> ir.Function | None:
         """The model-local function this node calls, if the model defines one."""

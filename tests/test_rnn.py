@@ -416,6 +416,41 @@ def test_rule_needs_is_training():
         onnxgrad.gradients(fwd, "y", "x")
 
 
+@pytest.mark.parametrize("op", ["CudnnRNNV2", "LSTM"])
+def test_second_order_is_refused_not_taken_through_the_body(op):
+    """The gradient model holds the backward op's function body (attach_functions), which the
+    model-function fallback could differentiate. It must not: the forward rule gives
+    reserve_space no gradient, so that body's gradient misses terms (the fuzzer found
+    second-order gradients through it 0 or off, seed 1902, before onnxgrad's own ops were kept
+    out of the fallback). Refused instead, and the same for reserve_space read by the graph."""
+    if op == "LSTM":
+        nodes = [helper.make_node("LSTM", ["x", "w", "r"], ["y"], hidden_size=H)]
+        ins = [helper.make_tensor_value_info("x", TP.DOUBLE, [T, B, I]),
+               helper.make_tensor_value_info("w", TP.DOUBLE, [1, 4 * H, I]),
+               helper.make_tensor_value_info("r", TP.DOUBLE, [1, 4 * H, H])]
+        fwd = helper.make_model(helper.make_graph(nodes, "lstm", ins, [
+            helper.make_tensor_value_info("y", TP.DOUBLE, [T, 1, B, H])]),
+            opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+        xs = ["x", "w"]
+    else:
+        fwd, xs = rnn_model(op, "lstm", 1, UNI, dtype=TP.DOUBLE), ["x", "p"]
+    first = onnxgrad.gradients(fwd, "y", xs)
+    assert first.model.functions  # the backward's body is in the model
+    with pytest.raises(onnxgrad.NotDifferentiableError, match="CudnnRNNBackpropV2"):
+        onnxgrad.gradients(first.model, first.grads[0], xs)
+    if op == "CudnnRNNV2":
+        sq = helper.make_node("ReduceSum", ["rs"], ["rsum"], keepdims=0)
+        m = onnx.ModelProto()
+        m.CopyFrom(fwd)
+        m.graph.node.append(sq)
+        m.graph.output.append(helper.make_tensor_value_info("rsum", TP.DOUBLE, []))
+        with pytest.raises(onnxgrad.NotDifferentiableError, match="reserve_space is the "
+                                                                  "workspace"):
+            onnxgrad.gradients(m, ["y", "rsum"], "x")
+        res = onnxgrad.gradients(m, ["y", "rsum"], "x", stop_gradients=["rs"])
+        assert res.grads[0] is not None
+
+
 def test_attach_errors_and_idempotence():
     key = lambda m: m.graph.node[0].overload  # noqa: E731
     assert key(rnn_model("CudnnRNNV2", "lstm", 2, UNI, dropout=0.5)).endswith(".L2.drop")

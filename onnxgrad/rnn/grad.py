@@ -24,6 +24,12 @@ def _cudnn_rnn(n, g):
     op = n.node.op_type
     if not n.attr("is_training", 1):
         raise ValueError(f"To use {op} in gradients, is_training must be set to True.")
+    if n.gs[3] is not None:  # (host_reserved is int8: it never has one)
+        # the backward's workspace: as TF, the rule reads no gradient of it, so where one
+        # arrives (a graph that computes with it) the call is refused, never dropped silently
+        raise NotImplementedError(
+            "reserve_space is the workspace the backward op reads, not a value with a gradient "
+            "(TensorFlow ignores one); pass it in stop_gradients if nothing should flow there")
     e = n.e
     outs = n.outs
     dt = n.ins[0].dtype  # outputs that are not graph outputs may carry no type
