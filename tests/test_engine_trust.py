@@ -583,3 +583,21 @@ def test_schema_fixes_output_types_that_inference_missed():
     assert schema_output_dtypes("Cast", 18, [f]) == [None]  # any type: the attribute says
     assert schema_output_dtypes("Where", 18, [onnx.TensorProto.BOOL, None, f]) == [f]
     assert schema_output_dtypes("NoSuchOp", 18, [f]) == []
+
+
+def test_rule_reading_only_the_first_gradient_is_refused_not_dropped(monkeypatch):
+    """A rule that never reads ``n.gs`` handles output 0's gradient alone: where another output
+    has a gradient too, the call is refused (a planted Split rule that ignores part 1); a rule
+    that reads ``n.gs`` (the real one) is trusted with every output."""
+    from onnxgrad import registry
+    m = graph_model([helper.make_node("Split", ["x"], ["a", "b"], axis=0, num_outputs=2),
+                     helper.make_node("Mul", ["a", "b"], ["y"])],
+                    [vi("x", [4, 3])], [vi("y", [2, 3])], opset=18)
+    real = onnxgrad.gradients(m, "y", "x")  # the registered rule: both parts
+    assert real.grads == ["gradients/x_grad"]
+    monkeypatch.setitem(registry._RULES, ("", "Split"),
+                        [(1, registry._MAX, lambda n, g: n.e.Concat(g, n.e.zeros_like(g),
+                                                                   axis=0))])
+    with pytest.raises(NotDifferentiableError, match=r"output 1 \('b'\) has one too"):
+        onnxgrad.gradients(m, "y", "x")
+    onnxgrad.gradients(m, "a", "x")  # output 0 alone: the rule is enough
