@@ -98,6 +98,11 @@ def attach_functions(model):
     return model
 
 
+def own_domain(domain: str) -> bool:
+    """Whether ``domain`` holds onnxgrad's own ops (whose bodies attach_functions supplies)."""
+    return domain in _FUNCTIONS
+
+
 _FALLBACK: list[Rule] = []  # the rule for ops with a function body and no rule of their own
 
 
@@ -126,7 +131,7 @@ def lookup(domain: str, op_type: str, opset: int, local: bool = False) -> Rule |
     for since, until, fn in reversed(_RULES.get((domain, op_type), ())):
         if since <= opset <= until:
             return fn
-    if _FALLBACK and (local and domain not in _FUNCTIONS or
+    if _FALLBACK and (local and not own_domain(domain) or
                       domain == "" and _has_function(op_type, opset)):
         return _FALLBACK[0]
     return None

@@ -301,3 +301,35 @@ def test_training_step_inlines_model_functions():
     got = _run(desc.model, desc.grads, feeds)
     for name, g in zip(desc.params, got):
         np.testing.assert_allclose(g, want[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_training_step_keeps_onnxgrad_ops_as_calls():
+    """A model holding an onnxgrad RNN op (its body among the model's functions): the step
+    keeps the call, whose rule is the gradient, and inlines the user's function beside it."""
+    from onnxgrad.rnn import params_size
+    from onnxgrad.rnn.ops import attach_functions, make_node
+    from onnxgrad.training.step import build_gradient_model
+    vi = helper.make_tensor_value_info
+    shift = helper.make_function(DOMAIN, "Shift", ["a"], ["b"],
+                                 [helper.make_node("Sin", ["a"], ["b"])],
+                                 [helper.make_opsetid("", OPSET)])
+    nodes = [helper.make_node("Shift", ["x"], ["xs"], domain=DOMAIN),
+             make_node("CudnnRNNV2", ["xs", "h0", "c0", "p"], ["y", "hn", "cn", "rs", "hr"],
+                       rnn_mode="lstm"),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    p = np.random.default_rng(0).standard_normal(params_size("lstm", 1, 4, 3)) * 0.3
+    g = helper.make_graph(nodes, "g", [vi("x", TP.DOUBLE, [5, 2, 3]),
+                                      vi("h0", TP.DOUBLE, [1, 2, 4]),
+                                      vi("c0", TP.DOUBLE, [1, 2, 4])],
+                          [vi("loss", TP.DOUBLE, [])], [numpy_helper.from_array(p, "p")])
+    m = attach_functions(helper.make_model(
+        g, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1),
+                          helper.make_opsetid("onnxgrad", 1)], functions=[shift], ir_version=10))
+    desc = build_gradient_model(m, "loss")
+    ops = [n.op_type for n in desc.model.graph.node]
+    assert "CudnnRNNV2" in ops and "CudnnRNNBackpropV2" in ops and "Shift" not in ops
+    report = check_gradients(m, "loss", ["p"], seed=3)
+    assert report.ok, str(report)
+    feeds = {**report.feeds, **desc.initial_params}
+    want = _run(onnxgrad.gradients(m, "loss", ["p"]).model, ["gradients/p_grad"], feeds)[0]
+    np.testing.assert_allclose(_run(desc.model, desc.grads, feeds)[0], want, rtol=1e-12)

@@ -32,7 +32,7 @@ import onnx.inliner
 from onnx import TensorProto, helper, numpy_helper
 
 from ..autodiff import gradients
-from ..registry import lookup
+from ..registry import lookup, own_domain
 from .losses import _taken, load
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..rules.conv import pool_tiles
@@ -248,11 +248,12 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
 
 
 def _inline_functions(m: onnx.ModelProto) -> onnx.ModelProto:
-    """The model's own functions inlined: gradients() would recompute each call's body, and the
-    fast forms below see inside. onnxgrad's ops keep their calls: their rules are faster than
-    their bodies' (an RNN's Scan)."""
-    keep = [(f.domain, f.name) for f in m.functions
-            if lookup(f.domain, f.name, _opset_of(m, f.domain)) is not None]
+    """The model's own functions inlined, so that the fast forms below see inside (gradients()
+    would keep the calls and recompute each body, which onnxruntime merges with the forward).
+    onnxgrad's own ops keep their calls, and so does any op with a rule: the rule is the
+    gradient (their bodies read as math miss terms, the RNN's reserve_space)."""
+    keep = [(f.domain, f.name) for f in m.functions if own_domain(f.domain) or
+            lookup(f.domain, f.name, _opset_of(m, f.domain)) is not None]
     if len(keep) == len(m.functions):
         return m
     inits = list(m.graph.initializer)  # the inliner serializes: no frozen weights (2 GB limit)
