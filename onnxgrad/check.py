@@ -54,8 +54,7 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
     m = onnx.ModelProto.FromString(model.SerializeToString())
     _graph64(m.graph)
     for f in m.functions:
-        for n in f.node:
-            _node64(n)
+        _nodes64(f.node)
     return m
 
 
@@ -76,7 +75,32 @@ def _tensor64(t: TensorProto) -> TensorProto:
     return numpy_helper.from_array(arr, t.name)
 
 
+def _nodes64(nodes):
+    """The nodes made float64 in place; a Constant whose float comes from a function's attribute
+    (``value_float = @alpha``: float32 whatever the caller gives) gets a Cast after it."""
+    casts = {}
+    for i, n in enumerate(nodes):
+        _node64(n)
+        if n.op_type == "Constant" and any(a.ref_attr_name and a.name in _FLOAT_VALUES
+                                           for a in n.attribute):
+            out = n.output[0]
+            n.output[0] = f"{out}__float32"
+            casts[i] = onnx.helper.make_node("Cast", [n.output[0]], [out], to=TensorProto.DOUBLE)
+    for i in sorted(casts, reverse=True):
+        nodes.insert(i + 1, casts[i])
+
+
+_FLOAT_VALUES = ("value_float", "value_floats")
+
+
 def _node64(n: onnx.NodeProto):
+    if n.op_type == "Constant":  # value_float(s) make float32: the same numbers as a tensor
+        for k, a in enumerate(n.attribute):
+            if a.name in _FLOAT_VALUES and not a.ref_attr_name:
+                vals = [a.f] if a.name == "value_float" else list(a.floats)
+                dims = [] if a.name == "value_float" else [len(vals)]
+                n.attribute[k].CopyFrom(onnx.helper.make_attribute(
+                    "value", onnx.helper.make_tensor("value", TensorProto.DOUBLE, dims, vals)))
     if n.op_type == "SequenceEmpty" and not any(a.name == "dtype" for a in n.attribute):
         n.attribute.append(onnx.helper.make_attribute("dtype", TensorProto.DOUBLE))  # default float
     for a in n.attribute:
@@ -97,8 +121,7 @@ def _graph64(g: onnx.GraphProto):
     inits = [_tensor64(t) for t in g.initializer]
     del g.initializer[:]
     g.initializer.extend(inits)
-    for n in g.node:
-        _node64(n)
+    _nodes64(g.node)
 
 
 def _expose(model, ys):

@@ -89,6 +89,9 @@ def runner(model: onnx.ModelProto, prefer: str = "ort"):
         else:
             return lambda feeds, outputs=None: s.run(outputs, _arrays(feeds))
     from onnx.reference import ReferenceEvaluator
+    if model.functions:  # onnx.reference (1.23) fails on a function that calls one listed
+        import onnx.inliner  # after it, and on attributes given by reference to some ops
+        model = onnx.inliner.inline_local_functions(model)
     ref = ReferenceEvaluator(model, new_ops=_exact_ops())
     return lambda feeds, outputs=None: [np.asarray(r) for r in ref.run(outputs, _arrays(feeds))]
 

@@ -230,6 +230,38 @@ def test_call_inside_a_scan_body():
     report = check_gradients(model, "ys", ["s0", "x", "w"], seed=2)
     assert report.ok, str(report)
 
+
+@pytest.mark.parametrize("runtime", ["ort", "reference"])
+def test_gradient_check_in_float64_of_onnxscript_style_functions(runtime):
+    """What onnxscript writes: a constant taken from a function's attribute by reference
+    (``Constant <value_float = @alpha>``, float32 whatever the model's dtype: the float64 copy
+    casts it; a float32 model failed there, "B has inconsistent type"), and a function calling
+    one listed after it (onnx.reference failed on that order)."""
+    vi = helper.make_tensor_value_info
+    block = helper.make_function(DOMAIN, "Block", ["x", "w"], ["y"], [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Scaled", ["h"], ["s"], domain=DOMAIN, alpha=0.25),
+        helper.make_node("Add", ["s", "x"], ["y"])],
+        [helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)])
+    const = helper.make_node("Constant", [], ["c"])
+    const.attribute.append(helper.make_attribute_ref("value_float", onnx.AttributeProto.FLOAT))
+    const.attribute[0].ref_attr_name = "alpha"
+    scaled = helper.make_function(DOMAIN, "Scaled", ["x"], ["y"], [
+        helper.make_node("Tanh", ["x"], ["t"]), const, helper.make_node("Mul", ["t", "c"], ["y"])],
+        [helper.make_opsetid("", OPSET)], attribute_protos=[helper.make_attribute("alpha", 0.5)])
+    g = helper.make_graph(
+        [helper.make_node("Block", ["x", "w"], ["b"], domain=DOMAIN),
+         helper.make_node("Constant", [], ["two"], value_float=2.0),
+         helper.make_node("Mul", ["b", "two"], ["y"])], "g",
+        [vi("x", TP.FLOAT, ["N", D]), vi("w", TP.FLOAT, [D, D])], [vi("y", TP.FLOAT, ["N", D])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET),
+                                                helper.make_opsetid(DOMAIN, 1)],
+                              functions=[block, scaled], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    report = check_gradients(model, "y", ["x", "w"], runtime=runtime)
+    assert report.ok, str(report)
+    assert report.results[0].checked > 0
+
 def _exported_blocks():
     """A torch model whose two residual blocks the TorchScript exporter writes as calls of one
     model function (``export_modules_as_functions``), and the torch model itself."""
