@@ -754,9 +754,11 @@ def _outputs(e: Emitter, graph, xs, x_vals, results, unconnected) -> list[str | 
 
 def _drop_dead(graph: ir.Graph, added: list[ir.Node]):
     """Remove added nodes whose results nothing uses (rules compute every input's gradient);
-    in reverse order, so a node's consumers are gone before it is looked at."""
+    in reverse order, so a node's consumers are gone before it is looked at. A node a rule took
+    out already (the ONNX RNN rules replace their forward node, an expanded body's too) is left."""
     for node in reversed(added):
-        if all(not v.uses() and not v.is_graph_output() for v in node.outputs):
+        if node.graph is graph and all(not v.uses() and not v.is_graph_output()
+                                       for v in node.outputs):
             graph.remove(node, safe=True)
 
 

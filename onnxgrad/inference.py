@@ -322,12 +322,15 @@ def _onnx_infer(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
 
 
 def _infer_standard(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
-    if not any(_stft_without_onesided(n) or (n.attribute and next(node_subgraphs(n), None))
-               for n in m.graph.node):
+    in_functions = any(_stft_without_onesided(n) for f in m.functions for n in f.node)
+    if not in_functions and not any(
+            _stft_without_onesided(n) or (n.attribute and next(node_subgraphs(n), None))
+            for n in m.graph.node):
         return onnx.shape_inference.infer_shapes(m, **kw)
     m = onnx.ModelProto.FromString(m.SerializeToString())
-    for n in filter(_stft_without_onesided, m.graph.node):
-        n.attribute.append(onnx.helper.make_attribute("onesided", 1))
+    for nodes in [m.graph.node, *(f.node for f in m.functions)]:  # (a call is typed by its body)
+        for n in filter(_stft_without_onesided, nodes):
+            n.attribute.append(onnx.helper.make_attribute("onesided", 1))
     _inline(m.graph.node, {o: n for n in m.graph.node if n.op_type == "Constant"
                            for o in n.output})
     m = onnx.shape_inference.infer_shapes(m, **kw)
