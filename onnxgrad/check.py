@@ -75,6 +75,9 @@ def _tensor64(t: TensorProto) -> TensorProto:
     return numpy_helper.from_array(arr, t.name)
 
 
+_FLOAT_VALUES = ("value_float", "value_floats")
+
+
 def _nodes64(nodes):
     """The nodes made float64 in place; a Constant whose float comes from a function's attribute
     (``value_float = @alpha``: float32 whatever the caller gives) gets a Cast after it."""
@@ -88,9 +91,6 @@ def _nodes64(nodes):
             casts[i] = onnx.helper.make_node("Cast", [n.output[0]], [out], to=TensorProto.DOUBLE)
     for i in sorted(casts, reverse=True):
         nodes.insert(i + 1, casts[i])
-
-
-_FLOAT_VALUES = ("value_float", "value_floats")
 
 
 def _node64(n: onnx.NodeProto):
