@@ -248,8 +248,9 @@ class Engine:
         return self.irm.opset_imports.get(domain, 1)
 
     @functools.cached_property
-    def function_protos(self) -> list[onnx.FunctionProto]:
-        return [ir.serde.serialize_function(f) for f in self.irm.functions.values()]
+    def function_protos(self) -> dict[tuple, onnx.FunctionProto]:
+        """The model's own functions, by (domain, name, overload): serialized once a call."""
+        return {k: ir.serde.serialize_function(f) for k, f in self.irm.functions.items()}
 
     def rule_of(self, node: ir.Node):
         """(the node's gradient rule or None, the opset it is read at)."""

@@ -150,9 +150,10 @@ def _strip(graph: onnx.GraphProto) -> None:
             _strip(body)
 
 
-def model_opset(m: onnx.ModelProto) -> int:
-    """The model's ai.onnx opset."""
-    return next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 1)
+def model_opset(m: onnx.ModelProto, domain: str = "") -> int:
+    """The model's opset of ``domain`` (ai.onnx by default; 1 when it imports none)."""
+    names = ("", "ai.onnx") if domain in ("", "ai.onnx") else (domain,)
+    return next((o.version for o in m.opset_import if o.domain in names), 1)
 
 
 def unique_name(base: str, taken: set[str]) -> str:

@@ -222,13 +222,14 @@ class Node:
         self.read_gs = True
         return self._gs
 
-    def local_function(self) -> ir.Function | None:
-        """The model-local function this node calls, if the model defines one."""
-        return self._engine.irm.functions.get(self.node.op_identifier()) if self._engine else None
+    def local_function(self) -> onnx.FunctionProto | None:
+        """The model-local function this node calls, if the model defines one (not to mutate)."""
+        return self._engine.function_protos.get(self.node.op_identifier()) if self._engine \
+            else None
 
     def model_functions(self) -> list[onnx.FunctionProto]:
         """The model's own functions (for shape inference of a body that calls them)."""
-        return self._engine.function_protos if self._engine else []
+        return list(self._engine.function_protos.values()) if self._engine else []
 
     def wants(self, value) -> bool:
         """Whether the gradient of ``value`` (an input or captured ir.Value, or a V) is needed."""

@@ -18,9 +18,8 @@ from ..registry import fallback
 
 def _function_proto(n) -> tuple[onnx.FunctionProto, dict] | None:
     """(the body the node calls, its attributes' defaults: name -> AttributeProto), or None."""
-    local = n.local_function()
-    if local is not None:
-        fp = ir.serde.serialize_function(local)
+    fp = n.local_function()
+    if fp is not None:
         return fp, {a.name: a for a in fp.attribute_proto}
     node = n.node
     try:

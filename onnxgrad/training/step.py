@@ -32,6 +32,7 @@ import onnx.inliner
 from onnx import TensorProto, helper, numpy_helper
 
 from ..autodiff import gradients
+from ..inference import model_opset
 from ..registry import lookup, own_domain
 from .losses import _taken, load
 from ..errors import ArgumentTypeError, InvalidArgumentError
@@ -253,7 +254,7 @@ def _inline_functions(m: onnx.ModelProto) -> onnx.ModelProto:
     onnxgrad's own ops keep their calls, and so does any op with a rule: the rule is the
     gradient (their bodies read as math miss terms, the RNN's reserve_space)."""
     keep = [(f.domain, f.name) for f in m.functions if own_domain(f.domain) or
-            lookup(f.domain, f.name, _opset_of(m, f.domain)) is not None]
+            lookup(f.domain, f.name, model_opset(m, f.domain)) is not None]
     if len(keep) == len(m.functions):
         return m
     inits = list(m.graph.initializer)  # the inliner serializes: no frozen weights (2 GB limit)
@@ -261,10 +262,6 @@ def _inline_functions(m: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.inliner.inline_selected_functions(m, keep, exclude=True)
     out.graph.initializer.extend(inits)
     return out
-
-
-def _opset_of(m: onnx.ModelProto, domain: str) -> int:
-    return next((o.version for o in m.opset_import if o.domain == domain), 1)
 
 
 def _expose_pool_indices(m: onnx.ModelProto):
