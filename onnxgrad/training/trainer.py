@@ -52,6 +52,7 @@ from ..errors import (CheckpointError, DataError, InvalidArgumentError, NonFinit
 from ..inference import graphs_of, node_subgraphs
 from . import fused
 from .losses import LOSSES, attach_loss, check_labels, load
+from .nchwc import blocked_convs
 from .optimizers import check_number
 from .optimizers import AdamW, Optimizer
 from .step import (_params_to_inputs, _prune, build_accumulate_model,
@@ -96,6 +97,10 @@ def session_options(threads: int | None = None, profile: str | None = None,
 
 def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int | None = None,
                  profile: str | None = None, options=None):
+    """An onnxruntime session for a step's model; on the CPU its Conv nodes run in
+    onnxruntime's blocked layout (:mod:`onnxgrad.training.nchwc`)."""
+    if runtime.providers(device) == ["CPUExecutionProvider"]:
+        model = blocked_convs(model)
     return runtime.session(model, device, options=options or session_options(
         threads, profile, device, loops=_loops(model)))
 
