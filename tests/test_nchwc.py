@@ -27,7 +27,7 @@ def blocked(m) -> int:
 
 def conv_model(n, c, co, hw, k, attrs, bias, symbolic):
     cg = c // attrs.get("group", 1)
-    dims = [n, c, *hw] if not symbolic else ["N", c, *hw] if symbolic == "N" else ["N", c, "H", "W"]
+    dims = {"": [n, c, *hw], "N": ["N", c, *hw], "NHW": ["N", c, "H", "W"]}.get(symbolic)
     ins = [helper.make_tensor_value_info("x", F32, dims),
            helper.make_tensor_value_info("w", F32, [co, cg, *k])]
     if bias:
@@ -78,7 +78,8 @@ def convs(draw):
     span = [attrs["dilations"][i] * (k[i] - 1) + 1 for i in range(2)]
     hw = [span[i] + draw(st.sampled_from([0, 2, 5, 9, 14])) for i in range(2)]
     return dict(n=draw(st.integers(1, 3)), c=c, co=co, hw=hw, k=k, attrs=attrs,
-                bias=draw(st.booleans()), symbolic=draw(st.sampled_from(["", "N", "NHW"])))
+                bias=draw(st.booleans()),
+                symbolic=draw(st.sampled_from(["", "N", "NHW", "unknown"])))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -86,7 +87,7 @@ def convs(draw):
 def test_same_function_as_the_conv(spec, seed):
     """Every generated Conv: rewritten exactly when eligible (explicit pads, a kernel over 1x1,
     input and output channels multiples of the block; depthwise, or ungrouped with at least
-    MIN_POSITIONS output positions or an image size left symbolic), and the blocked form
+    MIN_POSITIONS output positions or an image size not known), and the blocked form
     computes what the Conv computes, within float32 rounding of its sums (the bound below holds
     for any order of summation)."""
     m = conv_model(**spec)
@@ -104,7 +105,7 @@ def test_same_function_as_the_conv(spec, seed):
     positions = got.shape[2] * got.shape[3]
     eligible = bool(B) and co % B == 0 and c % B == 0 and spec["k"] != [1, 1] and \
         not spec["attrs"].get("auto_pad", "").startswith("SAME") and (
-            group == c or group == 1 and (spec["symbolic"] == "NHW"
+            group == c or group == 1 and (spec["symbolic"] in ("NHW", "unknown")
                                           or positions >= MIN_POSITIONS))
     assert blocked(got_model) == eligible
     if not eligible:

@@ -97,29 +97,30 @@ def _positions(hw, k, a) -> float:
 
 
 def _rewrite(node, shapes, b, taken):
-    """The blocked form of one Conv, or None to keep it. Eligible: float32, 2-D, a kernel
-    larger than 1x1, static channels, explicit pads, output channels a multiple of the block,
+    """The blocked form of one Conv, or None to keep it. Eligible: float32, 2-D, a static
+    kernel larger than 1x1, explicit pads, output channels a multiple of the block,
     and input channels a multiple of it too; depthwise, or ungrouped on images with at least
     ``MIN_POSITIONS`` output positions."""
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
         return None
     x, w = node.input[0], node.input[1]
-    if x not in shapes or w not in shapes:
+    if w not in shapes:
         return None
-    (xt, xs), (wt, ws) = shapes[x], shapes[w]
-    if xt != TensorProto.FLOAT or wt != TensorProto.FLOAT or len(xs) != 4 or len(ws) != 4 \
-            or None in ws or xs[1] is None:
+    wt, ws = shapes[w]
+    if wt != TensorProto.FLOAT or len(ws) != 4 or None in ws:
         return None
     co, cg, kh, kw = ws
     a = _attrs(node)
-    c, group = xs[1], int(a.get("group", 1))
+    group = int(a.get("group", 1))
+    c = cg * group  # x's channels, as a valid Conv has them: its shape may be unknown
     auto = a.get("auto_pad", b"NOTSET")
     if co % b or (auto.decode() if isinstance(auto, bytes) else auto) not in ("NOTSET", "VALID"):
         return None  # SAME_*: the blocked Conv refuses it with dilations
     if kh * kw == 1:
         return None  # a 1x1 Conv is one GEMM already: blocked, it ran 1.0x-2.3x slower
-    if group == 1 and c == cg and c % b == 0:
-        if _positions(xs[2:], (kh, kw), a) < MIN_POSITIONS:
+    if group == 1 and c % b == 0:
+        hw = shapes[x][1][2:] if x in shapes and len(shapes[x][1]) == 4 else (None, None)
+        if _positions(hw, (kh, kw), a) < MIN_POSITIONS:
             return None
         # [Co/B, Bo, C/B, Bi, kh, kw] -> OIHWBiBo [Co/B, C/B, kh, kw, Bi, Bo]
         split, perm = [co // b, b, c // b, b, kh, kw], [0, 2, 4, 5, 3, 1]
