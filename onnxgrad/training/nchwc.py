@@ -134,12 +134,10 @@ def _rewrite(node, shapes, b, taken):
     wr = nb.op("Reshape", nb.op("Transpose", nb.op("Reshape", w, nb.const(split)), perm=perm),
                nb.const([co, cg, kh, kw]))
     xr = nb.op("ReorderInput", x, domain=DOMAIN)
+    yr = nb.op("Conv", xr, wr, *node.input[2:3], domain=DOMAIN)
     attrs = {a.name: a for a in node.attribute}
     attrs.setdefault("kernel_shape", helper.make_attribute("kernel_shape", [kh, kw]))
-    conv = helper.make_node("Conv", [xr, wr, *node.input[2:3]], [nb._name("Conv")],
-                            name=nb._name("NchwcConv"), domain=DOMAIN)
-    conv.attribute.extend(attrs.values())
-    nb.nodes.append(conv)
-    nb.op("ReorderOutput", conv.output[0], out=node.output[0], channels=co, domain=DOMAIN)
+    nb.nodes[-1].attribute.extend(attrs.values())
+    nb.op("ReorderOutput", yr, out=node.output[0], channels=co, domain=DOMAIN)
     return nb.nodes
 
