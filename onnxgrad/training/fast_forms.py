@@ -102,6 +102,19 @@ def _attrs(node):
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+def explicit_pads(a: dict) -> bool:
+    """Whether a Conv's attributes ``a`` (from :func:`_attrs`) give its pads (auto_pad NOTSET or
+    VALID), not SAME_*."""
+    auto = a.get("auto_pad", b"NOTSET")
+    return (auto.decode() if isinstance(auto, bytes) else auto) in ("NOTSET", "VALID")
+
+
+def conv_out_dims(hw, k, a: dict) -> tuple[int, int]:
+    """A 2-D Conv's output height and width, for explicit pads (attributes ``a``)."""
+    p, s, d = a.get("pads", [0] * 4), a.get("strides", [1, 1]), a.get("dilations", [1, 1])
+    return tuple((hw[i] + p[i] + p[i + 2] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(2))
+
+
 def _rewrite(node, shapes, params, taken):
     """The replacement nodes of one Conv, or None to keep it."""
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
@@ -115,8 +128,7 @@ def _rewrite(node, shapes, params, taken):
             None in xs[1:] or None in ws:
         return None
     a = _attrs(node)
-    auto = a.get("auto_pad", b"NOTSET")
-    if (auto.decode() if isinstance(auto, bytes) else auto) not in ("NOTSET", "VALID"):
+    if not explicit_pads(a):
         return None
     _, c, h, wd = xs
     co, cg, kh, kw = ws
@@ -125,8 +137,7 @@ def _rewrite(node, shapes, params, taken):
     s = list(a.get("strides", [1, 1]))
     d = list(a.get("dilations", [1, 1]))
     p = list(a.get("pads", [0, 0, 0, 0]))
-    ho = (h + p[0] + p[2] - d[0] * (k[0] - 1) - 1) // s[0] + 1
-    wo = (wd + p[1] + p[3] - d[1] * (k[1] - 1) - 1) // s[1] + 1
+    ho, wo = conv_out_dims((h, wd), k, a)
     if k != [kh, kw] or ho < 1 or wo < 1:
         return None
     if group == 1 and cg == c:

@@ -25,7 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..inference import graphs_of
-from .fast_forms import _attrs, _Nodes, _static_shapes
+from .fast_forms import _attrs, _Nodes, _static_shapes, conv_out_dims, explicit_pads
 from .losses import _taken
 
 DOMAIN = "com.microsoft.nchwc"
@@ -91,9 +91,8 @@ def _positions(hw, k, a) -> float:
     """Output positions per image, or infinity when the image size is not static."""
     if None in hw:
         return float("inf")
-    p, s, d = a.get("pads", [0] * 4), a.get("strides", [1, 1]), a.get("dilations", [1, 1])
-    out = [(hw[i] + p[i] + p[i + 2] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(2)]
-    return out[0] * out[1]
+    ho, wo = conv_out_dims(hw, k, a)
+    return ho * wo
 
 
 def _rewrite(node, shapes, b, taken):
@@ -113,8 +112,7 @@ def _rewrite(node, shapes, b, taken):
     a = _attrs(node)
     group = int(a.get("group", 1))
     c = cg * group  # x's channels, as a valid Conv has them: its shape may be unknown
-    auto = a.get("auto_pad", b"NOTSET")
-    if co % b or (auto.decode() if isinstance(auto, bytes) else auto) not in ("NOTSET", "VALID"):
+    if co % b or not explicit_pads(a):
         return None  # SAME_*: the blocked Conv refuses it with dilations
     if kh * kw == 1:
         return None  # a 1x1 Conv is one GEMM already: blocked, it ran 1.0x-2.3x slower
