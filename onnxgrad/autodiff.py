@@ -22,7 +22,7 @@ from . import rules as _rules  # noqa: F401  (registers every rule)
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError, UnsupportedError)
-from .inference import (forget_made_up, graphs_of, infer_ranks, infer_shapes, model_opset,
+from .inference import (bodies_of, forget_made_up, graphs_of, infer_ranks, infer_shapes,
                         schema_output_dtypes, unique_name)
 from .ort_internal import standard_forms
 from .storage import load_model, strip_weights
@@ -440,25 +440,28 @@ def _always_computed(n: onnx.NodeProto, opset: int) -> list[int] | None:
 def _name_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model``, or a copy in which every output a node computes anyway but leaves unnamed
     (a Scan's or Loop's final state, a Split part, a forward RNN op's reserve_space) has a
-    name: rules read them (the shape of a zero cotangent, the saved activations), and a
-    gradient node reading "" would make an invalid model. Optional outputs whose presence
-    changes the op (BatchNormalization's statistics, MaxPool's Indices) stay as they are."""
-    opset = model_opset(model)
-    todo = []  # (graph's place in graphs_of, which is the same for a copy; node's; outputs)
-    for gi, g in enumerate(graphs_of(model.graph)):
-        for k, n in enumerate(g.node):
+    name, in the graphs and in the model's own function bodies: rules read them (the shape of
+    a zero cotangent, the saved activations), and a gradient node reading "" would make an
+    invalid model. Optional outputs whose presence changes the op (BatchNormalization's
+    statistics, MaxPool's Indices) stay as they are, in a function's clone too
+    (rules/function.py), so that a clone names what its forward node names."""
+    todo = []  # (body's place in bodies_of, which is the same for a copy; node's; outputs)
+    for bi, (nodes, opset) in enumerate(bodies_of(model)):
+        for k, n in enumerate(nodes):
             if "" in n.output or n.domain:
                 idx = _always_computed(n, opset)
                 if idx and any(i >= len(n.output) or not n.output[i] for i in idx):
-                    todo.append((gi, k, idx))
+                    todo.append((bi, k, idx))
     if not todo:
         return model
     m = onnx.ModelProto.FromString(model.SerializeToString())
-    graphs = graphs_of(m.graph)
-    taken = {v for g in graphs for v in [*(i.name for i in g.input), *(t.name for t in
-             g.initializer), *(o for n in g.node for o in n.output)]}
-    for gi, k, idx in todo:
-        n = graphs[gi].node[k]
+    bodies = bodies_of(m)
+    taken = {v for g in graphs_of(m.graph) for v in [*(i.name for i in g.input),
+                                                      *(t.name for t in g.initializer)]}
+    taken.update(v for f in m.functions for v in f.input)
+    taken.update(o for nodes, _ in bodies for n in nodes for o in n.output)
+    for bi, k, idx in todo:
+        n = bodies[bi][0][k]
         n.output.extend([""] * (max(idx) + 1 - len(n.output)))
         for i in idx:
             n.output[i] = n.output[i] or unique_name(f"{n.name or n.op_type}:out{i}", taken)

@@ -117,6 +117,19 @@ def graphs_of(graph: onnx.GraphProto) -> list:
     return out
 
 
+def bodies_of(model: onnx.ModelProto) -> list:
+    """(nodes, ai.onnx opset) of every graph and subgraph of ``model`` and of every model-local
+    function body and its subgraphs, in a fixed order (the same for a copy)."""
+    opset = model_opset(model)
+    out = [(g.node, opset) for g in graphs_of(model.graph)]
+    for f in model.functions:
+        f_opset = next((o.version for o in f.opset_import if o.domain in ("", "ai.onnx")), opset)
+        out.append((f.node, f_opset))
+        out += [(g.node, f_opset) for n in f.node if n.attribute
+                for sub in node_subgraphs(n) for g in graphs_of(sub)]
+    return out
+
+
 def _inline(nodes, constants: dict) -> None:
     for node in nodes:
         for body in node_subgraphs(node):
@@ -323,13 +336,12 @@ def _onnx_infer(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
 
 
 def _infer_standard(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
-    in_functions = any(_stft_without_onesided(n) for f in m.functions for n in f.node)
-    if not in_functions and not any(
-            _stft_without_onesided(n) or (n.attribute and next(node_subgraphs(n), None))
-            for n in m.graph.node):
+    stft = any(_stft_without_onesided(n) for nodes, _ in bodies_of(m) for n in nodes)
+    if not stft and not any(n.attribute and next(node_subgraphs(n), None)
+                            for n in m.graph.node):
         return onnx.shape_inference.infer_shapes(m, **kw)
     m = onnx.ModelProto.FromString(m.SerializeToString())
-    for nodes in [m.graph.node, *(f.node for f in m.functions)]:  # (a call is typed by its body)
+    for nodes, _ in bodies_of(m) if stft else ():  # (a call is typed by its body)
         for n in filter(_stft_without_onesided, nodes):
             n.attribute.append(onnx.helper.make_attribute("onesided", 1))
     _inline(m.graph.node, {o: n for n in m.graph.node if n.op_type == "Constant"
@@ -585,6 +597,28 @@ def _stft_without_onesided(n: onnx.NodeProto) -> bool:
             and not any(a.name == "onesided" for a in n.attribute))
 
 
+def _stft_default_inside(n: onnx.NodeProto, calls: set) -> bool:
+    """``n`` is an STFT without onesided, holds one in a subgraph, or calls one of ``calls``
+    (the model-local functions that do): onnx typed its outputs with the wrong default."""
+    return _stft_without_onesided(n) or (n.domain, n.op_type, n.overload) in calls or (
+        bool(n.attribute) and any(_stft_default_inside(c, calls)
+                                  for sub in node_subgraphs(n) for c in sub.node))
+
+
+def _functions_with_default_stft(m: onnx.ModelProto) -> set:
+    """(domain, name, overload) of the model's functions that hold an STFT without onesided,
+    or call one that does."""
+    calls, grew = set(), True
+    while grew:
+        grew = False
+        for f in m.functions:
+            key = (f.domain, f.name, f.overload)
+            if key not in calls and any(_stft_default_inside(n, calls) for n in f.node):
+                calls.add(key)
+                grew = True
+    return calls
+
+
 def _downstream(graph: onnx.GraphProto, names: set) -> set:
     """``names`` and every tensor of ``graph`` computed from them."""
     out = set(names)
@@ -645,8 +679,9 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     InvalidModelError when inference contradicts the type declared for a graph output."""
     m = onnx.ModelProto.FromString(model.SerializeToString())
     graphs = graphs_of(m.graph)
+    calls = _functions_with_default_stft(m)
     for g in graphs:  # what onnx inferred (and a model declares) with the wrong default
-        _forget_dims(g, {o for n in g.node if _stft_without_onesided(n) for o in n.output})
+        _forget_dims(g, {o for n in g.node if _stft_default_inside(n, calls) for o in n.output})
     declared = [[onnx.ValueInfoProto.FromString(vi.SerializeToString()) for vi in g.value_info]
                 for g in graphs]
     for g in graphs:

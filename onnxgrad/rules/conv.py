@@ -662,13 +662,18 @@ def _pool_attrs(n):
     dims = _static_dims(n.x, nsp)
     attrs = {a: n.attr(a) for a in ("ceil_mode", "kernel_shape", "strides", "dilations", "pads",
                                     "count_include_pad")}
-    if dims is not None and floor_pads(n.node.op_type, {**attrs, "auto_pad": _auto_pad(n)},
-                                       dims) is not None:
-        raise NotDifferentiableError(  # (the rest were rewritten without ceil_mode)
+    pads = None if dims is None else floor_pads(n.node.op_type,
+                                                {**attrs, "auto_pad": _auto_pad(n)}, dims)
+    if pads is not None:  # (the graphs' other such pools were rewritten without ceil_mode)
+        raise NotDifferentiableError(
             n.node.op_type, n.node.domain, n.opset, n.node.name, [],
             reason="ceil_mode drops a last window that onnx's shape inference, and so "
-                   "onnxruntime's static shapes, keep; no equivalent pads exist with "
-                   "count_include_pad=1 here")
+                   "onnxruntime's static shapes, keep; " + (
+                       "no equivalent pads exist with count_include_pad=1 here" if pads is False
+                       else "the pool is in a model-local function, where it is not rewritten "
+                            f"with the equivalent pads {pads} and no ceil_mode: inline the "
+                            "function (onnx.inliner.inline_local_functions) or give the pool "
+                            "those pads"))
     return k, s, d
 
 

@@ -82,7 +82,12 @@ def _expand(n, fp: onnx.FunctionProto, defaults: dict):
     def rename(c):
         c.name = e.unique(f"{e.prefix}/{node.op_type}_body/{c.op_type}")
         for k, o in enumerate(c.outputs):
-            o.name = c.name if len(c.outputs) == 1 else f"{c.name}:{k}"
+            # an output the body leaves unnamed (an optional one: autodiff._name_outputs named
+            # the others) stays so, as in the forward call: onnxruntime inlines that call and its
+            # CommonSubexpressionElimination merges the two copies, making consumers of a name
+            # given here read the forward's absent output (the session cannot be created)
+            if o.name:
+                o.name = c.name if len(c.outputs) == 1 else f"{c.name}:{k}"
 
     cloner = _cloner.Cloner(attr_map=_attr_map(n, defaults), value_map=value_map, metadata_props={},
                             post_process=rename, resolve_ref_attrs=True)
