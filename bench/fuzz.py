@@ -2,6 +2,7 @@
 against float64 finite differences (bench/fuzz_graphs.py builds them, bench/fuzz_check.py judges).
 
     python bench/fuzz.py [--graphs 10000 | --minutes N] [--seed S] [--max-steps 5] [--no-shrink]
+                         [--functions]
 
 Prints graphs/minute, the verdict counts (ok / skipped-tie / skipped-domain / refused / wrong /
 crash / invalid-model / gen-invalid) and, for each class of failure (verdict, stage, the op that
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import sys
 import time
@@ -23,7 +25,7 @@ import fuzz_graphs  # noqa: E402
 
 
 def run(graphs: int, minutes: float | None, seed: int, max_steps: int, shrink: bool,
-        verbose: bool = False, log=print):
+        verbose: bool = False, log=print, functions: bool = False):
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
@@ -36,10 +38,14 @@ def run(graphs: int, minutes: float | None, seed: int, max_steps: int, shrink: b
     class Done(Exception):
         pass
 
+    strategy = fuzz_graphs.specs(max_steps=max_steps)
+    if functions:  # every graph has a model function (Spec.function % 3 == 1)
+        strategy = strategy.map(lambda s: dataclasses.replace(s, function=3 * s.function + 1))
+
     @hseed(seed)
     @settings(max_examples=graphs, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(fuzz_graphs.specs(max_steps=max_steps))
+    @given(strategy)
     def one(spec):
         if deadline and time.time() > deadline:
             raise Done()
@@ -87,11 +93,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-steps", type=int, default=5)
     ap.add_argument("--no-shrink", action="store_true")
+    ap.add_argument("--functions", action="store_true",
+                    help="every graph moves a run of its nodes into a model function")
     ap.add_argument("-v", "--verbose", action="store_true", help="a line per failure as found")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     counts, _ = run(args.graphs, args.minutes, args.seed, args.max_steps, not args.no_shrink,
-                    args.verbose, log=lambda s: print(s, flush=True))
+                    args.verbose, log=lambda s: print(s, flush=True), functions=args.functions)
     return 1 if any(counts[v] for v in fuzz_check.FAILURES + ("fuzzer-error",)) else 0
 
 

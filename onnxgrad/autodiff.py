@@ -25,7 +25,7 @@ from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
 from .inference import (bodies_of, forget_made_up, graphs_of, infer_ranks, infer_shapes,
                         schema_output_dtypes, unique_name)
 from .ort_internal import standard_forms
-from .storage import load_model, strip_weights
+from .storage import dense_copy, load_model, strip_weights
 from .validation import check_model
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
                        subgraphs, MIN_OPSET)
@@ -76,7 +76,8 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     if len(grad_ys) != len(ys):
         raise InvalidArgumentError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
 
-    model, weights = _without_weights(_load(model))
+    model, restore_sparse = dense_copy(_load(model))
+    model, weights = _without_weights(model)
     model = check_model(standard_forms(model), weights)  # (sorted, if only its order was wrong)
     model = _name_outputs(model)
     args = (ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
@@ -89,12 +90,15 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
         proto, opset = _prepare(model)
         prepared = proto.SerializeToString()  # _gradients takes proto apart (value_info)
         try:
-            return _gradients(proto, opset, *args)
+            res = _gradients(proto, opset, *args)
         except NeedOpset as need:  # a rule needs a newer op: upgrade the whole model once, retry
             proto = onnx.version_converter.convert_version(
                 onnx.ModelProto.FromString(prepared), need.version)
             proto, opset = _prepare(proto)
-            return _gradients(proto, opset, *args)
+            res = _gradients(proto, opset, *args)
+        if restore_sparse is not None:
+            restore_sparse(res.model)
+        return res
     finally:
         if gc_was_on:
             gc.enable()

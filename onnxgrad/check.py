@@ -15,7 +15,7 @@ from onnx import TensorProto, numpy_helper
 from .autodiff import gradients
 from .errors import InvalidArgumentError
 from .runtime import runner
-from .storage import load_model
+from .storage import dense_copy, load_model
 
 _LOW = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 
@@ -192,7 +192,7 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     "ort" runs onnxruntime CPU and falls back to onnx.reference for kernels it lacks;
     "reference" always uses onnx.reference.
     """
-    model = load_model(model)
+    model = dense_copy(load_model(model))[0]  # (a sparse initializer is checked as an x too)
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
         raise InvalidArgumentError(f"dim={dim!r}: symbolic dims need a size of at least 1 (an "
                                    "empty tensor would check nothing)")

@@ -23,8 +23,9 @@ import os
 import re
 import secrets
 
+import numpy as np
 import onnx
-from onnx import external_data_helper
+from onnx import external_data_helper, numpy_helper
 
 from .errors import (ArgumentTypeError, DataError, InvalidArgumentError, ModelFileNotFoundError,
                      ModelLoadError, OnnxgradError, UnsupportedError, WriteError)
@@ -138,6 +139,57 @@ def tensor_nbytes(t: onnx.TensorProto) -> int:
 
 
 # -- weights apart ------------------------------------------------------------------------------
+def dense_tensor(sp: onnx.SparseTensorProto) -> onnx.TensorProto:
+    """The dense TensorProto of a SparseTensorProto, named as its values are. Its indices are
+    linear ([NNZ]) or coordinates ([NNZ, rank]), as the ONNX spec allows."""
+    values = numpy_helper.to_array(sp.values)
+    idx = numpy_helper.to_array(sp.indices).astype(np.int64)
+    dense = np.zeros(tuple(sp.dims), values.dtype)
+    if idx.ndim == 2:
+        dense[tuple(idx.T)] = values
+    else:
+        dense.reshape(-1)[idx] = values
+    return numpy_helper.from_array(dense, sp.values.name)
+
+
+def _sparse_constant(n: onnx.NodeProto) -> bool:
+    return n.op_type == "Constant" and n.domain in ("", "ai.onnx") and any(
+        a.name == "sparse_value" for a in n.attribute)
+
+
+def dense_copy(model: onnx.ModelProto):
+    """``model``'s sparse tensors as dense ones, for onnx-ir, which reads none (a sparse
+    initializer is dropped, a Constant's sparse_value fails): (a copy in which every graph's
+    sparse initializers are initializers and every Constant(sparse_value) is a
+    Constant(value), and a function that puts the main graph's sparse Constants back into a
+    model made from that copy), or (``model``, None) when it has none. The initializers stay
+    dense: onnx's shape inference types a sparse initializer as a sparse tensor, which no op
+    takes, so a model that keeps one fails ``check_model(full_check=True)``."""
+    from .inference import graphs_of
+
+    if not any(g.sparse_initializer or any(map(_sparse_constant, g.node))
+               for g in graphs_of(model.graph)):
+        return model, None
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for g in graphs_of(m.graph):
+        g.initializer.extend(dense_tensor(sp) for sp in g.sparse_initializer)
+        del g.sparse_initializer[:]
+        for n in filter(_sparse_constant, g.node):
+            a = next(a for a in n.attribute if a.name == "sparse_value")
+            a.CopyFrom(onnx.helper.make_attribute("value", dense_tensor(a.sparse_tensor)))
+    constants = {n.output[0]: n for n in model.graph.node if _sparse_constant(n)}
+
+    def restore(out: onnx.ModelProto) -> onnx.ModelProto:
+        for n in out.graph.node:
+            if n.op_type == "Constant" and n.output and n.output[0] in constants:
+                del n.attribute[:]
+                n.attribute.extend(constants[n.output[0]].attribute)
+        return out
+
+    return m, restore
+
+
 def strip_weights(model: onnx.ModelProto, min_bytes: int, only=None):
     """A copy of ``model`` whose graph initializers of ``min_bytes`` or more (of a dtype in
     ``only``, when given) carry no data (name, dtype and dims only), and those initializers

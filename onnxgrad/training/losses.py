@@ -24,16 +24,20 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import DataError, InvalidArgumentError
 from ..inference import unique_name
-from ..storage import EXTERNAL_DATA_ABOVE, load_model, tensor_nbytes
+from ..storage import EXTERNAL_DATA_ABOVE, dense_copy, load_model, tensor_nbytes
 
 LOSSES = ("mse", "l1", "cross_entropy", "bce")
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 
 
 def load(model) -> onnx.ModelProto:
-    """A private copy of ``model`` (a ModelProto or a path)."""
+    """A private copy of ``model`` (a ModelProto or a path), its sparse tensors made dense (a
+    trained weight is dense after its first update)."""
     if not isinstance(model, onnx.ModelProto):
-        return load_model(model)
+        model = load_model(model)
+    dense, _ = dense_copy(model)
+    if dense is not model:
+        return dense
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # not SerializeToString: that fails past 2 GB
     return copy
