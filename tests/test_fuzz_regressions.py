@@ -3,9 +3,11 @@ one test per class, each fixed at its root."""
 import numpy as np
 import onnx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import onnxgrad
-from onnxgrad.runtime import session
+from onnxgrad.runtime import ort_module, session, session_options
 from onnxgrad.check import check_gradients
 from util import assert_gradients, make_model, op_model
 
@@ -351,8 +353,8 @@ def _optional_outputs_model(op, named, in_function):
                         ir_version=10, functions=functions)
 
 
-def _optional_outputs_case(draw):
-    from hypothesis import strategies as st
+@st.composite
+def _optional_outputs_cases(draw):
     op = draw(st.sampled_from(sorted(_OPTIONAL_OUTPUTS)))
     n_out, floats = _OPTIONAL_OUTPUTS[op][3], _OPTIONAL_OUTPUTS[op][4]
     named = draw(st.sets(st.integers(0, n_out - 1), min_size=1))
@@ -363,32 +365,25 @@ def _optional_outputs_case(draw):
     return op, frozenset(named)
 
 
-def test_function_bodies_with_unnamed_outputs():
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_optional_outputs_cases())
+def test_function_bodies_with_unnamed_outputs(case):
     """A call's gradient equals the gradient of the same node outside a function (the rule
     tests check that one against finite differences and PyTorch), and onnxruntime makes a
     session of it at ORT_ENABLE_ALL, for every op with unnamed outputs and every naming."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-    from onnxgrad.runtime import ort_module, session_options
-
-    @settings(max_examples=30, deadline=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow])
-    @given(st.composite(_optional_outputs_case)())
-    def check(case):
-        op, named = case
-        xs = ["x", *_OPTIONAL_OUTPUTS[op][1]]
-        x = np.random.default_rng(1).standard_normal(_OPTIONAL_OUTPUTS[op][5]).astype(np.float32)
-        so = session_options()
-        so.graph_optimization_level = ort_module().GraphOptimizationLevel.ORT_ENABLE_ALL
-        got = []
-        for in_function in (True, False):
-            res = onnxgrad.gradients(_optional_outputs_model(op, named, in_function), "loss", xs)
-            onnx.checker.check_model(res.model, full_check=True)
-            got.append(session(res.model, options=so).run(res.grads, {"x": x}))
-        for name, a, b in zip(xs, *got):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{op} {name}")
-
-    check()
+    op, named = case
+    xs = ["x", *_OPTIONAL_OUTPUTS[op][1]]
+    x = np.random.default_rng(1).standard_normal(_OPTIONAL_OUTPUTS[op][5]).astype(np.float32)
+    so = session_options()
+    so.graph_optimization_level = ort_module().GraphOptimizationLevel.ORT_ENABLE_ALL
+    got = []
+    for in_function in (True, False):
+        res = onnxgrad.gradients(_optional_outputs_model(op, named, in_function), "loss", xs)
+        onnx.checker.check_model(res.model, full_check=True)
+        got.append(session(res.model, options=so).run(res.grads, {"x": x}))
+    for name, a, b in zip(xs, *got):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{op} {name}")
 
 
 # onnx's STFT inference reads an absent onesided as 0 (test_stft_without_onesided): the dims

@@ -138,4 +138,3 @@ def _rewrite(node, shapes, b, taken):
     nb.nodes[-1].attribute.extend(attrs.values())
     nb.op("ReorderOutput", yr, out=node.output[0], channels=co, domain=DOMAIN)
     return nb.nodes
-
