@@ -27,8 +27,9 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, numpy_helper
 
-from .errors import (ArgumentTypeError, DataError, InvalidArgumentError, ModelFileNotFoundError,
-                     ModelLoadError, OnnxgradError, UnsupportedError, WriteError)
+from .errors import (ArgumentTypeError, DataError, InvalidArgumentError, InvalidModelError,
+                     ModelFileNotFoundError, ModelLoadError, OnnxgradError, UnsupportedError,
+                     WriteError)
 
 # onnx 1.23 writes IR 14 by default; onnxruntime 1.31 reads up to IR 13
 MAX_IR_VERSION = 13
@@ -141,7 +142,13 @@ def tensor_nbytes(t: onnx.TensorProto) -> int:
 # -- weights apart ------------------------------------------------------------------------------
 def dense_tensor(sp: onnx.SparseTensorProto) -> onnx.TensorProto:
     """The dense TensorProto of a SparseTensorProto, named as its values are. Its indices are
-    linear ([NNZ]) or coordinates ([NNZ, rank]), as the ONNX spec allows."""
+    linear ([NNZ]) or coordinates ([NNZ, rank]), as the ONNX spec allows; onnx's checker
+    vets them first (a count or index that does not fit is an InvalidModelError)."""
+    try:
+        onnx.checker.check_sparse_tensor(sp, onnx.checker.DEFAULT_CONTEXT)
+    except onnx.checker.ValidationError as exc:
+        raise InvalidModelError(f"sparse tensor {sp.values.name!r} is malformed: "
+                                f"{str(exc).strip()}") from None
     values = numpy_helper.to_array(sp.values)
     idx = numpy_helper.to_array(sp.indices).astype(np.int64)
     dense = np.zeros(tuple(sp.dims), values.dtype)

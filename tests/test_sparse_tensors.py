@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 
+import pytest
+
 import onnxgrad
 from onnxgrad.check import check_gradients
 from onnxgrad.runtime import session
@@ -95,3 +97,17 @@ def test_sparse_initializer_checked_and_trained():
     step = build_gradient_model(m, "loss")
     assert list(step.initial_params) == ["W"]
     np.testing.assert_array_equal(step.initial_params["W"], w)
+
+
+@pytest.mark.parametrize("idx,values,why", [
+    ([0, 99], [1.0, 2.0], "out of range"),  # past the 2 x 3 elements
+    ([[0, 0], [1, 7]], [1.0, 2.0], "out of range"),
+    ([0, 5], [1.0], "NNZ is 1"),  # two indices for one value: numpy would broadcast it
+])
+def test_malformed_sparse_tensor_named(idx, values, why):
+    m, _, _ = _models([2, 3], np.array([0, 1]), np.array([1.0, 2.0]), False, "initializer")
+    sp = m.graph.sparse_initializer[0]
+    sp.values.CopyFrom(numpy_helper.from_array(np.array(values), "W"))
+    sp.indices.CopyFrom(numpy_helper.from_array(np.array(idx, np.int64), "idx"))
+    with pytest.raises(onnxgrad.InvalidModelError, match=f"sparse tensor 'W' is malformed.*{why}"):
+        onnxgrad.gradients(m, "y", ["x"])
