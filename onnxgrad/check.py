@@ -6,14 +6,16 @@ ops allow, and compares every element of small xs and random directions of large
 """
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from .autodiff import gradients
-from .errors import InvalidArgumentError
+from .autodiff import STOP_GRADIENTS_KEY, gradients
+from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
 from .runtime import runner
 from .storage import dense_copy, load_model
 
@@ -46,6 +48,8 @@ class CheckReport:
         for r in self.results:
             rows.append(f"  {'ok  ' if r.ok else 'FAIL'} {r.name}: max abs err {r.max_abs_err:.3g}, "
                         f"max rel err {r.max_rel_err:.3g} over {r.checked} probes")
+            if np.isnan(r.max_abs_err):
+                rows[-1] += " (not finite: the ys or the gradient are NaN or inf at these feeds)"
         return "\n".join(rows)
 
 
@@ -151,17 +155,18 @@ def _input_feeds(model, feeds, rng, dim):
             continue
         kind = vi.type.WhichOneof("value")
         if kind != "tensor_type":
-            raise ValueError(f"check_gradients: input {vi.name!r} is a "
-                             f"{(kind or 'untyped value').replace('_type', '')}: give its value "
-                             "in feeds (onnxgrad check: --feeds FILE.npz)")
+            raise InvalidArgumentError(f"check_gradients: input {vi.name!r} is a "
+                                       f"{(kind or 'untyped value').replace('_type', '')}: give "
+                                       "its value in feeds (onnxgrad check: --feeds FILE.npz)")
         tt = vi.type.tensor_type
         shape = [d.dim_value if d.HasField("dim_value") else dim for d in tt.shape.dim]
         np_type = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
         if not np.issubdtype(np_type, np.floating):
-            raise ValueError(f"check_gradients: input {vi.name!r} is {np.dtype(np_type).name}: "
-                             "give its value in feeds (onnxgrad check: --feeds FILE.npz); no "
-                             "random value is safe for an integer or bool input (a trip count, "
-                             "an index, a condition)")
+            raise InvalidArgumentError(f"check_gradients: input {vi.name!r} is "
+                                       f"{np.dtype(np_type).name}: give its value in feeds "
+                                       "(onnxgrad check: --feeds FILE.npz); no random value is "
+                                       "safe for an integer or bool input (a trip count, an "
+                                       "index, a condition)")
         feeds[vi.name] = rng.standard_normal(shape).astype(np_type)
     return feeds
 
@@ -180,6 +185,230 @@ def _promote(model, xs):
     return m, values
 
 
+# -- arguments -----------------------------------------------------------------------------------
+def _int_arg(name, value, least):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise InvalidArgumentError(f"check_gradients: {name}={value!r} must be an integer >= "
+                                   f"{least}")
+    return int(value)
+
+
+def _float_arg(name, value):
+    """None (the default for the dtype) or a positive finite number, as the CLI's --eps etc."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not 0 < value < np.inf:
+        raise InvalidArgumentError(f"check_gradients: {name}={value!r} must be a positive finite "
+                                   "number (or None for the default)")
+    return float(value)
+
+
+def _dtype_arg(dtype) -> str:
+    try:  # "float64", np.float64 and np.dtype("float64") all name the same thing
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in ("float64", "float32"):
+        raise InvalidArgumentError(f"check_gradients: dtype={dtype!r} is not 'float64' (a float64 "
+                                   "copy of the model) or 'float32' (the model as it is)")
+    return name
+
+
+def _user_feeds(model, feeds, wide, xs):
+    """``feeds`` as arrays of the dtypes ``model`` (the copy that runs) declares, refused with the
+    argument named where they do not fit: not an input, not numeric, the wrong rank or size (as
+    ``onnxgrad check --feeds`` refuses them), or an x holding NaN (an infinity may be meant: an
+    attention mask's -inf, whose gradient is 0; NaN anywhere else shows in the report)."""
+    if feeds is None:
+        return {}
+    if not isinstance(feeds, Mapping):
+        raise ArgumentTypeError(f"check_gradients: feeds must be a dict of input name -> value, "
+                                f"not {type(feeds).__name__}")
+    inputs = {vi.name: vi.type for vi in model.graph.input}  # (fed initializers among them)
+    unknown = [k for k in feeds if k not in inputs]
+    if unknown:
+        known = dict.fromkeys([*inputs, *(t.name for t in model.graph.initializer)])
+        raise InvalidArgumentError(
+            f"check_gradients: feeds {', '.join(map(repr, unknown))} "
+            f"{'is not an input' if len(unknown) == 1 else 'are not inputs'} of the model "
+            f"(inputs and initializers: {', '.join(map(repr, known))})")
+    out, dims = {}, {}
+    for k, v in feeds.items():
+        t = inputs[k]
+        if t.WhichOneof("value") != "tensor_type" or not t.tensor_type.elem_type:
+            out[k] = v  # a sequence or an untyped input: the runtime judges it
+            continue
+        want = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.tensor_type.elem_type))
+        if wide and want.kind == "f":  # (the float64 copy runs float64 whatever was given)
+            want = np.dtype(np.float64)
+        try:
+            a = np.asarray(v)
+        except Exception as exc:  # noqa: BLE001  (ragged lists and the like)
+            raise InvalidArgumentError(f"check_gradients: feeds[{k!r}] is not an array ({exc})") \
+                from None
+        if a.dtype.kind not in "fiub" or (a.dtype.kind == "f" and want.kind in "iub"):
+            raise InvalidArgumentError(f"check_gradients: feeds[{k!r}] holds {a.dtype} values, "
+                                       f"but the model's input is {want}")
+        if a.dtype.kind == "f" and k in xs and np.isnan(a).any():
+            bad = [int(i) for i in np.argwhere(np.isnan(a))[0]]
+            raise InvalidArgumentError(
+                f"check_gradients: feeds[{k!r}] holds NaN at index {bad}: an x must not be NaN "
+                "(finite differences of NaN compare nothing)")
+        a = a.astype(want) if a.dtype != want else a
+        if t.tensor_type.HasField("shape"):
+            shape = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
+                     for d in t.tensor_type.shape.dim]
+            shown = "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+            if len(shape) != a.ndim:
+                raise InvalidArgumentError(
+                    f"check_gradients: feeds[{k!r}] has shape {list(a.shape)}, but the model's "
+                    f"input is shaped {shown} (rank {len(shape)})")
+            for axis, (w, n) in enumerate(zip(shape, a.shape)):
+                if isinstance(w, int) and w != n:
+                    raise InvalidArgumentError(
+                        f"check_gradients: feeds[{k!r}] has shape {list(a.shape)}, but the "
+                        f"model's input is shaped {shown} (axis {axis})")
+                if isinstance(w, str) and dims.setdefault(w, (k, n))[1] != n:
+                    raise InvalidArgumentError(
+                        f"check_gradients: dim {w!r} is {dims[w][1]} in feeds[{dims[w][0]!r}] "
+                        f"but {n} in feeds[{k!r}]")
+        out[k] = a
+    return out
+
+
+# -- holding tensors constant ----------------------------------------------------------------------
+def _stopped(model, stop_gradients) -> list[str]:
+    """The tensors gradients() holds constant (its argument and the model's metadata list) that
+    the finite differences must hold constant too: those main-graph nodes produce. Graph inputs
+    and initializers need nothing: they change only as the x being perturbed, which a stopped x
+    still is (stop_gradients=[a, b] with b = 2a gives d/da = 1: a is varied, b is not)."""
+    given = [stop_gradients] if isinstance(stop_gradients, str) else list(stop_gradients or [])
+    names = list(given)
+    try:  # (a malformed list is gradients()'s to refuse; here it only adds names)
+        meta = json.loads({p.key: p.value for p in model.metadata_props}
+                          .get(STOP_GRADIENTS_KEY, "[]"))
+    except ValueError:
+        meta = []
+    names += meta if isinstance(meta, list) else []
+    produced = {o for n in model.graph.node for o in n.output if o}
+    inner = {o for n in model.graph.node for g in _subgraphs(n) for o in _produced(g)}
+    out = []
+    for name in dict.fromkeys(n for n in names if isinstance(n, str)):
+        if name in produced:
+            out.append(name)
+        elif name in inner:
+            raise UnsupportedError(
+                f"check_gradients: {'stop_gradients' if name in given else STOP_GRADIENTS_KEY} "
+                f"names {name!r}, a tensor inside an If, Loop or "
+                "Scan body: the finite differences cannot hold it constant (it gets a value per "
+                "iteration or branch); check a stop on a main-graph tensor instead")
+    return out
+
+
+def _subgraphs(node):
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def _produced(g):
+    for n in g.node:
+        yield from (o for o in n.output if o)
+        for sub in _subgraphs(n):
+            yield from _produced(sub)
+
+
+def _used(node):
+    """The names ``node`` reads, those its subgraphs read from the outer scope included (all
+    that the subgraphs read: a superset, which at worst keeps a node alive)."""
+    yield from node.input
+    for g in _subgraphs(node):
+        for n in g.node:
+            yield from _used(n)
+        yield from (o.name for o in g.output)
+
+
+def _cut(model, values: dict, keep=None):
+    """A copy of ``model`` in which each tensor of ``values`` (name -> array) is a graph input fed
+    that value: its producer's output is renamed to a name nothing reads. With ``keep`` (output
+    names) the graph outputs are those and the nodes they no longer need are dropped."""
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    g = m.graph
+    taken = {vi.name for vi in g.input} | {t.name for t in g.initializer}
+    taken |= set(_produced(g)) | {i for n in g.node for i in _used(n)}
+    for n in g.node:
+        for i, o in enumerate(n.output):
+            if o in values:
+                k = 0
+                while f"{o}__cut{k}" in taken:
+                    k += 1
+                n.output[i] = f"{o}__cut{k}"
+                taken.add(n.output[i])
+    kept = [vi for vi in g.value_info if vi.name not in values]
+    del g.value_info[:]
+    g.value_info.extend(kept)
+    for name, v in values.items():
+        g.input.append(onnx.helper.make_tensor_value_info(
+            name, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)))
+    if keep is not None:
+        outs = {o.name: o for o in g.output}
+        del g.output[:]
+        g.output.extend(outs.get(k) or onnx.helper.make_empty_tensor_value_info(k) for k in keep)
+        needed, live = set(keep), []
+        for n in reversed(g.node):  # (nodes are in topological order)
+            if any(o in needed for o in n.output):
+                live.append(n)
+                needed.update(_used(n))
+        del g.node[:]
+        g.node.extend(reversed(live))
+    return m
+
+
+def _values(model, feeds, names, runtime):
+    """The values of tensors ``names`` of ``model`` at ``feeds`` (plain arrays only: a sequence
+    cannot be made a typed graph input here)."""
+    if not names:
+        return {}
+    vals = runner(_expose(model, names), runtime)(feeds, names)
+    return {k: v for k, v in zip(names, vals)
+            if isinstance(v, np.ndarray) and v.dtype.kind in "fiub"}
+
+
+def _run_gradients(grad_model, base, feeds, cots, want, runtime):
+    """The gradients ``want`` of ``grad_model`` (built from ``base``) at ``feeds``.
+
+    onnxruntime first: it runs the Scan bodies of the RNN backward functions in float64, which
+    onnx.reference cannot (reverse scans). Where it lacks a float64 kernel for a forward op
+    (ONNX RNN), the forward tensors the gradient reads are computed by the forward model's
+    runner (which falls back to onnx.reference) and fed to onnxruntime in their place;
+    onnx.reference runs it all as the last resort."""
+    if runtime != "ort":
+        return runner(grad_model, runtime)({**feeds, **cots}, want)
+    try:
+        return runner(grad_model, "ort", fallback=False)({**feeds, **cots}, want)
+    except Exception as exc:  # noqa: BLE001  (the feeds are checked: a kernel is missing)
+        first = exc
+    forward = {o for n in base.graph.node for o in n.output if o}
+    names = [o for n in grad_model.graph.node for o in n.output if o in forward and o not in want]
+    try:
+        cut = _values(base, feeds, names, runtime)
+        return runner(_cut(grad_model, cut, want), "ort", fallback=False)(
+            {**feeds, **cots, **cut}, want)
+    except Exception:  # noqa: BLE001  (not even that: the reference runs it all)
+        pass
+    try:
+        return runner(grad_model, "reference")({**feeds, **cots}, want)
+    except Exception as last:  # noqa: BLE001
+        raise UnsupportedError(
+            f"check_gradients: neither onnxruntime nor onnx.reference can run the gradient "
+            f"model (onnxruntime: {str(first).strip().splitlines()[0]}; onnx.reference: "
+            f"{str(last).strip().splitlines()[0]}); try dtype='float32' (onnxgrad check "
+            "--dtype float32)") from last
+
+
 def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: float | None = None,
                     rtol: float | None = None, atol: float | None = None, directions: int = 3,
                     max_elements: int = 32, seed: int = 0, dim: int = 2, runtime: str = "ort",
@@ -190,12 +419,23 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     (symbolic dims of size ``dim``). xs with at most ``max_elements`` elements are checked
     element by element, larger ones along ``directions`` random unit directions. ``runtime``
     "ort" runs onnxruntime CPU and falls back to onnx.reference for kernels it lacks;
-    "reference" always uses onnx.reference.
+    "reference" always uses onnx.reference. Tensors in ``stop_gradients`` (and the model's
+    ``onnxgrad.stop_gradients`` metadata) are held at their values at the feeds while the
+    finite differences vary x, as the partial derivatives gradients() gives them assume.
     """
     model = dense_copy(load_model(model))[0]  # (a sparse initializer is checked as an x too)
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
         raise InvalidArgumentError(f"dim={dim!r}: symbolic dims need a size of at least 1 (an "
                                    "empty tensor would check nothing)")
+    dtype = _dtype_arg(dtype)
+    if runtime not in ("ort", "reference"):
+        raise InvalidArgumentError(f"check_gradients: runtime={runtime!r} is not 'ort' "
+                                   "(onnxruntime CPU, onnx.reference where it lacks a kernel) or "
+                                   "'reference' (onnx.reference only)")
+    seed = _int_arg("seed", seed, 0)
+    directions = _int_arg("directions", directions, 1)  # (0 would pass large xs unchecked)
+    max_elements = _int_arg("max_elements", max_elements, 0)
+    eps, rtol, atol = (_float_arg(k, v) for k, v in (("eps", eps), ("rtol", rtol), ("atol", atol)))
     ys = [ys] if isinstance(ys, str) else list(ys)
     xs = [xs] if isinstance(xs, str) else list(xs)
     model = _expose(model, ys)
@@ -205,25 +445,38 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     atol = atol or (1e-7 if wide else 1e-3)
     rng = np.random.default_rng(seed)
     base = to_float64(model) if wide else model
-    base, init_values = _promote(base, set(xs))
+    fed = set(feeds) if isinstance(feeds, Mapping) else set()
+    base, init_values = _promote(base, set(xs) | fed)  # (a fed initializer is an input too)
+    feeds = _input_feeds(base, _user_feeds(base, feeds, wide, set(xs)), rng, dim)
     feeds = {k: (v.astype(np.float64) if wide and v.dtype.kind == "f" else v)
-             for k, v in _input_feeds(base, feeds, rng, dim).items()}
+             for k, v in feeds.items()}
     feeds.update({k: v for k, v in init_values.items() if k not in feeds})
     missing = [x for x in xs if x not in feeds]
     if missing:
-        raise ValueError(f"check_gradients: xs {missing} are not graph inputs or initializers")
+        raise InvalidArgumentError(f"check_gradients: xs {missing} are not graph inputs or "
+                                   "initializers")
 
     cot_names = [f"__cotangent_{i}" for i in range(len(ys))]
+    stopped = _stopped(base, grad_kwargs.get("stop_gradients"))  # (refused before any work)
     res = gradients(base, ys, xs, grad_ys=cot_names, **grad_kwargs)
-    forward = runner(base, runtime)
-    y_vals = forward(feeds, ys)
+    # the finite differences run a copy in which the stopped tensors are inputs fed their values
+    # at the feeds: varying x then moves y only along the paths the gradient follows
+    held = _values(base, feeds, stopped, runtime)
+    if set(stopped) - set(held):
+        raise UnsupportedError(f"check_gradients: stop_gradients tensors "
+                               f"{sorted(set(stopped) - set(held))} are not numeric tensors (a "
+                               "sequence, a string): the finite differences cannot hold them "
+                               "constant")
+    forward = runner(_cut(base, held) if held else base, runtime)
+    y_vals = forward({**feeds, **held}, ys)
     cots = {c: rng.standard_normal(np.shape(y)).astype(np.asarray(y).dtype)
             for c, y in zip(cot_names, y_vals)}
     want = [g for g in res.grads if g is not None]
-    got = dict(zip(want, runner(res.model, runtime)({**feeds, **cots}, want)))
+    got = dict(zip(want, _run_gradients(res.model, base, feeds, cots, want, runtime))) \
+        if want else {}
 
     def f(fd):
-        outs = forward(fd, ys)
+        outs = forward({**fd, **held}, ys)
         return sum(float(np.sum(np.asarray(o, np.float64) * cots[c])) for o, c in zip(outs, cot_names))
 
     report = CheckReport(dtype)
@@ -242,6 +495,10 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
             num = (f({**feeds, x: x0 + step}) - f({**feeds, x: x0 - step})) / (2 * eps)
             ana = float(np.sum(analytic * d))
             err = abs(num - ana)
+            if not np.isfinite(err):  # (max() would keep 0 over a NaN: a FAIL with error 0)
+                abs_err = rel_err = float("nan")
+                ok = False
+                continue
             abs_err = max(abs_err, err)
             rel_err = max(rel_err, err / max(abs(num), abs(ana), 1e-12))
             ok &= err <= atol + rtol * max(abs(num), abs(ana))

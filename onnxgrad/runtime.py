@@ -71,23 +71,58 @@ def session(model, device: str = "cpu", threads: int | None = None, options=None
                                 providers=providers(device))
 
 
-def runner(model: onnx.ModelProto, prefer: str = "ort"):
+def runner(model: onnx.ModelProto, prefer: str = "ort", fallback: bool = True):
     """A function ``(feeds, outputs=None) -> list of arrays`` for ``model``, built once.
 
     onnxruntime CPU at the basic optimisation level (its fusions store float64 scales in float32,
     which is wrong for numerical checks); onnx.reference where onnxruntime has no kernel
-    (float64 variants of some ops, for instance) or when ``prefer`` is "reference"."""
+    (float64 variants of some ops, for instance) or when ``prefer`` is "reference". Some kernels
+    load but refuse their types only when run ("LSTM operator does not support double yet"):
+    the first run that fails so switches this runner to onnx.reference for good. With
+    ``fallback=False`` onnxruntime's own errors (loading or running) are raised instead."""
     if prefer == "ort":
         ort = ort_module()
         so = session_options()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        so.log_severity_level = 4  # a failure raises; its log line would only alarm a fallback
         try:
             s = ort.InferenceSession(model.SerializeToString(), so,
                                      providers=["CPUExecutionProvider"])
         except Exception:  # noqa: BLE001  (NOT_IMPLEMENTED kernels: use the reference runtime)
-            pass
+            if not fallback:
+                raise
         else:
-            return lambda feeds, outputs=None: s.run(outputs, _arrays(feeds))
+            if not fallback:
+                return lambda feeds, outputs=None: s.run(outputs, _arrays(feeds))
+            return _falling_back(s, model)
+    return _reference(model)
+
+
+def _falling_back(s, model):
+    """``s.run``, or onnx.reference from the first run that onnxruntime fails with a kernel
+    error (not InvalidArgument: bad feeds are the caller's to fix). When the reference fails
+    too, onnxruntime's error is the one raised, as it was before the fallback."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+    kernel_errors = (state.RuntimeException, state.NotImplemented, state.Fail, state.EPFail)
+    ref = []
+
+    def run(feeds, outputs=None):
+        if not ref:
+            try:
+                return s.run(outputs, _arrays(feeds))
+            except kernel_errors as exc:
+                try:
+                    fall = _reference(model)
+                    out = fall(feeds, outputs)
+                except Exception:  # noqa: BLE001
+                    raise exc from None
+                ref.append(fall)
+                return out
+        return ref[0](feeds, outputs)
+    return run
+
+
+def _reference(model: onnx.ModelProto):
     from onnx.reference import ReferenceEvaluator
     if model.functions:  # onnx.reference (1.23) fails on a function that calls one listed
         import onnx.inliner  # after it, and on attributes given by reference to some ops

@@ -1,0 +1,182 @@
+"""check_gradients / ``onnxgrad check``: stop_gradients held constant in the finite differences,
+ONNX RNN ops at float64 (onnxruntime's run-time refusals fall back), and argument checking."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper as H
+from onnx import numpy_helper as NH
+
+import onnxgrad
+from onnxgrad.check import check_gradients, to_float64
+from onnxgrad.cli import main
+from onnxgrad.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
+from onnxgrad.runtime import runner
+
+D = TP.DOUBLE
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=18):
+    vi = H.make_tensor_value_info
+    g = H.make_graph(nodes, "g", [vi(n, D, s) for n, s in inputs],
+                     [vi(n, D, s) for n, s in outputs], list(inits))
+    return H.make_model(g, opset_imports=[H.make_opsetid("", opset)], ir_version=10)
+
+
+def _sin_times_x():  # y = s * x with s = sin(x): d/dx with s held constant is sin(x)
+    return _model([H.make_node("Sin", ["x"], ["s"]), H.make_node("Mul", ["s", "x"], ["y"])],
+                  [("x", [3])], [("y", [3])])
+
+
+X = np.array([0.3, -1.2, 2.0])
+
+
+# -- stop_gradients ---------------------------------------------------------------------------
+def test_check_holds_a_stopped_intermediate_constant():
+    """The finite differences of the total derivative (sin x + x cos x) made a correct partial
+    derivative a FAIL (rel err 0.9)."""
+    report = check_gradients(_sin_times_x(), "y", "x", {"x": X}, stop_gradients=["s"])
+    assert report.ok, str(report)
+    cot, = report.cotangents.values()  # (the gradient checked is that of sum(cot * y))
+    np.testing.assert_allclose(report.results[0].grad, cot * np.sin(X), rtol=1e-12)
+    assert check_gradients(_sin_times_x(), "y", "x", {"x": X}).ok  # (nothing held: the total)
+
+
+def test_check_held_values_are_those_at_the_feeds():
+    """A stop given as one string, on a tensor that is also a y: the y is the constant fed."""
+    m = _sin_times_x()
+    report = check_gradients(m, ["y", "s"], "x", {"x": X}, stop_gradients="s")
+    assert report.ok, str(report)
+
+
+def test_check_stopped_x_is_still_varied():
+    """README: with b = 2a, y = a + b, stop=[a, b] gives dy/da = 1 (a varies, b does not)."""
+    m = _model([H.make_node("Add", ["a", "a"], ["b"]), H.make_node("Add", ["a", "b"], ["y"])],
+               [("a", [2])], [("y", [2])])
+    report = check_gradients(m, "y", "a", {"a": np.array([1.0, 2.0])}, stop_gradients=["a", "b"])
+    assert report.ok, str(report)
+    cot, = report.cotangents.values()
+    np.testing.assert_allclose(report.results[0].grad, cot)
+    report = check_gradients(m, "y", "a", stop_gradients=["a"])  # (b follows a: 3)
+    assert report.ok, str(report)
+    np.testing.assert_allclose(report.results[0].grad, 3 * report.cotangents["__cotangent_0"])
+
+
+def test_check_holds_the_metadata_stops_constant():
+    """The model's onnxgrad.stop_gradients list (a converted StopGradient) is honoured by
+    gradients(), so the finite differences hold those tensors constant too."""
+    m = _sin_times_x()
+    H.set_model_props(m, {onnxgrad.autodiff.STOP_GRADIENTS_KEY: '["s"]'})
+    assert check_gradients(m, "y", "x", {"x": X}).ok
+
+
+def test_check_cli_stop_exits_0(tmp_path, capsys):
+    onnx.save(_sin_times_x(), tmp_path / "m.onnx")
+    np.savez(tmp_path / "f.npz", x=X)
+    rc = main(["check", str(tmp_path / "m.onnx"), "--ys", "y", "--xs", "x", "--stop", "s",
+               "--feeds", str(tmp_path / "f.npz")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "all gradients match" in out, out
+
+
+def test_check_refuses_a_stop_inside_a_subgraph():
+    """A tensor of an If branch has no single value to hold: refused, naming it."""
+    vi = H.make_tensor_value_info
+    then = H.make_graph([H.make_node("Sin", ["x"], ["t"]), H.make_node("Mul", ["t", "x"], ["o"])],
+                        "then", [], [vi("o", D, [3])])
+    other = H.make_graph([H.make_node("Identity", ["x"], ["o2"])], "else", [], [vi("o2", D, [3])])
+    g = H.make_graph([H.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)], "g",
+                     [vi("c", TP.BOOL, []), vi("x", D, [3])], [vi("y", D, [3])])
+    m = H.make_model(g, opset_imports=[H.make_opsetid("", 18)], ir_version=10)
+    with pytest.raises(UnsupportedError, match="stop_gradients names 't'.*inside an If"):
+        check_gradients(m, "y", "x", {"c": np.array(True), "x": X}, stop_gradients=["t"])
+
+
+# -- ONNX RNN ops at float64 --------------------------------------------------------------------
+def _rnn(op):
+    gates = {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
+    rng = np.random.default_rng(0)
+    F = TP.FLOAT
+
+    def w(name, *shape):
+        return NH.from_array((0.5 * rng.standard_normal(shape)).astype(np.float32), name)
+    g = H.make_graph([H.make_node(op, ["X", "W", "R", "B"], ["Y"], hidden_size=3),
+                      H.make_node("ReduceSum", ["Y"], ["y"], keepdims=0)], "g",
+                     [H.make_tensor_value_info("X", F, [3, 2, 2])],
+                     [H.make_tensor_value_info("y", F, [])],
+                     [w("W", 1, gates * 3, 2), w("R", 1, gates * 3, 3), w("B", 1, gates * 6)])
+    return H.make_model(g, opset_imports=[H.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+def test_check_onnx_rnn_ops_at_float64(op):
+    """onnxruntime loads a float64 LSTM/GRU but refuses it when run ("does not support double
+    yet"), and has no float64 RNN, whose backward's reverse Scans onnx.reference cannot run."""
+    report = check_gradients(_rnn(op), "y", ["X", "W", "R", "B"])
+    assert report.ok, str(report)
+    assert all(r.checked for r in report.results)
+
+
+def test_runner_falls_back_when_a_kernel_refuses_at_run_time():
+    m = to_float64(_rnn("LSTM"))
+    x = np.random.default_rng(1).standard_normal((3, 2, 2))
+    got = runner(m)({"X": x}, ["y"])[0]
+    want = runner(m, "reference")({"X": x}, ["y"])[0]
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+# -- arguments ---------------------------------------------------------------------------------
+def _sin():
+    return _model([H.make_node("Sin", ["x"], ["y"])], [("x", [3])], [("y", [3])])
+
+
+@pytest.mark.parametrize("kw, err, needle", [
+    ({"feeds": {"x": 1.0}}, InvalidArgumentError, r"feeds\['x'\] has shape \[\].*rank 1"),
+    ({"feeds": {"x": np.ones((1, 3))}}, InvalidArgumentError, r"feeds\['x'\] has shape \[1, 3\]"),
+    ({"feeds": {"x": np.ones(3), "nope": np.ones(3)}}, InvalidArgumentError,
+     "feeds 'nope' is not an input"),
+    ({"feeds": {"x": np.array([1.0, np.nan, 2.0])}}, InvalidArgumentError,
+     r"feeds\['x'\] holds NaN at index \[1\]: an x must not be NaN"),
+    ({"feeds": {"x": ["a", "b", "c"]}}, InvalidArgumentError, r"feeds\['x'\] holds <U1"),
+    ({"feeds": [np.ones(3)]}, ArgumentTypeError, "feeds must be a dict"),
+    ({"dtype": "float16"}, InvalidArgumentError, "dtype='float16'"),
+    ({"dtype": "int8"}, InvalidArgumentError, "dtype='int8'"),
+    ({"runtime": "torch"}, InvalidArgumentError, "runtime='torch'"),
+    ({"seed": -1}, InvalidArgumentError, "seed=-1"),
+    ({"directions": 0, "max_elements": 0}, InvalidArgumentError, "directions=0"),
+    ({"max_elements": -1}, InvalidArgumentError, "max_elements=-1"),
+    ({"eps": 0.0}, InvalidArgumentError, "eps=0.0"),
+    ({"rtol": float("nan")}, InvalidArgumentError, "rtol=nan"),
+])
+def test_check_refuses_bad_arguments_naming_them(kw, err, needle):
+    with pytest.raises(err, match=needle):
+        check_gradients(_sin(), "y", "x", **kw)
+
+
+def test_check_refuses_unknown_xs_as_an_onnxgrad_error():
+    with pytest.raises(InvalidArgumentError, match=r"xs \['nope'\] are not graph inputs"):
+        check_gradients(_sin(), "y", ["x", "nope"])
+
+
+def test_check_takes_feeds_as_lists_and_numpy_dtype_names():
+    """A list is an array of the input's dtype; np.float64 names the float64 check."""
+    report = check_gradients(_sin(), "y", "x", {"x": [0.5, 1.0, -2.0]}, dtype=np.float64)
+    assert report.ok and report.dtype == "float64"
+    assert report.feeds["x"].dtype == np.float64
+    report = check_gradients(_sin(), "y", "x", {"x": [0.5, 1.0, -2.0]}, dtype="float32")
+    assert report.ok, str(report)
+
+
+def test_check_reports_non_finite_values_as_such():
+    """A NaN in an input that is not an x makes the ys NaN: a FAIL that says so, not one with
+    'max abs err 0'. An infinity may be meant (a -inf mask, even as an x: its gradient is 0)."""
+    m = _model([H.make_node("Add", ["x", "m"], ["t"]), H.make_node("Exp", ["t"], ["y"])],
+               [("x", [3]), ("m", [3])], [("y", [3])])
+    report = check_gradients(m, "y", "x", {"x": X, "m": np.array([0.0, np.nan, 0.0])})
+    assert not report.ok and np.isnan(report.results[0].max_abs_err)
+    assert "not finite" in str(report)
+    report = check_gradients(m, "y", ["x", "m"], {"x": X, "m": np.array([0.0, -np.inf, 0.0])})
+    assert report.ok, str(report)
