@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ...versions import convert_version
 from . import proto
 from .errors import ConversionError
 from .graph import Graph, TFNode, group_key, split_ref, toposort
@@ -72,9 +73,13 @@ class Converter:
         self.scope = Scope()
         self.initializers: list[onnx.TensorProto] = []
         self.consts: dict[str, np.ndarray] = {}  # ONNX name -> value, for Const-fed inputs
+        # the float Consts of the graph (frozen weights): gradients may be asked for them, so
+        # what reads them must stay ops, never fold into new constants (see ops._fold)
+        self.weight_values: set[str] = set()
         self.domains: set[str] = set()
         self._names: set[str] = set()
         self.stop_gradients: list[str] = []  # outputs of StopGradient (see ops._stop_gradient)
+        self.prevent_gradients: dict[str, str] = {}  # PreventGradient output -> its message
         self.node: TFNode | None = None  # the node being converted (names what it emits)
         self.weights: list[str] | None = None  # a SavedModel's variable nodes
         self.scan_stacks: dict = {}  # stack key -> its push node (resources.scan_stacks)
@@ -230,6 +235,12 @@ class Converter:
             fn = call_handler if is_function(self, n.op) else None
         if fn is None:
             raise ConversionError(f"no converter for TensorFlow op {n.op!r} (node {n.name!r})")
+        if "_gradient_op_type" in n.attr:  # (TF's mark of both ways to override a gradient)
+            raise ConversionError(
+                f"{n} has a custom gradient ({self.attr(n, '_gradient_op_type')!r}, from "
+                "tf.custom_gradient or gradient_override_map), which ONNX cannot carry: "
+                "onnxgrad would differentiate its forward ops instead, a different "
+                "derivative. Export the model without the custom gradient")
         self.node = n
         first_node, first_init = len(self.scope.nodes), len(self.initializers)
         try:
@@ -269,10 +280,15 @@ class Converter:
             t.name = name
         if v in self.consts:
             self.consts[name] = self.consts.pop(v)
+        if v in self.weight_values:
+            self.weight_values.discard(v)
+            self.weight_values.add(name)
         for table in (self.int64_of, self.popped):
             if v in table:
                 table[name] = table.pop(v)
         self.stop_gradients = [name if x == v else x for x in self.stop_gradients]
+        self.prevent_gradients = {name if x == v else x: msg
+                                  for x, msg in self.prevent_gradients.items()}
         self._names.add(name)
         return name
 
@@ -443,6 +459,10 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
         v = c.value(o)
         if not isinstance(v, str) or v in c.seq_of:
             raise ConversionError(f"output {o!r} is a TensorArray/stack handle or flow, not a tensor")
+        fed = next((vi for vi in c.scope.inputs if vi.name == o), None)
+        if fed is not None:  # an input asked for as an output: listed as both, nothing makes it
+            c.scope.outputs.append(fed)
+            continue
         c.scope.nodes.append(helper.make_node("Identity", [v], [o], name=c.fresh(o + "/output")))
         c.scope.outputs.append(helper.make_empty_tensor_value_info(o))
     return _finish(c, name, opset)
@@ -494,6 +514,10 @@ def _finish(c: Converter, name: str, opset: int = DEFAULT_OPSET) -> onnx.ModelPr
     if stops:
         from ...autodiff import STOP_GRADIENTS_KEY
         m.metadata_props.add(key=STOP_GRADIENTS_KEY, value=json.dumps(stops))
+    prevents = {v: msg for v, msg in c.prevent_gradients.items() if v in live}
+    if prevents:
+        from ...autodiff import PREVENT_GRADIENTS_KEY
+        m.metadata_props.add(key=PREVENT_GRADIENTS_KEY, value=json.dumps(prevents))
     if c.weights is not None:  # a SavedModel's variables: what training may change
         from ...training.step import WEIGHTS_KEY
         inits = {t.name for t in m.graph.initializer}
@@ -552,7 +576,7 @@ def _declare_outputs(c: Converter, m: onnx.ModelProto) -> onnx.ModelProto:
 
 def _to_opset(m: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     try:
-        out = onnx.version_converter.convert_version(m, opset)
+        out = convert_version(m, opset)
         onnx.checker.check_model(out, full_check=True)
     except Exception as e:  # noqa: BLE001  (the converter and checker raise several kinds)
         why = (str(e).strip().splitlines() or [type(e).__name__])[0].split("failed: ")[-1]

@@ -139,8 +139,18 @@ class Graph:
             if n.op in ("Exit", "RefExit"):
                 n.out_ctx = {0: ctx[:-1]}
             elif n.op in ("Switch", "RefSwitch") and not self._is_loop_switch(n):
-                pred = n.inputs[1]
+                pred = self._pred(n.inputs[1])
                 n.out_ctx = {k: ctx + (("C", pred, k),) for k in (0, 1)}
+
+    def _pred(self, ref: str) -> str:
+        """A cond's predicate, behind identities: tf.cond switches its data on Identity(pred)
+        ("cond/pred_id") but hangs the branches' constants, by a control edge, off
+        Switch(pred, pred) ("cond/switch_t"); both are the same cond."""
+        p = self.producer(ref)
+        while p.op == "Identity" and not p.controls:
+            ref = p.inputs[0]
+            p = self.producer(ref)
+        return ref
 
     def _control_ctx(self, c: TFNode) -> tuple:
         # a control edge from an Exit or a cond Merge leaves the construct, like its data output

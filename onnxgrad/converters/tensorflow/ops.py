@@ -93,9 +93,18 @@ def rank_of(c: Converter, n: TFNode, i: int, required: str | None = None):
 
 
 def _fold(c: Converter, n: TFNode, fn, *idx):
-    """fn(*numpy values of inputs idx) as a constant when all those inputs are constants."""
+    """fn(*numpy values of inputs idx) as a constant when all those inputs are constants (and
+    none a weight: see reads_weight)."""
     vals = [c.const_input(n, i) for i in idx]
-    return None if any(v is None for v in vals) else c.const(np.asarray(fn(*vals)))
+    if any(v is None for v in vals) or reads_weight(c, n, *idx):
+        return None
+    return c.const(np.asarray(fn(*vals)))
+
+
+def reads_weight(c: Converter, n: TFNode, *idx) -> bool:
+    """Whether one of inputs idx is a float Const of the graph (a frozen weight): a value made
+    from it by folding would be a new constant, so its gradient would miss that use."""
+    return any(c.x(n, i) in c.weight_values for i in idx if isinstance(c.x(n, i), str))
 
 
 def _zeros(c: Converter, shape: str, dtype) -> str:
@@ -116,7 +125,10 @@ def _where(c: Converter, mask: np.ndarray, a, b):
 # -- structure ---------------------------------------------------------------------------------
 @handler("Const")
 def _const(c, n):
-    return [c.const(c.attr(n, "value"), name=n.name)]
+    y = c.const(c.attr(n, "value"), name=n.name)
+    if c.consts[y].dtype.kind not in "iubOSU":  # float: a weight (see reads_weight)
+        c.weight_values.add(y)
+    return [y]
 
 
 @handler("Placeholder", "PlaceholderV2")
@@ -131,12 +143,22 @@ def _placeholder(c, n):
     return [ref]
 
 
-@handler("StopGradient", "PreventGradient")
+@handler("StopGradient")
 def _stop_gradient(c, n):
     """Identity, listed in the model's metadata (STOP_GRADIENTS_KEY) so that onnxgrad.gradients
     holds it constant, as tf.gradients does."""
     y = c.op("Identity", [c.x(n)])
     c.stop_gradients.append(y)
+    return [y]
+
+
+@handler("PreventGradient")
+def _prevent_gradient(c, n):
+    """Identity, listed with its message in the model's metadata (PREVENT_GRADIENTS_KEY): TF
+    refuses to differentiate through it, so onnxgrad.gradients must too (not hold it constant,
+    which would be a silently partial derivative)."""
+    y = c.op("Identity", [c.x(n)])
+    c.prevent_gradients[y] = c.attr(n, "message", "")
     return [y]
 
 
@@ -207,7 +229,10 @@ def gemm_plus(c: Converter, n: TFNode, i: int, other: str):
             or extra is None or len(extra) > 2 or None in extra or None in out[-len(extra):]
             or any(e not in (1, o) for e, o in zip(extra[::-1], out[::-1]))):
         return None
+    # the Gemm moves to here, after ``other``, which may be made after the product (x@W + x@V)
+    c.scope.nodes.remove(gemm)
     gemm.input.append(other)
+    c.scope.nodes.append(gemm)
     return y
 
 
@@ -555,8 +580,8 @@ def _cumprod(c, n):
     r = rank_of(c, n, 0, required="Cumprod")
     a = _const_axis(c, n, 1) % r
     x = c.x(n, 0)
-    length = c.op("Gather", [c.op("Shape", [x]), c.i64(a)])
-    iota = c.op("Range", [c.i64(0), length, c.i64(1)])
+    length = c.op("Gather", [c.op("Shape", [x]), c.const(a, np.int64)])  # (Range: a scalar)
+    iota = c.op("Range", [c.const(0, np.int64), length, c.const(1, np.int64)])
     i, j = c.op("Unsqueeze", [iota, c.i64(1)]), c.op("Unsqueeze", [iota, c.i64(0)])
     rev, excl = c.attr(n, "reverse", False), c.attr(n, "exclusive", False)
     cmp = {(0, 0): "LessOrEqual", (0, 1): "Less", (1, 0): "GreaterOrEqual", (1, 1): "Greater"}
@@ -921,7 +946,8 @@ def _shape_after(c, data, ids):
 def _dynamic_stitch(c, n):
     """(indices_0..k-1, data_0..k-1): merged[indices_m[i]] = data_m[i] (later m win)."""
     k = len(n.inputs) // 2
-    if all(c.const_input(n, i) is not None for i in range(2 * k)):
+    if all(c.const_input(n, i) is not None for i in range(2 * k)) and not reads_weight(
+            c, n, *range(k, 2 * k)):
         vals = [c.const_input(n, i) for i in range(2 * k)]
         tail = vals[k].shape[vals[0].ndim:]
         out = np.zeros((max(int(v.max(initial=-1)) for v in vals[:k]) + 1,) + tail, vals[k].dtype)

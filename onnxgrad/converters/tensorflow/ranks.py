@@ -15,6 +15,8 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
+from ...inference import forget_made_up, graphs_of
+
 ROUNDS = 6
 
 
@@ -26,6 +28,10 @@ def infer(m: onnx.ModelProto, tf_shapes: dict) -> onnx.ModelProto:
         changed |= _loop_ranks(g, _types(g))
         if not changed:
             break
+    # onnx's inference names dims it cannot tell (unk__N), and may give one name to dims that
+    # differ at run time (two reads of a sequence of unequal elements): onnxruntime takes them
+    # for one size and fails re-using a buffer. Such dims are left unknown.
+    forget_made_up([vi for g in graphs_of(m.graph) for vi in [*g.value_info, *g.output]])
     return m
 
 

@@ -78,6 +78,8 @@ def _tensor_array(c: Converter, n: TFNode):
     dtype = c.onnx_type(n, "dtype")
     size = c.const_input(n, 0)
     shape = c.attr(n, "element_shape")
+    if (shape is None or None in shape) and c.attr(n, "identical_element_shapes", False):
+        shape = _written_shape(c, n) or shape
     r = Resource((n.name,), "tensor_array", dtype, elem_shape=shape)
     c.resources[r.key] = r
     full = shape is not None and all(d is not None for d in shape)
@@ -91,6 +93,18 @@ def _tensor_array(c: Converter, n: TFNode):
         r.unwritten = (seq, c.x(n, 0))  # (the empty state, the size), see _scatter
     c.set_state(r, seq)
     return [r, seq]
+
+
+def _written_shape(c: Converter, n: TFNode) -> list | None:
+    """The static shape of the rows written to array n (all one shape), when TF knows it: then
+    the array starts as zeros, which writes in any order, in any loop, replace."""
+    for w in c.g.nodes.values():
+        if w.op == "TensorArrayWriteV3" and static_key(c.g, w.inputs[0]) == (n.name,):
+            name, i = w.inputs[2].split(":")
+            shapes = c.attr(c.g.nodes[name], "_output_shapes")
+            s = shapes[int(i)] if shapes and int(i) < len(shapes) else None
+            return s if s is not None and None not in s else None
+    return None
 
 
 def ensure_grad(c: Converter, fwd: Resource, source: str, prepend: str | None = None) -> Resource:
@@ -163,7 +177,11 @@ def scan_arrays(c: Converter, fprefix: tuple, members: list[TFNode]) -> dict:
             touched.setdefault(static_key(c.g, n.inputs[0]), []).append(n)
     out = {}
     for key, ns in touched.items():
-        fwd = c.g.nodes[key[0]]
+        fwd, r = c.g.nodes[key[0]], c.resources.get(key)
+        # an array whose rows' shape only its first write tells, also written by an outer
+        # loop: no zeros exist to scatter into here (the writes insert instead)
+        if r is not None and r.unwritten is not None and c.state.get(key) != r.unwritten[0]:
+            continue
         if (len(ns) != 1 or ns[0].op != "TensorArrayWriteV3" or ns[0].ctx != fprefix
                 or key[0] in names or fwd.op != "TensorArrayV3"
                 or not c.attr(fwd, "identical_element_shapes", False)

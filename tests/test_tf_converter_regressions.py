@@ -1,0 +1,274 @@
+"""Regressions of the TensorFlow converter found by red-team testing: each test names what broke
+and why. TF (the test extra) is the oracle; converted models run on stock onnxruntime (CPU)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_tf_v1 import both_routes
+from tf_util import check_conversion, ort_run, tf, tf1_graph, tf_run
+
+import onnxgrad
+from onnxgrad.converters.tensorflow import ConversionError, convert
+
+R = np.random.RandomState(0)
+
+
+def rand(*shape):
+    return R.randn(*shape).astype(np.float32)
+
+
+# -- 1. constant folding must not swallow a weight ------------------------------------------
+FOLDED = {  # ops the converter folds when every input is a constant; W is [3, 2]
+    "strided_slice": lambda W: W[:2],
+    "gather": lambda W: tf.gather(W, [0, 2, 2]),
+    "pack": lambda W: tf.stack([W, W]),
+    "concat": lambda W: tf.concat([W, W], 0),
+    "band_part": lambda W: tf.linalg.band_part(W, 0, -1),
+    "dynamic_stitch": lambda W: tf.dynamic_stitch([[2, 0, 1]], [W]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FOLDED))
+def test_folding_keeps_weight_gradients(kind):
+    """y = sum(x @ W) + sum(f(W)**2): f (a slice, gather, stack, concat, band part, stitch) of
+    a frozen weight was folded into a new constant, so dy/dW lost the second term."""
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        W = tf.constant(np.arange(6, dtype=np.float32).reshape(3, 2) / 10, name="W")
+        y = tf.add(tf.reduce_sum(tf.matmul(x, W)), tf.reduce_sum(tf.square(FOLDED[kind](W))),
+                   name="y")
+        return W, y
+    g, (W, y) = tf1_graph(build)
+    both_routes(g, y, [W], {"x:0": rand(2, 3)})
+
+
+def test_keras_gru_without_reset_after_keeps_its_recurrent_kernel(tmp_path):
+    """Keras GRU(reset_after=False) slices recurrent_kernel; the slices were folded, so the
+    variable vanished from the model and from its onnxgrad.weights (never trained)."""
+    keras = pytest.importorskip("keras")
+    from tensorflow.python.eager import context
+
+    x = R.randn(2, 3, 2).astype(np.float32)
+    with context.eager_mode():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((3, 2))
+        model = keras.Model(inp, keras.layers.GRU(2, reset_after=False)(inp))
+        model.export(str(tmp_path / "gru"), verbose=False)
+        xt = tf.constant(x)
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(model(xt))
+        want = [g.numpy() for g in tape.gradient(y, model.trainable_weights)]
+        names = [f"{w.path}:0" for w in model.trainable_weights]
+    m = convert(str(tmp_path / "gru"))
+    meta = {p.key: p.value for p in m.metadata_props}
+    assert sorted(json.loads(meta["onnxgrad.weights"])) == sorted(names)
+    res = onnxgrad.gradients(m, m.graph.output[0].name, names)
+    got = ort_run(res.model, {m.graph.input[0].name: x}, res.grads)
+    for name, g, w in zip(names, got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+# -- 2. MatMul + Add -> Gemm must stay in topological order -----------------------------------
+def test_gemm_merge_of_two_products_keeps_topological_order():
+    """x@W + x@V: the Add was merged into the first MatMul's Gemm as its C, which read the
+    second product before it was computed (onnx: 'must be topologically sorted')."""
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        W, V = tf.constant(rand(3, 2), name="W"), tf.constant(rand(3, 2), name="V")
+        return x, W, V, tf.identity(tf.matmul(x, W) + tf.matmul(x, V), name="y")
+    g, (x, W, V, y) = tf1_graph(build)
+    model, _ = check_conversion(g, [y], {"x:0": rand(2, 3)})
+    onnx.checker.check_model(model, full_check=True)
+    both_routes(g, y, [x, W, V], {"x:0": rand(2, 3)})
+
+
+def test_keras_masking_gru_converts(tmp_path):
+    """Keras Masking -> GRU: the same merge (the step's two products added) broke the order."""
+    keras = pytest.importorskip("keras")
+    from tensorflow.python.eager import context
+
+    x = R.randn(2, 4, 3).astype(np.float32)
+    x[0, 2:] = 0.0  # masked steps
+    with context.eager_mode():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((4, 3))
+        model = keras.Model(inp, keras.layers.GRU(3)(keras.layers.Masking(0.0)(inp)))
+        model.export(str(tmp_path / "gru"), verbose=False)
+        want = model.predict(x, verbose=0)
+    m = convert(str(tmp_path / "gru"))
+    onnx.checker.check_model(m, full_check=True)
+    (got,) = ort_run(m, {m.graph.input[0].name: x}, [m.graph.output[0].name])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# -- 3. TF1 cond branches holding constants ---------------------------------------------------
+BRANCHES = {  # the true branch reads a constant (hung off the cond's switch_t by a control edge)
+    "add_const": lambda x: x + 1.0,
+    "index": lambda x: x[0] * x,
+    "reshape": lambda x: tf.reshape(tf.reshape(x, [3, 1]) * 2.0, [3]),
+}
+
+
+@pytest.mark.parametrize("branch", sorted(BRANCHES))
+def test_tf1_cond_branch_with_constants(branch):
+    """A v1 cond switches data on Identity(pred) ('cond/pred_id') but hangs constants off
+    Switch(pred, pred): the two were taken for two conds ('mixes tensors of two different
+    control-flow contexts')."""
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [3], name="x")
+        y = tf.compat.v1.cond(tf.reduce_sum(x) > 0, lambda: BRANCHES[branch](x), lambda: x * x)
+        return x, tf.reduce_sum(y * y, name="y")
+    g, (x, y) = tf1_graph(build)
+    for xv in (np.array([1, 2, 3], np.float32), np.array([-1, -2, 0.5], np.float32)):
+        both_routes(g, y, [x], {"x:0": xv})
+
+
+def test_tf1_cond_with_constants_inside_while():
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [2], name="x")
+
+        def body(i, a):
+            a = tf.compat.v1.cond(tf.equal(i % 2, 0), lambda: a * 2.0 + x[0],
+                                  lambda: tf.reshape(a, [2, 1])[:, 0] - 1.0)
+            return i + 1, a
+        _, a = tf.compat.v1.while_loop(lambda i, a: i < 3, body, [0, x])
+        return x, tf.reduce_sum(a * a, name="y")
+    g, (x, y) = tf1_graph(build)
+    both_routes(g, y, [x], {"x:0": rand(2)})
+
+
+# -- 4. TF1 nested loops writing one TensorArray ----------------------------------------------
+@pytest.mark.parametrize("order, cols", [("in_order", 3), ("reversed", 3), ("in_order", None)])
+def test_tf1_nested_loops_write_one_tensor_array(order, cols):
+    """The inner loop's writes became scan outputs scattered into the stacked array, but an
+    array whose rows' shape TF gives only at the first write has no rows yet inside the outer
+    loop (ConcatFromSequence of nothing at run time). Rows of a static shape (cols=3) start as
+    zeros (writes in any order); else (cols=None) the writes insert, in order."""
+
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [2, cols], name="x")
+        ta = tf.TensorArray(tf.float32, size=4)
+
+        def outer(i, ta):
+            def inner(j, ta):
+                at = i * 2 + (j if order == "in_order" else 1 - j)
+                return j + 1, ta.write(at, x[i] * tf.cast(j + 1, tf.float32))
+            _, ta = tf.compat.v1.while_loop(lambda j, ta: j < 2, inner, [0, ta])
+            return i + 1, ta
+        _, ta = tf.compat.v1.while_loop(lambda i, ta: i < 2, outer, [0, ta])
+        s = ta.stack()
+        y = tf.reduce_sum(tf.sin(s) * s, name="y")
+        return y, tf.gradients(y, x)[0]  # (TF's gradient graph converts too)
+    g, (y, gx) = tf1_graph(build)
+    check_conversion(g, [y, gx], {"x:0": rand(2, 3)})
+
+
+# -- 5. value_info must not claim equal dims it cannot know -----------------------------------
+def test_tensor_array_split_uneven_pieces_runs():
+    """Pieces of lengths 2 and 3 read back: ONNX's inference named both reads' dim 'unk__0',
+    the converter wrote that into value_info and onnxruntime took them for one size."""
+    def f(x):
+        ta = tf.TensorArray(tf.float32, size=2, infer_shape=False).split(x, [2, 3])
+        return tf.concat([ta.read(1) * 2.0, ta.read(0) * ta.read(0)], 0)
+    cf = tf.function(f).get_concrete_function(tf.TensorSpec([5], tf.float32))
+    xin, yout = cf.inputs[0].name, cf.outputs[0].name
+    x = np.arange(5, dtype=np.float32)
+    m = convert(cf.graph.as_graph_def(), inputs=[xin], outputs=[yout])
+    (got,) = ort_run(m, {xin: x}, [yout])
+    np.testing.assert_allclose(got, [4, 6, 8, 0, 1])
+    made_up = [d.dim_param for vi in m.graph.value_info
+               for d in vi.type.tensor_type.shape.dim if d.dim_param.startswith("unk__")]
+    assert not made_up
+
+
+# -- 6. an input that is also an output -------------------------------------------------------
+def test_input_that_is_also_an_output():
+    """outputs=['y:0', 'x:0'] with x:0 an input: an Identity wrote x:0 again (onnx_ir
+    SerdeError). The input is now listed as an output too, and gradients still work."""
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        return x, tf.identity(tf.sin(x), name="y")
+    g, (x, y) = tf1_graph(build)
+    xv = rand(2, 3)
+    model, (yv, xo) = check_conversion(g, ["y:0", "x:0"], {"x:0": xv})
+    np.testing.assert_array_equal(xo, xv)
+    assert [o.name for o in model.graph.output] == ["y:0", "x:0"]
+    res = onnxgrad.gradients(model, "y:0", ["x:0"])
+    (gx,) = ort_run(res.model, {"x:0": xv}, res.grads)
+    np.testing.assert_allclose(gx, np.cos(xv), rtol=1e-6)
+
+
+# -- 7. scalars where ONNX wants scalars ------------------------------------------------------
+@settings(max_examples=8, deadline=None, derandomize=True, database=None)
+@given(axis=st.integers(-2, 1), exclusive=st.booleans(), reverse=st.booleans())
+def test_cumprod_runs(axis, exclusive, reverse):
+    """Cumprod fed Range a 1-D length (Gather(Shape(x), [axis])) and 1-D bounds; onnxruntime
+    refuses Range of non-scalars (the checker does not)."""
+    def build():
+        a = tf.compat.v1.placeholder(tf.float32, [2, 3], name="a")
+        return a, tf.reduce_sum(tf.math.cumprod(a, axis=axis, exclusive=exclusive,
+                                                reverse=reverse) ** 2, name="y")
+    g, (a, y) = tf1_graph(build)
+    feeds = {"a:0": rand(2, 3)}
+    model, _ = check_conversion(g, [y], feeds, rtol=1e-5)
+    with g.as_default():
+        want = tf_run(g, tf.compat.v1.gradients(y, a)[0], feeds)
+    res = onnxgrad.gradients(model, "y:0", ["a:0"])
+    (got,) = ort_run(res.model, feeds, res.grads)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+# -- 8. custom gradients cannot be carried over -----------------------------------------------
+def test_custom_gradient_is_refused():
+    """tf.custom_gradient (an IdentityN marked '_gradient_op_type') converted as its forward
+    ops: onnxgrad then gave the plain derivative (6) where TF gives the custom one (0.3)."""
+    @tf.custom_gradient
+    def clip_grad(v):
+        return tf.identity(v), lambda dy: tf.clip_by_value(dy, -0.1, 0.1)
+
+    cf = tf.function(lambda x: clip_grad(x * 3.0) * 2.0).get_concrete_function(
+        tf.TensorSpec([3], tf.float64))
+    with pytest.raises(ConversionError, match="IdentityN node .* custom gradient"):
+        convert(cf.graph.as_graph_def(), inputs=[cf.inputs[0].name],
+                outputs=[cf.outputs[0].name])
+
+
+def test_gradient_override_map_is_refused():
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [3], name="x")
+        with tf.compat.v1.get_default_graph().gradient_override_map({"Identity": "MyGrad"}):
+            return tf.identity(x * 2.0, name="y")
+    g, y = tf1_graph(build)
+    with pytest.raises(ConversionError, match="Identity node 'y' has a custom gradient"):
+        convert(g.as_graph_def(add_shapes=True), inputs=["x:0"], outputs=["y:0"])
+
+
+# -- 9. PreventGradient -----------------------------------------------------------------------
+def test_prevent_gradient_is_listed_with_its_message():
+    """PreventGradient was converted as a StopGradient (a silently partial derivative, where TF
+    refuses): an Identity now, listed with its message under onnxgrad.prevent_gradients (in a
+    loop body too), not under onnxgrad.stop_gradients."""
+    def f(x):
+        y = tf.raw_ops.PreventGradient(input=x * 2.0, message="no grads here") * x
+
+        def body(i, a):
+            return i + 1, tf.raw_ops.PreventGradient(input=a) + 1.0
+        _, z = tf.while_loop(lambda i, a: i < 2, body, [0, x])
+        return tf.stop_gradient(y) + z
+    cf = tf.function(f).get_concrete_function(tf.TensorSpec([3], tf.float64))
+    xin, yout = cf.inputs[0].name, cf.outputs[0].name
+    m = convert(cf.graph.as_graph_def(), inputs=[xin], outputs=[yout])
+    meta = {p.key: json.loads(p.value) for p in m.metadata_props}
+    prevents = meta["onnxgrad.prevent_gradients"]
+    assert sorted(prevents.values()) == ["", "no grads here"]
+    made = {o for nd in onnxgrad.rnn.ops.walk_nodes(m.graph) for o in nd.output}
+    assert set(prevents) <= made
+    assert not set(prevents) & set(meta.get("onnxgrad.stop_gradients", []))
+    x = np.array([1.0, 2.0, 3.0])
+    (got,) = ort_run(m, {xin: x}, [yout])
+    np.testing.assert_allclose(got, 2 * x * x + x + 2)
