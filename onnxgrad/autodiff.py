@@ -27,6 +27,7 @@ from .inference import (bodies_of, forget_made_up, graphs_of, infer_ranks, infer
 from .ort_internal import standard_forms
 from .storage import dense_copy, load_model, strip_weights
 from .validation import check_model
+from .versions import convert_version
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
                        subgraphs, MIN_OPSET)
 
@@ -44,8 +45,12 @@ class AggregationMethod(str, enum.Enum):
 
 
 # tensors a model marks as held constant (TensorFlow's StopGradient, kept by the converter): a
-# JSON list of names under this metadata_props key, honoured like stop_gradients
+# JSON list of names under this metadata_props key, honoured like stop_gradients, in subgraphs too
 STOP_GRADIENTS_KEY = "onnxgrad.stop_gradients"
+# tensors no gradient may pass (TensorFlow's PreventGradient): a JSON object {name: message}
+PREVENT_GRADIENTS_KEY = "onnxgrad.prevent_gradients"
+# the marks on ir.Values (ir's Cloner copies a value's meta, so a body's clone keeps them)
+_STOP, _PREVENT = "onnxgrad.stop", "onnxgrad.prevent"
 
 
 @dataclass
@@ -92,8 +97,7 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
         try:
             res = _gradients(proto, opset, *args)
         except NeedOpset as need:  # a rule needs a newer op: upgrade the whole model once, retry
-            proto = onnx.version_converter.convert_version(
-                onnx.ModelProto.FromString(prepared), need.version)
+            proto = convert_version(onnx.ModelProto.FromString(prepared), need.version)
             proto, opset = _prepare(proto)
             res = _gradients(proto, opset, *args)
         if restore_sparse is not None:
@@ -106,6 +110,8 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
 
 def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
                declared, weights):
+    reshaped = _computed_reshapes(proto, opset) - declared
+    declared = declared | reshaped
     irm, kept = _deserialize(proto, declared)
     graph = irm.graph
     forward = list(graph)
@@ -113,15 +119,23 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     y_vals = [_resolve(values, n, "ys") for n in ys]
     x_vals = [_resolve(values, n, "xs") for n in xs]
     stop = {_resolve(values, n, "stop_gradients")
-            for n in _names(stop_gradients or [], "stop_gradients")}
-    stop |= {values[n] for n in json.loads(irm.metadata_props.get(STOP_GRADIENTS_KEY, "[]"))
-             if n in values}
+            for n in _names([] if stop_gradients is None else stop_gradients, "stop_gradients")}
     new_inputs = [gy for gy in grad_ys if gy is not None and gy not in values]
-    scope = _unique_scope(graph, name, new_inputs)
+    names = _names_in(graph)
+    inner = set(new_inputs).intersection(
+        v.name for node in graph.all_nodes() if node.graph is not graph
+        for v in [*node.outputs, *node.graph.inputs]) if new_inputs else set()
+    if "" in new_inputs or inner:
+        bad = "" if "" in new_inputs else min(inner)
+        raise InvalidArgumentError(
+            f"grad_ys: {bad!r} cannot become a new graph input: " + (
+                "that name is taken inside a subgraph" if bad else "it is no name"))
+    scope = _unique_scope(names + new_inputs, name)
     e = Emitter(graph, scope, opset)
     e.reserve(new_inputs)
 
     engine = Engine(irm, opset, aggregation)
+    stop |= _mark_from_metadata(irm, values, engine)
     plan = engine.plan(graph, y_vals, x_vals, stop)  # refuses before anything is emitted
     seeds: dict[ir.Value, list[V]] = {}
     for y, gy in zip(y_vals, grad_ys):
@@ -132,12 +146,30 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     names = _outputs(e, graph, xs, x_vals, results, unconnected)
     _drop_dead(graph, e.nodes)
     out = attach_functions(_to_proto(proto, irm, forward, declared, kept))
+    for vi in out.graph.value_info:  # their rank alone (see _computed_reshapes)
+        if vi.name in reshaped:
+            for d in vi.type.tensor_type.shape.dim:
+                d.Clear()
     _add_ranks(out, {v.name for node in e.unranked if node.graph is not None
                      for v in node.outputs if v.shape is None and v.name})
     for t in out.graph.initializer:
         if t.name in weights:
             t.CopyFrom(weights[t.name])
     return GradientsResult(out, names)
+
+
+def _computed_reshapes(proto: onnx.ModelProto, opset: int) -> set:
+    """Main-graph Reshape outputs of a shape computed at run time, below opset 14: Reshape-13's
+    shape inference gives them no rank (data propagation found one for the rules), so onnx's
+    inference of the result lost every rank after them, and there sized a Resize's sizes read
+    from such a Shape as empty (a model that onnx.checker and onnxruntime refused)."""
+    if opset >= 14:
+        return set()
+    g = proto.graph
+    consts = {t.name for t in g.initializer}
+    consts.update(n.output[0] for n in g.node if n.op_type == "Constant")
+    return {n.output[0] for n in g.node
+            if n.op_type == "Reshape" and len(n.input) > 1 and n.input[1] not in consts}
 
 
 def _deserialize(proto: onnx.ModelProto, declared: set) -> tuple[ir.Model, list]:
@@ -154,6 +186,9 @@ def _deserialize(proto: onnx.ModelProto, declared: set) -> tuple[ir.Model, list]
     del g.value_info[:]  # protobuf keeps the detached entries
     irm = ir.serde.deserialize_model(proto)
     graph, seen = irm.graph, {}
+    for v in graph.inputs:  # a declared elem_type 0 is no type: a path through it is refused
+        if v.dtype == ir.DataType.UNDEFINED:
+            v.type = None
     values = {v.name: v for v in graph.initializers.values() if not v.is_graph_input()}
     values.update((v.name, v) for node in graph for v in node.outputs)
     for vi in entries:
@@ -245,6 +280,7 @@ class Engine:
 
     def __init__(self, irm: ir.Model, opset: int, aggregation):
         self.irm, self.opset, self.aggregation = irm, opset, aggregation
+        self.marked = False  # whether some values carry _STOP or _PREVENT marks
 
     def opset_of(self, domain: str) -> int:
         if domain in ("", "ai.onnx"):
@@ -279,6 +315,8 @@ class Engine:
         com.microsoft ops; they may be float, so the path is there whatever the types say):
         an op without a rule that makes one of them, else the first of them (no rule can be
         run on it)."""
+        if self.marked:
+            stop = set(stop) | {v for node in graph for v in node.outputs if v.meta.get(_STOP)}
         on_path, live, untyped = _forward_reach(graph, xs, stop, self.opset)
         if untyped:
             self._refuse_untyped(on_path, live, ys, xs, stop)
@@ -334,6 +372,8 @@ class Engine:
             if all(g is None for g in gs):
                 continue
             rule, opset_of = self.rule_of(node)
+            if self.marked:
+                _refuse_prevented(node, gs, opset_of, path)
             if rule is None:
                 raise NotDifferentiableError(node.op_type, node.domain, opset_of, node.name,
                                              path(node))
@@ -476,56 +516,17 @@ def _prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None:
         raise InvalidModelError("the model imports no ai.onnx opset")
-    upgraded = opset < MIN_OPSET
-    if upgraded:  # gradient graphs need opset 13; upgrade rather than write two forms
-        if opset < 9 and any(n.op_type == "Scan" for n in model.graph.node):
+    if opset < MIN_OPSET:  # gradient graphs need opset 13; upgrade rather than write two forms
+        if opset < 9 and any(n.op_type == "Scan" for g in graphs_of(model.graph) for n in g.node):
             raise UnsupportedError(
                 f"the model's Scan is Scan-8 (opset {opset}), with a batch axis that onnx's "
                 "version converter drops; export the model at opset 9 or newer")
-        upsample = {n.output[0]: n for n in model.graph.node if n.op_type == "Upsample"}
-        model, opset = onnx.version_converter.convert_version(model, MIN_OPSET), MIN_OPSET
+        model, opset = convert_version(model, MIN_OPSET), MIN_OPSET
     try:  # returns a copy, so the caller's model is never touched
         model = infer_shapes(model, data_prop=True)
     except onnx.shape_inference.InferenceError:  # onnx cannot type it: go on with what is declared
         model = onnx.ModelProto.FromString(model.SerializeToString())
-    if upgraded:
-        _fix_clip_bounds(model.graph)
-        _fix_upsample(model.graph, upsample)
     return model, opset
-
-
-def _fix_upsample(graph: onnx.GraphProto, upsample: dict):
-    """onnx's Upsample -> Resize adapter keeps Resize's default half_pixel coordinates, but
-    Upsample maps output i to input i / scale: asymmetric coordinates (and floor for nearest)."""
-    for n in graph.node:
-        if n.op_type == "Resize" and n.output[0] in upsample:
-            keep = [a for a in n.attribute
-                    if a.name not in ("coordinate_transformation_mode", "nearest_mode")]
-            del n.attribute[:]
-            n.attribute.extend(keep)
-            n.attribute.append(onnx.helper.make_attribute("coordinate_transformation_mode",
-                                                          "asymmetric"))
-            n.attribute.append(onnx.helper.make_attribute("nearest_mode", "floor"))
-
-
-def _fix_clip_bounds(graph: onnx.GraphProto):
-    """onnx's Clip 6->11 adapter writes float32 bound Constants whatever x's dtype: retype them."""
-    types = {v.name: v.type.tensor_type.elem_type
-             for v in [*graph.input, *graph.value_info, *graph.output]}
-    types.update((t.name, t.data_type) for t in graph.initializer)
-    consts = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
-    fixed = set()
-    for n in graph.node:
-        want = types.get(n.input[0]) if n.op_type == "Clip" else None
-        for bound in list(n.input[1:]) if want else []:
-            t = consts[bound].attribute[0].t if bound in consts else None
-            if t is not None and t.data_type != want:
-                arr = onnx.numpy_helper.to_array(t).astype(onnx.helper.tensor_dtype_to_np_dtype(want))
-                t.CopyFrom(onnx.numpy_helper.from_array(arr, t.name))
-                fixed.add(bound)
-    kept = [v for v in graph.value_info if v.name not in fixed]
-    del graph.value_info[:]
-    graph.value_info.extend(kept)
 
 
 def _enum(kind, value, what):
@@ -550,6 +551,68 @@ def _names(x, what, allow_none=False) -> list:
     return items
 
 
+def _mark_from_metadata(irm: ir.Model, values: dict, engine: Engine) -> set:
+    """The main-graph values the model's STOP_GRADIENTS_KEY lists; those in subgraphs, and every
+    value PREVENT_GRADIENTS_KEY lists, are marked for the sweeps (a name no value has is an
+    error: the model was changed after it was written, and dropping the entry would let a
+    gradient through that the model holds back)."""
+    stops = _metadata_json(irm, STOP_GRADIENTS_KEY, list)
+    prevents = _metadata_json(irm, PREVENT_GRADIENTS_KEY, dict)
+    if not stops and not prevents:
+        return set()
+    everywhere = dict(values)
+    for node in irm.graph.all_nodes():
+        everywhere.update((v.name, v) for v in node.outputs if v.name and v.name not in values)
+        for g in subgraphs(node):
+            everywhere.update((v.name, v) for v in g.inputs if v.name not in values)
+    for key, names in ((STOP_GRADIENTS_KEY, stops), (PREVENT_GRADIENTS_KEY, prevents)):
+        missing = [n for n in names if n not in everywhere]
+        if missing:
+            raise InvalidModelError(
+                f"the model's metadata {key!r} names {missing[0]!r}, which is no tensor of the "
+                "model (renamed or removed after the model was written?): correct or remove "
+                "that entry")
+    main = set()
+    for n in stops:
+        if n in values:
+            main.add(values[n])
+        else:
+            everywhere[n].meta[_STOP] = True
+            engine.marked = True
+    for n, message in prevents.items():
+        everywhere[n].meta[_PREVENT] = (n, message)  # (a body's clone has another name)
+        engine.marked = True
+    return main
+
+
+def _metadata_json(irm: ir.Model, key: str, kind: type):
+    raw = irm.metadata_props.get(key)
+    if raw is None:
+        return kind()
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = None
+    ok = isinstance(parsed, kind) and all(isinstance(n, str) for n in parsed) and (
+        kind is list or all(isinstance(m, str) for m in parsed.values()))
+    if not ok:
+        want = "a list of tensor names" if kind is list else "an object {tensor name: message}"
+        raise InvalidModelError(f"the model's metadata {key!r} must be JSON, {want}; it is "
+                                f"{raw[:80]!r}")
+    return parsed
+
+
+def _refuse_prevented(node: ir.Node, gs: list, opset: int, path) -> None:
+    for v, g in zip(node.outputs, gs):
+        if g is not None and _PREVENT in v.meta:
+            name, message = v.meta[_PREVENT]
+            raise NotDifferentiableError(
+                node.op_type, node.domain, opset, node.name, path(node),
+                reason=f"its output {name!r} is marked by the model's "
+                       f"{PREVENT_GRADIENTS_KEY!r} (TensorFlow's PreventGradient): gradient "
+                       "explicitly disabled" + (f". Reason: {message}" if message else ""))
+
+
 def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
     values = {v.name: v for v in graph.inputs}
     values.update(graph.initializers)
@@ -571,13 +634,10 @@ def _resolve(values, name, what) -> ir.Value:
     return v
 
 
-def _unique_scope(graph: ir.Graph, name: str, more=()) -> str:
-    """``name``, or ``name_k`` with the first k such that no name in the model (nodes, values,
-    graph inputs, initializers, subgraphs, and ``more``) lies under it: none equal to the scope,
-    starting with ``scope/`` or naming a sequence gradient ``...@scope``."""
+def _names_in(graph: ir.Graph) -> list[str]:
+    """Every name in the model: nodes, values, graph inputs, initializers, subgraphs."""
     names = [v.name for v in graph.inputs]
     names += graph.initializers
-    names += more
     for node in ir.traversal.RecursiveGraphIterator(graph):
         names.append(node.name)
         names += [v.name for v in node.outputs]
@@ -586,6 +646,12 @@ def _unique_scope(graph: ir.Graph, name: str, more=()) -> str:
                 names.append(sub.name)
                 names += [v.name for v in sub.inputs]
                 names += sub.initializers
+    return names
+
+
+def _unique_scope(names: list, name: str) -> str:
+    """``name``, or ``name_k`` with the first k such that none of ``names`` lies under it: none
+    equal to the scope, starting with ``scope/`` or naming a sequence gradient ``...@scope``."""
     # one string, each name between NULs: a scope is taken when "\0scope\0", "\0scope/" or
     # "@scope\0" occurs in it (a search in C; a NUL inside a name can only make it cautious)
     every = "\0" + "\0".join(n for n in names if n) + "\0"
@@ -661,6 +727,11 @@ def _seed(e: Emitter, graph, values, y: ir.Value, gy, live: bool) -> V:
         if y.dtype is not None and g.dtype is not None and g.dtype != y.dtype:
             raise ArgumentTypeError(f"grad_ys: {gy!r} has dtype {g.dtype} but y {y.name!r} has "
                                     f"{y.dtype}")
+        ys_, gs_ = dims(y), dims(g)  # (as tf.gradients, which refuses other shapes)
+        if ys_ is not None and gs_ is not None and (len(ys_) != len(gs_) or any(
+                isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(ys_, gs_))):
+            raise InvalidArgumentError(f"grad_ys: {gy!r} has shape {list(gs_)} but y "
+                                       f"{y.name!r} has {list(ys_)}: they must be equal")
         return e.wrap(g)
     if y.type is None or y.shape is None:
         raise InvalidArgumentError(

@@ -90,6 +90,30 @@ class Piece(NamedTuple):
     x: "V"
 
 
+_HALF = {ir.DataType.FLOAT16: "tensor(float16)", ir.DataType.BFLOAT16: "tensor(bfloat16)"}
+
+
+@functools.lru_cache(maxsize=None)
+def _half_opset(op_type: str, opset: int, ins: tuple, outs: tuple) -> int | None:
+    """The first ai.onnx opset from ``opset`` on whose ``op_type`` takes ``ins`` and makes
+    ``outs`` (type strings of the half-precision ones, None for the others), or None."""
+    import onnx
+
+    for v in range(opset, onnx.defs.onnx_opset_version() + 1):
+        try:
+            schema = onnx.defs.get_schema(op_type, v, "")
+        except onnx.defs.SchemaError:
+            return None
+        allowed = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+
+        def takes(formal, types):  # (a variadic last parameter takes the rest)
+            return all(t is None or t in allowed.get(formal[min(i, len(formal) - 1)].type_str, ())
+                       for i, t in enumerate(types))
+        if takes(schema.inputs, ins) and takes(schema.outputs, outs):
+            return v
+    return None
+
+
 class NeedOpset(Exception):
     """Raised by a rule that needs a newer ai.onnx opset than the model has; the engine upgrades
     the model (onnx.version_converter) and starts again."""
@@ -286,6 +310,9 @@ class Emitter:
             rank = _RANKS[op_type](ins, attrs)
             shape = None if rank is None else (None,) * rank
         dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * _outputs
+        if not _domain and (any(d in _HALF for d in dtypes) or any(
+                x is not None and x.dtype in _HALF for x in ins)):
+            self._need_half(op_type, ins, dtypes)
         shapes = [shape] if _outputs == 1 else [shape] + [None] * (_outputs - 1)
         # an op whose rank onnx's inference will not find (computed split sizes, axes, kernel
         # ...): the rank is written into the model, for gradients of this gradient graph
@@ -311,6 +338,18 @@ class Emitter:
             return V(node.outputs[0], self, dtypes[0], shape)
         return tuple(V(o, self, dtypes[i], shapes[i]) for i, o in enumerate(node.outputs))
 
+    def _need_half(self, op_type: str, ins: list, dtypes: list) -> None:
+        """Half-precision types came to ai.onnx ops at various opsets (bfloat16: most at 13,
+        Where at 16, ConstantOfShape at 20): an op whose schema at the model's opset refuses
+        them upgrades the model to the first opset that takes them."""
+        v = _half_opset(op_type, self.opset,
+                        tuple(None if x is None else _HALF.get(x.dtype) for x in ins),
+                        tuple(_HALF.get(d) for d in dtypes))
+        if v is None:
+            raise NotImplementedError(f"the gradient needs {op_type} in half precision, which "
+                                      "no ai.onnx opset defines")
+        self.need(v)
+
     def __getattr__(self, op_type: str):
         if not op_type[:1].isupper():
             raise AttributeError(op_type)
@@ -320,6 +359,8 @@ class Emitter:
     def fill_like(self, x: V, value, dtype=None) -> V:
         """A tensor of x's run-time shape filled with ``value`` (x's dtype unless given)."""
         dtype = dtype or x.dtype
+        if dtype == ir.DataType.BFLOAT16 and self.opset < 20:  # (ConstantOfShape takes it at 20)
+            return self.Cast(self.fill_like(x, value, ir.DataType.FLOAT), to=dtype)
         return self.op("ConstantOfShape", self.op("Shape", x),
                        value=ir.tensor(np.array([value], dtype=dtype.numpy())),
                        _dtype=dtype, _shape=x.shape)

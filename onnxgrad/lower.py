@@ -11,7 +11,8 @@ import onnx
 from onnx import helper
 
 from .autodiff import gradients
-from .errors import InvalidModelError
+from .errors import InvalidModelError, UnsupportedError
+from .inference import graphs_of
 from .storage import load_model
 
 TRAINING_DOMAIN = "ai.onnx.preview.training"
@@ -22,6 +23,12 @@ def lower_gradient_ops(model: onnx.ModelProto | str, name: str = "gradients") ->
     model = load_model(model)
     m = onnx.ModelProto()
     m.CopyFrom(model)
+    inner = next((n for g in graphs_of(m.graph)[1:] for n in g.node
+                  if n.op_type == "Gradient" and n.domain == TRAINING_DOMAIN), None)
+    if inner is not None:
+        raise UnsupportedError(f"Gradient node {inner.name or '(unnamed)'!r} is inside a "
+                               "subgraph (an If, Loop or Scan body): only main-graph Gradient "
+                               "nodes are lowered")
     while True:
         node = next((n for n in m.graph.node
                      if n.op_type == "Gradient" and n.domain == TRAINING_DOMAIN), None)
@@ -51,12 +58,23 @@ def _lower_one(m: onnx.ModelProto, node: onnx.NodeProto, name: str) -> onnx.Mode
         raise InvalidModelError(f"{label} has {len(node.output)} outputs but {len(xs)} xs: "
                                 "the standard gives one output per x")
     outs = list(node.output)
-    # differentiate the graph without the Gradient node (it is no forward computation)
+    # differentiate the graph without the Gradient node (it is no forward computation) and the
+    # nodes that read its outputs (an update W - lr * dW): those follow the gradient subgraph
+    idx = list(m.graph.node).index(node)
+    made = {o for o in outs if o}
+    later = set()
+    for i in range(idx + 1, len(m.graph.node)):
+        if made.intersection(m.graph.node[i].input):
+            later.add(i)
+            made.update(m.graph.node[i].output)
+    if y in made:
+        raise InvalidModelError(f"{label}: y {y!r} depends on the node's own outputs")
+    after = [m.graph.node[i] for i in sorted(later)]
     base = onnx.ModelProto()
     base.CopyFrom(m)
-    idx = list(m.graph.node).index(node)
-    del base.graph.node[idx]
-    keep = [o for o in base.graph.output if o.name not in outs]
+    del base.graph.node[:]
+    base.graph.node.extend(n for i, n in enumerate(m.graph.node) if i != idx and i not in later)
+    keep = [o for o in base.graph.output if o.name not in made]
     del base.graph.output[:]
     base.graph.output.extend(keep)
     if not any(o.name == y for o in base.graph.output):  # gradients() needs y typed
@@ -68,6 +86,7 @@ def _lower_one(m: onnx.ModelProto, node: onnx.NodeProto, name: str) -> onnx.Mode
     for n in out.graph.node:
         n.output[:] = [ren.get(v, v) for v in n.output]
         n.input[:] = [ren.get(v, v) for v in n.input]
+    out.graph.node.extend(after)
     grads_out = [o for o in out.graph.output if o.name in ren]
     others = [o for o in out.graph.output if o.name not in ren]
     for o in grads_out:
@@ -75,6 +94,7 @@ def _lower_one(m: onnx.ModelProto, node: onnx.NodeProto, name: str) -> onnx.Mode
     del out.graph.output[:]
     # the original output order; the Gradient node's outputs where they were graph outputs
     by_name = {o.name: o for o in [*others, *grads_out]}
+    by_name.update((o.name, o) for o in m.graph.output if o.name in made and o.name not in by_name)
     out.graph.output.extend(by_name[o.name] for o in m.graph.output if o.name in by_name)
     return out
 

@@ -292,21 +292,33 @@ def atomic_path(path, suffix=""):
     it is removed and an OSError becomes a :class:`WriteError` naming ``path``: never half a
     file. ``suffix`` ends the temporary name (for writers that read the format from it)."""
     shown = os.fspath(path)
+    if not shown or shown.endswith((os.sep, "/")):
+        raise WriteError(shown, "it names no file" if not shown else
+                         "it ends with a separator, so it names a folder: give a file name")
     target = destination(path)
     folder, base = os.path.split(target)
     tmp = os.path.join(folder,
                        f".{base}.onnxgrad-{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}")
+    made = []  # folders this write creates, removed again if it fails
+    up = folder
+    while not os.path.exists(up) and os.path.dirname(up) != up:
+        made.append(up)
+        up = os.path.dirname(up)
     try:
-        os.makedirs(folder, exist_ok=True)
-        if os.path.isdir(target):
-            raise WriteError(shown, "it is a directory")
-        remove_stale_temporaries(target)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        os.close(fd)
-    except OSError as exc:
-        if isinstance(exc, WriteError):
-            raise
-        raise write_error(shown, exc) from None
+        try:
+            os.makedirs(folder, exist_ok=True)
+            if os.path.isdir(target):
+                raise WriteError(shown, "it is a directory")
+            remove_stale_temporaries(target)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            os.close(fd)
+        except OSError as exc:
+            if isinstance(exc, WriteError):
+                raise
+            raise write_error(shown, exc) from None
+    except BaseException:
+        _remove_folders(made)
+        raise
     try:
         yield tmp
         with contextlib.suppress(FileNotFoundError):  # else: what the umask gave at creation
@@ -317,9 +329,16 @@ def atomic_path(path, suffix=""):
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        _remove_folders(made)
         if isinstance(exc, OSError) and not isinstance(exc, WriteError):
             raise write_error(shown, exc) from exc
         raise
+
+
+def _remove_folders(made: list) -> None:
+    for folder in made:  # (deepest first; one that holds anything else stays)
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def _fsync_path(path) -> None:

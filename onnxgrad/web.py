@@ -11,7 +11,6 @@ SharedArrayBuffer, which onnxruntime-web's and TensorFlow.js's multi-threaded WA
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import http.server
 import os

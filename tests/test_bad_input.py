@@ -618,6 +618,23 @@ def test_output_is_a_directory(tmp_path):
     assert os.listdir(tmp_path / "d.onnx") == []
 
 
+@pytest.mark.parametrize("name", ["", "newdir/"])
+def test_output_that_names_no_file(tmp_path, monkeypatch, name):
+    """-o '' was reported as "a directory"; -o newdir/ wrote a file named newdir."""
+    monkeypatch.chdir(tmp_path)
+    why = "it names no file" if not name else "it ends with a separator"
+    with pytest.raises(E.WriteError, match=why):
+        storage.save_model(onnx.load(MLP), name)
+    assert os.listdir(tmp_path) == []
+
+
+def test_failed_write_removes_the_folders_it_made(tmp_path):
+    """The message says nothing was written there: the folders made for the file go too."""
+    with pytest.raises(E.WriteError):
+        storage.save_model(onnx.load(MLP), tmp_path / "made" / "sub" / ("b" * 300 + ".onnx"))
+    assert os.listdir(tmp_path) == []
+
+
 def test_symlink_is_written_through(tmp_path):
     target, link = tmp_path / "real.onnx", tmp_path / "link.onnx"
     target.write_bytes(b"old")

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 from util import made_up_dims
 
 import onnxgrad
-from onnxgrad.autodiff import _deserialize, _prepare, _unique_scope
+from onnxgrad.autodiff import _deserialize, _names_in, _prepare, _unique_scope
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import fuzz_graphs  # noqa: E402
@@ -108,7 +108,7 @@ def test_scope_search_matches_names_under_it():
         nodes = [helper.make_node("Identity", ["x"], [n]) for n in names]
         g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1])],
                               [helper.make_tensor_value_info(n, F, [1]) for n in names])
-        return _unique_scope(ir.serde.deserialize_graph(g), name)
+        return _unique_scope(_names_in(ir.serde.deserialize_graph(g)), name)
 
     assert scope_for(["gradients"]) == "gradients_1"
     assert scope_for(["gradients/a", "gradients_1"]) == "gradients_2"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import onnxgrad
 from onnxgrad.runtime import ort_module, session, session_options
 from onnxgrad.check import check_gradients
-from util import assert_gradients, make_model, op_model
+from util import assert_gradients, op_model
 
 
 # a static element count of zero (an empty input) divided by: ReduceMean, GlobalAveragePool and

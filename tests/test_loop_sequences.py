@@ -132,7 +132,7 @@ def program_model(steps, trips, length):
                       N("SequenceInsert", [s, v], [ins])]
             s = ins
         elif step[0] == "grow":
-            v, n, ins = fresh("v"), fresh("n"), fresh("S")
+            v, ins = fresh("v"), fresh("S")
             inner = h.make_graph(
                 [N("SequenceInsert", ["gs", v], ["gs_out"]), N("Identity", ["gc"], ["gc_out"])],
                 fresh("grow"), [vi("gk", TP.INT64, []), vi("gc", TP.BOOL, []), seq_vi("gs")],

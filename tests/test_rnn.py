@@ -472,8 +472,8 @@ def test_attach_errors_and_idempotence():
     a = attach_functions(m)
     assert len(a.functions) == 1 and attach_functions(a).SerializeToString() == \
         a.SerializeToString()
-    with pytest.raises(ValueError, match="opset >= 13"):
-        make_function("CudnnRNN", opset=12)
+    with pytest.raises(ValueError, match="opset >= 14"):
+        make_function("CudnnRNN", opset=13)
 
 
 def _skip_mismatch():
@@ -487,13 +487,15 @@ def _skip_mismatch():
 
 @pytest.mark.parametrize("opset,mode", [(13, "rnn_relu"), (14, "lstm"), (21, "gru")])
 def test_function_bodies_follow_the_model_opset(opset, mode):
-    """The bodies are written at the model's own ai.onnx opset (no CastLike before 15)."""
+    """The bodies are written at the model's own ai.onnx opset (no CastLike before 15); a model
+    at 13 is upgraded to 14, the bodies' least (see rnn.ops.MIN_OPSET)."""
     fwd = rnn_model("CudnnRNNV2", mode, 2, BI, TP.DOUBLE, attach=False)
     fwd.opset_import[0].version = opset
     res = onnxgrad.gradients(fwd, "y", ["x", "p"])
     model = res.model
     onnx.checker.check_model(model, full_check=True)
-    assert all(f.opset_import[0].version == opset for f in model.functions)
+    assert model.opset_import[0].version == max(opset, 14)
+    assert all(f.opset_import[0].version == max(opset, 14) for f in model.functions)
     rng = np.random.default_rng(6)
     x, h0, c0 = inputs(mode, 2, BI, np.float64, rng)
     p = rng.standard_normal(params_size(mode, 2, H, I, BI)) * 0.5

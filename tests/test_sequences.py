@@ -301,6 +301,52 @@ def test_lower_onnx_gradient_cases_run_on_onnxruntime(case, tmp_path):
     del main
 
 
+@pytest.mark.parametrize("lr", [0.1, 0.5])
+def test_lower_gradient_read_by_an_update(lr):
+    """The standard's training pattern, W_new = W - lr * dW with dW a Gradient output, was
+    refused ("input 'dW' made by no node"): the nodes that read the Gradient's outputs follow
+    the lowered gradient subgraph."""
+    vi = lambda n, s: h.make_tensor_value_info(n, TP.FLOAT, s)  # noqa: E731
+    nodes = [h.make_node("Mul", ["W", "X"], ["Y"]),
+             h.make_node("Gradient", ["W", "X"], ["dW", "dX"],
+                              domain="ai.onnx.preview.training", xs=["W", "X"], y="Y"),
+             h.make_node("Mul", ["dW", "lr"], ["step"]),
+             h.make_node("Sub", ["W", "step"], ["W_new"])]
+    g = h.make_graph(nodes, "g", [vi("W", [3]), vi("X", [3]), vi("lr", [])],
+                          [vi("Y", [3]), vi("W_new", [3]), vi("dX", [3])])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 18),
+                                            h.make_opsetid("ai.onnx.preview.training", 1)],
+                          ir_version=10)
+    lowered = onnxgrad.lower_gradient_ops(m)
+    onnx.checker.check_model(lowered, full_check=True)
+    assert [o.name for o in lowered.graph.output] == ["Y", "W_new", "dX"]
+    W, X = np.array([1., 2., 3.], np.float32), np.array([4., 5., -6.], np.float32)
+    y, w_new, dx = run(lowered, {"W": W, "X": X, "lr": np.array(lr, np.float32)})
+    np.testing.assert_allclose(w_new, W - lr * X, rtol=1e-6)
+    np.testing.assert_allclose(dx, W)
+
+
+def test_lower_gradient_inside_a_subgraph_is_refused():
+    """A Gradient node in an If branch was left in place while the training opset import was
+    dropped (an invalid model and onnx's raw ValidationError)."""
+    grad = h.make_node("Gradient", ["x"], ["dx"], domain="ai.onnx.preview.training",
+                            xs=["x"], y="x")
+    branch = h.make_graph([grad], "b", [],
+                               [h.make_tensor_value_info("dx", TP.FLOAT, [2])])
+    other = h.make_graph([h.make_node("Identity", ["x"], ["o"])], "o", [],
+                              [h.make_tensor_value_info("o", TP.FLOAT, [2])])
+    g = h.make_graph([h.make_node("If", ["c"], ["y"], then_branch=branch,
+                                            else_branch=other)], "g",
+                          [h.make_tensor_value_info("x", TP.FLOAT, [2]),
+                           h.make_tensor_value_info("c", TP.BOOL, [])],
+                          [h.make_tensor_value_info("y", TP.FLOAT, [2])])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 18),
+                                            h.make_opsetid("ai.onnx.preview.training", 1)],
+                          ir_version=10)
+    with pytest.raises(onnxgrad.UnsupportedError, match="inside a subgraph"):
+        onnxgrad.lower_gradient_ops(m)
+
+
 # -- optionals (issue 12, item 14) ------------------------------------------------------------------
 def test_optional_get_element_of_a_tensor_is_the_identity():
     m = model([N("OptionalGetElement", ["x"], ["t"]), N("Mul", ["t", "t"], ["y"])],

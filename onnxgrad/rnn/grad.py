@@ -12,7 +12,7 @@ adds the function bodies to the model that gradients() returns.
 from __future__ import annotations
 
 from ..registry import functions_for, register
-from .ops import ATTR_DEFAULTS, DOMAIN, attach_functions
+from .ops import ATTR_DEFAULTS, DOMAIN, MIN_OPSET, attach_functions
 
 functions_for(DOMAIN, attach_functions)
 
@@ -31,6 +31,7 @@ def _cudnn_rnn(n, g):
             "reserve_space is the workspace the backward op reads, not a value with a gradient "
             "(TensorFlow ignores one); pass it in stop_gradients if nothing should flow there")
     e = n.e
+    e.need(MIN_OPSET)  # the opset of the backward op's body
     outs = n.outs
     dt = n.ins[0].dtype  # outputs that are not graph outputs may carry no type
     gs = [n.gs[i] if n.gs[i] is not None else e.fill_like(outs[i], 0, dt) for i in range(3)]
@@ -78,6 +79,7 @@ def _params_attrs(n):
 def _canonical_to_params(n, g):
     """d weights/biases: ParamsToCanonical of d params, reshaped to each input's shape."""
     e = n.e
+    e.need(MIN_OPSET)
     attrs, nw, nb = _params_attrs(n)
     lists = n.ins[3:]
     dt = lists[0].dtype
@@ -93,6 +95,7 @@ def _canonical_to_params(n, g):
 def _params_to_canonical(n, g):
     """d params: CanonicalToParams of the cotangents (zeros for outputs without one)."""
     e = n.e
+    e.need(MIN_OPSET)
     attrs, nw, nb = _params_attrs(n)
     dt = n.ins[3].dtype
     gs = [n.gs[i] if n.gs[i] is not None else e.fill_like(n.outs[i], 0, dt)

@@ -41,7 +41,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..registry import Grads, register
-from .ops import DOMAIN, Variant, _host_reserved, overload_key
+from .ops import DOMAIN, MIN_OPSET, Variant, _host_reserved, overload_key
 
 _INT_MIN, _INT_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
@@ -168,7 +168,7 @@ def _onnx_rnn(n, g):
     T = (xs[1] if layout else xs[0]) if xs is not None and len(xs) == 3 else None
     lens = _seq_lens(n, T)
     variant = Variant(lbr, clip is not None, P is not None, seq=lens is not None)
-    e.need(15 if variant.clip else 13)  # CastLike for the clip bound; the bodies need 13
+    e.need(15 if variant.clip else MIN_OPSET)  # CastLike for the clip bound
     dt = X.dtype
     G = len(_PERM[op])
 

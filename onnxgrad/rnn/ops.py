@@ -119,7 +119,10 @@ BACKWARD_OPS = ("CudnnRNNBackprop", "CudnnRNNBackpropV2")
 #: the same cell and params layout with the ONNX cell options cuDNN lacks (see module doc)
 EX_OPS = ("OnnxRNN", "OnnxRNNBackprop")
 OPS = FORWARD_OPS + BACKWARD_OPS + EX_OPS
-MIN_OPSET = 13
+# Reshape-13's shape inference gives no rank for a shape computed at run time (Reshape-14's
+# does), and onnxruntime's Scan refuses a body output without one: at opset 13, every body
+# with a symbolic batch dim failed to run
+MIN_OPSET = 14
 _INT_MAX = np.iinfo(np.int64).max
 
 ATTR_DEFAULTS = {"rnn_mode": "lstm", "input_mode": "linear_input", "direction": "unidirectional",

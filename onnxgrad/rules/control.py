@@ -32,8 +32,8 @@ from onnx_ir._cloner import Cloner
 
 from ..emitter import V, dims
 from ..errors import NotDifferentiableError
-from ..registry import Grads, captured, register, subgraphs
-from .sequence import float_value, is_seq, norm_position, position, sop, zeros_for
+from ..registry import Grads, register, subgraphs
+from .sequence import captures, float_value, is_seq, norm_position, position, sop, zeros_for
 
 _INT64_MIN = np.iinfo(np.int64).min
 
@@ -99,10 +99,6 @@ def _scalar(e, name, dtype) -> ir.Value:
     return ir.Value(name=e.unique(name), type=ir.TensorType(dtype), shape=ir.Shape([]))
 
 
-def _caps(n):
-    return [c for c in captured(n.node) if float_value(c) and n.wants(c)]
-
-
 def _i64(e, x):
     return e.const(np.array(x, np.int64))
 
@@ -111,7 +107,7 @@ def _i64(e, x):
 @register("If")
 def _if(n, g):
     e, node = n.e, n.node
-    caps = _caps(n)
+    caps = captures(n)
     if not caps:
         return None
     branches = {}
@@ -162,7 +158,7 @@ def _loop(n, g):
     b_vout, b_scan = list(body.outputs[1:1 + nv]), list(body.outputs[1 + nv:])
     n_scan = len(b_scan)
     gs_final, gs_scan = n.gs[:nv], n.gs[nv:nv + n_scan]
-    caps = _caps(n)
+    caps = captures(n)
     carried = [j for j in range(nv) if float_value(node.inputs[2 + j])]
     for j in range(nv):
         _same_shape_each_iteration(n, [node.inputs[2 + j], b_vin[j], b_vout[j], node.outputs[j]])
@@ -383,7 +379,7 @@ def _scan(n, g):
     for v, outer in zip(b_sin + b_xin, node.inputs):  # function bodies may leave them untyped
         if v.type is None and outer is not None and isinstance(outer.type, ir.TensorType):
             v.type = ir.TensorType(outer.dtype)
-    caps = _caps(n)
+    caps = captures(n, sequences=False)
     carried = [j for j in range(ns) if float_value(b_sin[j])]
     want_x = [i for i in range(m) if float_value(node.inputs[ns + i]) and n.wants(node.inputs[ns + i])]
 

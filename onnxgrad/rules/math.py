@@ -56,6 +56,11 @@ table({
 })
 # a 0/1 draw from the probabilities x: piecewise constant in x, so zero (not unconnected)
 register("Bernoulli", _zeros, since=15)
+# only x's shape and dtype are read, as Shape reads them: no gradient flows (TF's
+# random_normal(shape(x)) has none either); torch.onnx writes RandomNormalLike for randn_like
+register(["RandomNormalLike", "RandomUniformLike", "EyeLike"], lambda n, g: None)
+for _op in ("RandomNormalLike", "RandomUniformLike", "EyeLike"):
+    no_gradient(_op, input="only its shape and dtype are read")
 
 
 @register("Pow")

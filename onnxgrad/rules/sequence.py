@@ -169,6 +169,32 @@ def float_value(v) -> bool:
         v.type, (ir.TensorType, ir.SequenceType))
 
 
+def captures(n, sequences: bool = True) -> list:
+    """The float tensors and sequences that n's subgraphs read from outside whose gradients are
+    needed. An optional among n's inputs, outputs or those values, with a gradient to pass, is
+    refused: a body's gradient would have to be made in every branch and step, also where it is
+    empty (the rules left it out: a silent zero). So is a sequence, unless ``sequences``: a
+    Scan's states and a SequenceMap's elements are tensors, where its gradient would go."""
+    caps = captured(n.node)
+    gets = [o for o, g in zip(n.node.outputs, n.gs) if g is not None]
+    optional = next((v for v in [*caps, *n.node.inputs, *gets] if v is not None
+                     and isinstance(v.type, ir.OptionalType) and v.dtype in FLOAT_DTYPES
+                     and (v in gets or n.wants(v))), None)
+    if optional is not None:
+        raise NotImplementedError(
+            f"the optional {optional.name!r} passes through this node's subgraphs; gradients "
+            "of optionals through If, Loop, Scan and SequenceMap are not supported: pass the "
+            "element (OptionalGetElement outside the subgraph) instead")
+    seq = None if sequences else next((c for c in caps if isinstance(c.type, ir.SequenceType)
+                                       and c.dtype in FLOAT_DTYPES and n.wants(c)), None)
+    if seq is not None:
+        raise NotImplementedError(
+            f"the sequence {seq.name!r} is read inside the body from outside; its gradient "
+            f"would be a state of the backward {n.node.op_type}, which holds tensors only "
+            "(a Loop body may read it)")
+    return [c for c in caps if float_value(c) and n.wants(c)]
+
+
 @register("SequenceMap")
 def _sequence_map(n, g):
     """A SequenceMap of the body's gradient: per-element gradients of sequence inputs come out as
@@ -176,7 +202,7 @@ def _sequence_map(n, g):
     from .control import clone_into, finish_body  # one module for the subgraph machinery
     e, node = n.e, n.node
     body = node.attributes["body"].value
-    caps = [c for c in captured(node) if float_value(c) and n.wants(c)]
+    caps = captures(n, sequences=False)
     gs = [gi if gi is not None else seq_zeros_like(e, o) for gi, o in zip(n.gs, n.outs)]
     e.need(SEQ_OPSET)
     # body inputs: the forward inputs' elements, then the output gradients' elements

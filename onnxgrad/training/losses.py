@@ -25,6 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import DataError, InvalidArgumentError
 from ..inference import unique_name
 from ..storage import EXTERNAL_DATA_ABOVE, dense_copy, load_model, tensor_nbytes
+from ..versions import convert_version
 
 LOSSES = ("mse", "l1", "cross_entropy", "bce")
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
@@ -144,7 +145,7 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     dims = list(otype.tensor_type.shape.dim) if otype.tensor_type.HasField("shape") else None
     np_dtype = helper.tensor_dtype_to_np_dtype(elem)
     if kind == "cross_entropy" and opset_of(m) < 13:
-        m = onnx.version_converter.convert_version(m, 13)
+        m = convert_version(m, 13)
     g = m.graph
     taken = _taken(g)
     target = unique_name(target_name, taken)

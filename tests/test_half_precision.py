@@ -1,0 +1,81 @@
+"""Gradient graphs of float16 and bfloat16 models stay valid at every opset: half-precision types
+came to ai.onnx ops at different opsets (bfloat16: most at 13, Where at 16, ConstantOfShape at
+20), and zeros made with ConstantOfShape or masks made with Where at an older opset gave models
+that onnx.checker refuses, written without an error."""
+from __future__ import annotations
+
+import onnx
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto as TP
+from onnx import helper
+
+import onnxgrad
+
+UNARY = ["Abs", "Neg", "Relu", "Exp", "Log", "Sqrt", "Tanh", "Sigmoid", "Floor", "Ceil", "Sign",
+         "Round", "Reciprocal", "Softplus", "Elu", "LeakyRelu", "HardSigmoid", "Selu", "Erf",
+         "Sin", "Cos", "Softmax", "LogSoftmax", "ReduceSum", "ReduceMean", "ReduceMax",
+         "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSumExp",
+         "ReduceSumSquare", "Identity", "Transpose", "Flatten", "Gelu", "Mish", "HardSwish"]
+BINARY = ["Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "MatMul", "PRelu", "Where"]
+HALF = {"float16": TP.FLOAT16, "bfloat16": TP.BFLOAT16}
+
+
+def _takes(op, opset, type_str):
+    """Whether ``op`` exists at ``opset`` and takes ``type_str`` as its first float input."""
+    try:
+        schema = onnx.defs.get_schema(op, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    formal = schema.inputs[1] if op == "Where" else schema.inputs[0]
+    allowed = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+    return type_str in allowed.get(formal.type_str, ())
+
+
+@settings(max_examples=80, deadline=None)
+@given(op=st.sampled_from(UNARY + BINARY),
+       opset=st.integers(13, onnx.defs.onnx_opset_version()),
+       dtype=st.sampled_from(sorted(HALF)), unconnected=st.booleans())
+def test_half_precision_gradient_graphs_are_valid(op, opset, dtype, unconnected):
+    assume(_takes(op, opset, f"tensor({dtype})"))
+    t = HALF[dtype]
+    ins = ["x"] + (["w"] if op in BINARY else [])
+    if op == "Where":
+        ins = ["c", "x", "w"]
+    attrs = {"keepdims": 0} if op.startswith("Reduce") else {}
+    nodes = [helper.make_node(op, ins, ["y"], **attrs)]
+    inputs = [helper.make_tensor_value_info("x", t, [2, 3]),
+              helper.make_tensor_value_info("u", t, [2])]
+    if op in BINARY:
+        inputs.append(helper.make_tensor_value_info("w", t, [3, 3] if op == "MatMul" else [2, 3]))
+    if op == "Where":
+        inputs.append(helper.make_tensor_value_info("c", TP.BOOL, [2, 3]))
+    g = helper.make_graph(nodes, "g", inputs, [helper.make_empty_tensor_value_info("y")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+    m = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    onnx.checker.check_model(m, full_check=True)
+    xs = [i for i in ins if i != "c"] + (["u"] if unconnected else [])
+    res = onnxgrad.gradients(m, "y", xs, unconnected_gradients="zero")
+    onnx.checker.check_model(res.model, full_check=True)
+    assert all(name is not None for name in res.grads)
+    out = {o.name: o.type.tensor_type.elem_type for o in res.model.graph.output}
+    assert all(out[name] == t for name in res.grads)
+
+
+def test_bfloat16_zeros_keep_the_opset():
+    """Zeros in bfloat16 before opset 20 are made in float32 and cast (no upgrade to 20 for
+    them); a Where in bfloat16 before opset 16 upgrades the model to 16."""
+    def model(op, opset):
+        g = helper.make_graph([helper.make_node(op, ["x"], ["y"], keepdims=0)
+                               if op.startswith("Reduce") else helper.make_node(op, ["x"], ["y"])],
+                              "g", [helper.make_tensor_value_info("x", TP.BFLOAT16, [2, 3]),
+                                    helper.make_tensor_value_info("u", TP.BFLOAT16, [2])],
+                              [helper.make_empty_tensor_value_info("y")])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)],
+                                 ir_version=10)
+    res = onnxgrad.gradients(model("Floor", 18), "y", ["x", "u"], unconnected_gradients="zero")
+    assert res.model.opset_import[0].version == 18
+    onnx.checker.check_model(res.model, full_check=True)
+    res = onnxgrad.gradients(model("ReduceProd", 13), "y", ["x"])
+    assert res.model.opset_import[0].version == 16
+    onnx.checker.check_model(res.model, full_check=True)

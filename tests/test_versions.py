@@ -1,0 +1,192 @@
+"""Models whose opset gradients() converts (older than 13, or older than a rule's op needs):
+model-local functions, Clip and Upsample in subgraphs, and the RNN bodies (which need opset 14:
+at 13 onnxruntime refused their Scans whenever the batch dim was symbolic) all come out whole,
+with gradients that match finite differences."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+from util import assert_gradients
+
+import onnxgrad
+from onnxgrad.check import check_gradients
+from onnxgrad.rnn import attach_functions, make_node
+
+GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
+
+
+def _rnn_model(op, opset, direction, batch, with_h0, seed):
+    rng = np.random.default_rng(seed)
+    nd, H, I, S = (2 if direction == "bidirectional" else 1), 3, 2, 3
+    g = GATES[op]
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.5).astype(np.float32), n)
+             for n, s in (("W", (nd, g * H, I)), ("R", (nd, g * H, H)),
+                          ("Bias", (nd, 2 * g * H)))]
+    ins = ["X", "W", "R", "Bias"] + (["", "h0"] if with_h0 else [])
+    inputs = [helper.make_tensor_value_info("X", TP.FLOAT, [S, batch, I])]
+    if with_h0:
+        inputs.append(helper.make_tensor_value_info("h0", TP.FLOAT, [nd, batch, H]))
+    node = helper.make_node(op, ins, ["Y", "Y_h"], hidden_size=H, direction=direction)
+    graph = helper.make_graph([node], "rnn", inputs,
+                              [helper.make_tensor_value_info("Y", TP.FLOAT, None),
+                               helper.make_tensor_value_info("Y_h", TP.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=7)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op=st.sampled_from(sorted(GATES)), opset=st.integers(7, 14),
+       direction=st.sampled_from(["forward", "reverse", "bidirectional"]),
+       batch=st.sampled_from([2, "batch"]), with_h0=st.booleans(), seed=st.integers(0, 99))
+def test_onnx_rnn_ops_at_any_opset_and_batch(op, opset, direction, batch, with_h0, seed):
+    """The gradient of an ONNX RNN/GRU/LSTM exported at opset 7 to 14 with a static or symbolic
+    batch (torch.onnx's TorchScript exporter at opset 11 or 13 with dynamic_axes makes the
+    latter) runs on onnxruntime and matches finite differences. At opset 13 with a symbolic
+    batch it failed at run time: "Subgraph must have the shape set for all outputs"."""
+    m = _rnn_model(op, opset, direction, batch, with_h0, seed)
+    xs = ["X", "W", "R", "Bias"] + (["h0"] if with_h0 else [])
+    assert_gradients(m, ["Y", "Y_h"], xs)
+
+
+def test_cudnn_rnn_bodies_need_opset_14():
+    node = make_node("CudnnRNNV2", ["x", "h", "c", "p"], ["y", "hy", "cy", "rs", "hr"],
+                     rnn_mode="gru")
+    vi = lambda n, s: helper.make_tensor_value_info(n, TP.FLOAT, s)  # noqa: E731
+    g = helper.make_graph([node], "g", [vi("x", [2, "b", 3]), vi("h", [1, "b", 4]),
+                                        vi("c", [1, "b", 4]), vi("p", [None])],
+                          [vi("y", None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13),
+                                            helper.make_opsetid("onnxgrad", 1)])
+    with pytest.raises(ValueError, match="need ai.onnx opset >= 14, the model imports 13"):
+        attach_functions(m)
+
+
+# -- model-local functions through an upgrade -------------------------------------------------
+_BODY_OPS = ["Tanh", "Sigmoid", "Softplus", "Square", "Exp"]
+
+
+def _body(op, a, b):
+    if op == "Square":
+        return [helper.make_node("Mul", [a, a], [b])]
+    if op == "Exp":  # (bounded, so the finite differences stay well scaled)
+        return [helper.make_node("Tanh", [a], [b + "_t"]), helper.make_node("Exp", [b + "_t"], [b])]
+    return [helper.make_node(op, [a], [b])]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(opset=st.sampled_from([11, 12, 13, 14, 15]), outer=st.sampled_from(_BODY_OPS),
+       inner=st.sampled_from(_BODY_OPS), nested=st.booleans(),
+       needs=st.sampled_from(["GatherElements", "ScatterElements", "none"]))
+def test_local_functions_survive_an_upgrade(opset, outer, inner, nested, needs):
+    """A model with model-local functions whose opset gradients() raises (older than 13, or a
+    rule that needs ScatterElements' add reduction, opset 16): onnx's version converter drops
+    every function body, which left the calls without one ("no gradient rule for op 'F'").
+    The functions are inlined before the conversion; the gradient matches finite
+    differences. Functions may call functions."""
+    fo = [helper.make_opsetid("", opset), helper.make_opsetid("local", 1)]
+    fns = [helper.make_function("local", "Inner", ["a"], ["b"], _body(inner, "a", "b"), fo)]
+    outer_nodes = _body(outer, "a", "t") + (
+        [helper.make_node("Inner", ["t"], ["b"], domain="local")] if nested else
+        [helper.make_node("Identity", ["t"], ["b"])])
+    fns.append(helper.make_function("local", "Outer", ["a"], ["b"], outer_nodes, fo))
+    nodes = [helper.make_node("Outer", ["x"], ["f"], domain="local")]
+    ins = [helper.make_tensor_value_info("x", TP.FLOAT, [2, 3]),
+           helper.make_tensor_value_info("i", TP.INT64, [2, 2])]
+    if needs == "GatherElements":
+        nodes.append(helper.make_node("GatherElements", ["f", "i"], ["y"], axis=1))
+    elif needs == "ScatterElements":
+        ins.append(helper.make_tensor_value_info("u", TP.FLOAT, [2, 2]))
+        nodes.append(helper.make_node("ScatterElements", ["f", "i", "u"], ["y"], axis=1))
+    else:
+        nodes.append(helper.make_node("Mul", ["f", "f"], ["y"]))
+    y_shape = [2, 2] if needs == "GatherElements" else [2, 3]
+    g = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("y", TP.FLOAT, y_shape)])
+    m = helper.make_model(g, opset_imports=fo, functions=fns, ir_version=8)
+    onnx.checker.check_model(m, full_check=True)
+    before = m.SerializeToString()
+    index = np.array([[0, 2], [1, 0]])  # (no repeats: ScatterElements' result is then defined)
+    xs = ["x"] + (["u"] if needs == "ScatterElements" else [])
+    assert_gradients(m, "y", xs, {"i": index})
+    assert m.SerializeToString() == before
+
+
+# -- the converter's repairs, in subgraphs too ------------------------------------------------
+def _if_model(branch_nodes, opset, dtype=TP.DOUBLE, shape=(3,), out_shape=(3,)):
+    def branch(name, k):
+        nodes = [helper.make_node(n.op_type, list(n.input), [f"{o}{k}" for o in n.output],
+                                  **{a.name: helper.get_attribute_value(a) for a in n.attribute})
+                 for n in branch_nodes]
+        # (names in a branch are its own: rename every output, reads of them follow)
+        made = {o for n in branch_nodes for o in n.output}
+        for n in nodes:
+            n.input[:] = [f"{i}{k}" if i in made else i for i in n.input]
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(
+            f"{branch_nodes[-1].output[0]}{k}", dtype, list(out_shape))])
+    g = helper.make_graph([helper.make_node("If", ["cond"], ["y"], then_branch=branch("t", 1),
+                                            else_branch=branch("e", 2))], "g",
+                          [helper.make_tensor_value_info("x", dtype, list(shape)),
+                           helper.make_tensor_value_info("cond", TP.BOOL, [])],
+                          [helper.make_tensor_value_info("y", dtype, list(out_shape))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=6)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+@pytest.mark.parametrize("cond", [True, False])
+def test_clip_6_in_a_subgraph_keeps_its_dtype(cond):
+    """Clip-6's bounds are attributes; the converter writes float32 Constants for them, which a
+    double Clip refuses. They were retyped in the main graph only: an If branch's Clip made the
+    gradient graph fail onnx's inference ("min has inconsistent type tensor(float)")."""
+    m = _if_model([helper.make_node("Clip", ["x"], ["c"], min=-0.5, max=0.4),
+                   helper.make_node("Mul", ["c", "x"], ["o"])], opset=10)
+    x = np.array([0.3, -0.9, 0.45])  # (each side of each bound, away from the kinks)
+    assert_gradients(m, "y", ["x"], {"x": x, "cond": np.array(cond)}, f32=False)
+
+
+def test_upsample_in_a_subgraph_keeps_its_coordinates():
+    """Upsample (opset 9) becomes Resize with Resize's default half_pixel coordinates; Upsample's
+    are asymmetric. The repair was made in the main graph only: in an If branch the forward
+    changed. The finite differences run the original Upsample model."""
+    scales = numpy_helper.from_array(np.array([1, 1, 2, 3], np.float32), "s")
+    m = _if_model([helper.make_node("Constant", [], ["s"], value=scales),
+                   helper.make_node("Upsample", ["x", "s"], ["u"], mode="linear")],
+                  opset=9, dtype=TP.FLOAT, shape=(1, 1, 2, 3), out_shape=(1, 1, 4, 9))
+    res = onnxgrad.gradients(m, "y", "x")
+    from onnxgrad.runtime import session
+    x = np.arange(6, dtype=np.float32).reshape(1, 1, 2, 3)
+    want = session(m).run(["y"], {"x": x, "cond": np.array(True)})[0]
+    got = session(res.model).run(["y"], {"x": x, "cond": np.array(True)})[0]
+    np.testing.assert_array_equal(got, want)
+    # (no float64 oracle: onnx.reference has no 4-D linear Upsample, onnxruntime no float64 one;
+    # the op is linear in x, so float32 differences are exact up to rounding)
+    report = check_gradients(m, "y", ["x"], {"x": x, "cond": np.array(True)}, dtype="float32")
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("opset", [13, 14])
+@pytest.mark.parametrize("batch", [2, "batch"])
+def test_resize_after_a_run_time_reshape(opset, batch):
+    """Reshape-13 to a shape computed at run time has no rank in onnx's inference (data
+    propagation finds one, Reshape-14's inference too): the result's inference then sized the
+    Resize gradient's sizes, read from such a Shape, as empty, and onnx.checker and onnxruntime
+    refused the model. TorchScript writes GroupNorm that way (Reshape(.., Shape(x))) at opset
+    13 and below; the result now states those Reshapes' ranks."""
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]),
+             helper.make_node("Reshape", ["x", "xs"], ["h"]),
+             helper.make_node("Shape", ["h"], ["hs"]),
+             helper.make_node("Slice", ["hs", "c0", "c2"], ["nc"]),
+             helper.make_node("Concat", ["nc", "hw"], ["sizes"], axis=0),
+             helper.make_node("Resize", ["h", "", "", "sizes"], ["y"], mode="linear",
+                              coordinate_transformation_mode="align_corners")]
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n)
+             for n, v in (("c0", [0]), ("c2", [2]), ("hw", [5, 4]))]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT,
+                                                                     [batch, 2, 3, 2])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, [batch, 2, 5, 4])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    onnx.checker.check_model(m, full_check=True)
+    assert_gradients(m, "y", ["x"])
