@@ -251,3 +251,27 @@ def test_sequence_read_from_outside_a_scan_or_sequence_map_is_refused(op):
     onnx.checker.check_model(m, full_check=True)
     with pytest.raises(onnxgrad.NotDifferentiableError, match="the sequence 'T' is read inside"):
         onnxgrad.gradients(m, "y", ["a", "b"])
+
+
+@pytest.mark.parametrize("declared", [None, [2, None, 4]])
+def test_loop_concatenating_onto_its_carry_is_refused(declared):
+    """acc = Concat(acc, 2x) in a Loop (TorchScript's scripted torch.cat accumulator, shapes
+    left undeclared) was differentiated into a model whose saved per-iteration states have
+    different shapes: onnxruntime failed at run time. Refused like a declared change of shape."""
+    n = helper.make_node
+    body = helper.make_graph(
+        [n("Mul", ["x", "two"], ["x2"]), n("Concat", ["acc", "x2"], ["acc2"], axis=1),
+         n("Identity", ["cond"], ["cond_out"])], "body",
+        [_vi("i", [], TP.INT64), _vi("cond", [], TP.BOOL),
+         helper.make_tensor_value_info("acc", D, declared)],
+        [_vi("cond_out", [], TP.BOOL), helper.make_tensor_value_info("acc2", D, declared)])
+    g = helper.make_graph(
+        [n("Loop", ["trips", "c", "acc0"], ["acc_out"], body=body)], "g",
+        [_vi("x", [2, 1, 4]), _vi("acc0", [2, 1, 4]), _vi("c", [], TP.BOOL)],
+        [_vi("acc_out", [2, None, 4])],
+        [onnx.numpy_helper.from_array(np.array(3, np.int64), "trips"),
+         onnx.numpy_helper.from_array(np.array(2.0), "two")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(m, full_check=True)
+    with pytest.raises(onnxgrad.NotDifferentiableError, match="'acc' is concatenated onto"):
+        onnxgrad.gradients(m, "acc_out", ["x", "acc0"])

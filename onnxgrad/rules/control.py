@@ -250,6 +250,14 @@ def _same_shape_each_iteration(n, values) -> None:
     """Refuse a loop-carried tensor whose shape changes between iterations (the saved states are
     scan outputs, which must all have one shape), where the known shapes of its initial value,
     the body's input and output and the loop's output show it: another rank or static dim."""
+    b_in, b_out = values[1], values[2]
+    grow = float_value(b_in) and b_out is not None and b_out.producer() is not None and \
+        b_out.producer().op_type == "Concat" and b_in in b_out.producer().inputs
+    if grow:  # (torch.cat onto an accumulator, shapes undeclared, as TorchScript writes it)
+        raise NotDifferentiableError(
+            "Loop", n.node.domain, n.opset, n.node.name, [],
+            reason=f"the loop-carried tensor {b_in.name!r} is concatenated onto each iteration, "
+                   "so it changes shape between iterations, which is not supported")
     shapes = [dims(v) for v in values if v is not None and isinstance(v.type, ir.TensorType)]
     shapes = [s for s in shapes if s is not None]
     for a, b in itertools.combinations(shapes, 2):
