@@ -309,6 +309,23 @@ def _describe(exc: BaseException) -> str | None:
     return None
 
 
+def _keep_input_data(args) -> None:
+    """An output naming a file the input model keeps its weights in (external data) would
+    replace them with the output, and the input would then load garbage: refused."""
+    model = getattr(args, "model", None)
+    outputs = [o for o in (getattr(args, k, None) for k in ("output", "gradient"))
+               if isinstance(o, str)]
+    if not isinstance(model, str) or not outputs:
+        return
+    from .errors import WriteError
+    from .storage import destination, external_data_files
+    data = external_data_files(model)
+    for o in outputs:
+        if destination(o) in data:
+            raise WriteError(o, f"it holds the external data (the weights) of {model}; "
+                                "choose another file")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (sys.argv[1:] when None); returns the exit status."""
     out = sys.stdout
@@ -316,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command is None:
             raise UsageError(f"give a command (see '{PROG} --help')")
+        _keep_input_data(args)
         return args.func(args, out)
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else 0

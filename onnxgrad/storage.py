@@ -41,6 +41,27 @@ _ALIGN = 4096  # data offsets aligned to pages, so a runtime may map the file
 
 
 # -- reading -----------------------------------------------------------------------------------
+def external_data_files(path) -> set[str]:
+    """The files (as :func:`destination` gives them) that the model file ``path`` keeps its
+    external tensors in; empty when it has none or is no readable model."""
+    try:
+        m = onnx.load(os.fspath(path), load_external_data=False)
+    except Exception:  # noqa: BLE001  (the command that reads it says what is wrong)
+        return set()
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+    out, stack = set(), [m.graph]
+    while stack:
+        g = stack.pop()
+        for t in g.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                loc = next((e.value for e in t.external_data if e.key == "location"), None)
+                if loc:
+                    out.add(destination(os.path.join(folder, loc)))
+        stack.extend(a.g for n in g.node for a in n.attribute
+                     if a.type == onnx.AttributeProto.GRAPH)
+    return out
+
+
 def load_model(src, load_external_data: bool = True, what: str = "model") -> onnx.ModelProto:
     """An ONNX model from a path or bytes (a ModelProto is returned as it is), or a
     :class:`ModelLoadError` that says why the file is not one (empty, not protobuf, no graph,

@@ -628,6 +628,25 @@ def test_output_that_names_no_file(tmp_path, monkeypatch, name):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("command", ["grad", "lower"])
+def test_output_over_the_inputs_external_data_is_refused(tmp_path, capsys, command):
+    """`grad ext.onnx -o ext.data` replaced the input's weights with the output (exit 0; the
+    input then loaded garbage weights)."""
+    g = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [300])],
+                          [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [300])],
+                          [numpy_helper.from_array(np.arange(300.0), "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    onnx.save(m, tmp_path / "ext.onnx", save_as_external_data=True, location="ext.data",
+              size_threshold=0)
+    before = (tmp_path / "ext.data").read_bytes()
+    extra = ["--ys", "y", "--xs", "x"] if command == "grad" else []
+    assert main([command, str(tmp_path / "ext.onnx"), "-o", str(tmp_path / "ext.data"),
+                 *extra]) == 2
+    assert "holds the external data" in capsys.readouterr().err
+    assert (tmp_path / "ext.data").read_bytes() == before
+
+
 def test_failed_write_removes_the_folders_it_made(tmp_path):
     """The message says nothing was written there: the folders made for the file go too."""
     with pytest.raises(E.WriteError):
