@@ -103,7 +103,7 @@ def test_falsy_stop_gradients_are_not_no_stops(value):
 _dims = st.lists(st.integers(1, 3), max_size=3)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
 @given(y_shape=_dims, g_shape=_dims)
 def test_grad_ys_of_another_shape_is_refused(y_shape, g_shape):
     """An existing grad_ys tensor of another shape than its y wrote a model that fails
@@ -273,5 +273,5 @@ def test_loop_concatenating_onto_its_carry_is_refused(declared):
          onnx.numpy_helper.from_array(np.array(2.0), "two")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.checker.check_model(m, full_check=True)
-    with pytest.raises(onnxgrad.NotDifferentiableError, match="'acc' is concatenated onto"):
+    with pytest.raises(onnxgrad.NotDifferentiableError, match="'acc' changes shape between iterations .the body concatenates"):
         onnxgrad.gradients(m, "acc_out", ["x", "acc0"])

@@ -256,8 +256,8 @@ def _same_shape_each_iteration(n, values) -> None:
     if grow:  # (torch.cat onto an accumulator, shapes undeclared, as TorchScript writes it)
         raise NotDifferentiableError(
             "Loop", n.node.domain, n.opset, n.node.name, [],
-            reason=f"the loop-carried tensor {b_in.name!r} is concatenated onto each iteration, "
-                   "so it changes shape between iterations, which is not supported")
+            reason=f"the loop-carried tensor {b_in.name!r} changes shape between iterations "
+                   "(the body concatenates onto it), which is not supported")
     shapes = [dims(v) for v in values if v is not None and isinstance(v.type, ir.TensorType)]
     shapes = [s for s in shapes if s is not None]
     for a, b in itertools.combinations(shapes, 2):
