@@ -19,7 +19,7 @@ import onnx
 import onnx_ir as ir
 
 from . import rules as _rules  # noqa: F401  (registers every rule)
-from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, dims
+from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, compatible_dims, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError, UnsupportedError)
 from .inference import (bodies_of, forget_made_up, graphs_of, infer_ranks, infer_shapes,
@@ -122,9 +122,7 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
             for n in _names([] if stop_gradients is None else stop_gradients, "stop_gradients")}
     new_inputs = [gy for gy in grad_ys if gy is not None and gy not in values]
     names = _names_in(graph)
-    inner = set(new_inputs).intersection(
-        v.name for node in graph.all_nodes() if node.graph is not graph
-        for v in [*node.outputs, *node.graph.inputs]) if new_inputs else set()
+    inner = set(new_inputs).intersection(_inner_values(graph)) if new_inputs else set()
     if "" in new_inputs or inner:
         bad = "" if "" in new_inputs else min(inner)
         raise InvalidArgumentError(
@@ -560,11 +558,7 @@ def _mark_from_metadata(irm: ir.Model, values: dict, engine: Engine) -> set:
     prevents = _metadata_json(irm, PREVENT_GRADIENTS_KEY, dict)
     if not stops and not prevents:
         return set()
-    everywhere = dict(values)
-    for node in irm.graph.all_nodes():
-        everywhere.update((v.name, v) for v in node.outputs if v.name and v.name not in values)
-        for g in subgraphs(node):
-            everywhere.update((v.name, v) for v in g.inputs if v.name not in values)
+    everywhere = {**_inner_values(irm.graph), **values}
     for key, names in ((STOP_GRADIENTS_KEY, stops), (PREVENT_GRADIENTS_KEY, prevents)):
         missing = [n for n in names if n not in everywhere]
         if missing:
@@ -583,6 +577,17 @@ def _mark_from_metadata(irm: ir.Model, values: dict, engine: Engine) -> set:
         everywhere[n].meta[_PREVENT] = (n, message)  # (a body's clone has another name)
         engine.marked = True
     return main
+
+
+def _inner_values(graph: ir.Graph) -> dict[str, ir.Value]:
+    """The named values made or taken as inputs inside ``graph``'s subgraphs, by name."""
+    out = {}
+    for node in graph.all_nodes():
+        if node.graph is not graph:
+            out.update((v.name, v) for v in node.outputs if v.name)
+        for g in subgraphs(node):
+            out.update((v.name, v) for v in g.inputs if v.name)
+    return out
 
 
 def _metadata_json(irm: ir.Model, key: str, kind: type):
@@ -728,8 +733,7 @@ def _seed(e: Emitter, graph, values, y: ir.Value, gy, live: bool) -> V:
             raise ArgumentTypeError(f"grad_ys: {gy!r} has dtype {g.dtype} but y {y.name!r} has "
                                     f"{y.dtype}")
         ys_, gs_ = dims(y), dims(g)  # (as tf.gradients, which refuses other shapes)
-        if ys_ is not None and gs_ is not None and (len(ys_) != len(gs_) or any(
-                isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(ys_, gs_))):
+        if ys_ is not None and gs_ is not None and not compatible_dims(ys_, gs_):
             raise InvalidArgumentError(f"grad_ys: {gy!r} has shape {list(gs_)} but y "
                                        f"{y.name!r} has {list(ys_)}: they must be equal")
         return e.wrap(g)

@@ -16,6 +16,7 @@ from onnx import TensorProto, numpy_helper
 
 from .autodiff import STOP_GRADIENTS_KEY, gradients
 from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
+from .inference import graphs_of, node_subgraphs, unique_name
 from .runtime import runner
 from .storage import dense_copy, load_model
 
@@ -291,8 +292,8 @@ def _stopped(model, stop_gradients) -> list[str]:
     except ValueError:
         meta = []
     names += meta if isinstance(meta, list) else []
-    produced = {o for n in model.graph.node for o in n.output if o}
-    inner = {o for n in model.graph.node for g in _subgraphs(n) for o in _produced(g)}
+    produced = _produced([model.graph])
+    inner = _produced(graphs_of(model.graph)[1:])
     out = []
     for name in dict.fromkeys(n for n in names if isinstance(n, str)):
         if name in produced:
@@ -306,26 +307,15 @@ def _stopped(model, stop_gradients) -> list[str]:
     return out
 
 
-def _subgraphs(node):
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            yield a.g
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            yield from a.graphs
-
-
-def _produced(g):
-    for n in g.node:
-        yield from (o for o in n.output if o)
-        for sub in _subgraphs(n):
-            yield from _produced(sub)
+def _produced(graphs) -> set:
+    return {o for g in graphs for n in g.node for o in n.output if o}
 
 
 def _used(node):
     """The names ``node`` reads, those its subgraphs read from the outer scope included (all
     that the subgraphs read: a superset, which at worst keeps a node alive)."""
     yield from node.input
-    for g in _subgraphs(node):
+    for g in node_subgraphs(node):
         for n in g.node:
             yield from _used(n)
         yield from (o.name for o in g.output)
@@ -338,15 +328,11 @@ def _cut(model, values: dict, keep=None):
     m = onnx.ModelProto.FromString(model.SerializeToString())
     g = m.graph
     taken = {vi.name for vi in g.input} | {t.name for t in g.initializer}
-    taken |= set(_produced(g)) | {i for n in g.node for i in _used(n)}
+    taken |= _produced(graphs_of(g)) | {i for n in g.node for i in _used(n)}
     for n in g.node:
         for i, o in enumerate(n.output):
             if o in values:
-                k = 0
-                while f"{o}__cut{k}" in taken:
-                    k += 1
-                n.output[i] = f"{o}__cut{k}"
-                taken.add(n.output[i])
+                n.output[i] = unique_name(f"{o}__cut", taken)
     kept = [vi for vi in g.value_info if vi.name not in values]
     del g.value_info[:]
     g.value_info.extend(kept)

@@ -313,8 +313,9 @@ def _keep_input_data(args) -> None:
     """An output naming a file the input model keeps its weights in (external data) would
     replace them with the output, and the input would then load garbage: refused."""
     model = getattr(args, "model", None)
+    # (only an existing file can hold them: a new output costs no second read of the model)
     outputs = [o for o in (getattr(args, k, None) for k in ("output", "gradient"))
-               if isinstance(o, str)]
+               if isinstance(o, str) and os.path.isfile(o)]
     if not isinstance(model, str) or not outputs:
         return
     from .errors import WriteError

@@ -47,6 +47,12 @@ def dims(value) -> tuple | None:
     return tuple(d if isinstance(d, int) else d.value for d in shape.dims)
 
 
+def compatible_dims(a, b) -> bool:
+    """Whether static shapes ``a`` and ``b`` may be one shape: one rank, no two ints differ."""
+    return len(a) == len(b) and all(not isinstance(x, int) or not isinstance(y, int) or x == y
+                                    for x, y in zip(a, b))
+
+
 def broadcast_dims(shapes):
     """Static numpy-style broadcast of several shapes (None where a dim cannot be decided)."""
     if len(shapes) == 2 and shapes[0] == shapes[1]:  # the common case: a binary op, one shape

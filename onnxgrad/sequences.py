@@ -31,6 +31,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .emitter import compatible_dims
+
 
 class InvalidArgumentError(ValueError):
     """TF's InvalidArgumentError, raised at build time (messages follow TF's)."""
@@ -185,7 +187,7 @@ class TensorArray:
             raise InvalidArgumentError(f"TensorArray dtype is {self._dtype.name} but Op is trying "
                                        f"to write dtype {vd.name}.")
         if vshape is not None:
-            if st.element_shape is not None and not _compatible(vshape, st.element_shape):
+            if st.element_shape is not None and not compatible_dims(vshape, st.element_shape):
                 raise ValueError(f"Inconsistent shapes: saw {vshape} but expected "
                                  f"{st.element_shape} (and infer_shape=True)")
             if st.element_shape is None:
@@ -248,7 +250,7 @@ class TensorArray:
             if isinstance(n, int) and st.size is not None and not st.dynamic_size and n > st.size:
                 raise InvalidArgumentError(f"Tried to write to index {n - 1} but array is not "
                                            f"resizeable and size is: {st.size}")
-            if st.element_shape is not None and not _compatible(vshape[1:], st.element_shape):
+            if st.element_shape is not None and not compatible_dims(vshape[1:], st.element_shape):
                 raise ValueError(f"Inconsistent shapes: saw {vshape[1:]} but expected "
                                  f"{st.element_shape}")
             st.element_shape = st.element_shape or list(vshape[1:])
@@ -285,8 +287,3 @@ class TensorArray:
 
 def _full(shape) -> bool:
     return shape is not None and all(isinstance(d, int) for d in shape)
-
-
-def _compatible(a, b) -> bool:
-    return len(a) == len(b) and all(not isinstance(x, int) or not isinstance(y, int) or x == y
-                                    for x, y in zip(a, b))

@@ -30,6 +30,7 @@ from onnx import external_data_helper, numpy_helper
 from .errors import (ArgumentTypeError, DataError, InvalidArgumentError, InvalidModelError,
                      ModelFileNotFoundError, ModelLoadError, OnnxgradError, UnsupportedError,
                      WriteError)
+from .inference import graphs_of
 
 # onnx 1.23 writes IR 14 by default; onnxruntime 1.31 reads up to IR 13
 MAX_IR_VERSION = 13
@@ -49,17 +50,8 @@ def external_data_files(path) -> set[str]:
     except Exception:  # noqa: BLE001  (the command that reads it says what is wrong)
         return set()
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
-    out, stack = set(), [m.graph]
-    while stack:
-        g = stack.pop()
-        for t in g.initializer:
-            if t.data_location == onnx.TensorProto.EXTERNAL:
-                loc = next((e.value for e in t.external_data if e.key == "location"), None)
-                if loc:
-                    out.add(destination(os.path.join(folder, loc)))
-        stack.extend(a.g for n in g.node for a in n.attribute
-                     if a.type == onnx.AttributeProto.GRAPH)
-    return out
+    return {destination(os.path.join(folder, _location(t))) for g in graphs_of(m.graph)
+            for t in g.initializer if external(t) and _location(t)}
 
 
 def load_model(src, load_external_data: bool = True, what: str = "model") -> onnx.ModelProto:
@@ -142,6 +134,11 @@ def _check_loaded(m: onnx.ModelProto, label: str) -> onnx.ModelProto:
 
 def external(t: onnx.TensorProto) -> bool:
     return t.data_location == onnx.TensorProto.EXTERNAL
+
+
+def _location(t: onnx.TensorProto) -> str | None:
+    """The file an external tensor's data is in, relative to its model's folder."""
+    return dict((e.key, e.value) for e in t.external_data).get("location")
 
 
 def tensor_nbytes(t: onnx.TensorProto) -> int:
@@ -480,7 +477,7 @@ def _data_files_of(target: str) -> set[str]:
     with contextlib.suppress(Exception):  # noqa: BLE001  (no readable model there: nothing)
         current = onnx.load(target, load_external_data=False)
         for t in current.graph.initializer:
-            loc = dict((e.key, e.value) for e in t.external_data).get("location")
+            loc = _location(t)
             if loc and pattern.fullmatch(loc):
                 found.add(loc)
     return found

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx
 
-from .inference import graphs_of
+from .inference import graphs_of, value_types
 from .registry import attach_functions, own_domain
 
 
@@ -51,11 +51,7 @@ def _fix_clip_bounds(model: onnx.ModelProto, graphs: list):
         typed = onnx.shape_inference.infer_shapes(model)
     except onnx.shape_inference.InferenceError:
         typed = model
-    types = {}
-    for g in graphs_of(typed.graph):
-        types.update((v.name, v.type.tensor_type.elem_type)
-                     for v in [*g.input, *g.value_info, *g.output])
-        types.update((t.name, t.data_type) for t in g.initializer)
+    types = {k: t.tensor_type.elem_type for k, t in value_types(graphs_of(typed.graph)).items()}
     for g in graphs:
         consts = {n.output[0]: n for n in g.node if n.op_type == "Constant"}
         fixed = set()

@@ -30,7 +30,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir._cloner import Cloner
 
-from ..emitter import V, dims
+from ..emitter import V, compatible_dims, dims
 from ..errors import NotDifferentiableError
 from ..registry import Grads, register, subgraphs
 from .sequence import captures, float_value, is_seq, norm_position, position, sop, zeros_for
@@ -261,8 +261,7 @@ def _same_shape_each_iteration(n, values) -> None:
     shapes = [dims(v) for v in values if v is not None and isinstance(v.type, ir.TensorType)]
     shapes = [s for s in shapes if s is not None]
     for a, b in itertools.combinations(shapes, 2):
-        if len(a) != len(b) or any(isinstance(x, int) and isinstance(y, int) and x != y
-                                   for x, y in zip(a, b)):
+        if not compatible_dims(a, b):
             raise NotDifferentiableError(
                 "Loop", n.node.domain, n.opset, n.node.name, [],
                 reason=f"the loop-carried tensor {values[1].name!r} changes shape between "

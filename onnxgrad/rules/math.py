@@ -58,8 +58,9 @@ table({
 register("Bernoulli", _zeros, since=15)
 # only x's shape and dtype are read, as Shape reads them: no gradient flows (TF's
 # random_normal(shape(x)) has none either); torch.onnx writes RandomNormalLike for randn_like
-register(["RandomNormalLike", "RandomUniformLike", "EyeLike"], lambda n, g: None)
-for _op in ("RandomNormalLike", "RandomUniformLike", "EyeLike"):
+_SHAPE_ONLY = ["RandomNormalLike", "RandomUniformLike", "EyeLike"]
+register(_SHAPE_ONLY, lambda n, g: None)
+for _op in _SHAPE_ONLY:
     no_gradient(_op, input="only its shape and dtype are read")
 
 
