@@ -31,6 +31,7 @@ class XReport:
     checked: int
     ok: bool
     grad: np.ndarray | None = field(default=None, repr=False)  # the analytic gradient checked
+    note: str = ""  # what the figures do not say (a gradient of the wrong shape, an empty x)
 
 
 @dataclass
@@ -49,7 +50,9 @@ class CheckReport:
         for r in self.results:
             rows.append(f"  {'ok  ' if r.ok else 'FAIL'} {r.name}: max abs err {r.max_abs_err:.3g}, "
                         f"max rel err {r.max_rel_err:.3g} over {r.checked} probes")
-            if np.isnan(r.max_abs_err):
+            if r.note:
+                rows[-1] += f" ({r.note})"
+            elif np.isnan(r.max_abs_err):
                 rows[-1] += " (not finite: the ys or the gradient are NaN or inf at these feeds)"
         return "\n".join(rows)
 
@@ -469,6 +472,11 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     for x, gname in zip(xs, res.grads):
         x0 = feeds[x]
         analytic = np.zeros(x0.shape) if gname is None else np.asarray(got[gname], np.float64)
+        if analytic.shape != x0.shape:  # (a probe would broadcast against it)
+            report.results.append(XReport(
+                x, float("nan"), float("nan"), 0, False, analytic,
+                f"the gradient has shape {list(analytic.shape)}, x has {list(x0.shape)}"))
+            continue
         if x0.size <= max_elements:
             probes = [np.eye(x0.size)[i].reshape(x0.shape) for i in range(x0.size)]
         else:
@@ -488,6 +496,8 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
             abs_err = max(abs_err, err)
             rel_err = max(rel_err, err / max(abs(num), abs(ana), 1e-12))
             ok &= err <= atol + rtol * max(abs(num), abs(ana))
-        report.results.append(XReport(x, abs_err, rel_err, len(probes), bool(ok), analytic))
+        report.results.append(XReport(x, abs_err, rel_err, len(probes), bool(ok), analytic,
+                                      "" if x0.size else "x has no elements: nothing to compare "
+                                      "beyond the gradient's shape"))
     report.feeds, report.cotangents = feeds, cots
     return report

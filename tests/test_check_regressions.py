@@ -180,3 +180,38 @@ def test_check_reports_non_finite_values_as_such():
     assert "not finite" in str(report)
     report = check_gradients(m, "y", ["x", "m"], {"x": X, "m": np.array([0.0, -np.inf, 0.0])})
     assert report.ok, str(report)
+
+
+# -- what the figures cannot say ----------------------------------------------------------------
+def test_check_says_an_empty_x_checked_nothing_but_its_gradient_shape():
+    """An x with no elements passed with '0 probes' and nothing else said."""
+    m = _model([H.make_node("Mul", ["x", "x"], ["y"])], [("x", [0, 3])], [("y", [0, 3])])
+    report = check_gradients(m, "y", "x", {"x": np.zeros((0, 3))})
+    (r,) = report.results
+    assert r.ok and r.checked == 0 and r.grad.shape == (0, 3)
+    assert "x has no elements" in str(report)
+
+
+def test_check_fails_a_gradient_of_another_shape(monkeypatch):
+    """A gradient of x's size but another shape ([3, 1] for x [1, 3]) broadcast against the probes
+    and was compared with numbers it does not hold."""
+    import onnxgrad.check as check
+
+    real = check.gradients
+
+    def wrong_shape(*a, **k):  # the result's gradient reshaped, as a faulty rule would give it
+        res = real(*a, **k)
+        g = res.model.graph
+        (out,) = [o for o in g.output if o.name == res.grads[0]]
+        g.node.append(H.make_node("Reshape", [out.name + "_", "__shape"], [out.name]))
+        for n in g.node[:-1]:
+            n.output[:] = [o + "_" if o == out.name else o for o in n.output]
+        g.initializer.append(NH.from_array(np.array([3, 1], np.int64), "__shape"))
+        del out.type.tensor_type.shape.dim[:]
+        return res
+
+    monkeypatch.setattr(check, "gradients", wrong_shape)
+    m = _model([H.make_node("Mul", ["x", "x"], ["y"])], [("x", [1, 3])], [("y", [1, 3])])
+    report = check_gradients(m, "y", "x", {"x": np.array([[1.0, 2.0, 3.0]])})
+    assert not report.ok
+    assert "the gradient has shape [3, 1], x has [1, 3]" in str(report)
