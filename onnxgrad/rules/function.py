@@ -173,7 +173,9 @@ def _sweep(n, nodes, seeded):
     xs = [v for v in n.node.inputs if v is not None and n.wants(v)]
     view = ir.GraphView(inputs=[], outputs=[], nodes=nodes)
     got = dict(zip(xs, n.differentiate(view, seeds, xs, n.e)))
-    return tuple(got.get(v) if v is not None else None for v in n.node.inputs)
+    # the sweep's gradient of a value fed at several positions is already the sum over them:
+    # it goes to the first position only, as the engine adds up what each position returns
+    return tuple(got.pop(v, None) if v is not None else None for v in n.node.inputs)
 
 
 def differentiate_expansion(n, build, gs=None):
