@@ -4,15 +4,19 @@ RoiAlign, MaxRoiPool, DeformConv).
 - Resize / Upsample: linear in X and separable: each resized axis k applies an (out_k x in_k)
   interpolation matrix M_k (nearest, linear and cubic alike, every coordinate transformation
   mode, antialias, exclude_outside), and the gradient applies M_k^T along each axis with MatMul
-  (its rule gives the higher orders). Where an axis' scale or size and both its lengths are
-  static, M_k is a numpy constant, built once by resizing the identity with onnx's reference
-  implementation (the spec's own semantics); sizes with keep_aspect_ratio_policy not_larger /
-  not_smaller give every resized axis one scale and round_half_up(scale * in) elements, which
-  the reference runs itself (see ``_policy_matrix``). Otherwise (scales or sizes computed at run
-  time, as every torch export of F.interpolate(size=...) writes them, or symbolic spatial dims)
-  M_k^T is built at run time by the same Resize applied to the identity (``_probe_matrix``);
-  an axis whose size is statically the input's own dim (the batch and channels of those
-  exports) is skipped. Run-time sizes with a keep_aspect_ratio_policy are refused.
+  (its rule gives the higher orders). M_k^T is the same Resize (the node's attributes, that
+  axis' scale or size and roi) applied to the identity in the gradient graph
+  (``_probe_matrix``), so it is the interpolation of the runtime that runs the forward, whose
+  scales and sizes may be computed at run time (every torch export of F.interpolate(size=...))
+  and whose spatial dims may be symbolic. (onnx's reference Resize, which built these matrices
+  as constants before, disagrees with onnxruntime's and torch's for align_corners,
+  tf_crop_and_resize, pytorch_half_pixel and half_pixel_symmetric at most scales, and for
+  nearest wherever a coordinate lands on a rounding tie in float32.) An axis whose scale is 1 or
+  whose size is the input's own dim (the batch and channels of those exports) is skipped.
+  Static sizes with keep_aspect_ratio_policy not_larger / not_smaller give every resized axis
+  one scale and round_half_up(scale * in) elements: their matrices come from onnxruntime's
+  Resize of probes at build time (``_policy_matrices``); run-time sizes with a policy are
+  refused.
 - Compress: the selected elements go back where they came from (replay of element numbers).
 - MaxRoiPool: g goes to the elements of each bin that equal its maximum (bins rebuilt from rois).
 """
@@ -20,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from fractions import Fraction
 
 import numpy as np
 import onnx_ir as ir
@@ -36,91 +39,20 @@ def _s(v):
 
 
 # -- Resize / Upsample ---------------------------------------------------------------------------
-def _reference_resize(x: np.ndarray, attrs: dict, **feeds) -> np.ndarray:
-    """onnx's reference Resize (opset 19) of x; feeds: roi, scales, sizes (numpy, or absent)."""
-    from onnx.reference import ReferenceEvaluator
-    feeds = {"X": x, **feeds}
-    ins = ["X"] + [k if k in feeds else "" for k in ("roi", "scales", "sizes")]
-    while not ins[-1]:
-        ins.pop()
-    node = helper.make_node("Resize", ins, ["Y"], **attrs)
-    vi = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-          for k, v in feeds.items()]
-    graph = helper.make_graph([node], "m", vi, [helper.make_empty_tensor_value_info("Y")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
-    return ReferenceEvaluator(model).run(None, feeds)[0]
-
-
-@functools.lru_cache(maxsize=256)
-def _interp_matrix(n_in: int, n_out: int, scale: float | None, roi: tuple | None, attrs: tuple,
-                   policy: tuple | None = None):
-    """(n_out x n_in) matrix of a 1-D Resize, from onnx's reference Resize on the identity.
-    ``policy``: (keep_aspect_ratio_policy, p, q) when the node's sizes set one scale p / q for
-    all its resized axes (then ``scale`` is unused; see :func:`_policy_matrix`)."""
-    if policy is not None:
-        return _policy_matrix(n_in, n_out, roi, attrs, *policy)
-    feeds = {}
-    if roi is not None:
-        feeds["roi"] = np.array([0.0, roi[0], 1.0, roi[1]], np.float32)
-    if scale is not None:
-        feeds["scales"] = np.array([1.0, scale], np.float32)
-    else:
-        feeds["sizes"] = np.array([n_in, n_out], np.int64)
-    y = _reference_resize(np.eye(n_in, dtype=np.float64), dict(attrs), **feeds)
-    if y.shape != (n_in, n_out):
-        raise NotImplementedError(f"Resize gradient: 1-D resize of {n_in} gave {y.shape[1]} "
-                                  f"elements, the node's output has {n_out}")
-    return np.ascontiguousarray(y.T)
-
-
-def _policy_matrix(n_in, n_out, roi, attrs, policy, p, q):
-    """The matrix of one axis of a Resize whose sizes go through keep_aspect_ratio_policy: every
-    resized axis takes the one scale p / q (the winning sizes[i] / in[i], reduced), the output
-    length round_half_up(scale * n_in), and the coordinate transformation uses that scale (not
-    out / in), so the 1-D resize is not a resize by sizes or by float32 scales. The reference
-    runs the policy itself on X of shape (probe, n_in, q): the identity over the first two axes,
-    constant along a third axis of length q resized to p (its ratio is exactly p / q), and a
-    sizes entry for the n_in axis whose ratio never wins the min / max. Y[:, :, 0] is the resized
-    identity times c, the sum of the third axis' first row of weights (1 up to the reference's
-    float32 cubic weights), which a 1-D resize of ones by sizes p (the same scale p / q) gives.
-    Probes go in chunks to bound memory."""
-    s1 = -(-p * n_in // q) if policy == "not_larger" else p * n_in // q
-    kw = dict(attrs, axes=[1, 2], keep_aspect_ratio_policy=policy)
-    feeds = {"sizes": np.array([s1, p], np.int64)}
-    ones = {"sizes": np.array([1, p], np.int64)}
-    if roi is not None:
-        feeds["roi"] = np.array([roi[0], 0.0, roi[1], 1.0], np.float32)
-        ones["roi"] = np.array([0.0, 0.0, 1.0, 1.0], np.float32)
-    c = _reference_resize(np.ones((1, q)), dict(attrs), **ones)[0, 0]
-    eye, cols = np.eye(n_in, dtype=np.float64), []
-    chunk = max(1, (1 << 20) // (n_in * q))
-    for start in range(0, n_in, chunk):
-        x = np.repeat(eye[start:start + chunk, :, None], q, axis=2)
-        y = _reference_resize(x, kw, **feeds)
-        if y.shape[1] != n_out:
-            raise NotImplementedError(f"Resize gradient: 1-D resize of {n_in} by the scale "
-                                      f"{p}/{q} ({policy}) gave {y.shape[1]} elements, the "
-                                      f"node's output has {n_out}")
-        cols.append(y[:, :, 0])
-    return np.ascontiguousarray(np.concatenate(cols).T / c)
-
-
 def _resize_grad(n, g, attrs, roi, scales, sizes, axes):
     """Shared by Resize and Upsample: the adjoint of the separable interpolation, one matrix
     M_k (out_k x in_k) per resized axis, applied as M_k^T along it. roi, scales, sizes: the
-    node's inputs (V), or numpy constants (Upsample's attribute), or None when absent.
-
-    Per axis: an untouched axis (scale 1, or a size that is the input's own dim) is skipped; M_k
-    is a numpy constant (onnx's reference Resize of the identity) where the axis' scale or size
-    and both lengths are static; otherwise it is built at run time by the same Resize (same
-    attributes, that axis' run-time scale or size) applied to the identity, so it is the
-    forward's own interpolation whatever the sizes turn out to be."""
+    node's inputs (V), or numpy constants (Upsample's attribute), or None when absent."""
     e, x = n.e, n.x
     xs = x.shape
     if xs is None:
         raise NotImplementedError(f"Resize gradient at node {n.node.name!r}: the rank of its "
                                   "input is unknown; run onnx shape inference first")
     rank = len(xs)
+    if n.y.shape is not None and 0 in list(n.y.shape):
+        # nothing reads x; and onnxruntime's MatMul over an empty inner dim may leave its
+        # output unwritten (uninitialised memory, seen as 1e34s) instead of zeros
+        return e.zeros_like(x)
     axes = list(range(rank)) if axes is None else [a % rank for a in axes]
     sc_el, sz_el = _elements(scales), _elements(sizes)
     by_sizes = sizes is not None and (scales is None or sc_el == [])
@@ -134,22 +66,21 @@ def _resize_grad(n, g, attrs, roi, scales, sizes, axes):
     crop = _s(attrs.get("coordinate_transformation_mode")) == "tf_crop_and_resize"
     roi_el = _elements(roi) if crop else None
     numbers = lambda t: t is not None and all(isinstance(v, (int, float)) for v in t)  # noqa: E731
-    if numbers(el) and (roi_el is None or numbers(roi_el)) and all(
-            isinstance(xs[a], int) for a in axes):
-        static = np.array(el, np.int64 if by_sizes else np.float32)
-        return _resize_static(n, g, attrs, None if roi_el is None else np.array(roi_el),
-                              None if by_sizes else static, static if by_sizes else None, axes)
     if by_sizes and _s(attr(n, "keep_aspect_ratio_policy", "stretch")) != "stretch":
-        raise NotImplementedError(
-            f"Resize gradient at node {n.node.name!r}: keep_aspect_ratio_policy with sizes known "
-            "only at run time (one scale chosen across the axes) is not supported")
+        if not (numbers(el) and (roi_el is None or numbers(roi_el))
+                and all(isinstance(xs[a], int) for a in axes)):
+            raise NotImplementedError(
+                f"Resize gradient at node {n.node.name!r}: keep_aspect_ratio_policy with sizes "
+                "known only at run time (one scale chosen across the axes) is not supported")
+        return _policy_resize(n, g, attrs, None if roi_el is None else np.array(roi_el),
+                              np.array(el, np.int64), axes)
     dx = g
     for a in reversed(range(rank)):
         if a not in axes:
             continue
         k = axes.index(a)
         r = None if roi_el is None else (roi_el[k], roi_el[len(axes) + k])
-        if r in (None, (0.0, 1.0)) and (el[k] == ("dim", x.value, a) if by_sizes
+        if r in (None, (0.0, 1.0)) and (el[k] in (("dim", x.value, a), xs[a]) if by_sizes
                                          else el[k] == 1.0):
             continue  # untouched: the batch and channels of an exported F.interpolate
         dx = _along(e, dx, a, rank, _probe_matrix(n, g.dtype, a, attrs, crop, roi, scales, sizes,
@@ -212,69 +143,79 @@ _PROBE_ATTRS = ("mode", "coordinate_transformation_mode", "cubic_coeff_a", "excl
                 "nearest_mode", "antialias")
 
 
-def _resize_static(n, g, attrs, roi, scales, sizes, axes):
-    """The adjoint from numpy matrices: every resized axis' scale or size, and its lengths,
-    are static. scales/sizes/roi: numpy constants (or None)."""
-    e, x = n.e, n.x
-    xs, ys = x.shape, n.y.shape
-    rank = len(xs)
-    full_s = [1.0] * rank
-    out = list(xs)
-    policy_pq, own = None, {}
-    use_scales = scales is not None and scales.size > 0
-    if use_scales:
-        for a, s in zip(axes, scales.tolist()):
-            full_s[a] = float(s)
-            if isinstance(xs[a], int):  # the spec's floor(in * scale); a static y overrides
-                out[a] = int(np.floor(xs[a] * np.float32(s)))
-    else:
-        policy = _s(attr(n, "keep_aspect_ratio_policy", "stretch"))
-        static = [xs[a] for a in axes]
-        if policy != "stretch":  # one scale for all resized axes, the spec's round_half_up
-            ratios = [s / d for s, d in zip(sizes.tolist(), static)]
-            i = int(np.argmin(ratios) if policy == "not_larger" else np.argmax(ratios))
-            sc, frac = ratios[i], Fraction(int(sizes.tolist()[i]), static[i])
-            policy_pq = (policy, frac.numerator, frac.denominator)
-            # an axis whose own sizes[i] / in[i] is that scale is a plain resize to sizes[i]
-            # (the same scale, and round_half_up(scale * in) is sizes[i])
-            for a, s in zip(axes, sizes.tolist()):
-                f = Fraction(int(s), xs[a])
-                own[a] = (int(s), (f.numerator, f.denominator))
-            for a in axes:
-                full_s[a] = sc
-                out[a] = int(sc * xs[a] + 0.5)
-            use_scales = True  # the transformation uses this scale, not out/in
-        else:
-            for a, s in zip(axes, sizes.tolist()):
-                out[a] = int(s)
-    if use_scales and ys is not None:
-        for a in axes:
-            if isinstance(ys[a], int):
-                out[a] = ys[a]
-    roi_full = None
-    if _s(attrs.get("coordinate_transformation_mode")) == "tf_crop_and_resize" and roi is not None:
-        r = roi.astype(np.float64).ravel().tolist()
-        k = len(r) // 2
-        roi_full = {a: (r[i], r[k + i]) for i, a in enumerate(axes if k == len(axes) else range(rank))}
-    key_attrs = tuple(sorted((k, v) for k, v in attrs.items() if v is not None))
+def _policy_resize(n, g, attrs, roi, sizes, axes):
+    """The adjoint of a Resize by static sizes with keep_aspect_ratio_policy not_larger /
+    not_smaller, from constant matrices (:func:`_policy_matrices`). sizes/roi: numpy constants
+    (roi None unless tf_crop_and_resize), in the order of ``axes``."""
+    xs = n.x.shape
+    dims = tuple(xs[a] if a in axes else 1 for a in range(len(xs)))
+    key = tuple(sorted((k, v) for k, v in attrs.items() if v is not None))
+    mats = _policy_matrices(dims, tuple(axes), tuple(int(s) for s in sizes.ravel()),
+                            None if roi is None else tuple(roi.astype(float).ravel().tolist()),
+                            key, _s(attr(n, "keep_aspect_ratio_policy")), n.node.name)
+    if any(m.shape[0] == 0 for m in mats.values()):
+        return n.e.zeros_like(n.x)  # an empty output (see _resize_grad)
     dx = g
-    for a in reversed(range(rank)):
-        d_in, d_out = xs[a], out[a]
-        r = None if roi_full is None else roi_full.get(a, (0.0, 1.0))
-        if full_s[a] == 1.0 and d_in == d_out and r in (None, (0.0, 1.0)):
-            continue  # an untouched axis (batch and channels, symbolic or not)
-        if not isinstance(d_out, int):
-            raise NotImplementedError(
-                f"Resize gradient at node {n.node.name!r}: axis {a} is resized to a length "
-                "shape inference did not tell; run shape inference")
-        if policy_pq is not None and a in axes and own.get(a) == (d_out, policy_pq[1:]):
-            m = _interp_matrix(d_in, d_out, None, r, key_attrs)  # the axis that set the scale
-        elif policy_pq is not None and a in axes:
-            m = _interp_matrix(d_in, d_out, None, r, key_attrs, policy_pq)
-        else:
-            m = _interp_matrix(d_in, d_out, full_s[a] if use_scales else None, r, key_attrs)
-        dx = _along(e, dx, a, rank, e.const(np.ascontiguousarray(m.T), g.dtype))
+    for a in sorted(axes, reverse=True):
+        dx = _along(n.e, dx, a, len(xs), n.e.const(np.ascontiguousarray(mats[a].T), g.dtype))
     return dx
+
+
+@functools.lru_cache(maxsize=64)
+def _policy_matrices(dims: tuple, axes: tuple, sizes: tuple, roi: tuple | None, attrs: tuple,
+                     policy: str, name: str) -> dict:
+    """{axis: M (out x in)} of a Resize by static sizes with a keep_aspect_ratio_policy, from
+    onnxruntime's own kernel at build time (dims: x's shape, 1 on the axes not resized). The
+    policy picks one scale across the axes, which no resize of one axis alone reproduces, so
+    the node's Resize runs on probes of all its axes: along axis a one element of the identity,
+    along the others ones. Every row of an interpolation's weights sums to 1 (0 where
+    tf_crop_and_resize extrapolates: the probes extrapolate 0), so the output read where the
+    resize of ones is largest is a column of M_a. The matrices are checked against
+    onnxruntime's Resize of a random image, or the gradient is refused."""
+    from ..runtime import session
+    k = len(axes)
+    kw = dict(attrs, axes=list(axes), keep_aspect_ratio_policy=policy, extrapolation_value=0.0)
+    inits = [helper.make_tensor("roi", 1, [2 * k], list(roi or [0.0] * k + [1.0] * k)),
+             helper.make_tensor("sizes", 7, [k], list(sizes))]
+    node = helper.make_node("Resize", ["x", "roi", "", "sizes"], ["y"], **kw)
+    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info("x", 1, dims)],
+                              [helper.make_tensor_value_info("y", 1, None)], inits)
+    run = session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)],
+                                    ir_version=10))
+
+    def resize(x):
+        return run.run(["y"], {"x": np.asarray(x, np.float32)})[0].astype(np.float64)
+
+    try:
+        ones = resize(np.ones(dims))
+    except Exception as err:  # noqa: BLE001  (onnxruntime's own refusal of the attributes)
+        raise NotImplementedError(
+            f"Resize gradient at node {name!r}: onnxruntime's Resize does not run it "
+            f"(keep_aspect_ratio_policy={policy!r}, {dict(attrs)}): {err}") from None
+    at = np.unravel_index(int(np.argmax(ones)), ones.shape) if ones.size else None
+    mats = {}
+    for a in axes:
+        cols = []
+        for i in range(dims[a]):
+            probe = np.ones(dims)
+            probe[(slice(None),) * a + (slice(0, i),)] = 0
+            probe[(slice(None),) * a + (slice(i + 1, None),)] = 0
+            y = resize(probe) if at is not None else ones
+            cols.append(np.zeros(ones.shape[a]) if at is None else
+                        y[at[:a] + (slice(None),) + at[a + 1:]])
+        mats[a] = np.stack(cols, axis=1)
+    x = np.random.default_rng(0).standard_normal(dims)
+    got = x
+    for a in axes:
+        got = np.moveaxis(np.tensordot(mats[a], np.moveaxis(got, a, 0), axes=1), 0, a)
+    want = resize(x)
+    if got.shape != want.shape or (want.size and np.abs(got - want).max() > 1e-4 * max(
+            1.0, np.abs(want).max())):
+        raise NotImplementedError(
+            f"Resize gradient at node {name!r}: onnxruntime's Resize with "
+            f"keep_aspect_ratio_policy={policy!r} and {dict(attrs)} does not factor into one "
+            "interpolation matrix per axis here")
+    return mats
 
 
 def _elements(v):
