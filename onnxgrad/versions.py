@@ -5,13 +5,20 @@
   onnxgrad's own ops (the RNN family) are rebuilt at the new opset.
 - Its Clip 6 -> 11 adapter writes float32 bound Constants whatever x's dtype.
 - Its Upsample -> Resize adapter keeps Resize's default half_pixel coordinates, but Upsample maps
-  output i to input i / scale: asymmetric coordinates (and floor for nearest).
+  output i to input i / scale: asymmetric coordinates (and floor for nearest). Resize-10 is
+  carried over as is, with the same default: it too is asymmetric, and its nearest pixel is
+  onnxruntime's (and the spec's examples') ceil on a shrunk axis, floor on the others.
+- Hardmax before 13 coerces x to 2-D at ``axis`` (one-hot over the flattened trailing dims), and
+  the converter carries it over as Hardmax-13 (one-hot along ``axis`` alone); Softmax and
+  LogSoftmax get their Flatten / Reshape, Hardmax gets the same here.
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx
 
-from .inference import graphs_of, value_types
+from .errors import UnsupportedError
+from .inference import graphs_of, unique_name, value_types
 from .registry import attach_functions, own_domain
 
 
@@ -20,13 +27,20 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
     user = [(f.domain, f.name) for f in model.functions if not own_domain(f.domain)]
     if user:
         model = onnx.inliner.inline_selected_functions(model, user)
-    upsample = {n.output[0] for g in graphs_of(model.graph) for n in g.node
-                if n.op_type == "Upsample"}
+    old = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), version)
+    nodes = [n for g in graphs_of(model.graph) for n in g.node]
+    upsample = {n.output[0] for n in nodes if n.op_type == "Upsample"}
+    resize10 = {n.output[0] for n in nodes if n.op_type == "Resize" and old == 10}
+    hardmax = {n.output[0] for n in nodes if n.op_type == "Hardmax" and old < 13 <= version}
     out = onnx.version_converter.convert_version(model, version)
     del out.functions[:]  # (the converter keeps none; the rebuilt ones follow)
     graphs = graphs_of(out.graph)
-    for g in graphs:
+    taken = {o for g in graphs for n in g.node for o in [*n.output, n.name]}
+    for g in reversed(graphs):  # subgraphs first: a graph rewritten copies its nodes' subgraphs
         _fix_upsample(g, upsample)
+        _fix_resize10(g, resize10, taken)
+        _fix_hardmax(g, hardmax, taken)
+    graphs = graphs_of(out.graph)
     if any(n.op_type == "Clip" for g in graphs for n in g.node):
         _fix_clip_bounds(out, graphs)
     return attach_functions(out)
@@ -35,13 +49,81 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
 def _fix_upsample(graph: onnx.GraphProto, upsample: set):
     for n in graph.node:
         if n.op_type == "Resize" and n.output[0] in upsample:
-            keep = [a for a in n.attribute
-                    if a.name not in ("coordinate_transformation_mode", "nearest_mode")]
-            del n.attribute[:]
-            n.attribute.extend(keep)
-            n.attribute.append(onnx.helper.make_attribute("coordinate_transformation_mode",
-                                                          "asymmetric"))
-            n.attribute.append(onnx.helper.make_attribute("nearest_mode", "floor"))
+            _asymmetric(n, "floor")
+
+
+def _asymmetric(n: onnx.NodeProto, nearest: str):
+    keep = [a for a in n.attribute
+            if a.name not in ("coordinate_transformation_mode", "nearest_mode")]
+    del n.attribute[:]
+    n.attribute.extend(keep)
+    n.attribute.append(onnx.helper.make_attribute("coordinate_transformation_mode", "asymmetric"))
+    n.attribute.append(onnx.helper.make_attribute("nearest_mode", nearest))
+
+
+def _fix_resize10(graph: onnx.GraphProto, resize10: set, taken: set):
+    """Resize-10 as Resize-13: asymmetric; nearest takes ceil on the axes it shrinks and floor
+    on the others (onnxruntime's Resize-10), so scales that shrink some axes and enlarge others
+    become two Resizes (the interpolation is separable)."""
+    consts = {t.name: t for t in graph.initializer}
+    consts.update({n.output[0]: n.attribute[0].t for n in graph.node
+                   if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+    fixed = []
+    for n in graph.node:
+        if n.op_type != "Resize" or n.output[0] not in resize10:
+            fixed.append(n)
+            continue
+        mode = next((a.s.decode() for a in n.attribute if a.name == "mode"), "nearest")
+        if mode != "nearest":
+            _asymmetric(n, "floor")
+            fixed.append(n)
+            continue
+        scales = consts.get(n.input[2]) if len(n.input) > 2 else None
+        if scales is None:
+            raise UnsupportedError(
+                f"Resize-10 node {n.name or n.output[0]!r} (mode nearest) has scales known only "
+                "at run time: its nearest pixel (ceil on the axes it shrinks, floor on the "
+                "others) has no opset-13 form then; export the model at opset 11 or newer")
+        s = onnx.numpy_helper.to_array(scales).astype(float).ravel()
+        if (s >= 1).all() or (s <= 1).all():
+            _asymmetric(n, "floor" if (s >= 1).all() else "ceil")
+            fixed.append(n)
+            continue
+        shrink = unique_name(f"{n.output[0]}/shrink", taken)
+        names = [unique_name(f"{n.output[0]}/scales_{k}", taken) for k in ("shrink", "grow")]
+        for name, part in zip(names, (np.minimum(s, 1), np.maximum(s, 1))):
+            graph.initializer.append(onnx.numpy_helper.from_array(part.astype(np.float32), name))
+        first = onnx.NodeProto()
+        first.CopyFrom(n)
+        first.name, first.output[0] = shrink, shrink
+        first.input[2] = names[0]
+        _asymmetric(first, "ceil")
+        n.input[0], n.input[2] = shrink, names[1]
+        _asymmetric(n, "floor")
+        fixed += [first, n]
+    if len(fixed) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(fixed)
+
+
+def _fix_hardmax(graph: onnx.GraphProto, hardmax: set, taken: set):
+    """Hardmax before 13 as Flatten(axis) -> Hardmax(-1) -> Reshape to x's shape."""
+    helper = onnx.helper
+    fixed = []
+    for n in graph.node:
+        axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
+        if n.op_type != "Hardmax" or n.output[0] not in hardmax or axis == -1:
+            fixed.append(n)
+            continue
+        base = n.name or n.output[0]
+        shape, flat, hard = (unique_name(f"{base}/{k}", taken) for k in ("shape", "flat", "2d"))
+        fixed += [helper.make_node("Shape", [n.input[0]], [shape], name=shape),
+                  helper.make_node("Flatten", [n.input[0]], [flat], name=flat, axis=axis),
+                  helper.make_node("Hardmax", [flat], [hard], name=hard, axis=-1),
+                  helper.make_node("Reshape", [hard, shape], [n.output[0]], name=base)]
+    if len(fixed) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(fixed)
 
 
 def _fix_clip_bounds(model: onnx.ModelProto, graphs: list):

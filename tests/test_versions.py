@@ -192,3 +192,95 @@ def test_resize_after_a_run_time_reshape(opset, batch):
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
     onnx.checker.check_model(m, full_check=True)
     assert_gradients(m, "y", ["x"])
+
+
+# -- an upgrade keeps the forward: ops whose meaning changed across opsets ------------------------
+@st.composite
+def old_ops(draw):
+    """(nodes, initializers, input shape, opset) of one op whose semantics the version converter
+    does not carry over by itself: Resize-10 (asymmetric; nearest ceil on a shrunk axis, floor
+    elsewhere), Upsample-9, Hardmax / Softmax / LogSoftmax before 13 (2-D coercion at axis); and
+    ops whose attributes became inputs (Slice-1, Pad-2, ReduceSum-11, Clip-6, Squeeze-11)."""
+    kind = draw(st.sampled_from(["Resize", "Upsample", "Hardmax", "Softmax", "LogSoftmax",
+                                 "Slice", "Pad", "ReduceSum", "Clip", "Squeeze"]))
+    if kind in ("Resize", "Upsample"):
+        pick = [0.5, 0.6, 0.7, 1.0, 1.5, 1.7, 2.0] if kind == "Resize" else [1.0, 1.5, 2.0, 3.0]
+        scales = np.array([1, 1] + draw(st.lists(st.sampled_from(pick), min_size=2, max_size=2)),
+                          np.float32)
+        mode = draw(st.sampled_from(["nearest", "linear"]))
+        node = helper.make_node(kind, ["x", "scales"], ["y"], mode=mode)
+        inits = [numpy_helper.from_array(scales, "scales")]
+        return [node], inits, [1, 2, 5, 7], 10 if kind == "Resize" else 9
+    rank = draw(st.integers(2, 4))
+    axis = draw(st.integers(-rank, rank - 1))
+    shape = [2, 3, 4, 3][:rank]
+    if kind == "Slice":
+        node = helper.make_node(kind, ["x"], ["y"], starts=[1], ends=[draw(st.integers(-1, 3))],
+                                axes=[axis])
+    elif kind == "Pad":
+        node = helper.make_node(kind, ["x"], ["y"], pads=[0, 1] * rank,
+                                mode=draw(st.sampled_from(["constant", "reflect", "edge"])))
+    elif kind == "ReduceSum":
+        node = helper.make_node(kind, ["x"], ["y"], axes=[axis], keepdims=draw(st.integers(0, 1)))
+    elif kind == "Clip":
+        node = helper.make_node(kind, ["x"], ["y"], min=3.0, max=9.0)
+    elif kind == "Squeeze":
+        shape[axis] = 1
+        node = helper.make_node(kind, ["x"], ["y"], axes=[axis])
+    else:
+        node = helper.make_node(kind, ["x"], ["y"], axis=axis)
+    return [node], [], shape, 9 if kind in ("Slice", "Pad", "Clip") else draw(
+        st.sampled_from([11, 12]))
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(old_ops(), st.integers(0, 2**16))
+def test_an_upgrade_keeps_the_forward(case, seed):
+    """gradients() upgrades models below opset 13 with onnx's version converter; the returned
+    model must compute what the input model computes on onnxruntime. Resize-10 came out with
+    half_pixel coordinates and Hardmax-11/12 one-hot along axis alone: other functions, and
+    their gradients, silently."""
+    from onnxgrad.runtime import session
+    nodes, inits, shape, opset = case
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, shape)],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=6)
+    # distinct values: no ties for Hardmax
+    x = np.random.default_rng(seed).permutation(np.prod(shape)).reshape(shape).astype(np.float32)
+    want = session(m).run(["y"], {"x": x})[0]
+    res = onnxgrad.gradients(m, "y", "x")
+    y, dx = session(res.model).run(["y", res.grads[0]], {"x": x})
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+    assert dx.shape == x.shape
+
+
+def test_resize_10_nearest_with_run_time_scales_is_refused():
+    g = helper.make_graph([helper.make_node("Resize", ["x", "s"], ["y"], mode="nearest")], "g",
+                          [helper.make_tensor_value_info("x", TP.FLOAT, [1, 1, 4, 4]),
+                           helper.make_tensor_value_info("s", TP.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 10)], ir_version=6)
+    with pytest.raises(onnxgrad.UnsupportedError, match="Resize-10 .* run time"):
+        onnxgrad.gradients(m, "y", "x")
+
+
+def test_hardmax_11_in_a_subgraph_and_its_parent_keep_their_forward():
+    """A graph rewritten (its Hardmax made 2-D) copies its nodes: the subgraphs are fixed first."""
+    from onnxgrad.runtime import session
+
+    def branch(name):
+        return helper.make_graph([helper.make_node("Hardmax", ["h"], [f"{name}_o"], axis=1)],
+                                 name, [], [helper.make_tensor_value_info(f"{name}_o", TP.FLOAT,
+                                                                          [2, 3, 4])])
+    nodes = [helper.make_node("Hardmax", ["x"], ["h"], axis=1),
+             helper.make_node("If", ["c"], ["o"], then_branch=branch("t"), else_branch=branch("e")),
+             helper.make_node("Mul", ["o", "x"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, [2, 3, 4]),
+                                       helper.make_tensor_value_info("c", TP.BOOL, [])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, [2, 3, 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 11)], ir_version=6)
+    feeds = {"x": np.random.default_rng(1).permutation(24).reshape(2, 3, 4).astype(np.float32),
+             "c": np.array(True)}
+    res = onnxgrad.gradients(m, "y", "x")
+    np.testing.assert_array_equal(session(res.model).run(["y"], feeds)[0],
+                                  session(m).run(["y"], feeds)[0])
