@@ -309,19 +309,45 @@ def _describe(exc: BaseException) -> str | None:
     return None
 
 
-def _keep_input_data(args) -> None:
-    """An output naming a file the input model keeps its weights in (external data) would
-    replace them with the output, and the input would then load garbage: refused."""
-    model = getattr(args, "model", None)
-    # (only an existing file can hold them: a new output costs no second read of the model)
-    outputs = [o for o in (getattr(args, k, None) for k in ("output", "gradient"))
-               if isinstance(o, str) and os.path.isfile(o)]
-    if not isinstance(model, str) or not outputs:
+_INPUTS = {"model": "the input model", "data": "the training data", "feeds": "the feeds",
+           "resume": "the checkpoint resumed from", "source": "the TensorFlow graph"}
+_OUTPUTS = {"output": "-o", "gradient": "--gradient", "checkpoint": "--checkpoint",
+            "plot": "--plot"}
+
+
+def _keep_inputs(args) -> None:
+    """No output may name a file the command reads (the model and the files of its external
+    weights, the data, the feeds) or another output: the run wrote over what it read, or one
+    output over another, and exited 0. (--checkpoint may be the --resume file: training goes
+    on writing the checkpoint it resumed from.)"""
+    outs = [(flag, getattr(args, k)) for k, flag in _OUTPUTS.items()
+            if isinstance(getattr(args, k, None), str)]
+    if not outs:
         return
     from .errors import WriteError
+    if getattr(args, "target", None) == "web":  # the step, and its model and manifest beside it
+        from .training.webstep import paths
+        outs += [("-o", p) for p in list(paths(args.output).values())[1:]]
+    ins = [(k, getattr(args, k)) for k in _INPUTS if isinstance(getattr(args, k, None), str)]
+    where = {k: os.path.realpath(p) for k, p in ins}
+    for i, (flag, o) in enumerate(outs):
+        real = os.path.realpath(o)
+        for flag2, o2 in outs[i + 1:]:
+            if real == os.path.realpath(o2):
+                raise InvalidArgumentError(f"{flag} and {flag2} name the same file {o}: "
+                                           "one would overwrite the other")
+        for k, p in ins:
+            if real == where[k] and not (k == "resume" and flag == "--checkpoint"):
+                raise WriteError(o, f"it is {_INPUTS[k]} ({flag} would overwrite it); choose "
+                                    "another file")
+    model = getattr(args, "model", None)
+    # (only an existing file can hold its weights: a new output costs no second read of it)
+    existing = [o for _, o in outs if os.path.isfile(o)]
+    if not isinstance(model, str) or not existing:
+        return
     from .storage import destination, external_data_files
     data = external_data_files(model)
-    for o in outputs:
+    for o in existing:
         if destination(o) in data:
             raise WriteError(o, f"it holds the external data (the weights) of {model}; "
                                 "choose another file")
@@ -334,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command is None:
             raise UsageError(f"give a command (see '{PROG} --help')")
-        _keep_input_data(args)
+        _keep_inputs(args)
         return args.func(args, out)
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else 0

@@ -767,7 +767,7 @@ def test_concurrent_checkpoints(tmp_path):
 
 
 # -- generated cases (hypothesis): the classes above, beyond the examples -------------------------
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from onnxgrad.training.losses import check_labels  # noqa: E402
@@ -848,3 +848,64 @@ def test_new_files_get_the_umask_mode(tmp_path):
     finally:
         os.umask(old)
     assert os.stat(tmp_path / "m.onnx").st_mode & 0o777 == 0o640
+
+
+_OUTPUT_FLAGS = ["-o", "--checkpoint", "--plot"]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.sampled_from(_OUTPUT_FLAGS), st.sampled_from(["model", "data", "-o", "--checkpoint",
+                                                        "--plot"]))
+def test_an_output_naming_an_input_or_another_output_is_refused(tmp_path_factory, flag, victim):
+    """`train --checkpoint model.onnx` (or data.npz, or -o's file) wrote over the input model,
+    the data or the other output, exit 0. Every output of `train` against every file it reads
+    and every other output: refused, and nothing is written."""
+    assume(flag != victim)
+    d = tmp_path_factory.mktemp("clash")
+    (d / "clf.onnx").write_bytes(classifier().SerializeToString())
+    rng = np.random.default_rng(0)
+    np.savez(d / "data.npz", x=rng.standard_normal((8, 4)).astype(np.float32),
+             y=rng.integers(0, 3, 8))
+    paths = {"model": d / "clf.onnx", "data": d / "data.npz"}
+    outs = {f: d / f"out{k}" for k, f in enumerate(_OUTPUT_FLAGS)}
+    outs[flag] = paths.get(victim, outs.get(victim))
+    before = digest(d)
+    argv = ["train", str(paths["model"]), "--loss", "cross_entropy", "--data", str(paths["data"]),
+            "--no-progress"] + [str(a) for f, p in outs.items() for a in (f, p)]
+    assert main(argv) == 2
+    assert digest(d) == before
+
+
+def test_checkpoint_may_be_the_file_resumed_from(tmp_path, capsys):
+    (tmp_path / "clf.onnx").write_bytes(classifier().SerializeToString())
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((8, 4)).astype(np.float32),
+             y=rng.integers(0, 3, 8))
+    base = ["train", str(tmp_path / "clf.onnx"), "--loss", "cross_entropy", "--data",
+            str(tmp_path / "data.npz"), "--no-progress", "-o", str(tmp_path / "o.onnx"),
+            "--checkpoint", str(tmp_path / "ck.npz")]
+    assert main(base) == 0
+    assert main(base + ["--resume", str(tmp_path / "ck.npz"), "--epochs", "2"]) == 0, \
+        capsys.readouterr().err
+
+
+def test_export_train_step_outputs_may_not_collide(tmp_path, capsys):
+    """`export-train-step -o step.onnx --gradient step.onnx` left the gradient graph where the
+    step was asked for, exit 0."""
+    (tmp_path / "clf.onnx").write_bytes(classifier().SerializeToString())
+    step = str(tmp_path / "step.onnx")
+    assert main(["export-train-step", str(tmp_path / "clf.onnx"), "--loss", "cross_entropy",
+                 "-o", step, "--gradient", step]) == 2
+    assert "name the same file" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["clf.onnx"]
+
+
+def test_web_export_beside_its_input_model_is_refused(tmp_path, capsys):
+    """The web target writes STEP.model.onnx beside -o STEP.onnx: over the input model there."""
+    model = tmp_path / "step.model.onnx"
+    model.write_bytes(classifier().SerializeToString())
+    before = model.read_bytes()
+    assert main(["export-train-step", str(model), "--loss", "cross_entropy", "-o",
+                 str(tmp_path / "step.onnx"), "--target", "web"]) == 2
+    assert "it is the input model" in capsys.readouterr().err
+    assert model.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["step.model.onnx"]
