@@ -695,3 +695,25 @@ def test_emitter_sums_over_leading_axes_as_a_product_generated(case):
     (got,) = session(model).run(None, {"x": xv})
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from([0.0, 1.0, -1.0, 2.0, 0.5]), min_size=4, max_size=4),
+       st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, -1.0]), min_size=4, max_size=4),
+       st.sampled_from(["input", "constant", "int64"]))
+def test_pow_matches_torch_at_zero_bases_and_exponents(a, b, form):
+    """0 ** 0 is 1 for every base: its gradient is 0 there (torch, TF), not 0 * 0 ** -1 = NaN.
+    Exponents fed, constant or integer; the bases include 0 and negatives."""
+    torch = pytest.importorskip("torch")
+    a, b = np.array(a, F32), np.array(b, F32)
+    if form == "input":
+        m = op_model("Pow", {"a": (F32, [4]), "b": (F32, [4])})
+        feeds = {"a": a, "b": b}
+    else:
+        bv = b.astype(np.int64) if form == "int64" else b
+        m = op_model("Pow", {"a": (F32, [4])}, inits={"c": bv})
+        feeds = {"a": a}
+    (ga,), _ = grads_of(m, "y", ["a"], feeds)
+    ta = torch.tensor(a, requires_grad=True)
+    torch.pow(ta, torch.tensor(b)).sum().backward()
+    np.testing.assert_allclose(ga, ta.grad.numpy(), rtol=1e-6, atol=0)

@@ -619,6 +619,17 @@ def _transpose_geo(n, k, s, d, x, g):
         b = [t // 2 if upper else t - t // 2 for t in total]
         end = [si * (di - 1) + eki - bi - oi for si, di, eki, bi, oi in zip(s, dims, ek, b, out)]
     elif auto in ("SAME_UPPER", "SAME_LOWER"):  # y is x*s long
+        if any(op) or (k is not None and any(eki < si for eki, si in zip(ek, s))):
+            # onnx's shape inference makes y x*s + output_padding long, onnxruntime x*s; and
+            # a kernel shorter than the stride pads by a negative amount, which onnxruntime
+            # takes and the gradient's Conv cannot: a gradient sized either way is wrong
+            raise NotDifferentiableError(
+                n.node.op_type, n.node.domain, n.opset, n.node.name, [],
+                reason=f"auto_pad {auto} with " + (
+                    "output_padding: onnxruntime and onnx's shape inference size its output "
+                    "differently" if any(op) else "a kernel shorter than the stride: "
+                    "onnxruntime pads it by a negative amount") + "; give pads (auto_pad "
+                "NOTSET) instead")
         if k is None:
             total = e.Max(ek + [o - si for o, si in zip(op, s)], 0)
             half = e.Div(total, 2)

@@ -5,6 +5,8 @@ Each entry is ``op: lambda n, g: <gradient of each input>``; ``n.x`` is input 0,
 """
 import math
 
+import numpy as np
+
 from ..registry import register, table
 from .spec import no_gradient
 
@@ -69,6 +71,9 @@ def _pow(n, g):
     a, b = n.ins
     bf = b if b.dtype == a.dtype else n.e.Cast(b, to=a.dtype)
     da = g * bf * n.e.Pow(a, bf - 1)
+    known = n.const(1)
+    if known is None or not np.all(known != 0):  # a^0 is 1: 0, not 0 * 0^-1 = NaN, at a = 0
+        da = _mask(n, n.e.Not(n.e.Equal(bf, n.e.const(0, a.dtype))), da)
     # d/db a^b = a^b log a; defined as 0 where a <= 0 (as TF does) instead of NaN
     db = _mask(n, n.e.Greater(a, n.e.const(0, a.dtype)), g * n.y * n.e.Log(a))
     if b.dtype != a.dtype:  # a float exponent of another float type gets a gradient of its type
