@@ -32,7 +32,13 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
     upsample = {n.output[0] for n in nodes if n.op_type == "Upsample"}
     resize10 = {n.output[0] for n in nodes if n.op_type == "Resize" and old == 10}
     hardmax = {n.output[0] for n in nodes if n.op_type == "Hardmax" and old < 13 <= version}
-    out = onnx.version_converter.convert_version(model, version)
+    try:
+        out = onnx.version_converter.convert_version(model, version)
+    except (RuntimeError, onnx.checker.ValidationError) as err:  # an adapter's own assertion
+        why = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise UnsupportedError(f"onnx's version converter cannot upgrade the model from opset "
+                               f"{old} to {version}: {why}; export it at opset {version} or "
+                               "newer") from None
     del out.functions[:]  # (the converter keeps none; the rebuilt ones follow)
     graphs = graphs_of(out.graph)
     taken = {o for g in graphs for n in g.node for o in [*n.output, n.name]}

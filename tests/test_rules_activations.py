@@ -159,6 +159,19 @@ def test_prelu_constant_slope():
     assert_gradients(m, "y", ["x", "slope"], {"x": rand([4, 3], away=(0,), seed=1)})
 
 
+@pytest.mark.parametrize("sx,ss", [([3, 4], [2, 3, 4]), ([1, 4], [3, 4])])
+def test_prelu_slope_that_does_not_broadcast_to_x_is_refused(sx, ss):
+    """onnxruntime broadcasts PRelu both ways (y larger than X, out of the schema); the gradient
+    model, typed by onnx's inference as X's shape, failed the checker and onnxruntime."""
+    g = helper.make_graph([helper.make_node("PRelu", ["x", "s"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", 1, sx),
+                           helper.make_tensor_value_info("s", 1, ss)],
+                          [helper.make_tensor_value_info("y", 1, sx)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 16)], ir_version=8)
+    with pytest.raises(onnxgrad.NotDifferentiableError, match="does not broadcast to X"):
+        onnxgrad.gradients(m, "y", ["x", "s"])
+
+
 # -- Softmax / LogSoftmax -------------------------------------------------------------------------
 SOFTMAX_AXES = [None, 0, 1, 2, -1, -2, -3]
 SM_CASES = [(op, a, o) for op in ["Softmax", "LogSoftmax"] for a in SOFTMAX_AXES for o in (13, 18)]

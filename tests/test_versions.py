@@ -284,3 +284,19 @@ def test_hardmax_11_in_a_subgraph_and_its_parent_keep_their_forward():
     res = onnxgrad.gradients(m, "y", "x")
     np.testing.assert_array_equal(session(res.model).run(["y"], feeds)[0],
                                   session(m).run(["y"], feeds)[0])
+
+
+def test_an_upgrade_the_converter_cannot_make_is_a_clear_refusal():
+    """BatchNormalization-7 with spatial=0 tripped an assertion inside onnx's converter: a raw
+    RuntimeError reached the user."""
+    g = helper.make_graph([helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"],
+                                            ["y"], spatial=0)], "g",
+                          [helper.make_tensor_value_info(k, TP.FLOAT, [3, 2, 4] if k == "x"
+                                                         else [2, 4]) for k in "xsbmv"],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, [3, 2, 4])],
+                          [numpy_helper.from_array(np.ones((2, 4), np.float32), k)
+                           for k in "sbmv"])  # (IR 3: initializers are graph inputs too)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 7)], ir_version=3)
+    with pytest.raises(onnxgrad.UnsupportedError, match="version converter cannot upgrade .* "
+                       "spatial"):
+        onnxgrad.gradients(m, "y", "x")

@@ -4,6 +4,7 @@ Attribute defaults come from the ONNX schema (``spec.attr``): the float32 consta
 uses, not more exact ones."""
 import math
 
+from ..errors import NotDifferentiableError
 from ..registry import register, table
 from .spec import attr
 
@@ -64,11 +65,26 @@ def _shrink(n, g):
     return _where(n, out, g, e.const(0, g.dtype))
 
 
+def _prelu(n, g):
+    x, slope = n.x, n.ins[1]
+    xs, ss = x.shape, slope.shape
+    if xs is not None and ss is not None and (len(ss) > len(xs) or any(
+            isinstance(a, int) and isinstance(b, int) and a not in (1, b)
+            for a, b in zip(reversed(list(ss)), reversed(list(xs))))):
+        # onnxruntime broadcasts both ways, making y larger than X: out of the schema, and
+        # onnx's inference (y is X's shape) then types the gradient wrongly
+        raise NotDifferentiableError(
+            n.node.op_type, n.node.domain, n.opset, n.node.name, [],
+            reason=f"its slope {list(ss)} does not broadcast to X {list(xs)}, as the schema "
+                   "requires")
+    return (_where(n, _pos(n), g, g * slope),
+            n.sum_to(_where(n, _pos(n), n.e.const(0, g.dtype), g * x), slope))
+
+
 table({
     "Relu": _relu,
     "LeakyRelu": lambda n, g: _where(n, _pos(n), g, g * attr(n, "alpha")),
-    "PRelu": lambda n, g: (_where(n, _pos(n), g, g * n.ins[1]),
-                           n.sum_to(_where(n, _pos(n), n.e.const(0, g.dtype), g * n.x), n.ins[1])),
+    "PRelu": _prelu,
     "Elu": lambda n, g: _where(n, _pos(n), g, g * (n.y + attr(n, "alpha"))),
     "Selu": lambda n, g: _where(n, _pos(n), g * attr(n, "gamma"),
                                 g * (n.y + attr(n, "gamma") * attr(n, "alpha"))),
