@@ -21,9 +21,11 @@ step -> updated params and state).
 """
 from __future__ import annotations
 
+import ast
 import json
-
+import logging
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +43,7 @@ from .fast_forms import small_image_convs, zero_dropouts
 from .optimizers import AdamW, Builder, Optimizer, Scalars, Slot, check_number, clip_grad_norm
 
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
+_log = logging.getLogger("onnxgrad.training")
 
 
 @dataclass
@@ -61,6 +64,9 @@ class TrainStep:
     frozen: list[str] = field(default_factory=list)
     grad_weight: str | None = None     # input of the accumulate graph: the micro-batch weight
     unconnected: list[str] = field(default_factory=list)  # float initializers with no gradient
+    # float initializers the default (params=None) does not train: {name: why} (see
+    # default_params); empty when params were given
+    left_out: dict[str, str] = field(default_factory=dict)
 
     def initial_state(self, params: dict | None = None) -> dict[str, np.ndarray]:
         """Zeros for every state tensor, shaped like its parameter."""
@@ -93,25 +99,128 @@ def with_defaults(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx
 WEIGHTS_KEY = "onnxgrad.weights"
 
 
-def float_initializers(model: onnx.ModelProto) -> list[str]:
-    """The initializers trained by default: the model's weights when its metadata lists them
-    (``WEIGHTS_KEY``), else every float initializer."""
-    floats = [t.name for t in model.graph.initializer if t.data_type in _FLOATS]
+# what torch.export (torch.onnx.export(dynamo=True)) records of each tensor it lifted from the
+# module, and the onnxscript optimizer of each initializer it folded
+_TORCH_SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
+_TORCH_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
+_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
+
+
+def default_params(model: onnx.ModelProto) -> tuple[list[str], dict[str, str]]:
+    """The initializers trained when ``params`` is not given, and those left out ({name: why}).
+
+    The rule: the float initializers that are the model's parameters, as the exporter recorded
+    them where it did: the list under ``WEIGHTS_KEY`` (the TF converter's variables); for a
+    torch.export model (``torch.onnx.export(dynamo=True)``, which tags what it lifted) the
+    tensors tagged PARAMETER, and those the optimizer folded from one (a transposed weight),
+    as ``named_parameters()`` gives them, not buffers, constant tensors nor the Python scalars
+    of the forward (``val_0``); else every float initializer. Never, whatever the exporter:
+    a BatchNormalization's running mean and variance (inputs 3 and 4; buffers, updated by
+    statistics, not by gradients), nor an initializer holding NaN or inf (a mask of -inf: no
+    finite update exists, and it could be neither checkpointed nor exported). Pass ``params``
+    or ``frozen`` to choose otherwise."""
+    left_out: dict[str, str] = {}
+    floats = [t for t in model.graph.initializer if t.data_type in _FLOATS]
     listed = next((p.value for p in model.metadata_props if p.key == WEIGHTS_KEY), None)
-    if listed is None:
-        return floats
-    weights = set(json.loads(listed))
-    return [n for n in floats if n in weights]
+    torch_params = _torch_parameters(model)
+    if listed is not None:
+        weights = set(json.loads(listed))
+        for t in floats:
+            if t.name not in weights:
+                left_out[t.name] = f"not among the model's weights ({WEIGHTS_KEY})"
+    elif torch_params is not None:
+        params, tags = torch_params
+        for t in floats:
+            kind, folded = tags.get(t.name, (None, None))
+            if t.name in params or kind == "PARAMETER" or (folded and params & set(folded)):
+                continue
+            left_out[t.name] = (f"a torch.export {kind}, not a parameter" if kind else
+                                f"folded from {folded}, none of them a parameter" if folded
+                                else "a constant of the torch.export program, not a parameter")
+    stats = _bn_statistics(model)
+    for t in floats:
+        if t.name in left_out:
+            continue
+        if t.name in stats:
+            left_out[t.name] = f"a BatchNormalization running statistic (of {stats[t.name]!r})"
+            if torch_params is not None and listed is None:
+                # torch.export's optimizer merges equal tensors: a fresh BatchNorm's weight
+                # (ones) and running_var (ones) become one initializer
+                left_out[t.name] += (", though torch.export tags it a PARAMETER: the exporter "
+                                     "merged it with the statistic, and training it would "
+                                     "change both (params=[...] trains it all the same)")
+        elif not np.isfinite(numpy_helper.to_array(t)).all():
+            left_out[t.name] = "holds NaN or inf"
+    if left_out:
+        _log.debug("not trained by default: %s", "; ".join(f"{k} ({v})"
+                                                           for k, v in left_out.items()))
+    return [t.name for t in floats if t.name not in left_out], left_out
 
 
-def _resolve_params(m: onnx.ModelProto, params, frozen) -> tuple[list[str], list[str]]:
+def float_initializers(model: onnx.ModelProto) -> list[str]:
+    """The initializers trained by default (:func:`default_params`)."""
+    return default_params(model)[0]
+
+
+def _torch_parameters(model: onnx.ModelProto):
+    """For a torch.export model: (the parameters' names, {value: (kind tag, folded_from)});
+    None for any other model."""
+    sig = next((p.value for p in model.graph.metadata_props if p.key == _TORCH_SIGNATURE), None)
+    g = model.graph
+    tags = {}
+    for v in [*g.input, *g.value_info, *g.initializer]:
+        meta = {p.key: p.value for p in v.metadata_props}
+        kind, folded = meta.get(_TORCH_KIND), meta.get(_FOLDED_FROM)
+        if folded is not None:
+            try:
+                folded = [str(x) for x in ast.literal_eval(folded)]
+            except (ValueError, SyntaxError, TypeError):
+                folded = None
+        if kind or folded:
+            tags[v.name] = (kind, folded)
+    if sig is None and not any(k for k, _ in tags.values()):
+        return None
+    # "p_fc_weight: PARAMETER target='fc.weight'": targets are the initializers' names
+    params = set(re.findall(r"^\s*\S+: PARAMETER target='([^']*)'", sig or "", re.M))
+    params |= {n for n, (k, _) in tags.items() if k == "PARAMETER"}
+    return params, tags
+
+
+def _bn_statistics(model: onnx.ModelProto) -> dict[str, str]:
+    """{name: node} of the tensors read as a BatchNormalization's running mean or variance, in
+    the graph, its subgraphs, and the model's functions as they are called."""
+    funcs = {(f.domain, f.name): f for f in model.functions}
+    out: dict[str, str] = {}
+
+    def walk(nodes, outer, depth):
+        # outer: a function body's formal inputs -> the caller's names (None: the main graph)
+        def name(x):
+            return x if outer is None else outer.get(x)
+        for n in nodes:
+            if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx"):
+                for i in (3, 4):
+                    if len(n.input) > i and n.input[i] and name(n.input[i]):
+                        out.setdefault(name(n.input[i]), n.name or n.op_type)
+            for a in n.attribute:
+                for sub in ([a.g] if a.HasField("g") else list(a.graphs)):
+                    walk(sub.node, outer, depth)
+            f = funcs.get((n.domain, n.op_type))
+            if f is not None and depth < 16:
+                walk(f.node, {fi: name(ai) for fi, ai in zip(f.input, n.input) if ai}, depth + 1)
+    walk(model.graph.node, None, 0)
+    return out
+
+
+def _resolve_params(m: onnx.ModelProto, params, frozen):
     inits = {t.name: t for t in m.graph.initializer}
     frozen = list(frozen or [])
     for f in frozen:
         if f not in inits:
             raise InvalidArgumentError(f"frozen: no initializer named {f!r}")
+    left_out: dict[str, str] = {}
     if params is None:
-        chosen = [n for n in float_initializers(m) if n not in set(frozen)]
+        chosen, left_out = default_params(m)
+        chosen = [n for n in chosen if n not in set(frozen)]
     else:
         chosen = [params] if isinstance(params, str) else list(params)
         for p in chosen:
@@ -122,7 +231,7 @@ def _resolve_params(m: onnx.ModelProto, params, frozen) -> tuple[list[str], list
         chosen = [p for p in chosen if p not in set(frozen)]
     if len(set(chosen)) != len(chosen):
         raise InvalidArgumentError("params: a name is listed twice")
-    return chosen, frozen
+    return chosen, frozen, left_out
 
 
 def _check_loss(m: onnx.ModelProto, loss: str):
@@ -133,6 +242,27 @@ def _check_loss(m: onnx.ModelProto, loss: str):
         outs = [o.name for o in m.graph.output]
         raise InvalidArgumentError(f"loss: no tensor named {loss!r} in the model (its outputs: "
                                    f"{outs})")
+
+
+def _check_loss_is_scalar(m: onnx.ModelProto, loss: str) -> None:
+    """The gradients of a tensor of many elements are those of its sum: a step would descend
+    sum(y), and a Trainer could not read it back; only a scalar (or a shape not known) goes."""
+    vi = next((v for v in [*m.graph.output, *m.graph.value_info]
+               if v.name == loss and v.type.tensor_type.HasField("shape")), None)
+    if vi is None:
+        try:
+            inferred = onnx.shape_inference.infer_shapes(m)
+        except Exception:  # noqa: BLE001  (an unknown shape is checked at run time)
+            return
+        vi = next((v for v in [*inferred.graph.output, *inferred.graph.value_info]
+                   if v.name == loss and v.type.tensor_type.HasField("shape")), None)
+    if vi is None or not vi.type.tensor_type.shape.dim:
+        return
+    dims = [d.dim_value if d.HasField("dim_value") else d.dim_param or "?"
+            for d in vi.type.tensor_type.shape.dim]
+    raise InvalidArgumentError(f"loss: {loss!r} has shape {dims}, not a scalar: the loss must "
+                               "be a scalar (rank 0), e.g. a ReduceMean or ReduceSum of it "
+                               "with keepdims=0, or a loss kind (mse, cross_entropy, ...)")
 
 
 def _params_to_inputs(m: onnx.ModelProto, params: list[str]) -> dict[str, np.ndarray]:
@@ -217,13 +347,16 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
     not depend on are left as initializers and listed in ``unconnected``."""
     m = load(model)
     _check_loss(m, loss)
-    chosen, frozen = _resolve_params(m, params, frozen)
+    chosen, frozen, left_out = _resolve_params(m, params, frozen)
     if not chosen:
-        raise InvalidArgumentError("no parameters to train: the model has no float initializers "
-                                   "(or all are frozen)")
+        raise InvalidArgumentError(
+            "no parameters to train: the model has no float initializers (or all are frozen)"
+            + (f"; left out by default: {left_out} (pass params=[...] to train them)"
+               if left_out else ""))
     # the parameters become graph inputs first: gradients() then sees a small model (no weight
     # data, whatever the model's size) and the step graph reads them as inputs
     values = _params_to_inputs(m, chosen)
+    _check_loss_is_scalar(m, loss)  # after the move: the model holds no weights to infer over
     m = _inline_functions(m)
     _expose_pool_indices(m)
     small_image_convs(m, set(chosen), _taken(m.graph))
@@ -242,10 +375,13 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
         gm.graph.initializer.extend(numpy_helper.from_array(values.pop(p), p)
                                     for p in unconnected)
     _prune(gm, [loss, *grads], [])
-    data = [v.name for v in gm.graph.input if v.name not in values]
+    # an initializer that is also an input (IR < 4 models, keep_initializers_as_inputs) and is
+    # not trained is an input with a default, not data each batch must feed
+    defaults = {t.name for t in gm.graph.initializer}
+    data = [v.name for v in gm.graph.input if v.name not in values and v.name not in defaults]
     return TrainStep(model=gm, loss=loss, data_inputs=data, params=params_ok, param_outputs=[],
                      grads=grads, lr=None, step=None, initial_params=values, frozen=frozen,
-                     unconnected=unconnected)
+                     unconnected=unconnected, left_out=left_out)
 
 
 def _inline_functions(m: onnx.ModelProto) -> onnx.ModelProto:
@@ -337,7 +473,12 @@ def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
     ok = None
     if loss is not None and optimizer.slots:
         b.prefix = "optimizer"
-        ok = b.op("Not", b.op("Or", b.op("IsNaN", loss), b.op("IsInf", loss)))
+        kind = next((o.type.tensor_type.elem_type for o in gm.graph.output if o.name == loss),
+                    None)
+        # IsInf takes float16 and bfloat16 only from opset 20: a half loss is checked widened
+        seen = b.op("Cast", loss, to=TensorProto.FLOAT) if kind in (
+            TensorProto.FLOAT16, TensorProto.BFLOAT16) else loss
+        ok = b.op("Not", b.op("Or", b.op("IsNaN", seen), b.op("IsInf", seen)))
     sc = Scalars(b, lr, step, SCALAR_DTYPES[scalars], ok)
     dtypes = [_dtype_of(gm, p) for p in desc.params]
     if clip_norm is not None:
@@ -392,9 +533,14 @@ def build_train_step(model, loss: str, params=None, optimizer: Optimizer | None 
                      scalars: str = "float64") -> TrainStep:
     """One ONNX model that takes a training step: see the module doc.
 
-    ``model`` (a ModelProto or a path) must compute ``loss`` (a scalar; the loss helpers in
-    :mod:`onnxgrad.training.losses` attach one). ``params``: initializer names to train (None:
-    every float initializer, minus ``frozen``). ``optimizer``: an :class:`Optimizer` (default
+    ``model`` (a ModelProto or a path) must compute ``loss`` (a scalar, else an
+    InvalidArgumentError; the loss helpers in :mod:`onnxgrad.training.losses` attach one).
+    ``params``: initializer names to train (None: the model's parameters as
+    :func:`default_params` finds them: float initializers, not BatchNormalization running
+    statistics, not ones holding NaN or inf, and for a torch.export model only its PARAMETERs;
+    the description's ``left_out`` names the rest; minus ``frozen``). An initializer not trained
+    that the model also lists as an input keeps its default, and is no data input.
+    ``optimizer``: an :class:`Optimizer` (default
     AdamW()). ``clip_norm``: clip the gradients' global 2-norm first. ``scalars``: the type of
     lr and of the optimizer's scalar arithmetic, "float64" or "float32" (for runtimes without
     float64 kernels, such as onnxruntime-web's WebGPU builds)."""
@@ -478,7 +624,8 @@ def build_apply_model(grad_desc: TrainStep, optimizer: Optimizer | None = None,
         grads.append(name)
     desc = TrainStep(model=gm, loss="", data_inputs=[], params=list(grad_desc.params),
                      param_outputs=[], grads=grads, initial_params=vals,
-                     frozen=grad_desc.frozen, unconnected=grad_desc.unconnected)
+                     frozen=grad_desc.frozen, unconnected=grad_desc.unconnected,
+                     left_out=dict(grad_desc.left_out))
     _add_optimizer(gm, desc, grads, optimizer, clip_norm, taken)
     _reorder_inputs(gm, desc.params + grads + desc.state + [desc.lr, desc.step])
     onnx.checker.check_model(gm)

@@ -19,9 +19,13 @@ place (:mod:`onnxgrad.training.fused`; the same arithmetic as the optimizer grap
 parameters are then one set. Split steps (below) take it in place of their optimizer graph.
 
 Gradient accumulation (``accumulation_steps=k``): the batch is split into k micro-batches; an
-accumulating gradient graph adds w_i * grad_i into running sums on the device (w_i = n_i / N, so
-for a loss that is a mean over rows the sums are exactly the big batch's gradient, up to float
-rounding), then the optimizer graph applies them once. The reported loss is sum(w_i * loss_i).
+accumulating gradient graph adds w_i * grad_i into running sums on the device, then the
+optimizer graph applies them once. The reported loss is sum(w_i * loss_i). w_i is what makes
+both the big batch's, up to float rounding, for every built-in loss: norm_i / norm, where a
+loss's norm is what it divides its sum by (rows for a mean: every row has as many elements; the
+summed weights of the targets for a cross_entropy with class weights or ignore_index), and 1
+for reduction="sum"; a micro-batch whose targets are all ignored is skipped (its own mean is
+0 / 0). A loss the model computes itself is taken to be a mean over rows (w_i = n_i / N).
 
 A subclass that works on the gradients between the two graphs (data-parallel training,
 :mod:`onnxgrad.training.distributed`) sets ``split_step``: the gradient and optimizer graphs then
@@ -33,8 +37,11 @@ A non-finite loss raises :class:`NonFiniteLossError` naming the step; the step's
 applied. Checkpoints (npz: parameters, optimizer state, step, epoch position, the shuffling RNG's
 state, the loss history, and a manifest of each array's dtype, shape and SHA-256) are written
 atomically and only with finite values, checked in full before anything is restored, and a
-resumed ``fit`` reproduces the uninterrupted run bit for bit on CPU. Data is checked before the
-first step: finite values, and class labels in range (see losses.check_labels).
+resumed ``fit`` reproduces the uninterrupted run bit for bit on CPU; a checkpoint also records
+the optimizer (kind and hyper-parameters) and the batch size, and resumes only with the same ones
+(the learning rate may change) and, in the middle of an epoch, the same number of rows. Data is
+checked before the first step (``fit``), before each ``step`` and before ``evaluate``: shapes,
+finite values, and class labels in range (see losses.check_labels).
 """
 from __future__ import annotations
 
@@ -133,9 +140,13 @@ class Trainer:
         :func:`~onnxgrad.training.losses.attach_loss`), or the name of a scalar tensor the model
         already computes.
     optimizer: an :class:`~onnxgrad.training.optimizers.Optimizer` (default AdamW()).
-    params / frozen / clip_norm: as :func:`~onnxgrad.training.step.build_train_step`.
+    params / frozen / clip_norm: as :func:`~onnxgrad.training.step.build_train_step`
+        (``left_out``, after construction, names the initializers ``params=None`` did not
+        train and why).
     lr_schedule: None (the optimizer's lr) or ``f(step) -> lr``, step counted from 1.
-    accumulation_steps: split each batch into this many micro-batches (see the module doc).
+    accumulation_steps: split each batch into this many micro-batches (see the module doc):
+        the step equals the one-batch step for every built-in loss; a loss the model computes
+        itself must be a mean over rows.
     device: "auto" (CUDA when a CUDA session can be created), "cpu" or "cuda".
     threads: intra-op threads (default: the cores this process may use).
     seed: seeds the RNG that shuffles batches in :meth:`fit`.
@@ -179,7 +190,13 @@ class Trainer:
                     f"({', '.join(LOSSES)})")
             self.loss_model, self.loss_name, self.loss_kind = self.model, loss, None
         self.output_name = output_name or self.model.graph.output[0].name
-        self._ignore_index = (loss_options or {}).get("ignore_index")
+        opts = loss_options or {}
+        self._ignore_index = opts.get("ignore_index")
+        # what the built-in loss divides its sum by (see _loss_norm)
+        self._reduction = opts.get("reduction", "mean") if self.loss_kind else None
+        self._class_weight = (np.asarray(opts["weight"], np.float64).reshape(-1)
+                              if opts.get("weight") is not None else None)
+        self._batch_norm = None  # _loss_norm of the whole batch of the step being taken
         self._classes = None  # cross_entropy: the logits' dim 1, once known
         self.target_name = (self.loss_model.graph.input[-1].name if self.loss_kind else None)
         self.optimizer = optimizer or AdamW()
@@ -191,6 +208,13 @@ class Trainer:
                                        "integer >= 1")
         self.accumulation_steps = int(accumulation_steps)
         self._split = self.accumulation_steps > 1 or self.split_step
+        if self._split and self._class_weight is not None and (self._class_weight < 0).any():
+            # a part whose weights sum to 0 has a loss of x / 0: no weighting of the parts'
+            # means gives the batch's sum(w l) / sum(w) then
+            raise InvalidArgumentError(
+                "loss_options weight: negative class weights "
+                f"({self._class_weight.tolist()}) cannot be split into micro-batches or shards "
+                "exactly: use accumulation_steps=1 or non-negative weights")
         self.device = "cuda" if runtime.providers(device)[0].startswith("CUDA") else "cpu"
         self.threads = threads or cores()
         self.progress = progress
@@ -199,6 +223,8 @@ class Trainer:
         self.step_count = 0
         self.history: list[float] = []
         self._pos = (0, 0, None)  # fit position: epoch, next batch, that epoch's order
+        self._pos_batch_size = None  # the batch size that position counts in
+        self._resuming = (None, None)  # (rows, batch_size) of the fit resuming, while it loads
         self._ort = runtime.ort_module()
         self._params_spec = params
         self._frozen = frozen
@@ -239,6 +265,8 @@ class Trainer:
             self._input_dtypes[i.name] = _np_dtype(i.type)
             self._input_shapes[i.name] = i.shape
         self.data_inputs = list((self.train_step or self._acc).data_inputs)
+        #: the float initializers that params=None left out, {name: why} (step.default_params)
+        self.left_out = dict(desc.left_out)
 
         # device buffers: two sets of params + state; scalars and the loss on the host
         init = dict(desc.initial_params)
@@ -380,9 +408,111 @@ class Trainer:
 
     def step(self, batch: dict, total_rows: int | None = None) -> float:
         """One optimizer step on ``batch`` ({input name: array}); returns the loss.
-        ``total_rows``: the rows of the whole batch when ``batch`` is a shard of it (data
-        parallel, split steps only): the gradients are then weighted by len(batch) / total_rows."""
-        return self._step(self.check_data(batch, "batch"), total_rows)
+
+        The batch is checked as :meth:`fit` checks its data (every input the step reads, the
+        same number of rows, at least one, shapes the step reads, finite values, valid labels):
+        a :class:`DataError` names the array. ``total_rows``: the rows of the whole batch when
+        ``batch`` is a shard of it (data parallel, split steps only): the gradients are then
+        weighted by len(batch) / total_rows (by 1 for a "sum" loss). A cross_entropy with class
+        weights or ignore_index divides by the weights of the whole batch's targets, which a
+        shard does not know: it refuses total_rows."""
+        # the rows are on axis 0 where the step slices them (micro-batches, shards)
+        arrays, _ = self._checked(batch, "batch", rows_on_axis0=self._split)
+        return self._take_step(arrays, total_rows)
+
+    def _take_step(self, batch: dict, total_rows: int | None = None) -> float:
+        """_step on a checked batch. Its loss normalizer is taken here, from the whole batch,
+        before a data-parallel subclass shards it (``_accumulate`` weighs each part by it)."""
+        norm = self._loss_norm(batch) if total_rows is None else None
+        if norm == 0:
+            raise DataError(f"{self._no_targets('the batch')} (step {self.step_count + 1} not "
+                            "taken)")
+        self._batch_norm = norm
+        try:
+            return self._step(batch, total_rows)
+        finally:
+            self._batch_norm = None
+
+    def _loss_norm(self, batch: dict) -> float | None:
+        """What the loss divides its sum over ``batch`` by: None for a "sum" loss; for a
+        cross_entropy with class weights or ignore_index the sum of its targets' weights
+        (torch's sum(w_i l_i) / sum(w_i)); otherwise the rows, which is proportional to the
+        element count of a mean loss (every row has as many). A loss the model computes itself
+        is taken to be a mean over rows."""
+        if self._reduction == "sum":
+            return None
+        if self.loss_kind == "cross_entropy" and (self._class_weight is not None
+                                                  or self._ignore_index is not None):
+            t = np.asarray(batch[self.target_name]).astype(np.int64, copy=False)
+            if self._ignore_index is not None:
+                t = t[t != self._ignore_index]
+            if self._class_weight is None:
+                return float(t.size)
+            # labels are checked: in [0, classes), and the weights have one per class
+            return float(np.sum(self._class_weight[t], dtype=np.float64))
+        return float(len(next(iter(batch[k] for k in self.data_inputs))))
+
+    def _no_targets(self, what: str) -> str:
+        why = [f"ignore_index ({self._ignore_index})"] if self._ignore_index is not None else []
+        if self._class_weight is not None:
+            why.append("of a class whose weight is 0")
+        return (f"every target of {what} is {' or '.join(why)}: its mean cross_entropy is 0 / 0 "
+                "(torch gives NaN)")
+
+    def _checked(self, data: dict, what: str, rows_on_axis0: bool = True) -> tuple[dict, int]:
+        """``data`` as the step reads it ({input: contiguous array of the step's dtype}) and its
+        rows, or a :class:`DataError` naming the array: every input the step reads is there,
+        finite, with valid labels (:meth:`check_data`), of the rank and static dims the step
+        reads, the same size along each symbolic dim that inputs share (a wrong one would
+        reach onnxruntime, or broadcast), and not empty. ``rows_on_axis0``: the rows are on
+        axis 0 of every array (what fit, evaluate and micro-batches slice), so all have as many;
+        else (one step's batch, as the model reads it: a time-major RNN's x is [T, N, F]) the
+        rows are the size of the first symbolic dim."""
+        missing = [k for k in self.data_inputs if k not in data]
+        if missing:
+            raise DataError(f"{what} has no {missing} (the step reads {self.data_inputs})")
+        checked = self.check_data(data, what)
+        arrays = {k: np.ascontiguousarray(checked[k], self._input_dtypes.get(k))
+                  for k in self.data_inputs}
+        sym: dict[str, dict[str, int]] = {}  # symbolic dim -> {input: its size there}
+        for k, v in arrays.items():
+            want = self._input_shapes.get(k)
+            # a static dim 0 is checked per step: fit's data and evaluate's are sliced
+            first = 1 if rows_on_axis0 else 0
+            if want is not None and (len(want) != v.ndim or any(
+                    isinstance(w, int) and w != d
+                    for w, d in zip(want[first:], v.shape[first:]))):
+                shown = [w if isinstance(w, int) else "N" if i == 0 else "?"
+                         for i, w in enumerate(want)]
+                raise DataError(f"{what} {k!r} has shape {list(v.shape)}, but the step reads "
+                                f"{k!r} shaped {shown}" + (
+                                f" (the {self.loss_kind} loss wants targets shaped like "
+                                f"output {self.output_name!r})"
+                                if k == self.target_name else ""))
+            for w, d in zip(want or (), v.shape):
+                if isinstance(w, str) and w:
+                    sym.setdefault(w, {})[k] = d
+        if rows_on_axis0:
+            for k, v in arrays.items():
+                if v.ndim == 0:
+                    raise DataError(f"{what} {k!r} is a scalar: rows go on axis 0")
+            sizes = {len(v) for v in arrays.values()}
+            if len(sizes) != 1:
+                raise DataError(f"{what} arrays have different numbers of rows: "
+                                f"{ {k: len(v) for k, v in arrays.items()} }")
+            rows = sizes.pop()
+        else:
+            rows = next((min(by.values()) for by in sym.values()), None)
+            if rows is None:
+                rows = min((len(v) for v in arrays.values() if v.ndim), default=1)
+        for dim, by in sym.items():
+            if len(set(by.values())) > 1:
+                raise DataError(f"{what} arrays disagree on the size of their dim {dim!r}: "
+                                f"{by} (the step reads " + ", ".join(
+                                    f"{k!r} shaped {self._input_shapes[k]}" for k in by) + ")")
+        if rows == 0:
+            raise DataError(f"the {what} has no rows")
+        return arrays, rows
 
     def check_data(self, data: dict, what: str = "data", shown: dict | None = None) -> dict:
         """``data`` with its float arrays finite and its class labels valid (as int64), or a
@@ -450,30 +580,64 @@ class Trainer:
 
     def _accumulate(self, batch: dict, total_rows: int | None = None) -> float:
         """Run the gradient graph over the micro-batches of ``batch``: ``_grads`` holds the sum
-        of (rows_i / total_rows) * gradient_i; returns the same weighted sum of the losses."""
+        of w_i * gradient_i; returns the same weighted sum of the losses.
+
+        Part i's loss is its sum over its norm_i (``_loss_norm``), the batch's the sum over all
+        parts over norm, so w_i = norm_i / norm makes both the batch's exactly: rows_i / rows
+        for a mean over rows, the sum of the part's target weights over the batch's for a
+        weighted or ignore_index cross_entropy, 1 for a "sum" loss. A part with norm_i = 0 (all
+        of its targets ignored) adds nothing and is not run (its own loss would be 0 / 0)."""
         a, b = self._acc, self._acc_bind
         rows = len(next(iter(batch[k] for k in self.data_inputs)))
         parts = [p for p in np.array_split(np.arange(rows), self.accumulation_steps) if len(p)]
         if not parts:
             raise DataError("the batch has no rows")
+        slices = [slice(idx[0], idx[-1] + 1) for idx in parts]
+        if self._reduction == "sum":
+            weights = [1.0] * len(slices)
+        else:
+            norms = [self._loss_norm({k: batch[k][sl] for k in self.data_inputs})
+                     for sl in slices]
+            if total_rows is None:
+                norm = self._loss_norm(batch)
+            elif self._batch_norm is not None:  # a shard: the whole batch's (see _take_step)
+                norm = self._batch_norm
+            elif self.loss_kind == "cross_entropy" and (self._class_weight is not None or
+                                                        self._ignore_index is not None):
+                raise InvalidArgumentError(
+                    "total_rows: a cross_entropy with class weights or ignore_index divides by "
+                    "the weights of all the batch's targets, which a shard of it does not "
+                    "know: pass the whole batch to step()")
+            else:
+                norm = float(total_rows)
+            if norm == 0:
+                raise DataError(self._no_targets("the batch"))
+            weights = [n / norm for n in norms]
+        run = [(sl, w) for sl, w in zip(slices, weights) if w != 0]
         params = self._sets[self._cur][:len(self.params)]
         for name, ov in zip(a.params, params):
             b.bind_ortvalue_input(name, ov)
+        if not run:  # a shard none of whose targets count: no gradient from this one
+            for ov in self._grads:
+                ov.update_inplace(np.zeros(ov.shape(), self._wdtype_of(ov)))
+            return 0.0
         total, src = 0.0, self._zeros
-        for i, idx in enumerate(parts):
-            w = len(idx) / (total_rows or rows)
+        for i, (sl, w) in enumerate(run):
             self._weight.update_inplace(np.array(w, self._wdtype))
-            dst = self._grads if (len(parts) - 1 - i) % 2 == 0 else self._scratch
+            dst = self._grads if (len(run) - 1 - i) % 2 == 0 else self._scratch
             for name, ov in zip(a.grads, src):
                 b.bind_ortvalue_input(name, ov)
             for name, ov in zip(a.param_outputs, dst):
                 b.bind_ortvalue_output(name, ov)
-            sl = slice(idx[0], idx[-1] + 1)
             self._feed(b, {k: batch[k][sl] for k in self.data_inputs})
             self._run(self._acc_sess, b)
             total += w * float(self._loss.numpy())
             src = dst
         return total
+
+    @staticmethod
+    def _wdtype_of(ov) -> np.dtype:
+        return _np_dtype(ov.data_type())
 
     def _reduce_gradients(self, loss: float) -> float:
         """Between the gradient and the optimizer graphs of a split step (``_grads`` holds the
@@ -501,39 +665,27 @@ class Trainer:
         ``checkpoint_every`` steps when given. resume: a checkpoint to continue from (the same
         data, epochs and batch size reproduce the uninterrupted run). callback(trainer, loss)
         runs after every step. Returns the losses of the steps this call took."""
-        missing = [k for k in self.data_inputs if k not in data]
-        if missing:
-            raise DataError(f"data has no {missing} (the step reads {self.data_inputs})")
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
                 batch_size < 1:
             raise InvalidArgumentError(f"batch_size={batch_size!r} must be an integer >= 1")
-        checked = self.check_data(data)
-        arrays = {k: np.ascontiguousarray(checked[k], self._input_dtypes.get(k))
-                  for k in self.data_inputs}
-        sizes = {len(v) for v in arrays.values()}
-        if len(sizes) != 1:
-            raise DataError(f"data arrays have different numbers of rows: "
-                            f"{ {k: len(v) for k, v in arrays.items()} }")
-        rows = sizes.pop()
-        for k, v in arrays.items():
-            want = self._input_shapes.get(k)
-            if want is not None and (len(want) != v.ndim or any(
-                    isinstance(w, int) and w != d for w, d in zip(want[1:], v.shape[1:]))):
-                shown = [w if isinstance(w, int) else "N" if i == 0 else "?"
-                         for i, w in enumerate(want)]
-                raise DataError(f"data {k!r} has shape {list(v.shape)}, but the step reads "
-                                f"{k!r} shaped {shown}" + (
-                                f" (the {self.loss_kind} loss wants targets shaped like "
-                                f"output {self.output_name!r})"
-                                if k == self.target_name else ""))
-        if rows == 0:
-            raise DataError("the data has no rows")
+        arrays, rows = self._checked(data, "data")
         if drop_last and rows < batch_size:
             raise DataError(f"drop_last: the data has {rows} rows, fewer than one batch of "
                             f"{batch_size}: no step would run")
         if resume:
-            self.load_checkpoint(resume)
+            # through load_checkpoint (a subclass wraps it), which then also checks that the
+            # checkpoint's position fits this data before it restores anything
+            self._resuming = (rows, batch_size)
+            try:
+                self.load_checkpoint(resume)
+            finally:
+                self._resuming = (None, None)
+        else:
+            self._check_position(self._pos, self._pos_batch_size, rows, batch_size,
+                                 "the trainer's fit position (from load_checkpoint or an "
+                                 "earlier fit)", InvalidArgumentError)
         epoch0, batch0, order = self._pos
+        self._pos_batch_size = batch_size
         per_epoch = rows // batch_size if drop_last else -(-rows // batch_size)
         todo = max(0, (epochs - epoch0) * per_epoch - batch0)
         if max_steps is not None:
@@ -549,7 +701,7 @@ class Trainer:
                     if len(losses) == todo:
                         return losses
                     idx = order[bi * batch_size:(bi + 1) * batch_size]
-                    loss = self._step({k: v[idx] for k, v in arrays.items()})
+                    loss = self._take_step({k: v[idx] for k, v in arrays.items()})
                     losses.append(loss)
                     self._pos = (epoch, bi + 1, order)
                     if bar is not None:
@@ -631,18 +783,30 @@ class Trainer:
         return [np.concatenate([p[j] for p in parts]) for j in range(len(outputs))]
 
     def evaluate(self, data: dict, batch_size: int = 1024) -> float:
-        """The loss on ``data`` with the current parameters (row-weighted mean over batches)."""
+        """The loss on all of ``data`` with the current parameters: what the loss gives over
+        the whole data at once, run ``batch_size`` rows at a time (each part weighted as in
+        gradient accumulation: its rows, or its targets' weights for a cross_entropy with
+        class weights or ignore_index, over the data's; 1 for a "sum" loss). The data is
+        checked as :meth:`fit` checks it (a :class:`DataError` names the array)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
+                batch_size < 1:
+            raise InvalidArgumentError(f"batch_size={batch_size!r} must be an integer >= 1")
+        arrays, rows = self._checked(data, "data")
+        norm = self._loss_norm(arrays)
+        if norm == 0:
+            raise DataError(self._no_targets("the data"))
         if self._eval is None:
             m = load(self.loss_model)
             _prune(m, [self.loss_name], [])
             self._eval = self._params_session(m)
-        rows = len(next(iter(data.values())))
         total = 0.0
         for i in range(0, rows, batch_size):
-            part = {k: v[i:i + batch_size] for k, v in data.items()}
-            n = len(next(iter(part.values())))
-            total += n * float(self._run_with_params(self._eval, part, [self.loss_name])[0])
-        return total / rows
+            part = {k: v[i:i + batch_size] for k, v in arrays.items()}
+            w = 1.0 if norm is None else self._loss_norm(part) / norm
+            if w != 0:  # a part all of whose targets are ignored adds nothing (its own is 0/0)
+                total += w * float(self._run_with_params(self._eval, part,
+                                                         [self.loss_name])[0])
+        return total
 
     # -- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, path) -> None:
@@ -668,6 +832,7 @@ class Trainer:
             "optimizer": np.array(json.dumps({"type": type(self.optimizer).__name__,
                                               **self.optimizer.config()}, default=str)),
             "history": np.asarray(self.history, np.float64),
+            "batch_size": np.array(self._pos_batch_size or -1, np.int64),
         }
         for i, ov in enumerate(cur[:k]):
             arrays[f"param_{i}"] = ov.numpy()
@@ -688,8 +853,58 @@ class Trainer:
 
         Everything is checked before anything is restored: the file is a readable checkpoint,
         complete and intact (each array's SHA-256), made for these parameters and this state
-        (names, dtypes, shapes), with finite values; otherwise a :class:`CheckpointError` says
-        what is wrong and the trainer is unchanged."""
+        (names, dtypes, shapes), with finite values, and by the same optimizer: its kind and
+        every hyper-parameter but ``lr`` (the state is kept in a form that depends on them,
+        Adam's betas, and a resumed run is meant to continue the same one; the learning rate
+        is not part of the state, and schedules change it) as this trainer's; otherwise a
+        :class:`CheckpointError` says what is wrong (the field, the checkpoint's value and this
+        trainer's) and the trainer is unchanged. Checkpoints written before the optimizer was
+        recorded are not compared."""
+        self._restore(self._read_and_check(path, *self._resuming))
+
+    @staticmethod
+    def _check_position(pos, pos_batch_size, rows, batch_size, where, error) -> None:
+        """A fit position taken in the middle of an epoch counts batches of that epoch's order:
+        it continues only over as many rows in batches of the same size (an order of other rows
+        would index past the data, another batch size skip or repeat rows)."""
+        epoch, batch, order = pos
+        if order is None and batch == 0:
+            return  # at the end of an epoch: any data goes on from there
+        at = f"{where} stopped after batch {batch} of epoch {epoch + 1}"
+        if order is not None and len(order) != rows:
+            raise error(f"{at}, an epoch over {len(order)} rows; this fit's data has {rows} "
+                        "rows: resume with the same data (or from a checkpoint written at the "
+                        "end of an epoch)")
+        if pos_batch_size is not None and pos_batch_size != batch_size:
+            raise error(f"{at}, in batches of {pos_batch_size}; this fit's batch_size is "
+                        f"{batch_size}: resume with batch_size={pos_batch_size} (or from a "
+                        "checkpoint written at the end of an epoch)")
+
+    def _check_optimizer(self, path: str, arrays: dict) -> None:
+        if "optimizer" not in arrays:
+            return
+        try:
+            old = json.loads(str(arrays["optimizer"]))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: corrupt checkpoint (optimizer: {exc})") from None
+        new = json.loads(json.dumps({"type": type(self.optimizer).__name__,
+                                     **self.optimizer.config()}, default=str))
+        if not isinstance(old, dict):
+            raise CheckpointError(f"{path}: corrupt checkpoint (optimizer: {old!r})")
+        if old.get("type") != new["type"]:
+            raise CheckpointError(f"{path}: the checkpoint's optimizer is {old.get('type')}, "
+                                  f"this trainer's {new['type']}: its state does not carry over")
+        for key in sorted(set(old) | set(new)):
+            if key not in ("type", "lr") and old.get(key) != new.get(key):
+                raise CheckpointError(
+                    f"{path}: the checkpoint was written with {new['type']} {key}="
+                    f"{old.get(key)!r}, this trainer's optimizer has {key}={new.get(key)!r}: "
+                    "resume with the same hyper-parameters (only lr may change)")
+
+    def _read_and_check(self, path, rows: int | None = None,
+                        batch_size: int | None = None) -> tuple:
+        """What load_checkpoint restores, every part of it checked (``rows``, ``batch_size``:
+        those of the fit that resumes from it)."""
         path = os.fspath(path)
         arrays = _read_checkpoint(path)
         fmt = str(arrays["format"]) if "format" in arrays else None
@@ -710,6 +925,7 @@ class Trainer:
         missing = [key for key in needed if key not in arrays]
         if missing:
             raise CheckpointError(f"{path}: incomplete checkpoint (no {missing})")
+        self._check_optimizer(path, arrays)
         pn, sn = list(arrays["param_names"]), list(arrays["state_names"])
         factors = [1.0] * len(sn)
         if fmt in _LEGACY_FORMATS:  # the state of an older form of the optimizer
@@ -747,13 +963,22 @@ class Trainer:
             order = np.array(arrays["order"], np.int64) if bool(arrays["has_order"]) else None
             probe = np.random.default_rng()
             probe.bit_generator.state = rng_state
+            pos_batch_size = int(arrays["batch_size"]) if "batch_size" in arrays else -1
         except (ValueError, TypeError, KeyError) as exc:
             raise CheckpointError(f"{path}: corrupt checkpoint ({exc})") from None
+        pos_batch_size = pos_batch_size if pos_batch_size > 0 else None
+        if rows is not None:
+            self._check_position((epoch, batch, order), pos_batch_size, rows, batch_size,
+                                 f"{path}: the checkpoint", CheckpointError)
+        return values, step, history, rng_state, (epoch, batch, order), pos_batch_size
+
+    def _restore(self, checked: tuple) -> None:
+        values, step, history, rng_state, pos, pos_batch_size = checked
         for ov, a in zip(self._sets[self._cur], values):
             ov.update_inplace(np.ascontiguousarray(a))
         self.step_count, self.history = step, history
         self.rng.bit_generator.state = rng_state
-        self._pos = (epoch, batch, order)
+        self._pos, self._pos_batch_size = pos, pos_batch_size
 
     # -- export ----------------------------------------------------------------------------
     def trained_model(self) -> onnx.ModelProto:

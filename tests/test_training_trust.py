@@ -1,0 +1,393 @@
+"""The training API's results are the full-batch, torch-equal ones, or a clear refusal.
+
+Gradient accumulation and evaluate() over parts equal the loss over the whole batch for every
+built-in loss configuration; the parameters trained by default are a torch module's parameters
+(not its buffers, constants nor BatchNorm statistics); a checkpoint resumes only the run it was
+written by; a step checks its batch as fit checks its data. torch is the oracle throughout.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import helper, numpy_helper
+
+from onnxgrad.errors import CheckpointError, DataError, InvalidArgumentError
+from onnxgrad.training import SGD, Adam, AdamW, Trainer, build_train_step
+from util import make_model
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def linear_model(dtype=np.float64, seed=0, inputs=4, classes=3):
+    rng = np.random.default_rng(seed)
+    w = {"W": rng.standard_normal((classes, inputs)).astype(dtype),
+         "b": (rng.standard_normal(classes) * 0.1).astype(dtype)}
+    nodes = [helper.make_node("Gemm", ["x", "W", "b"], ["y"], transB=1)]
+    return make_model(nodes, {"x": (dtype, ["N", inputs])}, ["y"], inits=w), w
+
+
+def _trainer(model, kind, opts, **kw):
+    return Trainer(model, kind, loss_options=opts, optimizer=SGD(lr=0.1), device="cpu",
+                   progress=False, threads=1, **kw)
+
+
+def _torch_loss(kind, opts, out, target):
+    red = opts.get("reduction", "mean")
+    if kind == "mse":
+        return F.mse_loss(out, target, reduction=red)
+    if kind == "l1":
+        return F.l1_loss(out, target, reduction=red)
+    if kind == "bce":
+        return F.binary_cross_entropy_with_logits(out, target, reduction=red)
+    w = opts.get("weight")
+    return F.cross_entropy(out, target, reduction=red,
+                           weight=None if w is None else torch.tensor(w, dtype=out.dtype),
+                           ignore_index=opts.get("ignore_index", -100))
+
+
+# -- 1. gradient accumulation == the full-batch step, for every loss configuration ------------
+@st.composite
+def loss_cases(draw):
+    kind = draw(st.sampled_from(["mse", "l1", "bce", "cross_entropy"]))
+    opts = {"reduction": draw(st.sampled_from(["mean", "sum"]))}
+    if kind == "cross_entropy":
+        if draw(st.booleans()):
+            opts["weight"] = draw(st.lists(st.sampled_from([0.0, 0.2, 1.0, 5.0]), min_size=3,
+                                           max_size=3))
+        ignore = draw(st.sampled_from([None, 0, 1, -100]))
+        if ignore is not None:
+            opts["ignore_index"] = ignore
+    k = draw(st.integers(1, 4))
+    rows = draw(st.integers(k, 8))
+    seed = draw(st.integers(0, 2 ** 16))
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, 4))
+    if kind == "cross_entropy":
+        labels = draw(st.lists(st.integers(0, 2), min_size=rows, max_size=rows))
+        target = np.array(labels, np.int64)
+        if opts.get("ignore_index") == -100:
+            target[rng.random(rows) < 0.4] = -100
+    elif kind == "bce":
+        target = rng.random((rows, 3))
+    else:
+        target = rng.standard_normal((rows, 3))
+    return kind, opts, k, x, target
+
+
+@settings(derandomize=True, deadline=None, max_examples=60)
+@given(loss_cases())
+def test_accumulation_equals_the_full_batch_step_and_torch(case):
+    kind, opts, k, x, target = case
+    model, w = linear_model()
+    W = torch.tensor(w["W"], requires_grad=True)
+    b = torch.tensor(w["b"], requires_grad=True)
+    want = _torch_loss(kind, opts, torch.tensor(x) @ W.T + b, torch.tensor(target))
+    batch = {"x": x, "target": target}
+    full, acc = _trainer(model, kind, opts), _trainer(model, kind, opts, accumulation_steps=k)
+    if not np.isfinite(want.item()):  # every target ignored or of weight 0: torch's 0 / 0
+        for tr in (full, acc):
+            with pytest.raises(DataError, match="0 / 0"):
+                tr.step(batch)
+            assert tr.step_count == 0
+        return
+    want.backward()
+    lf, la = full.step(batch), acc.step(batch)
+    assert la == pytest.approx(lf, rel=1e-12, abs=1e-14)
+    assert la == pytest.approx(want.item(), rel=1e-12, abs=1e-14)
+    pf, pa = full.parameters(), acc.parameters()
+    for name, t in (("W", W), ("b", b)):
+        np.testing.assert_allclose(pa[name], pf[name], rtol=0, atol=1e-13)
+        np.testing.assert_allclose(pa[name], w[name] - 0.1 * t.grad.numpy(), rtol=0, atol=1e-12)
+
+
+def test_a_micro_batch_of_ignored_targets_adds_nothing():
+    """The red team's case: rows 0-1 (the first micro-batch) all ignore_index; float32."""
+    model, w = linear_model(np.float32)
+    x = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    y = np.array([1, 1, 0, 2])
+    opts = {"ignore_index": 1}
+    want = F.cross_entropy(torch.tensor(x) @ torch.tensor(w["W"]).T + torch.tensor(w["b"]),
+                           torch.tensor(y), ignore_index=1).item()
+    losses = [_trainer(model, "cross_entropy", opts, accumulation_steps=k).step(
+        {"x": x, "target": y}) for k in (1, 2, 4)]
+    np.testing.assert_allclose(losses, want, rtol=1e-6)
+
+
+def test_shards_of_a_weighted_cross_entropy_are_refused():
+    model, _ = linear_model()
+    x, y = np.zeros((4, 4)), np.array([0, 1, 2, 0])
+    tr = _trainer(model, "cross_entropy", {"weight": [1.0, 2.0, 3.0]}, accumulation_steps=2)
+    with pytest.raises(InvalidArgumentError, match="total_rows"):
+        tr.step({"x": x, "target": y}, total_rows=8)
+    with pytest.raises(InvalidArgumentError, match="negative class weights"):
+        _trainer(model, "cross_entropy", {"weight": [1.0, -2.0, 3.0]}, accumulation_steps=2)
+    # a sum needs no normalizer: a shard's gradient is its own
+    tr = _trainer(model, "mse", {"reduction": "sum"}, accumulation_steps=2)
+    assert np.isfinite(tr.step({"x": x, "target": np.zeros((4, 3))}, total_rows=8))
+
+
+# -- 2. the parameters trained by default -----------------------------------------------------
+def _quiet_export(net, path, **kw):
+    warnings.filterwarnings("ignore")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        torch.onnx.export(net, (torch.randn(3, 4),), path, input_names=["x"],
+                          output_names=["y"], **kw)
+    return onnx.load(path)
+
+
+def _train_both(model_path, net, steps=3, lr=0.05, **kw):
+    tr = Trainer(model_path, "mse", optimizer=SGD(lr=lr), device="cpu", progress=False,
+                 threads=1, **kw)
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        x = rng.standard_normal((8, 4)).astype(np.float32)
+        y = rng.standard_normal((8, 2)).astype(np.float32)
+        lo = tr.step({"x": x, "target": y})
+        opt.zero_grad()
+        loss = F.mse_loss(net(torch.tensor(x)), torch.tensor(y))
+        loss.backward()
+        opt.step()
+        assert lo == pytest.approx(loss.item(), rel=1e-5)
+    return tr
+
+
+def test_batchnorm_statistics_are_not_trained(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3),
+                              torch.nn.Linear(3, 2)).eval()
+    with torch.no_grad():
+        net[1].running_var.fill_(0.05)
+        net[1].running_mean.fill_(0.3)
+    path = str(tmp_path / "bn.onnx")
+    _quiet_export(net, path, dynamo=False, dynamic_axes={"x": {0: "N"}})
+    tr = _train_both(path, net, steps=5)
+    assert tr.params == [n for n, _ in net.named_parameters()]
+    assert set(tr.left_out) == {"1.running_mean", "1.running_var"}
+    assert "BatchNormalization" in tr.left_out["1.running_var"]
+    p = tr.parameters()
+    for name, t in net.named_parameters():
+        np.testing.assert_allclose(p[name], t.detach().numpy(), rtol=1e-5, atol=1e-6)
+    out = tr.trained_model()
+    stats = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}
+    np.testing.assert_array_equal(stats["1.running_var"], np.full(3, 0.05, np.float32))
+    # asked for by name, they are trained
+    tr = Trainer(path, "mse", params=["1.running_mean"], optimizer=SGD(lr=0.1), device="cpu",
+                 progress=False)
+    assert tr.params == ["1.running_mean"] and tr.left_out == {}
+
+
+def test_torch_export_constants_and_buffers_are_not_trained(tmp_path, caplog):
+    pytest.importorskip("onnxscript")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = torch.nn.Parameter(torch.randn(2, 4) * 0.5)
+            self.temp = torch.nn.Parameter(torch.tensor(1.5))
+            self.register_buffer("scale", torch.tensor([1.0, 2.0]))
+
+        def forward(self, x):  # W.t() is folded into a new initializer, from a parameter
+            return (x @ self.W.t()) * self.temp * 0.5 + self.scale * 2.0 + 1.0
+
+    torch.manual_seed(0)
+    net = Net()
+    path = str(tmp_path / "dyn.onnx")
+    _quiet_export(net, path, dynamo=True, dynamic_shapes=({0: torch.export.Dim("N")},))
+    with caplog.at_level(logging.DEBUG, logger="onnxgrad.training"):
+        tr = _train_both(path, net)
+    assert "not trained by default" in caplog.text
+    assert len(tr.params) == 2 and "temp" in tr.params  # temp, and W's transpose
+    (wt,) = [n for n in tr.params if n != "temp"]
+    assert tr.left_out and all(n not in tr.params for n in tr.left_out)
+    p = tr.parameters()
+    np.testing.assert_allclose(p[wt], net.W.detach().numpy().T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(p["temp"], net.temp.detach().numpy(), rtol=1e-5)
+
+
+def test_non_finite_buffers_are_not_trained(tmp_path):
+    rng = np.random.default_rng(0)
+    mask = np.array([0, 0, -np.inf], np.float32)  # class 2 never predicted
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("Add", ["h", "mask"], ["y"])]
+    model = make_model(nodes, {"x": (np.float32, ["N", 3])}, ["y"],
+                       inits={"W": rng.standard_normal((3, 3)).astype(np.float32),
+                              "mask": mask})
+    tr = Trainer(model, "cross_entropy", optimizer=AdamW(lr=0.01), device="cpu",
+                 progress=False)
+    assert tr.params == ["W"] and list(tr.left_out) == ["mask"]
+    data = {"x": rng.standard_normal((8, 3)).astype(np.float32),
+            "target": np.zeros(8, np.int64)}
+    tr.fit(data, epochs=1, batch_size=4, checkpoint=str(tmp_path / "ck.npz"))
+    tr.export(str(tmp_path / "out.onnx"))  # the old default trained mask: neither would run
+
+
+def test_frozen_initializers_that_are_inputs_stay_constants():
+    """keep_initializers_as_inputs models: a frozen (or not chosen) weight is not data."""
+    model, w = linear_model(np.float32)
+    model.graph.input.extend([helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT,
+                                                            list(v.shape))
+                              for n, v in w.items()])
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((8, 4)).astype(np.float32),
+            "target": rng.standard_normal((8, 3)).astype(np.float32)}
+    for kw in ({"frozen": ["W"]}, {"params": ["b"]}):
+        tr = Trainer(model, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False, **kw)
+        assert tr.data_inputs == ["x", "target"] and tr.params == ["b"]
+        tr.fit(data, epochs=1, batch_size=4)
+        assert np.isfinite(tr.evaluate(data))
+        assert "W" not in tr.parameters()
+        got = {t.name: numpy_helper.to_array(t) for t in tr.trained_model().graph.initializer}
+        np.testing.assert_array_equal(got["W"], w["W"])
+
+
+# -- 3. resuming ------------------------------------------------------------------------------
+def _checkpoint(tmp_path, optimizer, model=None):
+    model = model or linear_model()[0]
+    rng = np.random.default_rng(1)
+    data = {"x": rng.standard_normal((50, 4)), "target": rng.standard_normal((50, 3))}
+    tr = Trainer(model, "mse", optimizer=optimizer, device="cpu", progress=False)
+    ck = str(tmp_path / "ck.npz")
+    tr.fit(data, epochs=2, batch_size=8, checkpoint=ck, checkpoint_every=1, max_steps=2)
+    return model, data, ck
+
+
+@pytest.mark.parametrize("old, new, field", [
+    (Adam(lr=0.01), Adam(lr=0.01, betas=(0.5, 0.9)), "betas"),
+    (Adam(lr=0.01), Adam(lr=0.01, eps=1e-6), "eps"),
+    (AdamW(lr=0.01), AdamW(lr=0.01, weight_decay=0.1), "weight_decay"),
+    (Adam(lr=0.01), Adam(lr=0.01, amsgrad=True), "amsgrad"),
+    (Adam(lr=0.01), AdamW(lr=0.01), "Adam"),
+    (SGD(lr=0.1, momentum=0.9), SGD(lr=0.1, momentum=0.5), "momentum"),
+    (SGD(lr=0.1, momentum=0.9), SGD(lr=0.1, momentum=0.9, nesterov=True), "nesterov"),
+])
+def test_resume_refuses_other_optimizer_settings(tmp_path, old, new, field):
+    model, data, ck = _checkpoint(tmp_path, old)
+    tr = Trainer(model, "mse", optimizer=new, device="cpu", progress=False)
+    before = tr.parameters()
+    with pytest.raises(CheckpointError, match=field):
+        tr.load_checkpoint(ck)
+    with pytest.raises(CheckpointError, match=field):
+        tr.fit(data, epochs=2, batch_size=8, resume=ck)
+    assert tr.step_count == 0
+    for k, v in tr.parameters().items():
+        np.testing.assert_array_equal(v, before[k])
+
+
+def test_resume_with_another_lr_is_torch_with_that_lr(tmp_path):
+    model, data, ck = _checkpoint(tmp_path, Adam(lr=0.01))
+    tr = Trainer(model, "mse", optimizer=Adam(lr=0.05), device="cpu", progress=False)
+    tr.load_checkpoint(ck)
+    assert tr.step_count == 2
+
+
+def test_resume_refuses_other_rows_or_batch_size(tmp_path):
+    model, data, ck = _checkpoint(tmp_path, Adam(lr=0.01))
+    fewer = {k: v[:20] for k, v in data.items()}
+    for d, bs, what in ((fewer, 8, "50 rows"), (data, 25, "batches of 8")):
+        tr = Trainer(model, "mse", optimizer=Adam(lr=0.01), device="cpu", progress=False)
+        with pytest.raises(CheckpointError, match=what):
+            tr.fit(d, epochs=2, batch_size=bs, resume=ck)
+        assert tr.step_count == 0
+        tr.load_checkpoint(ck)  # the position, restored, is checked by a fit as well
+        with pytest.raises(InvalidArgumentError, match=what):
+            tr.fit(d, epochs=2, batch_size=bs)
+    # the same rows and batch size: 2 + 12 steps, as uninterrupted
+    tr = Trainer(model, "mse", optimizer=Adam(lr=0.01), device="cpu", progress=False)
+    assert len(tr.fit(data, epochs=2, batch_size=8, resume=ck)) == 12
+
+
+# -- 4. evaluate ------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind, opts", [
+    ("cross_entropy", {"ignore_index": 0}), ("cross_entropy", {"weight": [1.0, 10.0, 0.1]}),
+    ("cross_entropy", {"weight": [0.0, 2.0, 1.0], "ignore_index": 2}),
+    ("cross_entropy", {"reduction": "sum"}), ("mse", {"reduction": "sum"}), ("mse", {}),
+    ("bce", {}), ("l1", {"reduction": "sum"})])
+def test_evaluate_is_the_loss_over_all_the_data(kind, opts):
+    model, w = linear_model()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((100, 4))
+    if kind == "cross_entropy":  # sorted: whole parts of one class (all ignored, weight 0)
+        target = np.sort(rng.integers(0, 3, 100))
+    else:
+        target = rng.random((100, 3)) if kind == "bce" else rng.standard_normal((100, 3))
+    out = torch.tensor(x @ w["W"].T + w["b"])
+    want = _torch_loss(kind, opts, out, torch.tensor(target)).item()
+    tr = _trainer(model, kind, opts)
+    got = tr.evaluate({"x": x, "target": target}, batch_size=16)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_evaluate_checks_the_data_as_fit_does():
+    model, _ = linear_model()
+    tr = _trainer(model, "cross_entropy", {"ignore_index": 0})
+    x = np.zeros((3, 4))
+    for labels, why in (([0.0, 1.7, 2.0], "not a whole number"), ([0, 1, -3], "negative"),
+                        ([0, 1, 3], "out of range")):
+        with pytest.raises(DataError, match=why):
+            tr.evaluate({"x": x, "target": np.array(labels)})
+    with pytest.raises(DataError, match="0 / 0"):
+        tr.evaluate({"x": x, "target": np.zeros(3, np.int64)})
+    with pytest.raises(DataError, match="shape"):
+        tr.evaluate({"x": np.zeros((3, 5)), "target": np.ones(3, np.int64)})
+    with pytest.raises(DataError, match="finite"):
+        tr.evaluate({"x": np.full((3, 4), np.nan), "target": np.ones(3, np.int64)})
+
+
+# -- 5. the loss is a scalar; step checks its batch --------------------------------------------
+def test_a_non_scalar_loss_is_refused():
+    model, _ = linear_model(np.float32)
+    with pytest.raises(InvalidArgumentError, match="not a scalar"):
+        Trainer(model, "y", optimizer=SGD(lr=0.1), device="cpu", progress=False)
+    with pytest.raises(InvalidArgumentError, match="not a scalar"):
+        build_train_step(model, "y", optimizer=SGD(lr=0.1))
+
+
+@pytest.mark.parametrize("kind, batch, why", [
+    ("mse", {"x": np.zeros((4, 4)), "target": np.zeros((4, 3))}, "shape"),
+    ("mse", {"x": np.zeros((4, 5)), "target": np.zeros((3, 3))}, "numbers of rows|disagree"),
+    ("mse", {"x": np.zeros((4, 5)), "target": np.zeros((4, 4))}, "shape"),
+    ("mse", {"x": np.zeros((4, 5)), "target": np.zeros((4, 1))}, "shape"),  # would broadcast
+    ("mse", {"x": np.zeros((0, 5)), "target": np.zeros((0, 3))}, "no rows"),
+    ("cross_entropy", {"x": np.zeros((0, 5)), "target": np.zeros(0, np.int64)}, "no rows"),
+    ("mse", {"x": np.zeros((4, 5))}, "no \\['target'\\]"),
+])
+def test_step_checks_its_batch_as_fit_does(kind, batch, why):
+    model, _ = linear_model(np.float32, inputs=5)
+    tr = Trainer(model, kind, optimizer=SGD(lr=0.1), device="cpu", progress=False)
+    with pytest.raises(DataError, match=why):
+        tr.step({k: v.astype(np.float32) if k == "x" or kind == "mse" else v
+                 for k, v in batch.items()})
+    assert tr.step_count == 0
+
+
+def test_data_parallel_shards_weigh_by_the_whole_batch():
+    """A data-parallel step (its shards get total_rows) takes the whole batch's normalizer
+    from step() before sharding: here one rank, three micro-batches, ignore_index."""
+    dist = pytest.importorskip("torch.distributed")
+    from onnxgrad.training.distributed import DistributedTrainer
+    model, _ = linear_model()
+    rng = np.random.default_rng(3)
+    batch = {"x": rng.standard_normal((9, 4)), "target": np.array([1, 1, 1, 0, 2, 1, 0, 0, 2])}
+    opts = {"ignore_index": 1, "weight": [1.0, 2.0, 0.5]}
+    full = _trainer(model, "cross_entropy", opts)
+    want = full.step(batch)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tr = DistributedTrainer(model, "cross_entropy", loss_options=opts, optimizer=SGD(lr=0.1),
+                                accumulation_steps=3, device="cpu", progress=False)
+        assert tr.step(batch) == pytest.approx(want, rel=1e-12)
+        for k, v in tr.parameters().items():
+            np.testing.assert_allclose(v, full.parameters()[k], rtol=0, atol=1e-13)
+    finally:
+        dist.destroy_process_group()
