@@ -81,3 +81,31 @@ def test_bfloat16_zeros_keep_the_opset():
     res = onnxgrad.gradients(model("ReduceProd", 13), "y", ["x"])
     assert res.model.opset_import[0].version == 16
     onnx.checker.check_model(res.model, full_check=True)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.sampled_from([TP.FLOAT16, TP.BFLOAT16]), st.integers(13, 21),
+       st.sampled_from(["sgd", "momentum", "adam", "adamw"]), st.sampled_from(["mse", "l1"]))
+def test_half_precision_train_steps_are_valid(dtype, opset, opt, loss):
+    """The step's finite-loss gate read IsInf(loss), which takes float16 and bfloat16 only from
+    opset 20: a half model below it got a step onnx.checker and onnxruntime refuse (exit 0 from
+    export-train-step). Every optimizer at every opset: a valid step; float16 runs."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from onnxgrad.runtime import session
+    from onnxgrad.training import SGD, Adam, AdamW, build_train_step
+    from onnxgrad.training.losses import attach_loss
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    g = helper.make_graph([helper.make_node("Gemm", ["x", "W", "b"], ["y"], transB=1)], "lin",
+                          [helper.make_tensor_value_info("x", dtype, ["N", 4])],
+                          [helper.make_tensor_value_info("y", dtype, ["N", 3])],
+                          [numpy_helper.from_array(np.ones((3, 4), np_dtype), "W"),
+                           numpy_helper.from_array(np.zeros(3, np_dtype), "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+    optimizer = {"sgd": SGD(lr=0.1), "momentum": SGD(lr=0.1, momentum=0.9),
+                 "adam": Adam(lr=0.1), "adamw": AdamW(lr=0.1)}[opt]
+    step = build_train_step(attach_loss(m, loss), "loss", optimizer=optimizer)
+    onnx.checker.check_model(step.model, full_check=True)
+    if dtype == TP.FLOAT16:
+        session(step.model)  # onnxruntime loads it (its CPU Gemm has no bfloat16 kernel)

@@ -201,7 +201,11 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
             per = node("Abs", [node("Sub", [y, target])])
         else:  # bce: relu(x) - x t + softplus(-|x|), or with pos_weight p:
             # (1 - t) x + (1 + (p - 1) t) (softplus(-|x|) + relu(-x))   (PyTorch's form)
-            soft = node("Softplus", [node("Neg", [node("Abs", [y])])])
+            neg = node("Neg", [node("Abs", [y])])
+            # onnxruntime has no float64 Softplus kernel; log(1 + e^z) for z <= 0 is exact to
+            # the last place of the loss (e^z <= 1)
+            soft = node("Softplus", [neg]) if elem != TensorProto.DOUBLE else \
+                node("Log", [node("Add", [const(1), node("Exp", [neg])])])
             if pos_weight is None:
                 per = node("Add", [node("Sub", [node("Relu", [y]), node("Mul", [y, target])]),
                                    soft])

@@ -134,6 +134,9 @@ class Scalars:
         """``g``, or 0 when the step is not ok (a full pass: only for what enters the state)."""
         if self.ok is None:
             return g
+        if dtype == TensorProto.BFLOAT16:  # Where takes bfloat16 from opset 16 only; exact
+            wide = self.b.op("Cast", g, to=TensorProto.FLOAT)
+            return self.b.op("Cast", self.gate(wide, TensorProto.FLOAT, rank), to=dtype)
         return self.b.op("Where", self.ok, g, self.b.const(0, _np(dtype), rank))
 
     def keep(self, factor: str, dtype: int, rank: int) -> str:
