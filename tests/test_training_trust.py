@@ -391,3 +391,23 @@ def test_data_parallel_shards_weigh_by_the_whole_batch():
             np.testing.assert_allclose(v, full.parameters()[k], rtol=0, atol=1e-13)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("array", ["x", "target"])
+@pytest.mark.parametrize("kind", ["complex", "bool", "str", "object"])
+def test_data_of_a_type_the_step_cannot_read_is_refused(array, kind):
+    """A complex x lost its imaginary part (a numpy warning, exit 0), a bool x trained as 0/1,
+    a string y failed without naming the array: each is a DataError naming it."""
+    model, _ = linear_model(np.float32)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((4, 4)).astype(np.float32),
+             "target": rng.standard_normal((4, 3)).astype(np.float32)}
+    v = batch[array]
+    batch[array] = {"complex": v.astype(np.complex64), "bool": v > 0,
+                    "str": v.astype(str), "object": v.astype(object)}[kind]
+    tr = _trainer(model, "mse", {})
+    for run in (lambda: tr.step(batch), lambda: tr.fit(batch, batch_size=2),
+                lambda: tr.evaluate(batch)):
+        with pytest.raises(DataError, match=f"'{array}' holds"):
+            run()
+    assert tr.step_count == 0

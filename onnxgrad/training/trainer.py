@@ -523,6 +523,14 @@ class Trainer:
             if k not in data:
                 continue
             v, label = np.asarray(data[k]), f"{what} {(shown or {}).get(k, k)!r}"
+            want = self._input_dtypes.get(k)
+            if v.dtype.kind in "cUSOVM" or (v.dtype.kind == "b" and (
+                    want is None or np.dtype(want).kind != "b")):
+                # numpy would drop an imaginary part, read True as 1.0, or fail on a string
+                # without naming the array
+                raise DataError(f"{label} holds {v.dtype} values, which the step cannot read as "
+                                f"{np.dtype(want) if want is not None else 'numbers'}: convert "
+                                "it explicitly")
             if k == self.target_name and self.loss_kind == "cross_entropy":
                 out[k] = check_labels(v, self._num_classes(data), self._ignore_index, label)
             elif v.dtype.kind == "f" and not np.isfinite(v).all():
