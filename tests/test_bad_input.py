@@ -283,7 +283,7 @@ def _cases():
                            ("nanx", E.DataError, "'x': nan at row 9"),
                            ("rows", E.DataError, "same number of rows"),
                            ("noy", E.DataError, "needs arrays 'x' and 'y'"),
-                           ("strings", E.DataError, "must be integers"),
+                           ("strings", E.DataError, "holds <U1 values"),
                            ("trunc", E.DataError, "not a readable"),
                            ("missing", E.ModelFileNotFoundError, "no such file")]:
         case(f"train-{f}", train + ["--data", f"{{i}}/{f}.npz"], cls, needle)
