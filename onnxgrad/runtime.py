@@ -62,13 +62,19 @@ def session_options(threads: int | None = None):
     return so
 
 
+# onnxruntime's GatherToSliceFusion rewrites Range -> Gather as a Slice over Range's bounds,
+# which reads a negative bound as counted from the end: Gather(x, Range(n - 1, -1, -1)) came
+# out empty (onnxruntime 1.31). Every session onnxgrad makes runs without it.
+UNSAFE_OPTIMIZERS = ["GatherToSliceFusion"]
+
+
 def session(model, device: str = "cpu", threads: int | None = None, options=None):
     """An onnxruntime InferenceSession for a ModelProto (or bytes / path)."""
     ort = ort_module()
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     return ort.InferenceSession(model, options or session_options(threads),
-                                providers=providers(device))
+                                providers=providers(device), disabled_optimizers=UNSAFE_OPTIMIZERS)
 
 
 def runner(model: onnx.ModelProto, prefer: str = "ort", fallback: bool = True):
@@ -87,7 +93,8 @@ def runner(model: onnx.ModelProto, prefer: str = "ort", fallback: bool = True):
         so.log_severity_level = 4  # a failure raises; its log line would only alarm a fallback
         try:
             s = ort.InferenceSession(model.SerializeToString(), so,
-                                     providers=["CPUExecutionProvider"])
+                                     providers=["CPUExecutionProvider"],
+                                     disabled_optimizers=UNSAFE_OPTIMIZERS)
         except Exception:  # noqa: BLE001  (NOT_IMPLEMENTED kernels: use the reference runtime)
             if not fallback:
                 raise

@@ -272,3 +272,59 @@ def test_prevent_gradient_is_listed_with_its_message():
     x = np.array([1.0, 2.0, 3.0])
     (got,) = ort_run(m, {xin: x}, [yout])
     np.testing.assert_allclose(got, 2 * x * x + x + 2)
+
+
+# -- 7. Range -> Gather on stock onnxruntime ------------------------------------------------------
+@st.composite
+def ranges(draw):
+    n = 6
+    start = draw(st.integers(0, n - 1))
+    delta = draw(st.sampled_from([-2, -1, 1, 2]))
+    limit = draw(st.integers(-1, start) if delta < 0 else st.integers(start, n))
+    return n, start, limit, delta, draw(st.booleans())
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(ranges())
+def test_gather_of_a_range_runs_right_on_stock_onnxruntime(case):
+    """tf.gather(x, tf.range(n - 1, -1, -1)) came out empty on stock onnxruntime: its
+    GatherToSliceFusion reads Range's bounds as Slice's, where -1 counts from the end. Bounds
+    computed from x's shape or given as constants, every step: TF's values, and the gradient."""
+    n, start, limit, delta, dynamic = case
+
+    def f(x):
+        size = tf.shape(x)[0]
+        s, lim = (size - (n - start), size - (n - limit)) if dynamic else (start, limit)
+        return tf.gather(x, tf.range(s, lim, delta)) * 2.0
+    cf = tf.function(f).get_concrete_function(tf.TensorSpec([None], tf.float64))
+    xin, yout = cf.inputs[0].name, cf.outputs[0].name
+    x = np.arange(float(n))
+    m = convert(cf.graph.as_graph_def(), inputs=[xin], outputs=[yout])
+    (got,) = ort_run(m, {xin: x}, [yout])
+    np.testing.assert_array_equal(got, cf(tf.constant(x)).numpy())
+    res = onnxgrad.gradients(m, yout, xin)
+    (dx,) = ort_run(res.model, {xin: x}, res.grads)
+    want = np.zeros(n)
+    np.add.at(want, np.arange(start, limit, delta), 2.0)
+    np.testing.assert_array_equal(dx, want)
+
+
+def test_onnxgrad_sessions_run_without_gather_to_slice_fusion():
+    """A user's own Range -> Gather (not converted by onnxgrad) in onnxgrad's sessions."""
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    from onnxgrad.runtime import session
+    g = helper.make_graph(
+        [helper.make_node("Range", ["s", "l", "d"], ["i"]),
+         helper.make_node("Gather", ["x", "i"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [4]),
+         helper.make_tensor_value_info("s", TP.INT64, []),
+         helper.make_tensor_value_info("l", TP.INT64, []),
+         helper.make_tensor_value_info("d", TP.INT64, [])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)])
+    m = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 18)],
+                               ir_version=10)
+    feeds = {"x": np.arange(4, dtype=np.float32), "s": np.array(3), "l": np.array(-1),
+             "d": np.array(-1)}
+    np.testing.assert_array_equal(session(m).run(["y"], feeds)[0], [3, 2, 1, 0])

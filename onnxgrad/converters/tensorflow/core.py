@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ...versions import convert_version
 from . import proto
@@ -526,10 +526,55 @@ def _finish(c: Converter, name: str, opset: int = DEFAULT_OPSET) -> onnx.ModelPr
     if "onnxgrad" in c.domains:
         from ...rnn import attach_functions
         m = attach_functions(m)
+    _guard_range_gathers(m)
     from .ranks import infer
     m = infer(m, _tf_shapes(c))
     m = _declare_outputs(c, m)
     return m if opset == c.opset else _to_opset(m, opset)
+
+
+def _guard_range_gathers(m: onnx.ModelProto) -> None:
+    """A Range read only by a Gather's indices computes them in float64 and casts them back:
+    onnxruntime's GatherToSliceFusion (every optimization level from extended) turns Range ->
+    Gather into a Slice over Range's bounds, which reads a negative bound as counted from the
+    end, so ``tf.gather(x, tf.range(n - 1, -1, -1))`` came out empty on stock onnxruntime.
+    A Range of constant bounds that are all non-negative, with a positive step, slices alike
+    and stays as it is. (The converter writes opset 18: CastLike keeps the index type.)"""
+    from ...inference import graphs_of, unique_name
+    graphs = graphs_of(m.graph)
+    taken = {o for g in graphs for nd in g.node for o in [*nd.output, nd.name]}
+    for g in graphs:
+        consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        consts.update({nd.output[0]: numpy_helper.to_array(nd.attribute[0].t) for nd in g.node
+                       if nd.op_type == "Constant" and nd.attribute
+                       and nd.attribute[0].name == "value"})
+        readers: dict[str, list] = {}
+        for nd in g.node:
+            for i, x in enumerate(nd.input):
+                readers.setdefault(x, []).append((nd, i))
+        outs = {o.name for o in g.output}
+        fixed = []
+        for nd in g.node:
+            use = readers.get(nd.output[0], []) if nd.op_type == "Range" else []
+            if len(use) != 1 or use[0][0].op_type != "Gather" or use[0][1] != 1 or \
+                    nd.output[0] in outs:
+                fixed.append(nd)
+                continue
+            bounds = [consts.get(x) for x in nd.input]
+            if all(b is not None for b in bounds) and bounds[0] >= 0 and bounds[1] >= 0 and \
+                    bounds[2] > 0:
+                fixed.append(nd)
+                continue
+            base = nd.name or nd.output[0]
+            wide = [unique_name(f"{base}/f64_{k}", taken) for k in range(4)]
+            fixed += [helper.make_node("Cast", [x], [w], name=w, to=TensorProto.DOUBLE)
+                      for x, w in zip(nd.input, wide)]
+            fixed.append(helper.make_node("Range", wide[:3], [wide[3]], name=base))
+            fixed.append(helper.make_node("CastLike", [wide[3], nd.input[0]], [nd.output[0]],
+                                          name=unique_name(f"{base}/indices", taken)))
+        if len(fixed) != len(g.node):
+            del g.node[:]
+            g.node.extend(fixed)
 
 
 def _declare_outputs(c: Converter, m: onnx.ModelProto) -> onnx.ModelProto:
