@@ -361,13 +361,17 @@ def forget_made_up(entries) -> None:
     another's; and onnxruntime takes equal names for equal sizes: a model declaring two runs'
     unk__1 made its planner share one buffer between tensors of different sizes."""
     for vi in entries:
-        t = vi.type
-        while t.HasField("sequence_type") or t.HasField("optional_type"):
-            t = t.sequence_type.elem_type if t.HasField("sequence_type") else \
-                t.optional_type.elem_type
-        for d in t.tensor_type.shape.dim:
+        for d in _tensor_part(vi.type).tensor_type.shape.dim:
             if d.dim_param.startswith(MADE_UP):
                 d.ClearField("dim_param")
+
+
+def _tensor_part(t: TypeProto) -> TypeProto:
+    """The tensor type inside sequences and optionals (t itself for a tensor)."""
+    while t.HasField("sequence_type") or t.HasField("optional_type"):
+        t = t.sequence_type.elem_type if t.HasField("sequence_type") else \
+            t.optional_type.elem_type
+    return t
 
 
 def _dims(t: TypeProto):
@@ -730,4 +734,26 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
                 f"the model declares graph output {o.name!r} as {_describe(want)}, but its "
                 f"producer makes it {_describe(o.type)} (onnx shape inference)")
         o.type.CopyFrom(merged)
+    _forget_element_symbols(out)
     return out
+
+
+def _forget_element_symbols(model: onnx.ModelProto) -> None:
+    """onnx's inference gives a sequence one element shape: elements of different lengths (a
+    SplitToSequence of [5, 3, 4]) share one made-up dim, unk__0, which every element read
+    from it then carries. Equal names are equal sizes to onnxruntime (its planner shared a
+    buffer between reads of 5 and 4 elements: the gradient model failed) and to the rules: such
+    a symbol is made unknown wherever it appears."""
+    graphs = graphs_of(model.graph)
+    entries = [vi for g in graphs for vi in [*g.value_info, *g.output, *g.input]]
+    shared = set()
+    for vi in entries:
+        if vi.type.HasField("sequence_type"):
+            shared |= {d.dim_param for d in _tensor_part(vi.type).tensor_type.shape.dim
+                       if d.dim_param.startswith(MADE_UP)}
+    if not shared:
+        return
+    for vi in entries:
+        for d in _tensor_part(vi.type).tensor_type.shape.dim:
+            if d.dim_param in shared:
+                d.ClearField("dim_param")
