@@ -870,6 +870,24 @@ def _reverse_v1(c, n):
     return [_reverse(c, c.x(n), [i for i, d in enumerate(dims) if d])]
 
 
+@handler("ReverseSequence")
+def _reverse_sequence(c, n):
+    """ONNX's ReverseSequence takes batch and time axes 0 and 1 only: others are transposed
+    there and back (TF1's bidirectional_dynamic_rnn with sequence_length writes seq_dim 1,
+    batch_dim 0)."""
+    seq, batch = int(c.attr(n, "seq_dim")), int(c.attr(n, "batch_dim", 0))
+    x, lens = c.x(n), c.op("Cast", [c.x(n, 1)], to=TensorProto.INT64)
+    if {seq, batch} != {0, 1}:
+        r = rank_of(c, n, 0, required="ReverseSequence on axes other than 0 and 1")
+        seq, batch = seq % r, batch % r
+        perm = [batch, seq] + [a for a in range(r) if a not in (batch, seq)]
+        back = [perm.index(a) for a in range(r)]
+        moved = c.op("Transpose", [x], perm=perm)
+        rev = c.op("ReverseSequence", [moved, lens], batch_axis=0, time_axis=1)
+        return [c.op("Transpose", [rev], perm=back)]
+    return [c.op("ReverseSequence", [x, lens], batch_axis=batch, time_axis=seq)]
+
+
 def _reverse(c, x, axes):
     if not axes:
         return x
