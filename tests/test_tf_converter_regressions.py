@@ -366,3 +366,21 @@ def test_reverse_sequence_matches_tf(case):
     res = onnxgrad.gradients(m, yout, xin)
     (dx,) = ort_run(res.model, {xin: x, nin: n}, res.grads)
     np.testing.assert_allclose(dx, tape.gradient(want, xt).numpy(), rtol=1e-12)
+
+
+# -- 9. tensors named with tf.identity ------------------------------------------------------------
+def test_a_tensor_named_with_tf_identity_keeps_its_name():
+    """tf.identity(t, name="feat"), TF's way to name a tensor, vanished in conversion: "no
+    tensor named 'feat:0'" from gradients(). It is an x now, with TF's gradient."""
+    def build():
+        x = tf.compat.v1.placeholder(tf.float64, [2, 3], name="x")
+        feat = tf.identity(tf.tanh(x) * 2.0, name="feat")
+        loss = tf.identity(tf.reduce_sum(feat * feat), name="loss")
+        return x, feat, loss, tf.gradients(loss, feat)[0]
+    g, (x, feat, loss, gfeat) = tf1_graph(build)
+    xv = np.arange(6.0).reshape(2, 3) / 6
+    (want,) = tf_run(g, [gfeat.name], {"x:0": xv})
+    m = convert(g.as_graph_def(), inputs=["x:0"], outputs=["loss:0"])
+    res = onnxgrad.gradients(m, "loss:0", "feat:0")
+    (got,) = ort_run(res.model, {"x:0": xv}, res.grads)
+    np.testing.assert_allclose(got, want, rtol=1e-12)

@@ -71,6 +71,7 @@ class Converter:
         self.resources: dict[tuple, Resource] = {}
         self.seq_of: dict[str, Resource] = {}  # sequence value -> the resource it is a state of
         self.scope = Scope()
+        self.root = self.scope  # the main graph's scope
         self.initializers: list[onnx.TensorProto] = []
         self.consts: dict[str, np.ndarray] = {}  # ONNX name -> value, for Const-fed inputs
         # the float Consts of the graph (frozen weights): gradients may be asked for them, so

@@ -11,6 +11,8 @@ inference can read it.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 from onnx import TensorProto, helper
 
@@ -162,10 +164,22 @@ def _prevent_gradient(c, n):
     return [y]
 
 
+# the names TF gives identities of its own: tf.identity() unnamed, variable reads, functions'
+# return values, Keras's internal copies
+_OWN_IDENTITY = re.compile(r"(^|/)(Identity(_\d+)?|read|[^/]*_identity(_\d+)?)$")
+
+
 @handler("PlaceholderWithDefault", "Identity", "Snapshot",
          "CheckNumerics", "EnsureShape", "RefIdentity", "DebugGradientIdentity")
 def _identity(c, n):
-    return [c.x(n)]
+    v = c.x(n)
+    # a tensor named with tf.identity(name="feat") keeps that name (an ONNX Identity, which
+    # onnxruntime removes), so that "feat:0" is an x, a y or a stop of gradients()
+    if n.op == "Identity" and not n.ctx and c.scope is c.root and isinstance(v, str) and \
+            v not in c.seq_of and v not in c.consts and not _OWN_IDENTITY.search(n.name) and \
+            f"{n.name}:0" not in c.outputs:  # (an output gets its name anyway)
+        return [c.op("Identity", [v])]
+    return [v]
 
 
 @handler("IdentityN")
