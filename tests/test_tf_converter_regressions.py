@@ -384,3 +384,40 @@ def test_a_tensor_named_with_tf_identity_keeps_its_name():
     res = onnxgrad.gradients(m, "loss:0", "feat:0")
     (got,) = ort_run(res.model, {"x:0": xv}, res.grads)
     np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+# -- 10. TF's own training-step graphs through tf.cond (optionals) -----------------------------
+TAPE_CONDS = {
+    "cond": lambda x: tf.cond(tf.reduce_sum(x) > 0, lambda: tf.sin(x) * x,
+                              lambda: tf.cos(x) * tf.exp(x)),
+    "switch_case": lambda x: tf.switch_case(
+        tf.cast(tf.reduce_sum(x) > 0, tf.int32) + tf.cast(tf.reduce_sum(x) > 1, tf.int32),
+        [lambda: tf.sin(x) * x, lambda: tf.cos(x) * x * x, lambda: tf.tanh(x) * x]),
+    "nested": lambda x: tf.cond(x[0] > 0, lambda: tf.cond(x[1] > 0, lambda: tf.sin(x) * x,
+                                                          lambda: tf.exp(x) * x),
+                                lambda: tf.cos(x) * x),
+}
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(st.sampled_from(sorted(TAPE_CONDS)),
+       st.lists(st.floats(-2, 2, allow_subnormal=False), min_size=3, max_size=3))
+def test_gradient_tape_graphs_through_conds_convert(name, xs):
+    """cond_v2 hands each branch's intermediates to the gradient as optionals (OptionalFromValue,
+    OptionalNone, OptionalGetValue), sharing a position between a then and an else value of
+    different types: "no converter for TensorFlow op 'OptionalFromValue'" for the tape graph
+    of any tf.cond. They are ONNX optionals now; every branch of each cond, TF's values."""
+    f = TAPE_CONDS[name]
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = f(x)
+        return y, tape.gradient(y, x)
+    cf = step.get_concrete_function(tf.TensorSpec([3], tf.float64))
+    xin, outs = cf.inputs[0].name, [t.name for t in cf.outputs]
+    x = np.array(xs)
+    m = convert(cf.graph.as_graph_def(), inputs=[xin], outputs=outs)
+    for got, want in zip(ort_run(m, {xin: x}, outs), cf(tf.constant(x))):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-15)

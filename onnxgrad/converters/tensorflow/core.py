@@ -98,6 +98,10 @@ class Converter:
         # and whether its body is being made again assuming none broadcasts (see control_flow)
         self.bga_masks: list[str] = []
         self.no_broadcast = False
+        # TF optionals (cond_v2 hands a branch's intermediates to its gradient as optionals):
+        # an OptionalNone's type waits for the If it leaves by (functions._type_optionals)
+        self.optional_of: dict[str, tuple] = {}  # -> (element type, depth)
+        self.optional_union: dict[str, dict] = {}  # -> {element type: the value of that type}
         self.bga_shapes: dict[str, str] = {}  # BGA axes / a gradient -> the shape it sums to
         self.list_scans: dict[str, str | None] = {}  # TF2 list -> the item a While body writes
 
@@ -284,7 +288,7 @@ class Converter:
         if v in self.weight_values:
             self.weight_values.discard(v)
             self.weight_values.add(name)
-        for table in (self.int64_of, self.popped):
+        for table in (self.int64_of, self.popped, self.optional_of, self.optional_union):
             if v in table:
                 table[name] = table.pop(v)
         self.stop_gradients = [name if x == v else x for x in self.stop_gradients]

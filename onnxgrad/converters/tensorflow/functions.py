@@ -42,6 +42,7 @@ from collections import ChainMap
 from types import SimpleNamespace
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper
 
 from . import tensor_list
@@ -366,6 +367,9 @@ def _value_info(c: Converter, name: str, dtype: int, like, n: TFNode, shape=None
     for a TensorList (element type from ``like``, the value it starts as), else a tensor of
     ``shape`` (TF's static shape from the node's ``output_shapes``: None dims unknown; None:
     unknown rank)."""
+    if dtype == VARIANT and isinstance(like, str) and like in c.optional_of:
+        c.optional_of[name] = c.optional_of[like]
+        return helper.make_value_info(name, _optional_type(c.optional_of[like][0]))
     if dtype == VARIANT:
         elem = tensor_list.elem_type(c, like)
         if elem is None:
@@ -530,14 +534,128 @@ def _branch(c: Converter, n: TFNode, fname: str, args: list, tout: list[int], ta
 
 
 def _if_node(c: Converter, n: TFNode, pred: str, then, else_, tout: list[int]) -> list:
-    (g1, v1), (g0, _) = then, else_
-    res = c.op("If", [pred], n_out=len(tout), name=f"{n.name}/If", then_branch=g1,
+    (g1, v1), (g0, v0) = then, else_
+    _type_optionals(c, (g1, v1), (g0, v0), tout)
+    extra = _split_optionals(c, (g1, v1), (g0, v0), tout)
+    res = c.op("If", [pred], n_out=len(g1.output), name=f"{n.name}/If", then_branch=g1,
                else_branch=g0)
     res = [res] if isinstance(res, str) else res
+    for j, (k, other) in enumerate(extra):  # the else branch's optional at position k
+        c.optional_of[res[len(tout) + j]] = other
+        c.optional_union[res[k]] = {other[0]: res[len(tout) + j]}
+    res = res[:len(tout)]
     for r, t, v in zip(res, tout, v1):
-        if t == VARIANT:
+        if t == VARIANT and v in c.optional_of:
+            c.optional_of[r] = c.optional_of[v]
+        elif t == VARIANT:
             tensor_list.mark(c, r, None, like=v)
     return res
+
+
+# -- TF optionals -------------------------------------------------------------------------------
+# cond_v2 returns each intermediate a branch's gradient needs as an optional: the value
+# (OptionalFromValue) from the branch that made it, OptionalNone from the other; the gradient
+# cond reads it back (OptionalGetValue) in the branch that matches. They map onto ONNX's
+# optionals; an OptionalNone, which carries no type, takes the type of the value the other
+# branch returns at its position.
+def _optional_type(elem: int | None):
+    return helper.make_optional_type_proto(
+        helper.make_tensor_type_proto(elem or TensorProto.FLOAT, None))
+
+
+def _none(c: Converter, g, elem: int) -> str:
+    """A new empty optional of ``elem`` tensors at the end of branch graph ``g``."""
+    none = c.fresh(f"{g.name}/none")
+    g.node.append(helper.make_node("Optional", [], [none], name=none,
+                                   type=helper.make_tensor_type_proto(elem, None)))
+    return none
+
+
+def _type_optionals(c: Converter, then, else_, tout: list[int]) -> None:
+    """An OptionalNone returned at a position takes the type the other branch returns there
+    (its own node per position: TF returns one OptionalNone at every position)."""
+    for k, t in enumerate(tout):
+        if t != VARIANT:
+            continue
+        for (_, known), (g, other) in ((then, else_), (else_, then)):
+            elem, depth = c.optional_of.get(known[k], (None, None))
+            if elem is None or c.optional_of.get(other[k], (0, 0))[0] is not None:
+                continue
+            none = _none(c, g, elem)
+            g.output[k].name = none
+            g.output[k].type.CopyFrom(_optional_type(elem))
+            other[k] = none
+            c.optional_of[none] = (elem, depth)
+
+
+def _split_optionals(c: Converter, then, else_, tout: list[int]) -> list:
+    """TF shares a position between a then intermediate and an else one of another type (only
+    the branch taken reads its own back); an ONNX If's branches return one type per position.
+    The else branch's optional moves to a new output at the end, a None of the other type
+    filling each gap; OptionalGetValue picks by the type it reads (``optional_union``).
+    Returns [(position, (elem, depth) of the moved one)]."""
+    (g1, v1), (g0, v0) = then, else_
+    extra = []
+    for k, t in enumerate(tout):
+        a, b = c.optional_of.get(v1[k]), c.optional_of.get(v0[k])
+        if t != VARIANT or not a or not b or a[0] is None or b[0] is None or a[0] == b[0]:
+            continue
+        moved = onnx.ValueInfoProto()
+        moved.CopyFrom(g0.output[k])
+        g0.output[k].name = _none(c, g0, a[0])
+        g0.output[k].type.CopyFrom(_optional_type(a[0]))
+        g0.output.append(moved)
+        g1.output.append(helper.make_value_info(_none(c, g1, b[0]), _optional_type(b[0])))
+        extra.append((k, b))
+    return extra
+
+
+@handler("OptionalFromValue")
+def _optional_from_value(c, n):
+    types = _types_attr(c, n, "Toutput_types")
+    if len(types) != 1:
+        raise ConversionError(f"{n}: an optional of {len(types)} components is not supported")
+    x = c.x(n)
+    if types[0] == VARIANT and x in c.optional_of:
+        # ONNX has no optional of an optional (a nested cond's intermediates): it is the same
+        # value one level deeper, read back as itself
+        v = c.op("Identity", [x])
+        elem, depth = c.optional_of[x]
+        c.optional_of[v] = (elem, depth + 1)
+        return [v]
+    v = c.op("Optional", [x])
+    c.optional_of[v] = (onnx_dtype(types[0], n), 1)
+    return [v]
+
+
+@handler("OptionalNone")
+def _optional_none(c, n):
+    v = c.op("Optional", [], type=helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    c.optional_of[v] = (None, None)  # typed by the If it leaves by (_type_optionals)
+    return [v]
+
+
+@handler("OptionalGetValue")
+def _optional_get_value(c, n):
+    x = c.x(n)
+    want = onnx_dtype(_types_attr(c, n, "output_types")[0], n) if \
+        _types_attr(c, n, "output_types")[0] != VARIANT else None
+    if want is not None and c.optional_of.get(x, (want,))[0] != want:
+        x = c.optional_union.get(x, {}).get(want, x)  # (see _split_optionals)
+    elem, depth = c.optional_of.get(x, (None, 1))
+    if depth is not None and depth > 1:
+        v = c.op("Identity", [x])
+        c.optional_of[v] = (elem, depth - 1)
+        return [v]
+    return [c.op("OptionalGetElement", [x])]
+
+
+@handler("OptionalHasValue")
+def _optional_has_value(c, n):
+    if (c.optional_of.get(c.x(n), (None, 1))[1] or 1) > 1:
+        raise ConversionError(f"{n}: whether an optional of an optional holds a value is not "
+                              "supported (ONNX has no optional of an optional)")
+    return [c.op("OptionalHasElement", [c.x(n)])]
 
 
 @handler("If", "StatelessIf")
