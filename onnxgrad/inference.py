@@ -169,6 +169,16 @@ def model_opset(m: onnx.ModelProto, domain: str = "") -> int:
     return next((o.version for o in m.opset_import if o.domain in names), 1)
 
 
+def constant_tensors(graph: onnx.GraphProto) -> dict:
+    """{name: TensorProto} of ``graph``'s initializers and ai.onnx Constant(value) outputs (read
+    with numpy_helper.to_array where needed: a model's weights are not copied for a lookup)."""
+    out = {t.name: t for t in graph.initializer}
+    out.update({n.output[0]: n.attribute[0].t for n in graph.node
+                if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+                and len(n.attribute) == 1 and n.attribute[0].name == "value"})
+    return out
+
+
 def unique_name(base: str, taken: set[str]) -> str:
     """``base``, or ``base_1``, ``base_2`` ..., whichever is not in ``taken`` (added to it)."""
     name, k = base, 0

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from .errors import UnsupportedError
-from .inference import graphs_of, unique_name, value_types
+from .inference import constant_tensors, graphs_of, model_opset, unique_name, value_types
 from .registry import attach_functions, own_domain
 
 
@@ -27,7 +27,7 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
     user = [(f.domain, f.name) for f in model.functions if not own_domain(f.domain)]
     if user:
         model = onnx.inliner.inline_selected_functions(model, user)
-    old = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), version)
+    old = model_opset(model)
     nodes = [n for g in graphs_of(model.graph) for n in g.node]
     upsample = {n.output[0] for n in nodes if n.op_type == "Upsample"}
     resize10 = {n.output[0] for n in nodes if n.op_type == "Resize" and old == 10}
@@ -71,9 +71,7 @@ def _fix_resize10(graph: onnx.GraphProto, resize10: set, taken: set):
     """Resize-10 as Resize-13: asymmetric; nearest takes ceil on the axes it shrinks and floor
     on the others (onnxruntime's Resize-10), so scales that shrink some axes and enlarge others
     become two Resizes (the interpolation is separable)."""
-    consts = {t.name: t for t in graph.initializer}
-    consts.update({n.output[0]: n.attribute[0].t for n in graph.node
-                   if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+    consts = constant_tensors(graph)
     fixed = []
     for n in graph.node:
         if n.op_type != "Resize" or n.output[0] not in resize10:

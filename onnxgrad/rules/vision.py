@@ -192,7 +192,9 @@ def _policy_matrices(dims: tuple, axes: tuple, sizes: tuple, roi: tuple | None, 
         raise NotImplementedError(
             f"Resize gradient at node {name!r}: onnxruntime's Resize does not run it "
             f"(keep_aspect_ratio_policy={policy!r}, {dict(attrs)}): {err}") from None
-    at = np.unravel_index(int(np.argmax(ones)), ones.shape) if ones.size else None
+    if not ones.size:  # an empty output: nothing reads x (see _policy_resize)
+        return {a: np.zeros((ones.shape[a], dims[a])) for a in axes}
+    at = np.unravel_index(int(np.argmax(ones)), ones.shape)
     mats = {}
     for a in axes:
         cols = []
@@ -200,9 +202,7 @@ def _policy_matrices(dims: tuple, axes: tuple, sizes: tuple, roi: tuple | None, 
             probe = np.ones(dims)
             probe[(slice(None),) * a + (slice(0, i),)] = 0
             probe[(slice(None),) * a + (slice(i + 1, None),)] = 0
-            y = resize(probe) if at is not None else ones
-            cols.append(np.zeros(ones.shape[a]) if at is None else
-                        y[at[:a] + (slice(None),) + at[a + 1:]])
+            cols.append(resize(probe)[at[:a] + (slice(None),) + at[a + 1:]])
         mats[a] = np.stack(cols, axis=1)
     x = np.random.default_rng(0).standard_normal(dims)
     got = x

@@ -606,10 +606,10 @@ class Trainer:
         else:
             norms = [self._loss_norm({k: batch[k][sl] for k in self.data_inputs})
                      for sl in slices]
-            if total_rows is None:
-                norm = self._loss_norm(batch)
-            elif self._batch_norm is not None:  # a shard: the whole batch's (see _take_step)
+            if self._batch_norm is not None:  # the whole batch's, shard or not (_take_step)
                 norm = self._batch_norm
+            elif total_rows is None:
+                norm = self._loss_norm(batch)
             elif self.loss_kind == "cross_entropy" and (self._class_weight is not None or
                                                         self._ignore_index is not None):
                 raise InvalidArgumentError(

@@ -545,14 +545,11 @@ def _guard_range_gathers(m: onnx.ModelProto) -> None:
     end, so ``tf.gather(x, tf.range(n - 1, -1, -1))`` came out empty on stock onnxruntime.
     A Range of constant bounds that are all non-negative, with a positive step, slices alike
     and stays as it is. (The converter writes opset 18: CastLike keeps the index type.)"""
-    from ...inference import graphs_of, unique_name
+    from ...inference import constant_tensors, graphs_of, unique_name
     graphs = graphs_of(m.graph)
     taken = {o for g in graphs for nd in g.node for o in [*nd.output, nd.name]}
     for g in graphs:
-        consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-        consts.update({nd.output[0]: numpy_helper.to_array(nd.attribute[0].t) for nd in g.node
-                       if nd.op_type == "Constant" and nd.attribute
-                       and nd.attribute[0].name == "value"})
+        consts = constant_tensors(g)
         readers: dict[str, list] = {}
         for nd in g.node:
             for i, x in enumerate(nd.input):
@@ -565,7 +562,8 @@ def _guard_range_gathers(m: onnx.ModelProto) -> None:
                     nd.output[0] in outs:
                 fixed.append(nd)
                 continue
-            bounds = [consts.get(x) for x in nd.input]
+            bounds = [None if x not in consts else numpy_helper.to_array(consts[x])
+                      for x in nd.input]
             if all(b is not None for b in bounds) and bounds[0] >= 0 and bounds[1] >= 0 and \
                     bounds[2] > 0:
                 fixed.append(nd)

@@ -637,9 +637,8 @@ def _optional_none(c, n):
 
 @handler("OptionalGetValue")
 def _optional_get_value(c, n):
-    x = c.x(n)
-    want = onnx_dtype(_types_attr(c, n, "output_types")[0], n) if \
-        _types_attr(c, n, "output_types")[0] != VARIANT else None
+    x, read = c.x(n), _types_attr(c, n, "output_types")[0]
+    want = None if read == VARIANT else onnx_dtype(read, n)
     if want is not None and c.optional_of.get(x, (want,))[0] != want:
         x = c.optional_union.get(x, {}).get(want, x)  # (see _split_optionals)
     elem, depth = c.optional_of.get(x, (None, 1))
