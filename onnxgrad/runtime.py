@@ -42,15 +42,28 @@ def cuda_available() -> bool:
     return "CUDAExecutionProvider" in s.get_providers()
 
 
-def providers(device: str = "auto") -> list[str]:
-    """Execution providers for ``device`` in "auto", "cpu", "cuda"."""
+# float32 means float32: onnxruntime's CUDA provider runs float32 MatMul/Conv in TF32 by
+# default (10-bit mantissa), which put a CudnnRNN gradient 4 % off its CPU value on an H200
+# (1e-7 with TF32 off) and flips ReLU masks and the sign of first Adam steps near zero
+CUDA_OPTIONS = {"use_tf32": "0"}
+
+
+def resolve(device: str = "auto") -> str:
+    """"cpu" or "cuda": the device ``device`` ("auto", "cpu", "cuda") runs on here."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={device!r} is not one of 'auto', 'cpu', 'cuda'")
     if device == "cpu" or (device == "auto" and not cuda_available()):
-        return ["CPUExecutionProvider"]
+        return "cpu"
     if not cuda_available():
         raise RuntimeError("device='cuda' was asked for, but no CUDA session can be created here")
-    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return "cuda"
+
+
+def providers(device: str = "auto") -> list:
+    """Execution providers (with their options) for ``device`` in "auto", "cpu", "cuda"."""
+    if resolve(device) == "cpu":
+        return ["CPUExecutionProvider"]
+    return [("CUDAExecutionProvider", dict(CUDA_OPTIONS)), "CPUExecutionProvider"]
 
 
 def session_options(threads: int | None = None):
@@ -71,10 +84,14 @@ UNSAFE_OPTIMIZERS = ["GatherToSliceFusion"]
 def session(model, device: str = "cpu", threads: int | None = None, options=None):
     """An onnxruntime InferenceSession for a ModelProto (or bytes / path)."""
     ort = ort_module()
+    where = providers(device)
+    if where[0] != "CPUExecutionProvider":
+        from .cuda_forms import for_cuda
+        model = for_cuda(load_model(model))
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     return ort.InferenceSession(model, options or session_options(threads),
-                                providers=providers(device), disabled_optimizers=UNSAFE_OPTIMIZERS)
+                                providers=where, disabled_optimizers=UNSAFE_OPTIMIZERS)
 
 
 def runner(model: onnx.ModelProto, prefer: str = "ort", fallback: bool = True):

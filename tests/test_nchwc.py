@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 F32 = TensorProto.FLOAT
 B = block_size()
+SEG_K = B or 8  # _segnet's channels: a multiple of the block, whichever this machine has
 
 
 def blocked(m) -> int:
@@ -121,29 +122,31 @@ def test_same_function_as_the_conv(spec, seed):
 
 
 def _segnet(seed=0):
-    """x [N, 8, 20, 20] -> Conv 3x3 (16) -> Relu -> Conv 3x3 stride 2 (8) -> Relu -> depthwise
-    Conv 3x3 (8) -> Conv 1x1 (3 classes): per-pixel logits [N, 3, 10, 10]."""
+    """x [N, K, 20, 20] -> Conv 3x3 (2K) -> Relu -> Conv 3x3 stride 2 (K) -> Relu -> depthwise
+    Conv 3x3 (K) -> Conv 1x1 (3 classes): per-pixel logits [N, 3, 10, 10]. K is this machine's
+    block (8 with AVX2, 16 with AVX-512), so that Convs 1-3 can be blocked on either."""
+    k = SEG_K
     rng = np.random.default_rng(seed)
-    shapes = {"w1": (16, 8, 3, 3), "b1": (16,), "w2": (8, 16, 3, 3), "w3": (8, 1, 3, 3),
-              "w4": (3, 8, 1, 1)}
-    init = {k: (rng.standard_normal(s) / np.sqrt(np.prod(s[1:]) if len(s) > 1 else 4))
-            .astype(np.float32) for k, s in shapes.items()}
+    shapes = {"w1": (2 * k, k, 3, 3), "b1": (2 * k,), "w2": (k, 2 * k, 3, 3), "w3": (k, 1, 3, 3),
+              "w4": (3, k, 1, 1)}
+    init = {name: (rng.standard_normal(s) / np.sqrt(np.prod(s[1:]) if len(s) > 1 else 4))
+            .astype(np.float32) for name, s in shapes.items()}
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1] * 4),
              helper.make_node("Relu", ["c1"], ["r1"]),
              helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1] * 4, strides=[2, 2]),
              helper.make_node("Relu", ["c2"], ["r2"]),
-             helper.make_node("Conv", ["r2", "w3"], ["c3"], pads=[1] * 4, group=8),
+             helper.make_node("Conv", ["r2", "w3"], ["c3"], pads=[1] * 4, group=k),
              helper.make_node("Conv", ["c3", "w4"], ["logits"])]
     g = helper.make_graph(nodes, "segnet", [helper.make_tensor_value_info("x", F32,
-                                                                          ["N", 8, 20, 20])],
+                                                                          ["N", k, 20, 20])],
                           [helper.make_tensor_value_info("logits", F32, ["N", 3, 10, 10])],
-                          [numpy_helper.from_array(v, k) for k, v in init.items()])
+                          [numpy_helper.from_array(v, name) for name, v in init.items()])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
     def forward(x, p):
         y = F.relu(F.conv2d(x, p["w1"], p["b1"], padding=1))
         y = F.relu(F.conv2d(y, p["w2"], padding=1, stride=2))
-        return F.conv2d(F.conv2d(y, p["w3"], padding=1, groups=8), p["w4"])
+        return F.conv2d(F.conv2d(y, p["w3"], padding=1, groups=SEG_K), p["w4"])
     return m, init, forward
 
 
@@ -160,7 +163,7 @@ def test_trainer_with_blocked_convs_matches_torch():
     assert blocked(blocked_convs(step_model)) >= 3 if B else blocked_convs(step_model) is \
         step_model
     rng = np.random.default_rng(1)
-    batches = [(rng.standard_normal((4, 8, 20, 20)).astype(np.float32),
+    batches = [(rng.standard_normal((4, SEG_K, 20, 20)).astype(np.float32),
                 rng.integers(0, 3, (4, 10, 10))) for _ in range(6)]
     losses = [tr.step({"x": x, "target": y}) for x, y in batches]
     p = {k: torch.tensor(v.astype(np.float64), requires_grad=True) for k, v in init.items()}

@@ -186,6 +186,36 @@ def test_tensor_array_split_uneven_pieces_runs():
     assert not made_up
 
 
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(0, 3), min_size=2, max_size=4),
+       reads=st.lists(st.tuples(st.integers(0, 3), st.floats(-2, 2, width=32)), min_size=1,
+                      max_size=4), square=st.booleans())
+def test_tensor_array_split_tape_gradient(lengths, reads, square):
+    """The GradientTape graph of reads from a split TensorArray whose pieces differ in length:
+    TF's gradient lists are reserved "like" the split list, each read's list has one element set
+    and AddN sums them; the converter's stand-ins for the unset elements were shaped like the
+    first piece, so the sum failed on onnxruntime (an invalid model, written with exit 0), and a
+    piece no read touched came out with the first piece's length."""
+    reads = [(i % len(lengths), w) for i, w in reads]
+    n = sum(lengths)
+
+    def f(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            ta = tf.TensorArray(tf.float32, size=len(lengths), infer_shape=False).split(
+                x, lengths)
+            y = tf.add_n([tf.reduce_sum(ta.read(i) * (ta.read(i) if square else w))
+                          for i, w in reads])
+        return tape.gradient(y, x)
+    cf = tf.function(f).get_concrete_function(tf.TensorSpec([n], tf.float32))
+    xin, gout = cf.inputs[0].name, cf.outputs[0].name
+    x = np.linspace(-1, 1, n).astype(np.float32)
+    want = cf(tf.constant(x)).numpy()
+    m = convert(cf.graph.as_graph_def(), inputs=[xin], outputs=[gout])
+    (got,) = ort_run(m, {xin: x}, [gout])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 # -- 6. an input that is also an output -------------------------------------------------------
 def test_input_that_is_also_an_output():
     """outputs=['y:0', 'x:0'] with x:0 an input: an Identity wrote x:0 again (onnx_ir

@@ -277,7 +277,7 @@ class DistributedTrainer(Trainer):
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if device != "cpu":
             _select_gpu(torch, local_rank, local_world, device)
-        cuda = runtime.providers(device)[0].startswith("CUDA")
+        cuda = runtime.resolve(device) == "cuda"
         self._torch, self._dist = torch, dist
         self._tdev = torch.device("cuda", 0) if cuda else torch.device("cpu")
         if cuda:

@@ -106,7 +106,7 @@ def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int | Non
                  profile: str | None = None, options=None):
     """An onnxruntime session for a step's model; on the CPU its Conv nodes run in
     onnxruntime's blocked layout (:mod:`onnxgrad.training.nchwc`)."""
-    if runtime.providers(device) == ["CPUExecutionProvider"]:
+    if runtime.resolve(device) == "cpu":
         model = blocked_convs(model)
     return runtime.session(model, device, options=options or session_options(
         threads, profile, device, loops=_loops(model)))
@@ -215,7 +215,7 @@ class Trainer:
                 "loss_options weight: negative class weights "
                 f"({self._class_weight.tolist()}) cannot be split into micro-batches or shards "
                 "exactly: use accumulation_steps=1 or non-negative weights")
-        self.device = "cuda" if runtime.providers(device)[0].startswith("CUDA") else "cpu"
+        self.device = runtime.resolve(device)
         self.threads = threads or cores()
         self.progress = progress
         self.profile = profile
@@ -276,8 +276,11 @@ class Trainer:
         self._last_checkpoint = None  # (path, step) of the last checkpoint written
         self._sets = self._buffer_sets(names, init)
         self._cur = 0
-        self._lr = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float64))
-        self._stepv = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.int64))
+        # scalars the step reads live on its device and change in place: a host OrtValue bound
+        # to a CUDA session is copied to the device when it is bound, not when it is run (the
+        # steps after the first read lr 0 and step 0, and went NaN)
+        self._lr = self._new(np.zeros((), np.float64))
+        self._stepv = self._new(np.zeros((), np.int64))
         loss_type = next(o.type for o in self._loss_sess.get_outputs()
                          if o.name == self.loss_name)
         self._loss = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), _np_dtype(loss_type)))
@@ -379,7 +382,7 @@ class Trainer:
         self._scratch = ([self._new(np.zeros_like(v)) for v in pv]
                          if self.accumulation_steps > 1 else None)
         self._wdtype = pv[0].dtype
-        self._weight = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((), self._wdtype))
+        self._weight = self._new(np.zeros((), self._wdtype))  # on the device: see _lr
         # the gradient binding: params and running sums are bound per micro-batch
         self._acc_bind = self._acc_sess.io_binding()
         b = self._acc_bind

@@ -89,6 +89,9 @@ class Converter:
         self.iteration: str | None = None  # the iteration number of the Loop body being made
         self.scan_writes: dict = {}  # array key -> (index, value) written in the Loop body
         self.stacked: dict[str, str] = {}  # sequence value -> the tensor of its elements stacked
+        # TensorListElementShape / TensorListLength output -> the list it was read from
+        self.list_shape_of: dict[str, str] = {}
+        self.list_length_of: dict[str, str] = {}
         self.loop_scope: Scope | None = None  # the scope around the Loop body being made
         self.int64_of: dict[str, str] = {}  # int32 shape value -> the int64 value it is a cast of
         self.popped: dict[str, tuple] = {}  # value -> (stacked pushes, index) it was popped at

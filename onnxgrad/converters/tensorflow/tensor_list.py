@@ -170,6 +170,12 @@ def _reserve(c, n):
     from TensorListElementShape: then it must be fully known when the list is made); a constant,
     partly known shape makes an empty, *lazy* list: it grows as it is written, so ONNX never sees
     stand-ins of a wrong shape."""
+    like = c.list_shape_of.get(c.x(n, 0))
+    if like is not None and like == c.list_length_of.get(c.x(n, 1)) and not is_lazy(c, like):
+        # TF's gradients reserve a list shaped and sized like the forward one: its unset elements
+        # are zeros shaped like that list's own (TensorListConcat sizes them from its lengths,
+        # AddN takes the other list's), also when its elements differ in shape (a ragged split)
+        return [_zeros_like_list(c, like, _elem(c, n), new_list=True)]
     shape = _known_shape(c, n, 0)
     count = as_i64(c, c.x(n, 1))
     if shape is not None:
@@ -283,14 +289,18 @@ def _length(c, n):
     length = c.op("SequenceLength", [seq])
     if _reserved(c, seq) is not None:  # a lazy list not grown yet has its reserved length
         length = c.op("Max", [length, _reserved(c, seq)])
-    return [c.op("Cast", [length], to=TensorProto.INT32)]
+    out = c.op("Cast", [length], to=TensorProto.INT32)
+    c.list_length_of[out] = c.list_length_of[f"{n.name}:0"] = seq  # (renamed to TF's name)
+    return [out]
 
 
 @handler("TensorListElementShape")
 def _element_shape(c, n):
     shape = c.op("Shape", [c.op("SequenceAt", [_seq(c, n), c.i64(0)])])
     t = c.onnx_type(n, "shape_type") if "shape_type" in n.attr else TensorProto.INT32
-    return [shape if t == I64 else c.op("Cast", [shape], to=t)]
+    out = shape if t == I64 else c.op("Cast", [shape], to=t)
+    c.list_shape_of[out] = c.list_shape_of[f"{n.name}:0"] = _seq(c, n)  # (renamed to TF's name)
+    return [out]
 
 
 # -- changing ----------------------------------------------------------------------------------
@@ -402,16 +412,29 @@ def list_arithmetic(c: Converter, n: TFNode) -> list:
     seqs = [v for v in vals if elem_type(c, v) is not None]
     if len(seqs) != len(vals):
         raise ConversionError(f"{n} combines a TensorList with a tensor")
-    elem = elem_type(c, seqs[0])
-    names = [f"e{k}" for k in range(len(seqs))]
     if n.op in ("ZerosLike", "OnesLike"):
-        shape = helper.make_node("Shape", ["e0"], ["s"])
-        fill = helper.make_node("ConstantOfShape", ["s"], ["y"], value=helper.make_tensor(
-            "v", elem, [1], [0 if n.op == "ZerosLike" else 1]))
-        nodes = [shape, fill]
-    else:
-        nodes = [helper.make_node("Sum", names, ["y"])]
-    body = helper.make_graph(nodes, f"{n.op}_elements",
-                             [helper.make_tensor_value_info(x, elem, None) for x in names],
+        return [_zeros_like_list(c, seqs[0], elem_type(c, seqs[0]), int(n.op == "OnesLike"))]
+    return [_map(c, seqs, elem_type(c, seqs[0]), "AddN_elements",
+                 lambda names: [helper.make_node("Sum", names, ["y"])])]
+
+
+def _zeros_like_list(c: Converter, seq: str, elem: int, fill: int = 0,
+                     new_list: bool = False) -> str:
+    """A list of ``elem`` zeros (or ``fill``) shaped like each element of ``seq``: a version of
+    ``seq``, or a ``new_list``."""
+    return _map(c, [seq], elem, "fill_elements", lambda names: [
+        helper.make_node("Shape", names, ["s"]),
+        helper.make_node("ConstantOfShape", ["s"], ["y"], value=helper.make_tensor(
+            "v", elem, [1], [fill]))], in_elem=elem_type(c, seq), new_list=new_list)
+
+
+def _map(c: Converter, seqs: list, elem: int, name: str, nodes, in_elem=None,
+         new_list: bool = False) -> str:
+    """SequenceMap of ``nodes(input names)`` (one output "y" of ``elem``) over ``seqs``."""
+    names = [f"e{k}" for k in range(len(seqs))]
+    body = helper.make_graph(nodes(names), name,
+                             [helper.make_tensor_value_info(x, in_elem or elem, None)
+                              for x in names],
                              [helper.make_tensor_value_info("y", elem, None)])
-    return [mark(c, c.op("SequenceMap", seqs, body=body), None, like=seqs[0])]
+    out = c.op("SequenceMap", seqs, body=body)
+    return mark(c, out, elem) if new_list else mark(c, out, elem, like=seqs[0])

@@ -1,0 +1,216 @@
+"""onnxruntime's CUDA provider: the forms onnxgrad rewrites for it (checked here on the CPU,
+against onnxruntime's own kernels) and, where a GPU is present, training on it against the CPU.
+
+Found on an H200 (onnxruntime-gpu 1.31): training-mode BatchNormalization does not load on
+CUDA from opset 14; a host scalar bound to a CUDA session is copied when bound, so every step
+after the first read lr 0 and went NaN; float32 ran in TF32 (a CudnnRNN gradient 4 % off)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+import onnxgrad
+from onnxgrad import runtime
+from onnxgrad.cuda_forms import for_cuda
+from onnxgrad.errors import UnsupportedError
+
+
+def cpu(model, feeds, outputs=None):
+    return runtime.session(model, "cpu").run(outputs, feeds)
+
+
+def bn_model(shape, opset, dtype, momentum, eps, symbolic=True):
+    C = shape[1]
+    n = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"],
+                         ["y", "rm", "rv"], training_mode=1, momentum=momentum,
+                         epsilon=eps)
+    xdims = (["N"] if symbolic else [shape[0]]) + list(shape[1:])
+    g = helper.make_graph(
+        [n], "bn", [helper.make_tensor_value_info("x", dtype, xdims)] +
+        [helper.make_tensor_value_info(k, dtype, [C]) for k in "sbmv"],
+        [helper.make_tensor_value_info(k, dtype, d)
+         for k, d in [("y", xdims), ("rm", [C]), ("rv", [C])]])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(rank=st.integers(2, 5), opset=st.sampled_from([14, 15, 17, 18, 21]),
+       dtype=st.sampled_from([TP.FLOAT, TP.DOUBLE]), momentum=st.floats(0.0, 1.0),
+       eps=st.sampled_from([1e-5, 1e-3, 0.1]),
+       symbolic=st.booleans(), seed=st.integers(0, 2**16))
+def test_batchnorm_training_form_matches_onnxruntime(rank, opset, dtype, momentum, eps, symbolic,
+                                                      seed):
+    """The written-out training BatchNormalization gives onnxruntime CPU's own outputs (Y and
+    both running statistics), at every rank, opset, dtype and momentum."""
+    rng = np.random.default_rng(seed)
+    shape = [int(d) for d in rng.integers(1, 5, rank)]
+    shape[0] = max(shape[0], 2)
+    m = bn_model(shape, opset, dtype, momentum, eps, symbolic=symbolic)
+    before = m.SerializeToString()
+    f = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+    feeds = {"x": rng.standard_normal(shape).astype(f) * 3 + 1,
+             **{k: rng.uniform(0.5, 2, shape[1]).astype(f) for k in "sbmv"}}
+    form = for_cuda(m)
+    assert m.SerializeToString() == before  # the input model is not changed
+    assert not any(n.op_type == "BatchNormalization" for n in form.graph.node)
+    onnx.checker.check_model(form, full_check=True)
+    tol = 1e-5 if dtype == TP.FLOAT else 1e-12
+    for a, b in zip(cpu(m, feeds), cpu(form, feeds)):
+        np.testing.assert_allclose(b, a, rtol=tol, atol=tol)
+
+
+def bn_net(opset=17, conv=False):
+    """[Conv ->] BatchNormalization (training) -> Relu -> Flatten -> Gemm, float64."""
+    rng = np.random.default_rng(0)
+    inits = {"s": rng.uniform(0.5, 1.5, 4), "b": rng.standard_normal(4) * 0.1,
+             "m": np.zeros(4), "v": np.ones(4), "D": rng.standard_normal((3, 100)) * 0.1}
+    nodes, cin = [], 4
+    if conv:  # onnxruntime CPU has no float64 Conv: the float32 training test only
+        inits["W"], cin = rng.standard_normal((4, 2, 3, 3)) * 0.3, 2
+        nodes.append(helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1]))
+    nodes += [helper.make_node("BatchNormalization", ["c" if conv else "x", "s", "b", "m", "v"],
+                               ["n", "rm", "rv"], training_mode=1, momentum=0.9),
+              helper.make_node("Relu", ["n"], ["r"]),
+              helper.make_node("Flatten", ["r"], ["f"]),
+              helper.make_node("Gemm", ["f", "D"], ["logits"], transB=1)]
+    g = helper.make_graph(
+        nodes, "net", [helper.make_tensor_value_info("x", TP.DOUBLE, ["N", cin, 5, 5])],
+        [helper.make_tensor_value_info("logits", TP.DOUBLE, ["N", 3]),
+         helper.make_tensor_value_info("rm", TP.DOUBLE, [4]),
+         helper.make_tensor_value_info("rv", TP.DOUBLE, [4])],
+        [numpy_helper.from_array(v.astype(np.float64), k) for k, v in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+@pytest.mark.parametrize("opset", [14, 17, 18])
+def test_gradient_graph_with_cuda_forms(opset):
+    """A gradient graph through training BatchNormalization, with its nodes written out as the
+    CUDA session gets them, gives the same gradients and running statistics (float64)."""
+    res = onnxgrad.gradients(bn_net(opset), "logits", ["x", "s", "b", "D"])
+    x = np.random.default_rng(1).standard_normal((3, 4, 5, 5))
+    outs = [*res.grads, "rm", "rv"]
+    want = cpu(res.model, {"x": x}, outs)
+    got = cpu(for_cuda(res.model), {"x": x}, outs)
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12)
+
+
+def test_batchnorm_form_needs_rank():
+    """X of unknown rank: a clear refusal naming the node, not a session that fails on CUDA."""
+    m = bn_model([2, 3, 4], 15, TP.FLOAT, 0.9, 1e-5)
+    m.graph.input[0].type.tensor_type.ClearField("shape")
+    with pytest.raises(UnsupportedError, match="BatchNormalization.*rank"):
+        for_cuda(m)
+
+
+def test_models_without_training_batchnorm_pass_through():
+    m = bn_model([2, 3], 15, TP.FLOAT, 0.9, 1e-5)
+    m.graph.node[0].attribute[-1].i = 0  # training_mode (the last attribute made) off
+    del m.graph.node[0].output[1:], m.graph.output[1:]
+    assert for_cuda(m) is m
+
+
+def test_cuda_sessions_run_float32_as_float32():
+    """The CUDA provider's options turn TF32 off (its default is on)."""
+    assert runtime.CUDA_OPTIONS == {"use_tf32": "0"}
+    if runtime.cuda_available():
+        assert runtime.providers("cuda")[0] == ("CUDAExecutionProvider", {"use_tf32": "0"})
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("net", ["mlp", "conv_bn"])
+def test_cuda_training_matches_cpu(net, tmp_path):
+    """Five AdamW steps on CUDA give the CPU's losses (skipped without a GPU)."""
+    if not runtime.cuda_available():
+        pytest.skip("no CUDA session can be created here")
+    from onnxgrad.training import AdamW, Trainer
+    rng = np.random.default_rng(3)
+    if net == "mlp":
+        W1, W2 = rng.standard_normal((8, 6)) * 0.4, rng.standard_normal((3, 8)) * 0.4
+        g = helper.make_graph(
+            [helper.make_node("Gemm", ["x", "W1"], ["h"], transB=1),
+             helper.make_node("Relu", ["h"], ["a"]),
+             helper.make_node("Gemm", ["a", "W2"], ["logits"], transB=1)], "mlp",
+            [helper.make_tensor_value_info("x", TP.FLOAT, ["N", 6])],
+            [helper.make_tensor_value_info("logits", TP.FLOAT, ["N", 3])],
+            [numpy_helper.from_array(W1.astype(np.float32), "W1"),
+             numpy_helper.from_array(W2.astype(np.float32), "W2")])
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        xs = rng.standard_normal((5, 16, 6)).astype(np.float32)
+    else:
+        model = bn_net(conv=True)
+        for t in model.graph.initializer:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32),
+                                               t.name))
+        for v in [*model.graph.input, *model.graph.output]:
+            v.type.tensor_type.elem_type = TP.FLOAT
+        del model.graph.output[1:]
+        xs = rng.standard_normal((5, 8, 2, 5, 5)).astype(np.float32)
+    path = str(tmp_path / "m.onnx")
+    onnx.save(model, path)
+    ys = rng.integers(0, 3, (5, len(xs[0])))
+    runs = {}
+    for device in ("cpu", "cuda"):
+        tr = Trainer(path, "cross_entropy", optimizer=AdamW(lr=1e-2), device=device,
+                     progress=False)
+        losses = [tr.step({tr.data_inputs[0]: x, "target": y}) for x, y in zip(xs, ys)]
+        runs[device] = losses
+    # steps 2..5 read the weights and state the earlier steps wrote on the device
+    np.testing.assert_allclose(runs["cuda"], runs["cpu"], rtol=1e-4)
+
+
+def col2im_model(cols_shape, image, block, attrs, c_static=True, const_geometry=True):
+    dims = list(cols_shape) if c_static else [cols_shape[0], "CK", cols_shape[2]]
+    ins = [helper.make_tensor_value_info("cols", TP.FLOAT, dims)]
+    nodes, inits = [], []
+    for name, v in (("image", image), ("block", block)):
+        if const_geometry:
+            inits.append(numpy_helper.from_array(np.array(v, np.int64), name))
+        else:
+            ins.append(helper.make_tensor_value_info(name, TP.INT64, [len(v)]))
+    nodes.append(helper.make_node("Col2Im", ["cols", "image", "block"], ["y"], **attrs))
+    g = helper.make_graph(nodes, "c2i", ins, [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+                          inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_col2im_forms_match_onnxruntime(data):
+    """Col2Im written as Reshape/Transpose (blocks that tile the image) or a grouped one-hot
+    ConvTranspose (any strides, dilations, pads, an image end no block reaches: output_padding) gives onnxruntime
+    CPU's Col2Im, every element."""
+    tile = data.draw(st.booleans(), "tile")
+    c, n = data.draw(st.integers(1, 3), "C"), data.draw(st.integers(1, 3), "N")
+    k = [data.draw(st.integers(1, 3), f"k{i}") for i in range(2)]
+    if tile:
+        s, d, pads = list(k), [1, 1], [0, 0, 0, 0]
+        size = [k[i] * data.draw(st.integers(1, 3), f"o{i}") for i in range(2)]
+    else:
+        s = [data.draw(st.integers(1, 3), f"s{i}") for i in range(2)]
+        d = [data.draw(st.integers(1, 2), f"d{i}") for i in range(2)]
+        pads = [data.draw(st.integers(0, 2), f"p{i}") for i in range(4)]
+        size = [data.draw(st.integers(1, 8), f"h{i}") for i in range(2)]
+    o = [(size[i] + pads[i] + pads[2 + i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(2)]
+    if min(o) < 1:
+        return
+    shape = [n, c * k[0] * k[1], o[0] * o[1]]
+    m = col2im_model(shape, size, k, dict(strides=s, dilations=d, pads=pads),
+                     c_static=not tile or data.draw(st.booleans(), "c_static"))
+    form = for_cuda(m)
+    assert not any(x.op_type == "Col2Im" for x in form.graph.node)
+    onnx.checker.check_model(form, full_check=True)
+    cols = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+    np.testing.assert_allclose(cpu(form, {"cols": cols})[0], cpu(m, {"cols": cols})[0],
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_col2im_with_run_time_geometry_stays():
+    """An image or block shape known only at run time: the node stays (on the host, right)."""
+    m = col2im_model([1, 4, 4], [3, 3], [2, 2], {}, const_geometry=False)
+    assert [x.op_type for x in for_cuda(m).graph.node] == ["Col2Im"]
