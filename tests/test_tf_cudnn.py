@@ -4,11 +4,16 @@ with CudnnRNNBackprop) are checked against PyTorch's nn.LSTM/GRU/RNN (cuDNN's ga
 the NumPy reference."""
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_rnn import BI, UNI, B, H, I, T, torch_canonical, torch_module, torch_run
 from tf_util import ort_run, tf, tf1_graph
 
+import onnxgrad
 from onnxgrad.converters.tensorflow import ConversionError, convert
 from onnxgrad.rnn import canonical_to_params, params_size, params_to_canonical
 from onnxgrad.rnn.reference import rnn_forward
@@ -112,14 +117,136 @@ def test_params_ops_convert():
     np.testing.assert_array_equal(w1.reshape(-1), ws[1].reshape(-1))
 
 
-def test_v3_is_a_clear_error():
+# -- CudnnRNNV3: what Keras's LSTM and GRU trace on a GPU -----------------------------------------
+def _keras_cudnn(mode, lengths, go_backwards, return_sequences):
+    """A Keras LSTM/GRU layer and the graph Keras traces for it on a GPU build of TF
+    (keras.src.backend.tensorflow.rnn._cudnn_lstm / _cudnn_gru: CudnnRNNV3, batch-major,
+    sequence_lengths from the mask), its weights as the graph's inputs, and the loss's weights
+    of the output sequence."""
+    import importlib
+
+    import keras
+    krnn = importlib.import_module("keras.src.backend.tensorflow.rnn")
+    cls = keras.layers.LSTM if mode == "lstm" else keras.layers.GRU
+    layer = cls(H, return_sequences=True, return_state=True, go_backwards=go_backwards)
+    layer.build((B, T, I))
+    mask = np.arange(T)[None, :] < np.asarray(lengths)[:, None]
+    # what the loss reads of the sequence: the valid steps (Keras's go_backwards outputs run
+    # from the last step), or the last output alone
+    weight = (mask[:, ::-1] if go_backwards else mask)[..., None] * 0.5 if return_sequences \
+        else np.full((B, 1, 1), 0.5)
+
+    def f(x, m, kernel, recurrent, bias):
+        zeros = tf.zeros([B, H])
+        if mode == "lstm":
+            _, out, (h, c) = krnn._cudnn_lstm(x, zeros, zeros, kernel, recurrent, bias, m, False,
+                                              go_backwards, return_sequences)
+            states = [h, c]
+        else:
+            _, out, (h,) = krnn._cudnn_gru(x, zeros, kernel, recurrent, bias, m, False,
+                                           go_backwards, return_sequences)
+            states = [h]
+        loss = tf.reduce_sum(out * weight.astype(np.float32)) + tf.reduce_sum(tf.square(h))
+        return [out, *states, loss]
+    specs = [tf.TensorSpec([B, T, I], tf.float32), tf.TensorSpec([B, T], tf.bool)] + [
+        tf.TensorSpec(w.shape, tf.float32) for w in layer.weights]
+    # as on a GPU build of TF (this CPU build skips the GRU gate swap cuDNN needs)
+    info = dict(tf.sysconfig.get_build_info(), is_cuda_build=True, is_rocm_build=False)
+    with mock.patch.object(tf.sysconfig, "get_build_info", lambda: info):
+        cf = tf.function(f).get_concrete_function(*specs)
+    return layer, mask, weight, cf
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(mode=st.sampled_from(["lstm", "gru"]), go_backwards=st.booleans(),
+       return_sequences=st.booleans(),
+       lengths=st.lists(st.integers(1, T), min_size=B, max_size=B))
+def test_v3_from_keras_gpu_path_matches_keras(mode, go_backwards, return_sequences, lengths):
+    """The graph Keras traces for an LSTM/GRU on a GPU (CudnnRNNV3) converts (it was refused),
+    and gives what Keras's CPU path gives for the same weights and mask, forward and every
+    gradient (inputs, kernel, recurrent kernel, bias). cuDNN outputs 0 at padded steps where
+    Keras's CPU path carries the last output: the sequences are compared there masked."""
+    layer, mask, weight, cf = _keras_cudnn(mode, lengths, go_backwards, return_sequences)
+    names, ys = [t.name for t in cf.inputs], [t.name for t in cf.outputs]
+    model = convert(cf.graph.as_graph_def(), inputs=names, outputs=ys)
+    assert "CudnnRNNV3" not in {n.op_type for n in model.graph.node}
+    r = np.random.RandomState(sum(lengths))
+    x = r.randn(B, T, I).astype(np.float32)
+    feeds = dict(zip(names, [x, mask] + [w.numpy() for w in layer.weights]))
+    xt = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(xt)
+        out, *states = layer(xt, mask=tf.constant(mask))
+        seq = out if return_sequences else out[:, -1:]  # the last output: the final state
+        loss = tf.reduce_sum(seq * weight) + tf.reduce_sum(tf.square(states[0]))
+    want = tape.gradient(loss, [xt] + layer.trainable_weights)
+    got = ort_run(model, feeds, ys)
+    close = dict(rtol=1e-4, atol=1e-5)
+    # cuDNN outputs 0 at padded steps, where Keras's CPU path carries the last output
+    np.testing.assert_allclose(got[0] * (weight > 0), seq.numpy() * (weight > 0), **close)
+    for g, w in zip(got[1:-1], states):
+        np.testing.assert_allclose(g, w.numpy(), **close)
+    np.testing.assert_allclose(got[-1], loss.numpy(), **close)
+    res = onnxgrad.gradients(model, ys[-1], [names[0]] + names[2:])
+    grads = ort_run(res.model, feeds, res.grads)
+    for g, w, what in zip(grads, want, ["x", "kernel", "recurrent_kernel", "bias"]):
+        np.testing.assert_allclose(g, w.numpy(), err_msg=what, **close)
+
+
+@pytest.mark.parametrize("mode,direction", [("lstm", BI), ("gru", UNI), ("rnn_tanh", BI)])
+def test_v3_time_major_layers_match_torch_packed(mode, direction):
+    """Raw CudnnRNNV3, time-major, 2 layers, with sequence lengths: torch's packed sequences on
+    the same weights (zeros past each length, the state at each entry's last step, the backward
+    direction starting there), forward and the gradient of x and params."""
+    import torch
+    L, nd = 2, _nd(direction)
+    P = params_size(mode, L, H, I, direction)
+    lengths = np.array([T, 2, 1], np.int32)[:B]
+
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [T, B, I], name="x")
+        p = tf.compat.v1.placeholder(tf.float32, [P], name="p")
+        n = tf.compat.v1.placeholder(tf.int32, [B], name="n")
+        h = tf.zeros([L * nd, B, H])
+        out = tf.raw_ops.CudnnRNNV3(input=x, input_h=h, input_c=h, params=p, sequence_lengths=n,
+                                    rnn_mode=mode, direction=direction, time_major=True)
+        loss = tf.reduce_sum(out[0]) + tf.reduce_sum(tf.square(out[1]))
+        return [tf.identity(out[0], name="y"), tf.identity(out[1], name="hn"),
+                tf.identity(loss, name="loss")]
+    g, _ = tf1_graph(build)
+    model = convert(g.as_graph_def(add_shapes=True), outputs=["y:0", "hn:0", "loss:0"])
+    m = torch_module(mode, L, direction, dtype=torch.float32)
+    params = canonical_to_params(*torch_canonical(m, mode, L, direction), mode, L, H, I,
+                                 direction).astype(np.float32)
+    x = np.random.RandomState(2).randn(T, B, I).astype(np.float32)
+    feeds = {"x:0": x, "p:0": params, "n:0": lengths}
+    got_y, got_h = ort_run(model, feeds, ["y:0", "hn:0"])
+    xt = torch.tensor(x, requires_grad=True)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(xt, torch.tensor(lengths),
+                                                     enforce_sorted=False)
+    out, state = m(packed)
+    want_y = torch.nn.utils.rnn.pad_packed_sequence(out, total_length=T)[0]
+    want_h = state[0] if mode == "lstm" else state
+    close = dict(rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got_y, want_y.detach().numpy(), **close)
+    np.testing.assert_allclose(got_h, want_h.detach().numpy(), **close)
+    (want_y.sum() + (want_h ** 2).sum()).backward()
+    res = onnxgrad.gradients(model, "loss:0", ["x:0", "p:0"])
+    dx, dp = ort_run(res.model, feeds, res.grads)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), **close)
+    np.testing.assert_allclose(dp, canonical_to_params(
+        *torch_canonical(m, mode, L, direction, grad=True), mode, L, H, I, direction), **close)
+
+
+def test_v3_backprop_is_a_clear_error():
+    """A tape graph through CudnnRNNV3 (TF's CudnnRNNBackpropV3): refused, naming the way."""
     def build():
         x = tf.compat.v1.placeholder(tf.float32, [T, B, I], name="x")
         h = tf.zeros([1, B, H])
-        p = tf.zeros([params_size("lstm", 1, H, I)])
+        p = tf.compat.v1.placeholder(tf.float32, [params_size("lstm", 1, H, I)], name="p")
         out = tf.raw_ops.CudnnRNNV3(input=x, input_h=h, input_c=h, params=p,
                                     sequence_lengths=tf.fill([B], T))
-        return out[0]
-    g, y = tf1_graph(build)
-    with pytest.raises(ConversionError, match="CudnnRNNV3"):
-        convert(g.as_graph_def(), outputs=[y.name])
+        return tf.gradients(tf.reduce_sum(out[0]), p)[0]
+    g, dp = tf1_graph(build)
+    with pytest.raises(ConversionError, match="CudnnRNNBackpropV3.*onnxgrad.gradients"):
+        convert(g.as_graph_def(), outputs=[dp.name])

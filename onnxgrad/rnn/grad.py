@@ -12,17 +12,19 @@ adds the function bodies to the model that gradients() returns.
 from __future__ import annotations
 
 from ..registry import functions_for, register
-from .ops import ATTR_DEFAULTS, DOMAIN, MIN_OPSET, attach_functions
+from .ops import ATTR_DEFAULTS, DOMAIN, EX_ATTR_DEFAULTS, MIN_OPSET, attach_functions
 
 functions_for(DOMAIN, attach_functions)
 
-_BACKWARD = {"CudnnRNN": "CudnnRNNBackprop", "CudnnRNNV2": "CudnnRNNBackpropV2"}
+_BACKWARD = {"CudnnRNN": "CudnnRNNBackprop", "CudnnRNNV2": "CudnnRNNBackpropV2",
+             "OnnxRNN": "OnnxRNNBackprop"}
 
 
-@register(["CudnnRNN", "CudnnRNNV2"], domain=DOMAIN)
+@register(["CudnnRNN", "CudnnRNNV2", "OnnxRNN"], domain=DOMAIN)
 def _cudnn_rnn(n, g):
     op = n.node.op_type
-    if not n.attr("is_training", 1):
+    ex = op == "OnnxRNN"  # (in a model: TF's CudnnRNNV3, sequence_lengths, converted to it)
+    if not ex and not n.attr("is_training", 1):
         raise ValueError(f"To use {op} in gradients, is_training must be set to True.")
     if n.gs[3] is not None:  # (host_reserved is int8: it never has one)
         # the backward's workspace: as TF, the rule reads no gradient of it, so where one
@@ -38,16 +40,24 @@ def _cudnn_rnn(n, g):
     ins = list(n.ins[:4]) + [outs[0], outs[1], outs[2]] + gs + [outs[3]]
     if op == "CudnnRNNV2":
         ins.append(outs[4])
-    attrs = {k: n.attr(k, d) for k, d in ATTR_DEFAULTS.items() if k != "num_proj"}
-    if n.attr("num_proj", 0):
-        attrs["num_proj"] = n.attr("num_proj")
-    dtypes = [n.ins[0].dtype, n.ins[1].dtype, n.ins[2].dtype, n.ins[3].dtype]
-    res = e.op(_BACKWARD[op], *ins, _outputs=4, _domain=DOMAIN, _dtype=dtypes, **attrs)
+    peep = ex and n.input(4) is not None
+    if ex:  # peepholes, sequence_lens
+        ins += [n.input(4), n.input(5)]
+        attrs = {k: n.attr(k, d) for k, d in EX_ATTR_DEFAULTS.items()}
+    else:
+        attrs = {k: n.attr(k, d) for k, d in ATTR_DEFAULTS.items() if k != "num_proj"}
+        if n.attr("num_proj", 0):
+            attrs["num_proj"] = n.attr("num_proj")
+    n_out = 5 if peep else 4
+    dtypes = [n.ins[0].dtype, n.ins[1].dtype, n.ins[2].dtype, n.ins[3].dtype] + [dt] * peep
+    res = e.op(_BACKWARD[op], *ins, _outputs=n_out, _domain=DOMAIN, _dtype=dtypes, **attrs)
     res[0].value.producer().overload = n.node.overload
     grads = [r.with_shape(x.shape) for r, x in zip(res, n.ins[:4])]
     for k in (0, 3):  # an unnamed input_backprop / params_backprop: the body skips it
         if not n.wants(n.node.inputs[k]):
             res[k].value.name, grads[k] = "", None
+    if peep:
+        grads.append(res[4].with_shape(n.input(4).shape))
     return tuple(grads)
 
 from . import onnx_rnn as _onnx_rnn  # noqa: E402,F401  (ai.onnx LSTM, GRU, RNN)
