@@ -1,6 +1,6 @@
 """Keras 3 models (TensorFlow 2.21) saved with ``model.export()``: converted, run and
 differentiated. For every model of the layer list (Dense, Conv1D/Conv2D dilated and not,
-BatchNormalization, Dropout, gelu, Embedding, LSTM, GRU, Bidirectional, a hand-written
+BatchNormalization, Dropout, gelu, Embedding, LSTM, GRU (with dropout too), Bidirectional, a hand-written
 tf.while_loop RNN over a TensorArray, MultiHeadAttention with a causal mask, LayerNormalization,
 Resizing and UpSampling2D): the converted output equals TF's, and ``onnxgrad.gradients`` of the
 output (under a random upstream gradient) with respect to the input and every weight equals
@@ -89,6 +89,12 @@ MODELS = {  # name: (builder -> (input, output), input shape)
     "gru": (lambda: (lambda i: (i, L.GRU(4, return_sequences=True)(i)))(_seq()), (2, 5, 3)),
     "bidirectional_lstm": (lambda: (lambda i: (i, L.Bidirectional(L.LSTM(
         3, return_sequences=True))(i)))(_seq()), (2, 5, 3)),
+    # dropout: every call (inference too) advances the layer's SeedGenerator, an integer
+    # variable TF cannot freeze; were refused
+    "lstm_dropout": (lambda: (lambda i: (i, L.LSTM(4, dropout=0.2, recurrent_dropout=0.1,
+                                                   return_sequences=True)(i)))(_seq()), (2, 5, 3)),
+    "gru_dropout": (lambda: (lambda i: (i, L.Dense(2)(L.GRU(3, dropout=0.3)(i))))(_seq()),
+                    (2, 5, 3)),
     "while_loop_rnn": (lambda: (lambda i: (i, WhileRNN(4)(i)))(_seq()), (2, 5, 3)),
     "attention_causal_layernorm": (_attention, (2, 5, 8)),
     "resizing_upsampling": (_resize, (2, 6, 6, 2)),
@@ -213,3 +219,27 @@ def test_trainer_fine_tunes_a_converted_keras_model(cases):
     trained = trainer.trained_model()
     (y,) = ort_run(trained, {x_in: x}, [y_out])
     assert np.mean((y - target) ** 2) == pytest.approx(last, rel=1e-4)
+
+
+def test_an_output_that_reads_an_assigned_variable_is_refused(tmp_path):
+    """A SavedModel whose output reads an integer variable it also assigns: the variable
+    cannot be a constant; a clear refusal, not a model that ignores the update."""
+    from tensorflow.python.eager import context
+
+    from onnxgrad.converters.tensorflow import ConversionError
+
+    class Counter(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.n = tf.Variable(1, dtype=tf.int64)
+
+        @tf.function(input_signature=[tf.TensorSpec([3], tf.float32)])
+        def __call__(self, x):
+            self.n.assign_add(1)
+            return {"y": x * tf.cast(self.n, tf.float32)}
+
+    with context.eager_mode():
+        m = Counter()
+        tf.saved_model.save(m, str(tmp_path / "c"), signatures=m.__call__)
+    with pytest.raises(ConversionError, match="variable"):
+        convert(str(tmp_path / "c"))

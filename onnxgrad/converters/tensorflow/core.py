@@ -360,6 +360,18 @@ def needed_nodes(g: Graph, outputs: list[str]) -> list[TFNode]:
     tf.gradients' machinery converts without the pushes that only the backward loop reads."""
     from .resources import GRAD_OPS, MUTATING, static_key
 
+    # what reads a variable TF left unfrozen (a Keras layer's seed state, advanced in every
+    # call): TF orders it before the outputs by control edges alone, so those edges are not
+    # followed; a value an output reads from it fails to convert (no resource ops in ONNX)
+    unfrozen: set[str] = set()
+    for n in g.order:
+        if n.op in ("Placeholder", "_Arg"):
+            a = n.attr.get("dtype" if n.op == "Placeholder" else "T")
+            if a is not None and a.type == proto.DT["DT_RESOURCE"]:
+                unfrozen.add(n.name)
+        elif any(split_ref(r)[0] in unfrozen for r in n.inputs):
+            unfrozen.add(n.name)
+
     def reach(todo, seen):
         while todo:
             name = todo.pop()
@@ -367,7 +379,7 @@ def needed_nodes(g: Graph, outputs: list[str]) -> list[TFNode]:
                 seen.add(name)
                 n = g.nodes[name]
                 todo.extend(split_ref(r)[0] for r in n.inputs)
-                todo.extend(n.controls)
+                todo.extend(c for c in n.controls if c not in unfrozen)
 
     def key(n):
         try:

@@ -336,8 +336,10 @@ def call(c: Converter, name: str, args: list, depth: list | None = None) -> list
     fn = function(c, name)
     if len(args) != len(fn.args):
         raise ConversionError(f"function {name!r} takes {len(fn.args)} inputs, given {len(args)}")
+    read = {r.split(":")[0] for n in fn.nodes for r in n.inputs} | {
+        r.split(":")[0] for r in fn.rets}
     for a, t, v in zip(fn.args, fn.arg_types, args):
-        if t == RESOURCE or (t != VARIANT and not isinstance(v, str)):
+        if a in read and (t == RESOURCE or (t != VARIANT and not isinstance(v, str))):
             raise ConversionError(f"function {name!r}: input {a!r} is a resource (a variable?); "
                                   "freeze the variables into constants first")
     stack = c.__dict__.setdefault("_fn_stack", [])

@@ -20,7 +20,7 @@ from . import control_flow, resources  # noqa: F401  (their handlers register on
 from .core import Converter, handler, onnx_dtype
 from .errors import ConversionError
 from .graph import TFNode, split_ref
-from .proto import dtype_info
+from .proto import DT, dtype_info
 
 I64 = TensorProto.INT64
 BIG = np.iinfo(np.int64).max
@@ -133,8 +133,19 @@ def _const(c, n):
     return [y]
 
 
+class UnfrozenVariable:
+    """The value of a resource placeholder: a variable TF could not freeze."""
+
+
+UNFROZEN_VARIABLE = UnfrozenVariable()
+
+
 @handler("Placeholder", "PlaceholderV2")
 def _placeholder(c, n):
+    if n.attr["dtype"].type == DT["DT_RESOURCE"]:
+        # a variable TF could not freeze (a Keras layer's seed state): no ONNX value; a function
+        # that reads it is refused where it is called (functions.call)
+        return [UNFROZEN_VARIABLE]
     ref = f"{n.name}:0"
     shape = c.attr(n, "shape")
     c.fresh(ref)
@@ -143,6 +154,14 @@ def _placeholder(c, n):
         None if shape is None else [d if d is not None else f"{n.name}_{k}"
                                     for k, d in enumerate(shape)]))
     return [ref]
+
+
+@handler("ReadVariableOp")
+def _read_variable(c, n):
+    raise ConversionError(
+        f"{n} reads a variable that TensorFlow could not freeze into a constant (the graph "
+        "assigns it) and that an output depends on: ONNX has no variables; export a signature "
+        "that does not update state")
 
 
 @handler("StopGradient")

@@ -99,10 +99,16 @@ def _freeze(tf, path, sig: str):
     try:
         frozen = convert_variables_to_constants_v2(fn, lower_control_flow=False)
     except Exception as e:  # noqa: BLE001
-        raise ConversionError(
-            f"{os.fspath(path)}: TensorFlow cannot freeze signature {sig!r} into constants "
-            f"({type(e).__name__}: {str(e).strip().splitlines()[0]}); a graph that assigns "
-            "variables (a layer's random-seed state, for one) cannot be frozen") from None
+        # a graph that assigns a variable cannot be frozen: Keras's RNNs with dropout advance
+        # their SeedGenerator's integer state in every call, inference too. Those integer
+        # variables stay variables; the converter leaves out what only updates them (nothing
+        # the outputs read), and refuses a graph whose outputs read one.
+        frozen = _freeze_keeping_integer_state(fn)
+        if frozen is None:
+            raise ConversionError(
+                f"{os.fspath(path)}: TensorFlow cannot freeze signature {sig!r} into constants "
+                f"({type(e).__name__}: {str(e).strip().splitlines()[0]}); a graph that assigns "
+                "float variables (a layer's training state) cannot be frozen") from None
     specs = fn.structured_input_signature[1] or {}
     in_keys = sorted(specs)  # TF flattens a dict by sorted key
     ins = [t for t in frozen.inputs if t.dtype != tf.resource]
@@ -117,6 +123,26 @@ def _freeze(tf, path, sig: str):
     inputs = dict(zip(in_keys, (_renamed(t.name, rename) for t in ins)))
     outputs = dict(zip(out_keys, (_renamed(t.name, rename) for t in frozen.outputs)))
     return gd.SerializeToString(), inputs, outputs, list(rename.values())
+
+
+def _freeze_keeping_integer_state(fn):
+    """``fn`` frozen with its integer variables (random-seed states) left as resource inputs,
+    or None when TensorFlow cannot do that either."""
+    from tensorflow.python.framework import convert_to_constants as ctc
+
+    by_handle = {id(v.handle): v for v in getattr(fn, "variables", ())}
+    keep = [internal.op.name for external, internal in getattr(fn.graph, "captures", ())
+            if id(external) in by_handle and by_handle[id(external)].dtype.is_integer]
+    if not keep:
+        return None
+    try:
+        data = ctc._FunctionConverterDataInEager(  # (the denylist is not in the public API)
+            func=fn, lower_control_flow=False, aggressive_inlining=False,
+            variable_names_denylist=keep)
+        gd, converted = ctc._replace_variables_by_constants(converter_data=data)
+        return ctc._construct_concrete_function(fn, gd, converted)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _variable_names(fn, taken: set) -> dict:
