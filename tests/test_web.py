@@ -259,6 +259,36 @@ def _browser_ready() -> str | None:
     return None
 
 
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_page_sessions_keep_a_range_gather_reversal(tmp_path, n):
+    """Gather(x, Range(len - 1, -1, -1)) on onnxruntime-web with the page's session options
+    (trainer.js sessionOptions, through web/tools/run_model.mjs in Node): x reversed. With
+    onnxruntime's GatherToSliceFusion on (onnxruntime-web's default) it came out empty."""
+    missing = _browser_ready()
+    if missing:
+        pytest.fail(f"this test needs {missing}; .ci/run installs it")
+    one = lambda name, v: helper.make_tensor(name, TensorProto.INT64, [], [v])  # noqa: E731
+    g = helper.make_graph(
+        [helper.make_node("Shape", ["x"], ["s"]),
+         helper.make_node("Gather", ["s", "zero"], ["len"], axis=0),
+         helper.make_node("Sub", ["len", "one"], ["start"]),
+         helper.make_node("Range", ["start", "minus1", "minus1"], ["idx"]),
+         helper.make_node("Gather", ["x", "idx"], ["y"], axis=0)], "reverse",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])],
+        [one("zero", 0), one("one", 1), one("minus1", -1)])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              tmp_path / "reverse.onnx")
+    x = np.arange(n, dtype=np.float32) + 1
+    (tmp_path / "feeds.json").write_text(json.dumps(
+        {"x": {"dtype": "float32", "dims": [n], "data": x.tolist()}}))
+    proc = subprocess.run(["node", os.path.join(WEB, "tools", "run_model.mjs"),
+                           str(tmp_path / "reverse.onnx"), str(tmp_path / "feeds.json")],
+                          capture_output=True, text=True, timeout=120, cwd=WEB)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["y"] == x[::-1].tolist()
+
+
 def test_page_in_chromium(tmp_path):
     """One browser session (web/tools/e2e.mjs; one test, so that pytest-xdist runs it once),
     then the checks below on what it saw."""

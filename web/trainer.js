@@ -11,6 +11,17 @@ const ARRAYS = {float32: Float32Array, float64: Float64Array, int64: BigInt64Arr
                 int8: Int8Array, uint8: Uint8Array, bool: Uint8Array,
                 float16: globalThis.Float16Array || Uint16Array};
 
+/**
+ * Options of every session this page makes. onnxruntime's GatherToSliceFusion rewrites
+ * Range -> Gather as a Slice over Range's bounds and reads a negative bound as counted from the
+ * end: Gather(x, Range(n - 1, -1, -1)), a reversal, came out empty, silently (onnxruntime-web
+ * 1.30 and Python 1.31 alike; onnxgrad's Python sessions turn it off as well).
+ */
+export function sessionOptions(executionProviders = ['wasm'], more = {}) {
+  return {executionProviders, ...more,
+          extra: {optimization: {disable_specified_optimizers: 'GatherToSliceFusion'}}};
+}
+
 /** A user-facing problem with the files given (shown as it is on the page). */
 export class InputError extends Error {}
 
@@ -38,7 +49,7 @@ export async function sha256(bytes) {
 /** null when onnxruntime-web reads `bytes` as an ONNX model, else its complaint. */
 export async function notOnnx(ort, bytes) {
   try {
-    const s = await ort.InferenceSession.create(new Uint8Array(bytes), {executionProviders: ['wasm']});
+    const s = await ort.InferenceSession.create(new Uint8Array(bytes), sessionOptions());
     await s.release();
     return null;
   } catch (e) {
@@ -106,11 +117,11 @@ export class Trainer {
     const eps = options.executionProviders || ['wasm'];
     const gpu = eps[0] === 'webgpu';
     const outputs = [...manifest.params, ...manifest.state].map(t => t.output);
-    const sessionOptions = {executionProviders: eps, graphOptimizationLevel: 'all'};
-    if (gpu) sessionOptions.preferredOutputLocation = Object.fromEntries(outputs.map(o => [o, 'gpu-buffer']));
+    const opts = sessionOptions(eps, {graphOptimizationLevel: 'all'});
+    if (gpu) opts.preferredOutputLocation = Object.fromEntries(outputs.map(o => [o, 'gpu-buffer']));
     let session;
     try {
-      session = await ort.InferenceSession.create(step, sessionOptions);
+      session = await ort.InferenceSession.create(step, opts);
     } catch (e) {
       throw new InputError(`onnxruntime-web cannot load the step model: ${e.message || e}`);
     }
@@ -184,7 +195,7 @@ export class Trainer {
 
   /** An inference session of the current model (what download gives), on the CPU. */
   async predictor() {
-    return this.ort.InferenceSession.create(await this.modelBytes(), {executionProviders: ['wasm']});
+    return this.ort.InferenceSession.create(await this.modelBytes(), sessionOptions());
   }
 
   dispose() {
