@@ -35,10 +35,15 @@ def _col2im(n: onnx.NodeProto) -> bool:
     return n.op_type == "Col2Im" and n.domain in ("", "ai.onnx")
 
 
+def has_forms(model: onnx.ModelProto) -> bool:
+    """Whether :func:`for_cuda` rewrites any node of ``model``."""
+    return any(_training_bn(n) or _col2im(n) for g in graphs_of(model.graph) for n in g.node)
+
+
 def for_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model``, or a copy with its training-mode BatchNormalization and Col2Im nodes (in every
     graph) in the forms above; ``model`` itself is not changed."""
-    if not any(_training_bn(n) or _col2im(n) for g in graphs_of(model.graph) for n in g.node):
+    if not has_forms(model):
         return model
     m = infer_shapes(model)  # a copy, typed: the rewrite needs X's rank and element types
     graphs = graphs_of(m.graph)

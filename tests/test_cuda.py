@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 
 import onnxgrad
 from onnxgrad import runtime
-from onnxgrad.cuda_forms import for_cuda
+from onnxgrad.cuda_forms import for_cuda, has_forms
 from onnxgrad.errors import UnsupportedError
 
 
@@ -112,7 +112,8 @@ def test_models_without_training_batchnorm_pass_through():
     m = bn_model([2, 3], 15, TP.FLOAT, 0.9, 1e-5)
     m.graph.node[0].attribute[-1].i = 0  # training_mode (the last attribute made) off
     del m.graph.node[0].output[1:], m.graph.output[1:]
-    assert for_cuda(m) is m
+    assert not has_forms(m) and for_cuda(m) is m
+    assert has_forms(bn_model([2, 3], 15, TP.FLOAT, 0.9, 1e-5))
 
 
 def test_cuda_sessions_run_float32_as_float32():
