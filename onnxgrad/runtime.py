@@ -19,6 +19,7 @@ def ort_module():
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # (a probe makes a CUDA session: asked once per process)
 def cuda_available() -> bool:
     """True only when a CUDA session can actually be created (libraries present, GPU visible)."""
     ort = ort_module()
