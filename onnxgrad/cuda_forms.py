@@ -22,8 +22,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .errors import UnsupportedError
-from .inference import (constant_tensors, graphs_of, infer_shapes, model_opset, unique_name,
-                        value_types)
+from .inference import constant_tensors, graphs_of, infer_shapes, model_opset, value_types
+from .training.fast_forms import _Nodes
 
 
 def _training_bn(n: onnx.NodeProto) -> bool:
@@ -81,16 +81,11 @@ def _batch_norm(n: onnx.NodeProto, types: dict, opset: int, taken: set) -> list:
             f"(>= 2) and element type of X ({x!r}) are known: give the model's input shapes, "
             "or run it on the CPU")
     dt = helper.tensor_dtype_to_np_dtype(tx)
-    new, base = [], f"{n.name or outs[0]}/cuda_form"
-
-    def op(op_type, *ins, out=None, **kw):
-        out = out or unique_name(f"{base}/{op_type}", taken)
-        new.append(helper.make_node(op_type, list(ins), [out],
-                                    name=unique_name(f"{base}/{op_type}", taken), **kw))
-        return out
+    b = _Nodes(f"{n.name or outs[0]}/cuda_form", taken)
+    op = b.op
 
     def const(value, dtype=dt):
-        return op("Constant", value=numpy_helper.from_array(np.array(value, dtype)))
+        return b.const(value, dtype)
 
     def as_x(name):  # scale and bias (T1) and the running statistics (T2) may differ from X's T
         return name if elem(name) in (0, tx) else op("Cast", name, to=tx)
@@ -117,7 +112,7 @@ def _batch_norm(n: onnx.NodeProto, types: dict, opset: int, taken: set) -> list:
                 op("Identity", moved, out=out)
             else:
                 op("Cast", moved, to=elem(running), out=out)
-    return new
+    return b.nodes
 
 
 def _col2im_form(n: onnx.NodeProto, types: dict, consts: dict, taken: set) -> list:
@@ -135,23 +130,15 @@ def _col2im_form(n: onnx.NodeProto, types: dict, consts: dict, taken: set) -> li
     o = [(padded[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(r)]
     if min(o) < 1:
         return [n]
-    new, base = [], f"{n.name or n.output[0]}/cuda_form"
-
-    def op(op_type, *ins, out=None, **kw):
-        out = out or unique_name(f"{base}/{op_type}", taken)
-        new.append(helper.make_node(op_type, list(ins), [out],
-                                    name=unique_name(f"{base}/{op_type}", taken), **kw))
-        return out
-
-    def ints(v):
-        return op("Constant", value=numpy_helper.from_array(np.array(v, np.int64)))
+    b = _Nodes(f"{n.name or n.output[0]}/cuda_form", taken)
+    op, ints = b.op, b.const
     kk = int(np.prod(k))
     if s == k and d == [1] * r and not any(pads) and padded == [a * b for a, b in zip(o, k)]:
         # blocks that tile the image: [N, C*K, L] -> [N, C, *k, *o] -> [N, C, o1, k1, ...]
         blocks = op("Reshape", cols, ints([0, -1, *k, *o]))
         perm = [0, 1] + [j for i in range(r) for j in (2 + r + i, 2 + i)]
         op("Reshape", op("Transpose", blocks, perm=perm), ints([0, -1, *size]), out=n.output[0])
-        return new
+        return b.nodes
     t = types.get(cols)
     dims = t.tensor_type.shape.dim if t is not None and t.HasField("tensor_type") else []
     if len(dims) != 3 or not dims[1].HasField("dim_value") or dims[1].dim_value % kk:
@@ -160,9 +147,9 @@ def _col2im_form(n: onnx.NodeProto, types: dict, consts: dict, taken: set) -> li
     dt = helper.tensor_dtype_to_np_dtype(t.tensor_type.elem_type)
     w = np.zeros((c * kk, 1, kk), dt)
     w[:, 0, :] = np.tile(np.eye(kk, dtype=dt), (c, 1))  # channel (c, j) puts its value at tap j
-    weight = op("Constant", value=numpy_helper.from_array(w.reshape(c * kk, 1, *k)))
+    weight = b.const(w.reshape(c * kk, 1, *k), dt)
     # (padded - d (k - 1) - 1) mod s: the image's end that no block reaches, zeros, < stride
     extra = [padded[i] - (s[i] * (o[i] - 1) + d[i] * (k[i] - 1) + 1) for i in range(r)]
     op("ConvTranspose", op("Reshape", cols, ints([0, 0, *o])), weight, out=n.output[0], group=c,
        strides=s, dilations=d, pads=pads, output_padding=extra)
-    return new
+    return b.nodes
