@@ -360,17 +360,21 @@ def needed_nodes(g: Graph, outputs: list[str]) -> list[TFNode]:
     tf.gradients' machinery converts without the pushes that only the backward loop reads."""
     from .resources import GRAD_OPS, MUTATING, static_key
 
-    # what reads a variable TF left unfrozen (a Keras layer's seed state, advanced in every
-    # call): TF orders it before the outputs by control edges alone, so those edges are not
-    # followed; a value an output reads from it fails to convert (no resource ops in ONNX)
+    # reads and updates of a variable TF left unfrozen (a Keras layer's seed state, advanced in
+    # every call): TF orders them before the outputs by control edges alone, so those edges are
+    # not followed; a value an output reads from one fails to convert (ONNX has no variables)
+    resource_args: set[str] = set()
     unfrozen: set[str] = set()
     for n in g.order:
         if n.op in ("Placeholder", "_Arg"):
             a = n.attr.get("dtype" if n.op == "Placeholder" else "T")
             if a is not None and a.type == proto.DT["DT_RESOURCE"]:
-                unfrozen.add(n.name)
-        elif any(split_ref(r)[0] in unfrozen for r in n.inputs):
+                resource_args.add(n.name)
+        elif n.op.endswith("VariableOp") and n.inputs and \
+                split_ref(n.inputs[0])[0] in resource_args:
             unfrozen.add(n.name)
+        elif n.op == "Identity" and n.inputs and split_ref(n.inputs[0])[0] in resource_args:
+            resource_args.add(n.name)  # (a function call inlined: its inputs pass Identities)
 
     def reach(todo, seen):
         while todo:
