@@ -42,6 +42,8 @@ NOT_FUZZED = {
                      "CudnnRNNCanonicalToParamsV2", "CudnnRNNParamsToCanonical",
                      "CudnnRNNParamsToCanonicalV2"],
                     "onnxgrad-domain ops: reached through the LSTM/GRU/RNN gradients only"),
+    "OnnxRNN": "onnxgrad-domain op (a converted CudnnRNNV3): tests/test_tf_cudnn.py checks its "
+               "gradient against Keras and torch's packed sequences",
     **dict.fromkeys(["BiasGelu", "EmbedLayerNormalization", "FastGelu", "FusedConv",
                      "FusedGemm", "FusedMatMul", "MultiHeadAttention", "QuickGelu",
                      "SkipLayerNormalization", "SkipSimplifiedLayerNormalization"],
