@@ -18,7 +18,6 @@ def ort_module():
     return ort
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)  # (a probe makes a CUDA session: asked once per process)
 def cuda_available() -> bool:
     """True only when a CUDA session can actually be created (libraries present, GPU visible)."""
