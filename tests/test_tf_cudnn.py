@@ -14,6 +14,7 @@ from test_rnn import BI, UNI, B, H, I, T, torch_canonical, torch_module, torch_r
 from tf_util import ort_run, tf, tf1_graph
 
 import onnxgrad
+from onnxgrad.check import check_gradients
 from onnxgrad.converters.tensorflow import ConversionError, convert
 from onnxgrad.rnn import canonical_to_params, params_size, params_to_canonical
 from onnxgrad.rnn.reference import rnn_forward
@@ -236,6 +237,9 @@ def test_v3_time_major_layers_match_torch_packed(mode, direction):
     np.testing.assert_allclose(dx, xt.grad.numpy(), **close)
     np.testing.assert_allclose(dp, canonical_to_params(
         *torch_canonical(m, mode, L, direction, grad=True), mode, L, H, I, direction), **close)
+    # and central finite differences in float64 (OnnxRNN's gradient rule itself)
+    report = check_gradients(model, "loss:0", ["x:0", "p:0"], feeds)
+    assert report.ok, str(report)
 
 
 def test_v3_backprop_is_a_clear_error():
