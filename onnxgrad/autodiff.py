@@ -230,22 +230,20 @@ def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: se
         forget_made_up([*(vi for vi in out.graph.value_info if vi.name not in declared),
                         *out.graph.output[outputs:]])
         return out
-    for i, node in enumerate(forward):
-        if len(node.outputs) != len(g.node[i].output) or subgraphs(node):
-            g.node[i].CopyFrom(ir.serde.serialize_node(node))
+    for node, n in zip(forward, g.node):
+        if len(node.outputs) != len(n.output) or (node.attributes and subgraphs(node)):
+            n.CopyFrom(ir.serde.serialize_node(node))
     added = nodes[len(forward):]
     for node in added:  # straight into the repeated field (extend would copy each proto again)
         ir.serde.serialize_node_into(g.node.add(), node)
     g.input.extend(ir.serde.serialize_value(v) for v in list(graph.inputs)[len(g.input):])
-    g.output.extend(ir.serde.serialize_value(v) for v in list(graph.outputs)[len(g.output):])
-    g.value_info.extend(kept)
-    for node in added:
-        for v in node.outputs:
-            if v.shape is not None and v.type is not None and not v.is_graph_output():
-                ir.serde.serialize_value_into(g.value_info.add(), v)
     # _deserialize emptied g.value_info: past the kept (declared) entries is only what this
-    # call wrote, as past the model's own outputs
-    forget_made_up([*g.value_info[len(kept):], *g.output[outputs:]])
+    # call writes, as past the model's own outputs
+    _write_values(g.output, list(graph.outputs)[outputs:])
+    g.value_info.extend(kept)
+    _write_values(g.value_info, [v for node in added for v in node.outputs
+                                 if v.shape is not None and v.type is not None
+                                 and not v.is_graph_output()])
     for domain, version in irm.opset_imports.items():
         entry = next((o for o in proto.opset_import if o.domain == domain), None)
         if entry is None:
@@ -253,6 +251,33 @@ def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: se
         else:
             entry.version = version
     return proto
+
+
+def _write_values(field, values: list) -> None:
+    """ValueInfoProtos of ``values`` appended to ``field``, naming no dim that onnx's inference
+    made up (:func:`~onnxgrad.inference.forget_made_up`). onnx-ir writes one per distinct
+    tensor type and frozen shape (which values share, as :func:`_deserialize` reads them),
+    copied under each value's name: writing every value anew cost 4 us each (the gradient
+    outputs of a model with thousands of weights)."""
+    written: dict[tuple, tuple] = {}
+    for v in values:
+        shape, simple = v.shape, type(v.type) is ir.TensorType and not v.doc_string \
+            and not v.metadata_props
+        if not simple or (shape is not None and not shape.frozen):
+            vi = field.add()
+            ir.serde.serialize_value_into(vi, v)
+            forget_made_up([vi])
+            continue
+        key = (v.type, id(shape))
+        hit = written.get(key)
+        if hit is None:  # (the shape is held: its id is not reused)
+            vi = onnx.ValueInfoProto()
+            ir.serde.serialize_value_into(vi, v)
+            forget_made_up([vi])
+            hit = written[key] = (vi, shape)
+        vi = field.add()
+        vi.CopyFrom(hit[0])
+        vi.name = v.name
 
 
 def _add_ranks(model: onnx.ModelProto, names: set) -> None:
@@ -279,6 +304,7 @@ class Engine:
     def __init__(self, irm: ir.Model, opset: int, aggregation):
         self.irm, self.opset, self.aggregation = irm, opset, aggregation
         self.marked = False  # whether some values carry _STOP or _PREVENT marks
+        self._rules: dict[tuple, object] = {}  # (op_identifier, opset) -> rule or None
 
     def opset_of(self, domain: str) -> int:
         if domain in ("", "ai.onnx"):
@@ -291,10 +317,15 @@ class Engine:
         return {k: ir.serde.serialize_function(f) for k, f in self.irm.functions.items()}
 
     def rule_of(self, node: ir.Node):
-        """(the node's gradient rule or None, the opset it is read at)."""
-        opset = self.opset_of(node.domain)
-        return lookup("" if node.domain == "ai.onnx" else node.domain, node.op_type, opset,
-                      node.op_identifier() in self.irm.functions), opset
+        """(the node's gradient rule or None, the opset it is read at), looked up once per
+        (domain, op_type, overload) and opset in a call."""
+        ident, opset = node.op_identifier(), self.opset_of(node.domain)
+        rule = self._rules.get((ident, opset), _NO_RULE)
+        if rule is _NO_RULE:
+            rule = self._rules[ident, opset] = lookup(
+                "" if node.domain == "ai.onnx" else node.domain, node.op_type, opset,
+                ident in self.irm.functions)
+        return rule, opset
 
     def sweep(self, graph: ir.Graph, e: Emitter, seeds: dict, xs: list, stop=frozenset()
               ) -> list[V | None]:
@@ -354,12 +385,13 @@ class Engine:
         aggregation = self.aggregation
 
         def total(v: ir.Value) -> V | None:
-            if v not in summed:
-                parts = grads.pop(v, None)
-                e.prefix = f"{scope}/{_label(v)}_grad"
-                summed[v] = None if not parts else _name_grad(
-                    e, v, _aggregate(e, parts, aggregation, v).with_shape(dims(v)))
-            return summed[v]
+            if v in summed:
+                return summed[v]
+            parts = grads.pop(v, None)
+            e.prefix = f"{scope}/{_label(v)}_grad"
+            g = summed[v] = None if not parts else _name_grad(
+                e, v, _aggregate(e, parts, aggregation, v).with_shape(e.dims(v)))
+            return g
 
         def path(node):
             outs = [v for v in node.outputs if v in grads or v in summed]
@@ -367,7 +399,7 @@ class Engine:
 
         for node in reversed(plan.on_path):
             gs = [total(v) if v in grads and v not in stop else None for v in node.outputs]
-            if all(g is None for g in gs):
+            if not any(gs):  # (a V is always true)
                 continue
             rule, opset_of = self.rule_of(node)
             if self.marked:
@@ -387,7 +419,8 @@ class Engine:
             except NotImplementedError as err:  # a rule refusing a configuration (its message)
                 raise NotDifferentiableError(node.op_type, node.domain, opset_of, node.name,
                                              path(node), reason=str(err)) from None
-            extra = next((k for k, gk in enumerate(gs) if k and gk is not None), None)
+            extra = None if len(gs) == 1 else next(
+                (k for k, gk in enumerate(gs) if k and gk is not None), None)
             if extra is not None and not ctx.read_gs:
                 raise NotDifferentiableError(
                     node.op_type, node.domain, opset_of, node.name, path(node),
@@ -398,6 +431,9 @@ class Engine:
                     grads.setdefault(v, []).append(gv)
 
         return [total(x) if x in live and _maybe_float(x) else None for x in xs]
+
+
+_NO_RULE = object()  # (rule_of: not looked up yet)
 
 
 @dataclass

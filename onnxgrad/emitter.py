@@ -97,6 +97,19 @@ class Piece(NamedTuple):
 
 
 _HALF = {ir.DataType.FLOAT16: "tensor(float16)", ir.DataType.BFLOAT16: "tensor(bfloat16)"}
+# constants a rule passes as they are (never an ir.Value)
+_PLAIN = frozenset({int, float, bool, list, tuple, np.ndarray})
+
+
+def _any_half(dtypes, ins) -> bool:
+    """Whether an output dtype or an input's dtype is a half-precision one."""
+    for d in dtypes:
+        if d in _HALF:
+            return True
+    for x in ins:
+        if x is not None and x.dtype in _HALF:
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,7 +163,7 @@ class V:
     @property
     def shape(self):
         if self._shape is V._UNSET:
-            self._shape = dims(self.value)
+            self._shape = self.e.dims(self.value)
         return self._shape
 
     name = property(lambda self: self.value.name)
@@ -187,6 +200,7 @@ class Emitter:
         self._consts: dict[tuple, V] = {}
         self._scalars: dict[ir.Value, np.ndarray] = {}  # the rank-0 constants made here
         self.pieces: dict[ir.Value, Piece] = {}  # what :meth:`place` made
+        self._frozen_dims: dict[int, tuple] = {}  # id(shape) -> (shape, its dims)
 
     def need(self, version: int) -> None:
         """Declare that the rule being run emits an op of ai.onnx opset ``version``."""
@@ -196,6 +210,17 @@ class Emitter:
     def reserve(self, names) -> None:
         """Names that :meth:`unique` must not hand out (new graph inputs named by the caller)."""
         self._issued.update(names)
+
+    def dims(self, value) -> tuple | None:
+        """:func:`dims` of ``value``, read once per frozen shape: onnx-ir's reader shares
+        frozen (immutable) shapes between values, and the sweep asks again and again."""
+        shape = value.shape
+        if shape is None or not shape.frozen:
+            return dims(value)
+        hit = self._frozen_dims.get(id(shape))
+        if hit is None or hit[0] is not shape:  # (the shape is held: its id is not reused)
+            hit = self._frozen_dims[id(shape)] = (shape, dims(value))
+        return hit[1]
 
     def wrap(self, value: ir.Value | None) -> V | None:
         return None if value is None else V(value, self)
@@ -259,7 +284,7 @@ class Emitter:
     def _as_input(self, x, dtype):
         if x is None or isinstance(x, V):
             return x
-        if isinstance(x, ir.Value):
+        if type(x) not in _PLAIN and isinstance(x, ir.Value):  # (a Protocol: slow isinstance)
             return V(x, self)
         if isinstance(x, (list, tuple)) and all(isinstance(i, (int, np.integer)) for i in x):
             return self.const(x, ir.DataType.INT64)
@@ -277,20 +302,16 @@ class Emitter:
         ``_dtype`` (one dtype, or one per output) and ``_shape`` (output 0's static shape)
         override what the emitter infers."""
         ins = list(inputs)
-        if not all(x is None or type(x) is V for x in ins):  # constants, ir.Values: convert
-            # (type(x) is V first: isinstance against ir.Value, a typing Protocol, is slow)
-            ins = [x if type(x) is V or not isinstance(x, ir.Value) else V(x, self) for x in ins]
-            ctx = None  # a constant takes the dtype of the first float input, else the first
+        for x in ins:
+            if x is not None and type(x) is not V:  # constants, ir.Values: convert
+                ins = self._convert(ins)
+                break
+        if op_type in _WIDENED and self._scalars and len(ins) > 1:
+            scalars = self._scalars
             for x in ins:
-                if type(x) is V and x.dtype is not None:
-                    if x.dtype in FLOAT_DTYPES:
-                        ctx = x.dtype
-                        break
-                    ctx = ctx or x.dtype
-            ins = [self._as_input(x, ctx) for x in ins]
-        if op_type in _WIDENED and len(ins) > 1 and self._scalars and any(
-                x is not None and x.value in self._scalars for x in ins):
-            ins = self._widen_scalars(ins)
+                if x is not None and x.value in scalars:
+                    ins = self._widen_scalars(ins)
+                    break
         # trailing absent optional inputs are dropped, inner ones stay as empty names
         while ins and ins[-1] is None:
             ins.pop()
@@ -305,7 +326,7 @@ class Emitter:
             while any(f"{name}:{i}" in self._issued for i in range(_outputs)):
                 name = self.unique(f"{self.prefix}/{op_type}")
             self._issued.update(f"{name}:{i}" for i in range(_outputs))
-        attributes = [_attr(k, v) for k, v in attrs.items() if v is not None]
+        attributes = [_attr(k, v) for k, v in attrs.items() if v is not None] if attrs else ()
         dtype = _dtype or _out_dtype(op_type, ins, attrs)
         shape = _shape
         if shape is None and op_type in _ELEMENTWISE:
@@ -316,33 +337,55 @@ class Emitter:
             rank = _RANKS[op_type](ins, attrs)
             shape = None if rank is None else (None,) * rank
         dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * _outputs
-        if not _domain and (any(d in _HALF for d in dtypes) or any(
-                x is not None and x.dtype in _HALF for x in ins)):
+        if not _domain and _any_half(dtypes, ins):
             self._need_half(op_type, ins, dtypes)
-        shapes = [shape] if _outputs == 1 else [shape] + [None] * (_outputs - 1)
         # an op whose rank onnx's inference will not find (computed split sizes, axes, kernel
         # ...): the rank is written into the model, for gradients of this gradient graph
         record = (op_type in SAME_RANK or op_type in AXES_RANK) and _computed_args(ins)
         unranked = record and shape is None  # left to onnx shape inference on the result
         if unranked:
             record = False
-        if record:
-            shapes = [shape] + [(None,) * len(shape)] * (_outputs - 1)
+        values = [None if x is None else x.value for x in ins]
         # outputs made whole before the node: setting their names and types afterwards costs
         # onnx-ir a fifth more per node (measured alone, 9.8 against 11.9 us)
-        outs = [ir.Value(name=name if _outputs == 1 else f"{name}:{i}",
+        if _outputs == 1:
+            d = dtypes[0]
+            out = ir.Value(name=name, type=None if d is None else _tensor_type(d),
+                           shape=ir.Shape(shape) if record and d is not None else None)
+            node = ir.Node(_domain, op_type, values, attributes, outputs=(out,), name=name)
+            if unranked:
+                self.unranked.append(node)
+            self.graph.append(node)
+            self.nodes.append(node)
+            return V(out, self, d, shape)
+        shapes = [shape] + [None] * (_outputs - 1)
+        if record:
+            shapes = [shape] + [(None,) * len(shape)] * (_outputs - 1)
+        outs = [ir.Value(name=f"{name}:{i}",
                          type=None if dtypes[i] is None else _tensor_type(dtypes[i]),
                          shape=ir.Shape(shapes[i]) if record and dtypes[i] is not None else None)
                 for i in range(_outputs)]
-        node = ir.Node(_domain, op_type, [None if x is None else x.value for x in ins],
-                       attributes, outputs=outs, name=name)
+        node = ir.Node(_domain, op_type, values, attributes, outputs=outs, name=name)
         if unranked:
             self.unranked.append(node)
         self.graph.append(node)
         self.nodes.append(node)
-        if _outputs == 1:
-            return V(node.outputs[0], self, dtypes[0], shape)
         return tuple(V(o, self, dtypes[i], shapes[i]) for i, o in enumerate(node.outputs))
+
+    def _convert(self, ins: list) -> list:
+        """``ins`` with ir.Values wrapped and constants (numbers, int lists, arrays) made
+        Constant nodes: a constant takes the dtype of the first float input, else the first."""
+        # (plain Python constants first: isinstance against ir.Value, a typing Protocol, is slow)
+        ins = [x if type(x) is V or type(x) in _PLAIN or not isinstance(x, ir.Value)
+               else V(x, self) for x in ins]
+        ctx = None
+        for x in ins:
+            if type(x) is V and x.dtype is not None:
+                if x.dtype in FLOAT_DTYPES:
+                    ctx = x.dtype
+                    break
+                ctx = ctx or x.dtype
+        return [self._as_input(x, ctx) for x in ins]
 
     def _need_half(self, op_type: str, ins: list, dtypes: list) -> None:
         """Half-precision types came to ai.onnx ops at various opsets (bfloat16: most at 13,
@@ -510,7 +553,7 @@ class Emitter:
         c._counts, c._issued, c.unranked = self._counts, self._issued, self.unranked
         c._consts = dict(self._consts) if outer_consts else {}
         c._scalars = dict(self._scalars) if outer_consts else {}
-        c.pieces = self.pieces
+        c.pieces, c._frozen_dims = self.pieces, self._frozen_dims
         return c
 
 
@@ -583,15 +626,15 @@ def _leading(x, axes, opset: int) -> set | None:
             not axes or not all(isinstance(a, int) for a in axes):
         return None
     shape, rank = x.shape, len(x.shape)
-    if any(not -rank <= a < rank for a in axes):
+    if math.prod(d for d in shape if isinstance(d, int)) < 1 << 15 or \
+            any(not -rank <= a < rank for a in axes):
         return None
     ks = {a % rank for a in axes}
     k = max(ks) + 1
     if len(ks) < len(axes) or k >= rank or \
             any(shape[i] != 1 for i in range(k) if i not in ks):
         return None
-    if all(isinstance(d, int) and d > 0 for d in shape[k:]) and \
-            math.prod(d for d in shape if isinstance(d, int)) >= 1 << 15:
+    if all(isinstance(d, int) and d > 0 for d in shape[k:]):
         return ks
     return None
 
@@ -652,7 +695,10 @@ def _from_shape(v) -> bool:
 
 def _out_dtype(op_type, ins, attrs):
     if op_type not in _SPECIAL_DTYPE:  # the dtype of the first typed input
-        return next((x.dtype for x in ins if x is not None and x.dtype is not None), None)
+        for x in ins:
+            if x is not None and x.dtype is not None:
+                return x.dtype
+        return None
     if op_type in _INT64_OUT:
         return ir.DataType.INT64
     if op_type in _BOOL_OUT:
