@@ -679,14 +679,14 @@ def _names_in(graph: ir.Graph) -> list[str]:
     """Every name in the model: nodes, values, graph inputs, initializers, subgraphs."""
     names = [v.name for v in graph.inputs]
     names += graph.initializers
-    for node in ir.traversal.RecursiveGraphIterator(graph):
+    for node in graph:  # (onnx-ir's recursive iterator costs 8x a plain one)
         names.append(node.name)
-        names += [v.name for v in node.outputs]
+        for v in node.outputs:
+            names.append(v.name)
         if node.attributes:
             for sub in subgraphs(node):
                 names.append(sub.name)
-                names += [v.name for v in sub.inputs]
-                names += sub.initializers
+                names += _names_in(sub)
     return names
 
 
@@ -876,8 +876,12 @@ def _drop_dead(graph: ir.Graph, added: list[ir.Node]):
     in reverse order, so a node's consumers are gone before it is looked at. A node a rule took
     out already (the ONNX RNN rules replace their forward node, an expanded body's too) is left."""
     for node in reversed(added):
-        if node.graph is graph and all(not v.uses() and not v.is_graph_output()
-                                       for v in node.outputs):
+        if node.graph is not graph:
+            continue
+        for v in node.outputs:
+            if v.uses() or v.is_graph_output():
+                break
+        else:
             graph.remove(node, safe=True)
 
 

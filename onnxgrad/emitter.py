@@ -97,19 +97,9 @@ class Piece(NamedTuple):
 
 
 _HALF = {ir.DataType.FLOAT16: "tensor(float16)", ir.DataType.BFLOAT16: "tensor(bfloat16)"}
+_HALF_TYPES = frozenset(_HALF)
 # constants a rule passes as they are (never an ir.Value)
 _PLAIN = frozenset({int, float, bool, list, tuple, np.ndarray})
-
-
-def _any_half(dtypes, ins) -> bool:
-    """Whether an output dtype or an input's dtype is a half-precision one."""
-    for d in dtypes:
-        if d in _HALF:
-            return True
-    for x in ins:
-        if x is not None and x.dtype in _HALF:
-            return True
-    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -327,7 +317,8 @@ class Emitter:
                 name = self.unique(f"{self.prefix}/{op_type}")
             self._issued.update(f"{name}:{i}" for i in range(_outputs))
         attributes = [_attr(k, v) for k, v in attrs.items() if v is not None] if attrs else ()
-        dtype = _dtype or _out_dtype(op_type, ins, attrs)
+        in_dtypes = [x.dtype for x in ins if x is not None]
+        dtype = _dtype or _out_dtype(op_type, ins, attrs, in_dtypes)
         shape = _shape
         if shape is None and op_type in _ELEMENTWISE:
             shape = broadcast_dims([x.shape for x in ins if x is not None])
@@ -337,7 +328,8 @@ class Emitter:
             rank = _RANKS[op_type](ins, attrs)
             shape = None if rank is None else (None,) * rank
         dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * _outputs
-        if not _domain and _any_half(dtypes, ins):
+        if not _domain and not (_HALF_TYPES.isdisjoint(dtypes) and
+                                _HALF_TYPES.isdisjoint(in_dtypes)):
             self._need_half(op_type, ins, dtypes)
         # an op whose rank onnx's inference will not find (computed split sizes, axes, kernel
         # ...): the rank is written into the model, for gradients of this gradient graph
@@ -693,11 +685,13 @@ def _from_shape(v) -> bool:
     return p is not None and p.op_type == "Shape" and p.domain in ("", "ai.onnx")
 
 
-def _out_dtype(op_type, ins, attrs):
+def _out_dtype(op_type, ins, attrs, in_dtypes):
+    """The output dtype of ``op_type`` from its inputs (``in_dtypes``: those of the present
+    ones, in order)."""
     if op_type not in _SPECIAL_DTYPE:  # the dtype of the first typed input
-        for x in ins:
-            if x is not None and x.dtype is not None:
-                return x.dtype
+        for d in in_dtypes:
+            if d is not None:
+                return d
         return None
     if op_type in _INT64_OUT:
         return ir.DataType.INT64

@@ -206,6 +206,13 @@ def _needs_standin(n: onnx.NodeProto, opset: int) -> bool:
     return n.domain == "com.microsoft" or ort_internal(n, opset)
 
 
+def _any_standin(graphs: list, opset: int) -> bool:
+    """Whether a node of ``graphs`` needs a stand-in (:func:`_needs_standin`), asked once per
+    distinct (domain, op_type) rather than once per node."""
+    kinds = {(n.domain, n.op_type): n for g in graphs for n in g.node}
+    return any(_needs_standin(n, opset) for n in kinds.values())
+
+
 def _standins(n: onnx.NodeProto, opset: int) -> list | None:
     """Standard nodes that make the outputs of onnxruntime op ``n`` (com.microsoft, or
     :func:`ort_internal`) with the same types and shapes (onnx's inference knows none of them),
@@ -335,9 +342,9 @@ def _take_standins(m: onnx.ModelProto, originals: list) -> None:
 def _onnx_infer(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
     """onnx's inference (a new model) with outer Constants visible in bodies and onnxruntime's
     own ops typed by stand-ins; ``m`` is not changed."""
-    opset = model_opset(m)
-    if not any(_needs_standin(n, opset) for g in graphs_of(m.graph) for n in g.node):
-        return _infer_standard(m, **kw)
+    graphs = graphs_of(m.graph)
+    if not _any_standin(graphs, model_opset(m)):
+        return _infer_standard(m, graphs, **kw)
     m = onnx.ModelProto.FromString(m.SerializeToString())
     originals = _put_standins(m)
     out = _infer_standard(m, **kw)
@@ -345,10 +352,14 @@ def _onnx_infer(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
     return out
 
 
-def _infer_standard(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
-    stft = any(_stft_without_onesided(n) for nodes, _ in bodies_of(m) for n in nodes)
-    if not stft and not any(n.attribute and next(node_subgraphs(n), None)
-                            for n in m.graph.node):
+def _infer_standard(m: onnx.ModelProto, graphs: list | None = None, **kw) -> onnx.ModelProto:
+    """``graphs``: graphs_of(m.graph) when the caller has them."""
+    if graphs is None:
+        graphs = graphs_of(m.graph)
+    bodies = [nodes for nodes, _ in bodies_of(m)] if m.functions else [g.node for g in graphs]
+    stft = "STFT" in {n.op_type for nodes in bodies for n in nodes} and any(
+        _stft_without_onesided(n) for nodes in bodies for n in nodes)
+    if not stft and len(graphs) == 1:  # (no node of the main graph has a subgraph)
         return onnx.shape_inference.infer_shapes(m, **kw)
     m = onnx.ModelProto.FromString(m.SerializeToString())
     for nodes, _ in bodies_of(m) if stft else ():  # (a call is typed by its body)
@@ -495,6 +506,10 @@ AXES_RANK = {"Unsqueeze": (1, 1), "Squeeze": (1, -1), "Reshape": (0, 1)}
 # onnx leaves untyped when dims are symbolic: Attention's present_key, present_value and
 # qk_matmul_output; STFT's [batch, frames, bins, 2]
 OUTPUT_RANKS = {"Attention": ((None, 0), (4, 1), (4, 2), (4, 0)), "STFT": ((4, 0),)}
+
+
+# the ops whose output ranks _rank_seeds may tell
+_RANKED = frozenset({*SAME_RANK, *AXES_RANK, "Loop", *OUTPUT_RANKS})
 
 
 def out_rank(op_type: str, keepdims: int, rank: int | None, len1: int | None) -> int | None:
@@ -693,8 +708,10 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     InvalidModelError when inference contradicts the type declared for a graph output."""
     m = onnx.ModelProto.FromString(model.SerializeToString())
     graphs = graphs_of(m.graph)
+    ops = {n.op_type for g in graphs for n in g.node}  # (the passes below skip what is absent)
     calls = _functions_with_default_stft(m)
-    for g in graphs:  # what onnx inferred (and a model declares) with the wrong default
+    for g in graphs if calls or "STFT" in ops else ():
+        # what onnx inferred (and a model declares) with the wrong default
         _forget_dims(g, {o for n in g.node if _stft_default_inside(n, calls) for o in n.output})
     declared = [[onnx.ValueInfoProto.FromString(vi.SerializeToString()) for vi in g.value_info]
                 for g in graphs]
@@ -714,9 +731,10 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
             merged = _merge(vi.type, inferred.get(vi.name))
             if merged is not None and _adds(merged, inferred.get(vi.name)):
                 adopted.append((gi, onnx.helper.make_value_info(vi.name, merged)))
-    pools = sum(_has_ceil(n) for g in graphs for n in g.node)
-    same_rank = sum(n.op_type in SAME_RANK or n.op_type in AXES_RANK or n.op_type == "Loop"
-                    or n.op_type in OUTPUT_RANKS for g in graphs for n in g.node)
+    pools = sum(_has_ceil(n) for g in graphs for n in g.node) if not ops.isdisjoint(_POOLS) \
+        else 0
+    same_rank = sum(n.op_type in _RANKED for g in graphs for n in g.node) \
+        if not ops.isdisjoint(_RANKED) else 0
     dropped = set()  # outputs of ceil_mode pools whose dims onnx got wrong (and declared so)
     late = [set() for _ in graphs]  # per graph: dropped and what is computed from it
     for _ in range(min(pools + same_rank, 8) + 1):  # each may type inputs of further ones
