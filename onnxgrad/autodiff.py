@@ -256,27 +256,33 @@ def _to_proto(proto: onnx.ModelProto, irm: ir.Model, forward: list, declared: se
 def _write_values(field, values: list) -> None:
     """ValueInfoProtos of ``values`` appended to ``field``, naming no dim that onnx's inference
     made up (:func:`~onnxgrad.inference.forget_made_up`). onnx-ir writes one per distinct
-    tensor type and frozen shape (which values share, as :func:`_deserialize` reads them),
-    copied under each value's name: writing every value anew cost 4 us each (the gradient
-    outputs of a model with thousands of weights)."""
-    written: dict[tuple, tuple] = {}
+    tensor type and frozen shape, copied under each value's name: writing every value anew
+    cost 5 us each (the gradient outputs of a model with thousands of weights)."""
+    by_id: dict[tuple, onnx.ValueInfoProto] = {}  # (type, id(shape)) -> written
+    by_dims: dict[tuple, onnx.ValueInfoProto] = {}  # (type, dims, denotations) -> written
+    held = []  # the shapes keyed by id (so no id is reused)
     for v in values:
-        shape, simple = v.shape, type(v.type) is ir.TensorType and not v.doc_string \
-            and not v.metadata_props
-        if not simple or (shape is not None and not shape.frozen):
+        shape, t = v.shape, v.type
+        if type(t) is not ir.TensorType or t.denotation or v.doc_string or v.metadata_props \
+                or (shape is not None and not shape.frozen):
             vi = field.add()
             ir.serde.serialize_value_into(vi, v)
             forget_made_up([vi])
             continue
-        key = (v.type, id(shape))
-        hit = written.get(key)
-        if hit is None:  # (the shape is held: its id is not reused)
-            vi = onnx.ValueInfoProto()
-            ir.serde.serialize_value_into(vi, v)
-            forget_made_up([vi])
-            hit = written[key] = (vi, shape)
+        key = (t.dtype.value, id(shape))
+        written = by_id.get(key)
+        if written is None:
+            dims_key = (key[0], None) if shape is None else (
+                key[0], shape.dims, tuple(shape.get_denotation(i) for i in range(len(shape))))
+            written = by_dims.get(dims_key)
+            if written is None:
+                written = by_dims[dims_key] = onnx.ValueInfoProto()
+                ir.serde.serialize_value_into(written, v)
+                forget_made_up([written])
+            by_id[key] = written
+            held.append(shape)
         vi = field.add()
-        vi.CopyFrom(hit[0])
+        vi.CopyFrom(written)
         vi.name = v.name
 
 
@@ -723,20 +729,26 @@ def _forward_reach(graph: ir.Graph, xs, stop, opset: int):
     on_path = []
     produced = set(graph.inputs) | set(graph.initializers.values())
     for node in list(graph):
-        ins = [v for v in node.inputs if v is not None]
+        ins = node.inputs
+        if None in ins:
+            ins = [v for v in ins if v is not None]
         if not produced.issuperset(ins) and any(
                 v not in produced and v.producer() is not None and v.producer().graph is graph
                 for v in ins):  # values of outer scopes are always there
             graph.sort()  # not topologically ordered: let onnx-ir fix the order once
             return _forward_reach(graph, xs, stop, opset)
         if _has_subgraphs(node):
-            ins = ins + _captured(node)
-        produced.update(node.outputs)
-        if any(v in live for v in ins):
+            ins = [*ins, *_captured(node)]
+        outs = node.outputs
+        produced.update(outs)
+        if not live.isdisjoint(ins):
             on_path.append(node)
-            if node.domain in ("", "ai.onnx") and any(v.dtype is None for v in node.outputs):
-                _type_by_schema(node, opset)
-            for v in node.outputs:
+            if node.domain in ("", "ai.onnx"):
+                for v in outs:
+                    if v.dtype is None:
+                        _type_by_schema(node, opset)
+                        break
+            for v in outs:
                 dtype = v.dtype
                 if (dtype is None or dtype in FLOAT_DTYPES) and (v not in stop or v in xs):
                     live.add(v)

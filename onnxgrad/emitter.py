@@ -311,7 +311,13 @@ class Emitter:
             # (which a lower-rank input cannot even do: onnxruntime refuses the model); Shape
             # never yields -1, the one value allowzero forbids beside a 0
             attrs["allowzero"] = 1
-        name = self.unique(f"{self.prefix}/{op_type}")
+        base = f"{self.prefix}/{op_type}"
+        if base in self._counts or base in self._issued:
+            name = self.unique(base)
+        else:  # (unique's first try, inline: most names are new)
+            name = base
+            self._counts[base] = 1
+            self._issued.add(base)
         if _outputs > 1:  # output names are name:i; none may be taken either
             while any(f"{name}:{i}" in self._issued for i in range(_outputs)):
                 name = self.unique(f"{self.prefix}/{op_type}")
@@ -321,7 +327,11 @@ class Emitter:
         dtype = _dtype or _out_dtype(op_type, ins, attrs, in_dtypes)
         shape = _shape
         if shape is None and op_type in _ELEMENTWISE:
-            shape = broadcast_dims([x.shape for x in ins if x is not None])
+            if len(ins) == 2 and ins[0] is not None and ins[1] is not None:
+                a, b = ins[0].shape, ins[1].shape
+                shape = a if a == b and a is not None else broadcast_dims([a, b])
+            else:
+                shape = broadcast_dims([x.shape for x in ins if x is not None])
         elif shape is None and op_type == "Shape":  # 1-D, as long as x's rank
             shape = (None if attrs or ins[0].shape is None else len(ins[0].shape),)
         elif shape is None and op_type in _RANKS:
@@ -501,6 +511,8 @@ class Emitter:
         from Shape(t) and Shape(x), so symbolic batch dims work.
         """
         src, dst = t.shape, x.shape
+        if src == dst and src is not None and None not in src:  # (what the loop below finds)
+            return t
         if src is not None and dst is not None:
             lead = len(src) - len(dst)
             if lead >= 0:

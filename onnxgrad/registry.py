@@ -212,8 +212,8 @@ class Node:
                  live=None):
         self.node, self.e, self._gs, self.opset = node, e, gs, opset
         self.read_gs = False
-        self.ins = [e.wrap(v) for v in node.inputs]
-        self.outs = [e.wrap(v) for v in node.outputs]
+        self.ins = [None if v is None else V(v, e) for v in node.inputs]
+        self.outs = [None if v is None else V(v, e) for v in node.outputs]
         self._engine, self._live = engine, live
 
     @property
