@@ -93,11 +93,12 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     gc.disable()
     try:
         proto, opset = _prepare(model)
-        prepared = proto.SerializeToString()  # _gradients takes proto apart (value_info)
         try:
             res = _gradients(proto, opset, *args)
         except NeedOpset as need:  # a rule needs a newer op: upgrade the whole model once, retry
-            proto = convert_version(onnx.ModelProto.FromString(prepared), need.version)
+            # (_gradients took its proto apart: the same preparation again, rather than a copy
+            # of every model kept for this rare case)
+            proto = convert_version(_prepare(model)[0], need.version)
             proto, opset = _prepare(proto)
             res = _gradients(proto, opset, *args)
         if restore_sparse is not None:

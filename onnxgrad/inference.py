@@ -206,11 +206,16 @@ def _needs_standin(n: onnx.NodeProto, opset: int) -> bool:
     return n.domain == "com.microsoft" or ort_internal(n, opset)
 
 
-def _any_standin(graphs: list, opset: int) -> bool:
-    """Whether a node of ``graphs`` needs a stand-in (:func:`_needs_standin`), asked once per
-    distinct (domain, op_type) rather than once per node."""
-    kinds = {(n.domain, n.op_type): n for g in graphs for n in g.node}
-    return any(_needs_standin(n, opset) for n in kinds.values())
+def _kinds(graphs: list) -> set:
+    """The (domain, op_type) of every node of ``graphs``: one walk, for the questions that
+    depend on the op alone (a pass over 100k NodeProtos costs 40 ms)."""
+    return {(n.domain, n.op_type) for g in graphs for n in g.node}
+
+
+def _any_standin(kinds: set, opset: int) -> bool:
+    """Whether a node of one of these (domain, op_type) kinds needs a stand-in
+    (:func:`_needs_standin`)."""
+    return any(_needs_standin(onnx.NodeProto(domain=d, op_type=op), opset) for d, op in kinds)
 
 
 def _standins(n: onnx.NodeProto, opset: int) -> list | None:
@@ -339,12 +344,15 @@ def _take_standins(m: onnx.ModelProto, originals: list) -> None:
         g.value_info.extend(vis)
 
 
-def _onnx_infer(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
+def _onnx_infer(m: onnx.ModelProto, graphs: list | None = None, kinds: set | None = None,
+                **kw) -> onnx.ModelProto:
     """onnx's inference (a new model) with outer Constants visible in bodies and onnxruntime's
-    own ops typed by stand-ins; ``m`` is not changed."""
-    graphs = graphs_of(m.graph)
-    if not _any_standin(graphs, model_opset(m)):
-        return _infer_standard(m, graphs, **kw)
+    own ops typed by stand-ins; ``m`` is not changed. ``graphs``, ``kinds``: graphs_of(m.graph)
+    and their _kinds, when the caller has them."""
+    graphs = graphs_of(m.graph) if graphs is None else graphs
+    kinds = _kinds(graphs) if kinds is None else kinds
+    if not _any_standin(kinds, model_opset(m)):
+        return _infer_standard(m, graphs, kinds, **kw)
     m = onnx.ModelProto.FromString(m.SerializeToString())
     originals = _put_standins(m)
     out = _infer_standard(m, **kw)
@@ -352,13 +360,17 @@ def _onnx_infer(m: onnx.ModelProto, **kw) -> onnx.ModelProto:
     return out
 
 
-def _infer_standard(m: onnx.ModelProto, graphs: list | None = None, **kw) -> onnx.ModelProto:
-    """``graphs``: graphs_of(m.graph) when the caller has them."""
-    if graphs is None:
-        graphs = graphs_of(m.graph)
-    bodies = [nodes for nodes, _ in bodies_of(m)] if m.functions else [g.node for g in graphs]
-    stft = "STFT" in {n.op_type for nodes in bodies for n in nodes} and any(
-        _stft_without_onesided(n) for nodes in bodies for n in nodes)
+def _infer_standard(m: onnx.ModelProto, graphs: list | None = None, kinds: set | None = None,
+                    **kw) -> onnx.ModelProto:
+    """``graphs``, ``kinds``: graphs_of(m.graph) and their _kinds, when the caller has them."""
+    graphs = graphs_of(m.graph) if graphs is None else graphs
+    if m.functions:
+        bodies = [nodes for nodes, _ in bodies_of(m)]
+        stft = "STFT" in {n.op_type for nodes in bodies for n in nodes}
+    else:
+        bodies = [g.node for g in graphs]
+        stft = any(op == "STFT" for _, op in (_kinds(graphs) if kinds is None else kinds))
+    stft = stft and any(_stft_without_onesided(n) for nodes in bodies for n in nodes)
     if not stft and len(graphs) == 1:  # (no node of the main graph has a subgraph)
         return onnx.shape_inference.infer_shapes(m, **kw)
     m = onnx.ModelProto.FromString(m.SerializeToString())
@@ -708,7 +720,8 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     InvalidModelError when inference contradicts the type declared for a graph output."""
     m = onnx.ModelProto.FromString(model.SerializeToString())
     graphs = graphs_of(m.graph)
-    ops = {n.op_type for g in graphs for n in g.node}  # (the passes below skip what is absent)
+    kinds = _kinds(graphs)  # (the passes below skip what is absent; no pass changes ops)
+    ops = {op for _, op in kinds}
     calls = _functions_with_default_stft(m)
     for g in graphs if calls or "STFT" in ops else ():
         # what onnx inferred (and a model declares) with the wrong default
@@ -720,9 +733,9 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     outputs = [onnx.TypeProto.FromString(o.type.SerializeToString()) for o in m.graph.output]
     for o in m.graph.output:
         o.ClearField("type")
-    out = _onnx_infer(m, **kw)
+    out = _onnx_infer(m, graphs, kinds, **kw)
     adopted = []  # the declared entries that inference does not contradict
-    for gi, (g, vis) in enumerate(zip(graphs_of(out.graph), declared)):
+    for gi, (g, vis) in enumerate(zip(graphs_of(out.graph) if any(declared) else (), declared)):
         inferred = {vi.name: vi.type for vi in g.value_info} if vis else {}
         made = {o for n in g.node for o in n.output} if vis else set()
         for vi in vis:
@@ -748,7 +761,7 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
         _add_types(graphs, seeds)
         if not changed and not seeds:
             break
-        out = _onnx_infer(m, **kw)
+        out = _onnx_infer(m, graphs, kinds, **kw)
     for o, want in zip(out.graph.output, outputs):
         if o.name in late[0]:  # declared with onnx's dims of a ceil_mode pool: the rank stays
             for d in want.tensor_type.shape.dim:
@@ -762,8 +775,30 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
                 f"the model declares graph output {o.name!r} as {_describe(want)}, but its "
                 f"producer makes it {_describe(o.type)} (onnx shape inference)")
         o.type.CopyFrom(merged)
-    _forget_element_symbols(out)
+    if _may_hold_sequences(graphs, kinds, model_opset(m)):
+        _forget_element_symbols(out)
     return out
+
+
+def _may_hold_sequences(graphs: list, kinds: set, opset: int) -> bool:
+    """Whether a value of ``graphs`` may be a sequence: a graph input of one (a subgraph's
+    too), or an op whose schema may output one (an op of another domain may)."""
+    return any(_may_make_sequence(d, op, opset) for d, op in kinds) or any(
+        vi.type.WhichOneof("value") not in (None, "tensor_type", "sparse_tensor_type")
+        for g in graphs for vi in g.input)
+
+
+@functools.lru_cache(maxsize=None)
+def _may_make_sequence(domain: str, op_type: str, opset: int) -> bool:
+    if domain not in ("", "ai.onnx"):
+        return True
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return True
+    allowed = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+    return any(not t.startswith("tensor(") for o in schema.outputs
+               for t in allowed.get(o.type_str, [o.type_str]))
 
 
 def _forget_element_symbols(model: onnx.ModelProto) -> None:
