@@ -138,23 +138,26 @@ class V:
     dtype and static shape are cached: the emitter knows them for what it emits (kept only here,
     not written into the model), and reads them once from the IR for forward values."""
 
-    __slots__ = ("value", "e", "_dtype", "_shape")
+    # dtype and shape are plain slots (rules read them hundreds of thousands of times), left
+    # unset until known: __getattr__ reads an unset one from the IR, once
+    __slots__ = ("value", "e", "dtype", "shape")
     _UNSET = object()
 
     def __init__(self, value: ir.Value, e: Emitter, dtype=_UNSET, shape=_UNSET):
-        self.value, self.e, self._dtype, self._shape = value, e, dtype, shape
+        self.value, self.e = value, e
+        if dtype is not V._UNSET:
+            self.dtype = dtype
+        if shape is not V._UNSET:
+            self.shape = shape
 
-    @property
-    def dtype(self):
-        if self._dtype is V._UNSET:
-            self._dtype = self.value.dtype
-        return self._dtype
-
-    @property
-    def shape(self):
-        if self._shape is V._UNSET:
-            self._shape = self.e.dims(self.value)
-        return self._shape
+    def __getattr__(self, name: str):  # (only called for a slot not set yet)
+        if name == "dtype":
+            self.dtype = self.value.dtype
+            return self.dtype
+        if name == "shape":
+            self.shape = self.e.dims(self.value)
+            return self.shape
+        raise AttributeError(name)
 
     name = property(lambda self: self.value.name)
     rank = property(lambda self: None if self.shape is None else len(self.shape))

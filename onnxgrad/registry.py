@@ -212,8 +212,10 @@ class Node:
                  live=None):
         self.node, self.e, self._gs, self.opset = node, e, gs, opset
         self.read_gs = False
-        self.ins = [None if v is None else V(v, e) for v in node.inputs]
-        self.outs = [None if v is None else V(v, e) for v in node.outputs]
+        # (dtype and shape read now: every rule reads most of them, and a V reads an unset
+        # one slowly; frozen shapes' dims are cached)
+        self.ins = [None if v is None else V(v, e, v.dtype, e.dims(v)) for v in node.inputs]
+        self.outs = [None if v is None else V(v, e, v.dtype, e.dims(v)) for v in node.outputs]
         self._engine, self._live = engine, live
 
     @property
