@@ -855,7 +855,6 @@ def _outputs(e: Emitter, graph, xs, x_vals, results, unconnected) -> list[str | 
     rank on every graph output)."""
     names, used, added = [], set(), set(e.nodes)
     for xname, x, g in zip(xs, x_vals, results):
-        e.prefix = f"{e.scope}/{_label(x)}_grad"
         if g is None and (unconnected is UnconnectedGradients.NONE or not _maybe_float(x)):
             names.append(None)
             continue
@@ -868,13 +867,16 @@ def _outputs(e: Emitter, graph, xs, x_vals, results, unconnected) -> list[str | 
                 f"xs: the {'type' if dtype is None else 'rank'} of {xname!r} is unknown (onnx "
                 "shape inference cannot tell it), so its gradient cannot be declared as a graph "
                 "output; declare its shape in the model's value_info")
+        label = _label(x)
         if g is None:
             if x.producer() is not None and x.producer().graph is None:  # a rule replaced its
                 x = next(v for n in graph for v in n.outputs if v.name == xname)  # producer
+            e.prefix = f"{e.scope}/{label}_grad"
             g = e.zeros_like(e.wrap(x))
         out = g.value
         if (out.producer() not in added or out.is_graph_output()
                 or out in used):
+            e.prefix = f"{e.scope}/{label}_grad"
             out = e.op("Identity", g).value
         out.name = e.unique(f"{e.scope}/{xname}_grad")
         out.type, out.shape = ir.TensorType(dtype), shape

@@ -212,6 +212,25 @@ def _kinds(graphs: list) -> set:
     return {(n.domain, n.op_type) for g in graphs for n in g.node}
 
 
+# the ai.onnx ops with graph attributes (onnx.checker refuses an attribute a schema lacks)
+_WITH_SUBGRAPHS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
+def _graphs_and_kinds(graph: onnx.GraphProto) -> tuple[list, set]:
+    """(graphs_of(graph), their _kinds) in one walk, for a model onnx.checker passed: only
+    the ai.onnx ops of _WITH_SUBGRAPHS and ops of other domains are asked for subgraphs."""
+    graphs, kinds = [graph], set()
+    for n in graph.node:
+        domain, op = n.domain, n.op_type
+        kinds.add((domain, op))
+        if op in _WITH_SUBGRAPHS or (domain and domain != "ai.onnx"):
+            for sub in node_subgraphs(n):
+                more, their = _graphs_and_kinds(sub)
+                graphs += more
+                kinds |= their
+    return graphs, kinds
+
+
 def _any_standin(kinds: set, opset: int) -> bool:
     """Whether a node of one of these (domain, op_type) kinds needs a stand-in
     (:func:`_needs_standin`)."""
@@ -719,8 +738,8 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     """A new model typed by onnx shape inference, as the module docstring describes. Raises
     InvalidModelError when inference contradicts the type declared for a graph output."""
     m = onnx.ModelProto.FromString(model.SerializeToString())
-    graphs = graphs_of(m.graph)
-    kinds = _kinds(graphs)  # (the passes below skip what is absent; no pass changes ops)
+    # (the passes below skip what is absent; none changes which ops there are)
+    graphs, kinds = _graphs_and_kinds(m.graph)
     ops = {op for _, op in kinds}
     calls = _functions_with_default_stft(m)
     for g in graphs if calls or "STFT" in ops else ():

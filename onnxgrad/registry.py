@@ -84,10 +84,11 @@ def attach_functions(model):
     stack = [model.graph]
     while stack:
         for node in stack.pop().node:
-            used.add(node.domain)
+            domain = node.domain
+            used.add(domain)
             # only these ai.onnx ops have graph attributes: reading every node's attributes
             # costs 5x the walk on a large model
-            if node.op_type in _WITH_SUBGRAPHS or node.domain not in ("", "ai.onnx"):
+            if (domain and domain != "ai.onnx") or node.op_type in _WITH_SUBGRAPHS:
                 for a in node.attribute:
                     if a.type == onnx.AttributeProto.GRAPH:
                         stack.append(a.g)
