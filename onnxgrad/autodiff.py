@@ -116,13 +116,12 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     irm, kept = _deserialize(proto, declared)
     graph = irm.graph
     forward = list(graph)
-    values = _values_by_name(graph)
+    values, names = _values_and_names(graph)
     y_vals = [_resolve(values, n, "ys") for n in ys]
     x_vals = [_resolve(values, n, "xs") for n in xs]
     stop = {_resolve(values, n, "stop_gradients")
             for n in _names([] if stop_gradients is None else stop_gradients, "stop_gradients")}
     new_inputs = [gy for gy in grad_ys if gy is not None and gy not in values]
-    names = _names_in(graph)
     inner = set(new_inputs).intersection(_inner_values(graph)) if new_inputs else set()
     if "" in new_inputs or inner:
         bad = "" if "" in new_inputs else min(inner)
@@ -661,14 +660,23 @@ def _refuse_prevented(node: ir.Node, gs: list, opset: int, path) -> None:
                        "explicitly disabled" + (f". Reason: {message}" if message else ""))
 
 
-def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+def _values_and_names(graph: ir.Graph) -> tuple[dict[str, ir.Value], list[str]]:
+    """The graph's values by name, and every name in the model (as :func:`_names_in` lists
+    them, but for unnamed values), from one walk."""
     values = {v.name: v for v in graph.inputs}
     values.update(graph.initializers)
+    names = []
     for node in graph:
+        names.append(node.name)
         for v in node.outputs:
             if v.name:
                 values[v.name] = v
-    return values
+        if node.attributes:
+            for sub in subgraphs(node):
+                names.append(sub.name)
+                names += _names_in(sub)
+    names += values
+    return values, names
 
 
 def _resolve(values, name, what) -> ir.Value:
