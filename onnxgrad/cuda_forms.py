@@ -14,6 +14,11 @@ one-hot kernels put each block element back in place (Col2Im is im2col's adjoint
 convolution with such kernels is exactly that). Where the geometry is not static, the node
 stays as it is (on the host, still right).
 
+SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss have no CUDA kernel either (onnxruntime's
+training build has them): every step's logits went to the host and its loss came back. They
+are written as the spec defines them (LogSoftmax, the labels' entries, weights, ignore_index,
+the reduction).
+
 Only sessions on CUDA get these forms; a model written to a file keeps its nodes."""
 from __future__ import annotations
 
@@ -35,9 +40,15 @@ def _col2im(n: onnx.NodeProto) -> bool:
     return n.op_type == "Col2Im" and n.domain in ("", "ai.onnx")
 
 
+def _nll(n: onnx.NodeProto) -> bool:
+    return n.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss") and \
+        n.domain in ("", "ai.onnx")
+
+
 def has_forms(model: onnx.ModelProto) -> bool:
     """Whether :func:`for_cuda` rewrites any node of ``model``."""
-    return any(_training_bn(n) or _col2im(n) for g in graphs_of(model.graph) for n in g.node)
+    return any(_training_bn(n) or _col2im(n) or _nll(n)
+               for g in graphs_of(model.graph) for n in g.node)
 
 
 def for_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -55,7 +66,8 @@ def for_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
         consts = constant_tensors(g)
         for n in g.node:
             nodes += (_batch_norm(n, types, opset, taken) if _training_bn(n) else
-                      _col2im_form(n, types, consts, taken) if _col2im(n) else [n])
+                      _col2im_form(n, types, consts, taken) if _col2im(n) else
+                      _nll_form(n, types, opset, taken) if _nll(n) else [n])
         del g.node[:]
         g.node.extend(nodes)
     return m
@@ -152,4 +164,55 @@ def _col2im_form(n: onnx.NodeProto, types: dict, consts: dict, taken: set) -> li
     extra = [padded[i] - (s[i] * (o[i] - 1) + d[i] * (k[i] - 1) + 1) for i in range(r)]
     op("ConvTranspose", op("Reshape", cols, ints([0, 0, *o])), weight, out=n.output[0], group=c,
        strides=s, dilations=d, pads=pads, output_padding=extra)
+    return b.nodes
+
+
+def _nll_form(n: onnx.NodeProto, types: dict, opset: int, taken: set) -> list:
+    """SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss as the spec defines them: picked
+    (log-)probabilities, weighted, masked where the label is ignore_index, reduced. onnxruntime's
+    CUDA provider has no kernel for either (its training build has), so every step's logits
+    went to the host and back (seen in onnxruntime's log on an H200)."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    reduction = attrs.get("reduction", b"mean")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    ignore = attrs.get("ignore_index")
+    x, labels = n.input[0], n.input[1]
+    weight = n.input[2] if len(n.input) > 2 and n.input[2] else None
+    t = types.get(x)
+    tx = t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
+    if not tx:
+        return [n]  # (the mask's type is x's)
+    b = _Nodes(f"{n.name or n.output[0]}/cuda_form", taken)
+    op, ints = b.op, b.const
+
+    def axes(v):
+        return {"axes": v} if opset < 13 else {}
+
+    def ax(v):
+        return [ints(v)] if opset >= 13 else []
+    lp = x
+    if n.op_type == "SoftmaxCrossEntropyLoss":
+        lp = op("LogSoftmax", x, axis=1)
+        if len(n.output) > 1 and n.output[1]:
+            op("Identity", lp, out=n.output[1])
+    safe, valid = labels, None
+    if ignore is not None:
+        valid = op("Not", op("Equal", labels, ints(ignore)))
+        safe = op("Where", valid, labels, ints(0))
+    picked = op("Squeeze", op("GatherElements", lp, op("Unsqueeze", safe, *ax([1]), **axes([1])),
+                              axis=1), *ax([1]), **axes([1]))
+    w = op("Gather", weight, safe) if weight else None
+    if valid is not None:
+        mask = op("Cast", valid, to=tx)
+        w = mask if w is None else op("Mul", w, mask)
+    loss = op("Neg", picked) if w is None else op("Mul", op("Neg", picked), w)
+    out = n.output[0]
+    if reduction == "none":
+        op("Identity", loss, out=out)
+    elif reduction == "sum":
+        op("ReduceSum", loss, keepdims=0, out=out)
+    elif w is None:
+        op("ReduceMean", loss, keepdims=0, out=out)
+    else:  # the weights of the picked labels sum to the mean's denominator
+        op("Div", op("ReduceSum", loss, keepdims=0), op("ReduceSum", w, keepdims=0), out=out)
     return b.nodes

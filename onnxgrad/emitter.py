@@ -464,11 +464,11 @@ class Emitter:
             return pads
         if x.rank is not None:
             mid, tail = [0] * (x.rank - 1), [0] * (x.rank - axis - 1)
-        else:  # zeros for the other axes, from the rank at run time
-            rank = self.op("Shape", self.op("Shape", x))
-            i64 = ir.tensor(np.array([0], np.int64))
-            mid = self.op("ConstantOfShape", self.op("Sub", rank, [1]), value=i64)
-            tail = self.op("ConstantOfShape", self.op("Sub", rank, [axis + 1]), value=i64)
+        else:  # zeros for the other axes, from the rank at run time: shape arithmetic alone,
+            # which onnxruntime's CUDA provider keeps on the host (see _sum_dynamic)
+            zeros = self.op("Mul", self.op("Shape", x), [0])
+            mid = self.op("Slice", zeros, [1], [np.iinfo(np.int64).max])
+            tail = self.op("Slice", zeros, [axis + 1], [np.iinfo(np.int64).max])
         parts = [[0] * axis, [before] if isinstance(before, int) else before, mid,
                  [after] if isinstance(after, int) else after, tail]
         return self.op("Concat", *[p for p in parts if not isinstance(p, list) or p], axis=0)
@@ -541,10 +541,17 @@ class Emitter:
     def _sum_dynamic(self, t: V, x: V) -> V:
         st, sx = self.op("Shape", t), self.op("Shape", x)
         # x's shape left-padded with ones to t's rank; reduce where it differs from t's
-        rank_t = self.op("Shape", st)
-        ones = self.op("ConstantOfShape", rank_t, value=ir.tensor(np.array([1], dtype=np.int64)))
-        padded = self.op("Slice", self.op("Concat", ones, sx, axis=0), self.op("Neg", rank_t),
-                         [np.iinfo(np.int64).max])
+        if t.rank is not None and x.rank is not None and t.rank >= x.rank:
+            # ranks known: shape arithmetic alone, which onnxruntime's CUDA provider keeps on
+            # the host (a ConstantOfShape runs on the device, and its ones came back by copy)
+            lead = t.rank - x.rank
+            padded = self.op("Concat", [1] * lead, sx, axis=0) if lead else sx
+        else:
+            rank_t = self.op("Shape", st)
+            ones = self.op("ConstantOfShape", rank_t,
+                           value=ir.tensor(np.array([1], dtype=np.int64)))
+            padded = self.op("Slice", self.op("Concat", ones, sx, axis=0),
+                             self.op("Neg", rank_t), [np.iinfo(np.int64).max])
         axes = self.op("Reshape", self.op("NonZero", self.op("Not", self.op("Equal", padded, st))),
                        [-1])
         r = self.op("ReduceSum", t, axes, keepdims=1, noop_with_empty_axes=1)

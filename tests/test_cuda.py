@@ -215,3 +215,53 @@ def test_col2im_with_run_time_geometry_stays():
     """An image or block shape known only at run time: the node stays (on the host, right)."""
     m = col2im_model([1, 4, 4], [3, 3], [2, 2], {}, const_geometry=False)
     assert [x.op_type for x in for_cuda(m).graph.node] == ["Col2Im"]
+
+
+def nll_model(kind, shape, reduction, ignore, weighted, log_prob, opset):
+    C = shape[1]
+    ins = ["x", "t"] + (["w"] if weighted else [])
+    attrs = {"reduction": reduction}
+    if ignore is not None:
+        attrs["ignore_index"] = ignore
+    outs = ["loss"] + (["lp"] if log_prob else [])
+    n = helper.make_node(kind, ins, outs, **attrs)
+    lab = [shape[0], *shape[2:]]
+    g = helper.make_graph(
+        [n], "nll", [helper.make_tensor_value_info("x", TP.FLOAT, shape),
+                     helper.make_tensor_value_info("t", TP.INT64, lab)]
+        + ([helper.make_tensor_value_info("w", TP.FLOAT, [C])] if weighted else []),
+        [helper.make_tensor_value_info("loss", TP.FLOAT, None)]
+        + ([helper.make_tensor_value_info("lp", TP.FLOAT, shape)] if log_prob else []))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"]),
+       extra=st.lists(st.integers(1, 3), max_size=2), n=st.integers(1, 4), c=st.integers(1, 5),
+       reduction=st.sampled_from(["mean", "sum", "none"]), ignore=st.sampled_from([None, 0, 2, -1]),
+       weighted=st.booleans(), log_prob=st.booleans(), opset=st.sampled_from([12, 13, 17, 21]),
+       seed=st.integers(0, 99))
+def test_nll_losses_match_onnxruntime(kind, extra, n, c, reduction, ignore, weighted, log_prob,
+                                      opset, seed):
+    """SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss (no CUDA kernel: every step's
+    logits went to the host) written as standard ops give onnxruntime CPU's own losses and log
+    probabilities, every reduction, ignore_index and class weights included."""
+    if kind == "NegativeLogLikelihoodLoss":
+        log_prob = False
+    shape = [n, c, *extra]
+    rng = np.random.default_rng(seed)
+    t = rng.integers(0, c, [n, *extra])
+    if ignore is not None:
+        t[rng.random(t.shape) < 0.3] = ignore
+        if reduction == "mean" and (t == ignore).all():
+            t.flat[0] = 0 if ignore != 0 else min(1, c - 1)
+            if (t == ignore).all():
+                return  # every label ignored: 0 / 0
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32), "t": t}
+    if weighted:
+        feeds["w"] = rng.uniform(0.5, 2, c).astype(np.float32)
+    m = nll_model(kind, shape, reduction, ignore, weighted, log_prob, opset)
+    form = for_cuda(m)
+    assert not any(x.op_type == kind for x in form.graph.node)
+    for want, got in zip(cpu(m, feeds), cpu(form, feeds)):
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
