@@ -208,12 +208,15 @@ class Emitter:
         """:func:`dims` of ``value``, read once per frozen shape: onnx-ir's reader shares
         frozen (immutable) shapes between values, and the sweep asks again and again."""
         shape = value.shape
-        if shape is None or not shape.frozen:
-            return dims(value)
+        if shape is None:
+            return None
         hit = self._frozen_dims.get(id(shape))
-        if hit is None or hit[0] is not shape:  # (the shape is held: its id is not reused)
-            hit = self._frozen_dims[id(shape)] = (shape, dims(value))
-        return hit[1]
+        if hit is not None and hit[0] is shape:  # (the shape is held: its id is not reused)
+            return hit[1]
+        out = dims(value)
+        if shape.frozen:
+            self._frozen_dims[id(shape)] = (shape, out)
+        return out
 
     def wrap(self, value: ir.Value | None) -> V | None:
         return None if value is None else V(value, self)
