@@ -213,17 +213,17 @@ def _kinds(graphs: list) -> set:
 
 
 # the ai.onnx ops with graph attributes (onnx.checker refuses an attribute a schema lacks)
-_WITH_SUBGRAPHS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+WITH_SUBGRAPHS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
 
 def _graphs_and_kinds(graph: onnx.GraphProto) -> tuple[list, set]:
     """(graphs_of(graph), their _kinds) in one walk, for a model onnx.checker passed: only
-    the ai.onnx ops of _WITH_SUBGRAPHS and ops of other domains are asked for subgraphs."""
+    the ai.onnx ops of WITH_SUBGRAPHS and ops of other domains are asked for subgraphs."""
     graphs, kinds = [graph], set()
     for n in graph.node:
         domain, op = n.domain, n.op_type
         kinds.add((domain, op))
-        if op in _WITH_SUBGRAPHS or (domain and domain != "ai.onnx"):
+        if op in WITH_SUBGRAPHS or (domain and domain != "ai.onnx"):
             for sub in node_subgraphs(n):
                 more, their = _graphs_and_kinds(sub)
                 graphs += more

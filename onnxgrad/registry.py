@@ -38,6 +38,7 @@ import onnx.defs
 import onnx_ir as ir
 
 from .emitter import Emitter, V
+from .inference import WITH_SUBGRAPHS
 
 Rule = Callable[["Node", "V | None"], object]
 
@@ -75,9 +76,6 @@ def functions_for(domain: str, attach: Callable) -> None:
     _FUNCTIONS[domain] = attach
 
 
-_WITH_SUBGRAPHS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
-
-
 def attach_functions(model):
     """Give a model the function bodies of every custom-domain op it uses, so any runtime runs it."""
     used = set()
@@ -88,7 +86,7 @@ def attach_functions(model):
             used.add(domain)
             # only these ai.onnx ops have graph attributes: reading every node's attributes
             # costs 5x the walk on a large model
-            if (domain and domain != "ai.onnx") or node.op_type in _WITH_SUBGRAPHS:
+            if (domain and domain != "ai.onnx") or node.op_type in WITH_SUBGRAPHS:
                 for a in node.attribute:
                     if a.type == onnx.AttributeProto.GRAPH:
                         stack.append(a.g)
