@@ -192,7 +192,16 @@ def _nll_form(n: onnx.NodeProto, types: dict, opset: int, taken: set) -> list:
         return [ints(v)] if opset >= 13 else []
     lp = x
     if n.op_type == "SoftmaxCrossEntropyLoss":
-        lp = op("LogSoftmax", x, axis=1)
+        rank = len(t.tensor_type.shape.dim) if t.tensor_type.HasField("shape") else None
+        if opset >= 13 or rank == 2:
+            lp = op("LogSoftmax", x, axis=1)
+        elif rank is None:
+            return [n]
+        else:  # LogSoftmax-11 flattens from its axis: the classes go last, alone
+            last = [0, *range(2, rank), 1]
+            back = [0, rank - 1, *range(1, rank - 1)]
+            lp = op("Transpose", op("LogSoftmax", op("Transpose", x, perm=last), axis=rank - 1),
+                    perm=back)
         if len(n.output) > 1 and n.output[1]:
             op("Identity", lp, out=n.output[1])
     safe, valid = labels, None

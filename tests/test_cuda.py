@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
@@ -241,6 +241,10 @@ def nll_model(kind, shape, reduction, ignore, weighted, log_prob, opset):
        reduction=st.sampled_from(["mean", "sum", "none"]), ignore=st.sampled_from([None, 0, 2, -1]),
        weighted=st.booleans(), log_prob=st.booleans(), opset=st.sampled_from([12, 13, 17, 21]),
        seed=st.integers(0, 99))
+@example(kind="SoftmaxCrossEntropyLoss", extra=[3, 2], n=2, c=1, reduction="mean", ignore=None,
+         weighted=False, log_prob=True, opset=12, seed=0)  # LogSoftmax-11 flattens from axis 1
+@example(kind="SoftmaxCrossEntropyLoss", extra=[2], n=3, c=3, reduction="none", ignore=None,
+         weighted=False, log_prob=True, opset=12, seed=1)
 def test_nll_losses_match_onnxruntime(kind, extra, n, c, reduction, ignore, weighted, log_prob,
                                       opset, seed):
     """SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss (no CUDA kernel: every step's
