@@ -17,43 +17,46 @@ stays as it is (on the host, still right).
 SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss have no CUDA kernel either (onnxruntime's
 training build has them): every step's logits went to the host and its loss came back. They
 are written as the spec defines them (LogSoftmax, the labels' entries, weights, ignore_index,
-the reduction).
+the reduction). So are GroupNormalization, Mish, Celu and LpNormalization, the other ai.onnx ops
+a network may train through that the CUDA provider has no kernel for (its OperatorKernels.md).
 
 Only sessions on CUDA get these forms; a model written to a file keeps its nodes."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from .errors import UnsupportedError
 from .inference import constant_tensors, graphs_of, infer_shapes, model_opset, value_types
 from .training.fast_forms import _Nodes
 
 
+def _onnx(n: onnx.NodeProto) -> bool:
+    return n.domain in ("", "ai.onnx")
+
+
 def _training_bn(n: onnx.NodeProto) -> bool:
-    return n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx") and any(
-        a.name == "training_mode" and a.i for a in n.attribute)
-
-
-def _col2im(n: onnx.NodeProto) -> bool:
-    return n.op_type == "Col2Im" and n.domain in ("", "ai.onnx")
-
-
-def _nll(n: onnx.NodeProto) -> bool:
-    return n.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss") and \
-        n.domain in ("", "ai.onnx")
+    return any(a.name == "training_mode" and a.i for a in n.attribute)
 
 
 def has_forms(model: onnx.ModelProto) -> bool:
     """Whether :func:`for_cuda` rewrites any node of ``model``."""
-    return any(_training_bn(n) or _col2im(n) or _nll(n)
-               for g in graphs_of(model.graph) for n in g.node)
+    return any(_form_of(n) is not None for g in graphs_of(model.graph) for n in g.node)
+
+
+def _form_of(n: onnx.NodeProto):
+    """The function that writes ``n`` in standard ops the CUDA provider runs, or None."""
+    if not _onnx(n) or n.op_type not in _FORMS:
+        return None
+    if n.op_type == "BatchNormalization" and not _training_bn(n):
+        return None
+    return _FORMS[n.op_type]
 
 
 def for_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model``, or a copy with its training-mode BatchNormalization and Col2Im nodes (in every
-    graph) in the forms above; ``model`` itself is not changed."""
+    """``model``, or a copy with the nodes of :data:`_FORMS` (in every graph) in the forms
+    above; ``model`` itself is not changed."""
     if not has_forms(model):
         return model
     m = infer_shapes(model)  # a copy, typed: the rewrite needs X's rank and element types
@@ -65,15 +68,14 @@ def for_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
         nodes = []
         consts = constant_tensors(g)
         for n in g.node:
-            nodes += (_batch_norm(n, types, opset, taken) if _training_bn(n) else
-                      _col2im_form(n, types, consts, taken) if _col2im(n) else
-                      _nll_form(n, types, opset, taken) if _nll(n) else [n])
+            form = _form_of(n)
+            nodes += [n] if form is None else form(n, types, consts, opset, taken)
         del g.node[:]
         g.node.extend(nodes)
     return m
 
 
-def _batch_norm(n: onnx.NodeProto, types: dict, opset: int, taken: set) -> list:
+def _batch_norm(n: onnx.NodeProto, types: dict, consts: dict, opset: int, taken: set) -> list:
     x, scale, bias, mean_in, var_in = n.input[:5]
     outs = list(n.output) + [""] * (3 - len(n.output))
     attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
@@ -127,7 +129,8 @@ def _batch_norm(n: onnx.NodeProto, types: dict, opset: int, taken: set) -> list:
     return b.nodes
 
 
-def _col2im_form(n: onnx.NodeProto, types: dict, consts: dict, taken: set) -> list:
+def _col2im_form(n: onnx.NodeProto, types: dict, consts: dict, opset: int,
+                 taken: set) -> list:
     cols, image, block = n.input[:3]
     if image not in consts or block not in consts:
         return [n]
@@ -167,7 +170,7 @@ def _col2im_form(n: onnx.NodeProto, types: dict, consts: dict, taken: set) -> li
     return b.nodes
 
 
-def _nll_form(n: onnx.NodeProto, types: dict, opset: int, taken: set) -> list:
+def _nll_form(n: onnx.NodeProto, types: dict, consts: dict, opset: int, taken: set) -> list:
     """SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss as the spec defines them: picked
     (log-)probabilities, weighted, masked where the label is ignore_index, reduced. onnxruntime's
     CUDA provider has no kernel for either (its training build has), so every step's logits
@@ -225,3 +228,110 @@ def _nll_form(n: onnx.NodeProto, types: dict, opset: int, taken: set) -> list:
     else:  # the weights of the picked labels sum to the mean's denominator
         op("Div", op("ReduceSum", loss, keepdims=0), op("ReduceSum", w, keepdims=0), out=out)
     return b.nodes
+
+
+# -- activations and normalizations with no CUDA kernel ----------------------------------------
+def _attrs(n: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in n.attribute}
+
+
+def _elem(types: dict, name: str) -> int:
+    t = types.get(name)
+    return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
+
+
+def _rank(types: dict, name: str) -> int | None:
+    t = types.get(name)
+    if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
+        return None
+    return len(t.tensor_type.shape.dim)
+
+
+def _mish(n, types, consts, opset, taken) -> list:
+    """Mish(x) = x tanh(softplus(x))."""
+    b = _Nodes(f"{n.name or n.output[0]}/cuda_form", taken)
+    b.op("Mul", n.input[0], b.op("Tanh", b.op("Softplus", n.input[0])), out=n.output[0])
+    return b.nodes
+
+
+def _celu(n, types, consts, opset, taken) -> list:
+    """Celu(x) = max(0, x) + min(0, alpha (exp(x / alpha) - 1))."""
+    tx = _elem(types, n.input[0])
+    if not tx:
+        return [n]
+    dt = helper.tensor_dtype_to_np_dtype(tx)
+    alpha = float(_attrs(n).get("alpha", 1.0))
+    b = _Nodes(f"{n.name or n.output[0]}/cuda_form", taken)
+    op, x = b.op, n.input[0]
+    zero = b.const(0.0, dt)
+    em1 = op("Sub", op("Exp", op("Div", x, b.const(alpha, dt))), b.const(1.0, dt))
+    op("Add", op("Max", x, zero), op("Min", op("Mul", em1, b.const(alpha, dt)), zero),
+       out=n.output[0])
+    return b.nodes
+
+
+def _lp_normalization(n, types, consts, opset, taken) -> list:
+    """x / ||x||_p along the axis (p 1 or 2)."""
+    a = _attrs(n)
+    p, axis = a.get("p", 2), a.get("axis", -1)
+    rank = _rank(types, n.input[0])
+    if p not in (1, 2) or rank is None:
+        return [n]
+    b = _Nodes(f"{n.name or n.output[0]}/cuda_form", taken)
+    op, x = b.op, n.input[0]
+    t = op("Abs", x) if p == 1 else op("Mul", x, x)
+    axes = [axis % rank]
+    total = (op("ReduceSum", t, b.const(axes), keepdims=1) if opset >= 13
+             else op("ReduceSum", t, axes=axes, keepdims=1))
+    op("Div", x, total if p == 1 else op("Sqrt", total), out=n.output[0])
+    return b.nodes
+
+
+def _group_norm(n, types, consts, opset, taken) -> list:
+    """GroupNormalization: x as [N, G, rest], standardized over rest (in the wider of x's type
+    and the stash type from opset 21), then scale and bias per group (opset 18) or per channel
+    (21)."""
+    a = _attrs(n)
+    x, scale, bias = n.input[:3]
+    tx, rank = _elem(types, x), _rank(types, x)
+    if not tx or rank is None or rank < 2:
+        return [n]
+    groups, eps = int(a["num_groups"]), float(a.get("epsilon", 1e-5))
+    per_channel = opset >= 21
+    # the wider of x's type and the stash type (as onnxruntime's CPU kernel computes)
+    bits = {TensorProto.FLOAT16: 16, TensorProto.BFLOAT16: 16, TensorProto.FLOAT: 32,
+            TensorProto.DOUBLE: 64}
+    stash = int(a.get("stash_type", TensorProto.FLOAT)) if per_channel else tx
+    stash = stash if bits.get(stash, 0) > bits.get(tx, 0) else tx
+    b = _Nodes(f"{n.name or n.output[0]}/cuda_form", taken)
+    op, ints = b.op, b.const
+    sdt = helper.tensor_dtype_to_np_dtype(stash)
+
+    def mean(v):
+        ax = ints([2])
+        return op("ReduceMean", v, ax, keepdims=1) if opset >= 18 else \
+            op("ReduceMean", v, axes=[2], keepdims=1)
+    g = op("Reshape", x if stash == tx else op("Cast", x, to=stash), ints([0, groups, -1]))
+    d = op("Sub", g, mean(g))
+    normed = op("Mul", d, op("Reciprocal", op("Sqrt", op("Add", mean(op("Mul", d, d)),
+                                                       b.const(eps, sdt)))))
+    if not per_channel:  # scale and bias [G]
+        per = ints([groups, 1])
+        y = op("Add", op("Mul", normed, op("Reshape", scale, per)), op("Reshape", bias, per))
+        op("Reshape", y, op("Shape", x), out=n.output[0])
+        return b.nodes
+    y = op("Reshape", normed, op("Shape", x))
+    if stash != tx:
+        y = op("Cast", y, to=tx)
+    per = ints([-1] + [1] * (rank - 2))
+    op("Add", op("Mul", y, op("Reshape", scale, per)), op("Reshape", bias, per),
+       out=n.output[0])
+    return b.nodes
+
+
+#: what :func:`for_cuda` writes out (onnxruntime 1.31's CUDA provider has no kernel for them:
+#: its docs/OperatorKernels.md; BatchNormalization only in training mode)
+_FORMS = {"BatchNormalization": _batch_norm, "Col2Im": _col2im_form,
+          "SoftmaxCrossEntropyLoss": _nll_form, "NegativeLogLikelihoodLoss": _nll_form,
+          "GroupNormalization": _group_norm, "Mish": _mish, "Celu": _celu,
+          "LpNormalization": _lp_normalization}

@@ -269,3 +269,54 @@ def test_nll_losses_match_onnxruntime(kind, extra, n, c, reduction, ignore, weig
     assert not any(x.op_type == kind for x in form.graph.node)
     for want, got in zip(cpu(m, feeds), cpu(form, feeds)):
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
+def one_node_model(op, shape, dtype, opset, inits=(), **attrs):
+    names = ["x"] + [t.name for t in inits]
+    g = helper.make_graph([helper.make_node(op, names, ["y"], **attrs)], "one",
+                          [helper.make_tensor_value_info("x", dtype, shape)],
+                          [helper.make_tensor_value_info("y", dtype, None)], list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=st.sampled_from(["Mish", "Celu", "Lp1", "Lp2", "Group18", "Group21"]),
+       dims=st.lists(st.integers(1, 4), min_size=2, max_size=4),
+       dtype=st.sampled_from([TP.FLOAT, TP.DOUBLE, TP.FLOAT16]), seed=st.integers(0, 99),
+       groups=st.integers(1, 3))
+def test_forms_of_ops_without_cuda_kernels_match_onnxruntime(case, dims, dtype, seed, groups):
+    """GroupNormalization (18: per-group scale, 21: per channel, float32 stash), Mish, Celu and
+    LpNormalization have no kernel in onnxruntime's CUDA provider (each step would run them on
+    the host): their CUDA forms give onnxruntime CPU's values."""
+    rng = np.random.default_rng(seed)
+    npdt = helper.tensor_dtype_to_np_dtype(dtype)
+    inits, attrs = [], {}
+    if case.startswith("Group"):
+        dims = [dims[0], groups * dims[1], *dims[2:]]
+        opset = 18 if case == "Group18" else 21
+        per = groups if opset == 18 else dims[1]
+        inits = [numpy_helper.from_array(rng.uniform(0.5, 1.5, per).astype(npdt), "s"),
+                 numpy_helper.from_array(rng.standard_normal(per).astype(npdt), "b")]
+        op, attrs = "GroupNormalization", {"num_groups": groups, "epsilon": 1e-3}
+    elif case.startswith("Lp"):
+        op, opset, attrs = "LpNormalization", 17, {"p": int(case[2]),
+                                                   "axis": int(seed % len(dims)) - len(dims)}
+    else:
+        op, opset = case, 18
+        if case == "Celu":
+            attrs = {"alpha": 0.7}
+            if dtype != TP.FLOAT:  # Celu is float32 only
+                return
+    if dtype == TP.FLOAT16 and case in ("Mish", "Lp1", "Lp2", "Group18"):
+        return  # (onnxruntime CPU has no float16 kernel for these)
+    m = one_node_model(op, dims, dtype, opset, inits, **attrs)
+    x = rng.standard_normal(dims).astype(npdt)
+    form = for_cuda(m)
+    assert [n.op_type for n in form.graph.node] != [op]
+    want, = cpu(m, {"x": x})
+    got, = cpu(form, {"x": x})
+    tol = 2e-3 if dtype == TP.FLOAT16 else 1e-5 if dtype == TP.FLOAT else 1e-12
+    if case == "Group21" and dtype == TP.DOUBLE:
+        tol = 1e-5  # onnxruntime's expansion computes in the float32 stash; the form in float64
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
+                               atol=tol)
