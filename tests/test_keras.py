@@ -97,6 +97,11 @@ MODELS = {  # name: (builder -> (input, output), input shape)
                     (2, 5, 3)),
     "while_loop_rnn": (lambda: (lambda i: (i, WhileRNN(4)(i)))(_seq()), (2, 5, 3)),
     "attention_causal_layernorm": (_attention, (2, 5, 8)),
+    # Keras's celu: max(x, 0) + min(0, a expm1(x / a)); the converted Expm1's branch not taken
+    # divided 0 by 0 at every x >= 0 (NaN input gradients)
+    "celu_selu_hard_swish": (lambda: (lambda i: (i, L.Concatenate()([
+        L.Activation(a)(i) for a in ("celu", "selu", "hard_swish", "mish")])))(
+        keras.Input((6,))), (4, 6)),
     "resizing_upsampling": (_resize, (2, 6, 6, 2)),
 }
 

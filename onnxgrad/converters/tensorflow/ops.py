@@ -331,54 +331,69 @@ ERFC_TAIL = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.278
 def _erfc(c, n):
     """1 - erf(x) below 0.5; above, where that difference loses its digits (erfc(5) = 1.5e-12),
     the Chebyshev fit t * exp(-x^2 + P(t)), t = 1 / (1 + x / 2) (Numerical Recipes' erfcc:
-    relative error under 1.2e-7, its derivative's under 4e-7), on max(x, 0.5) so that the branch
-    not taken stays finite."""
+    relative error under 1.2e-7, its derivative's under 4e-7), on x moved to 0.5 where the head is
+    taken, so that the branch not taken stays finite (a Max would split its tie at 0.5: half the
+    gradient there)."""
     x = c.x(n)
-    z = c.op("Max", [x, scalar(c, n, 0.5)])
+    head_taken = c.op("Less", [x, scalar(c, n, 0.5)])
+    z = c.op("Where", [head_taken, scalar(c, n, 0.5), x])
     t = c.op("Reciprocal", [c.op("Add", [scalar(c, n, 1), c.op("Mul", [z, scalar(c, n, 0.5)])])])
     p = scalar(c, n, ERFC_TAIL[-1])
     for coef in reversed(ERFC_TAIL[:-1]):
         p = c.op("Add", [c.op("Mul", [p, t]), scalar(c, n, coef)])
     tail = c.op("Mul", [t, c.op("Exp", [c.op("Sub", [p, c.op("Mul", [z, z])])])])
     head = c.op("Sub", [scalar(c, n, 1), c.op("Erf", [x])])
-    return [c.op("Where", [c.op("Less", [x, scalar(c, n, 0.5)]), head, tail])]
+    return [c.op("Where", [head_taken, head, tail])]
 
 
+# A Where picks one branch, but the gradient flows into both (zero into the one not taken): a
+# branch that is singular where it is not taken (a division by 0, a log of 0) turns that zero
+# into NaN (0 * inf). So each branch is computed on inputs where it is finite ("double where"):
+# the gradient is TF's, NaN-free, where TF's native op has one.
 @handler("Log1p")
 def _log1p(c, n):  # log(u) * x / (u - 1) with u = 1 + x: exact to rounding for small x
     x = c.x(n)
     u = c.op("Add", [x, scalar(c, n, 1)])
     d = c.op("Sub", [u, scalar(c, n, 1)])
-    return [c.op("Where", [c.op("Equal", [d, scalar(c, n, 0)]), x,
-                           c.op("Div", [c.op("Mul", [c.op("Log", [u]), x]), d])])]
+    exact = c.op("Equal", [d, scalar(c, n, 0)])  # 1 + x rounds to 1: log1p(x) = x
+    safe = c.op("Where", [exact, scalar(c, n, 1), d])
+    return [c.op("Where", [exact, x, c.op("Div", [c.op("Mul", [c.op("Log", [u]), x]), safe])])]
 
 
 @handler("Expm1")
-def _expm1(c, n):  # (u - 1) * x / log(u) with u = exp(x) (Kahan)
+def _expm1(c, n):
+    """Kahan's (u - 1) x / log(u), u = exp(x), where it matters (|x| < 0.5); exp(x) - 1 beyond,
+    where it is as exact and reaches -1 and inf (the correction's log(0) and inf / inf do not).
+    The small branch runs on x clamped to where it is finite."""
     x = c.x(n)
-    u = c.op("Exp", [x])
-    um1, lu = c.op("Sub", [u, scalar(c, n, 1)]), c.op("Log", [u])
-    small = c.op("Equal", [um1, scalar(c, n, 0)])
-    big = c.op("Equal", [lu, x])  # inf, or where the correction changes nothing
-    exact = c.op("Div", [c.op("Mul", [um1, x]), lu])
-    return [c.op("Where", [small, x, c.op("Where", [big, um1, exact])])]
+    small = c.op("Less", [c.op("Abs", [x]), scalar(c, n, 0.5)])
+    xs = c.op("Where", [small, x, scalar(c, n, 0.25)])
+    u = c.op("Exp", [xs])
+    um1 = c.op("Sub", [u, scalar(c, n, 1)])
+    one = c.op("Equal", [um1, scalar(c, n, 0)])  # exp(x) rounds to 1: expm1(x) = x
+    lu = c.op("Where", [one, scalar(c, n, 1), c.op("Log", [u])])
+    kahan = c.op("Where", [one, xs, c.op("Div", [c.op("Mul", [um1, xs]), lu])])
+    big = c.op("Sub", [c.op("Exp", [x]), scalar(c, n, 1)])
+    return [c.op("Where", [small, kahan, big])]
 
 
-def _x_is_zero(c, n, y):
-    """0 where x == 0, else y (Xlogy, Xdivy, Xlog1py)."""
-    x = c.x(n, 0)
+def _x_is_zero(c, n, f):
+    """0 where x == 0, else f(x, y) on a y made 1 there (Xlogy, Xdivy: TF's gradient is 0 there,
+    where log(y) or 1 / y may be infinite)."""
+    x, y = c.x(n, 0), c.x(n, 1)
     zero = scalar(c, n, 0)
-    return c.op("Where", [c.op("Equal", [x, zero]), zero, y])
+    at0 = c.op("Equal", [x, zero])
+    return c.op("Where", [at0, zero, f(x, c.op("Where", [at0, scalar(c, n, 1), y]))])
 
 
 @handler("Xlogy")
 def _xlogy(c, n):
-    return [_x_is_zero(c, n, c.op("Mul", [c.x(n, 0), c.op("Log", [c.x(n, 1)])]))]
+    return [_x_is_zero(c, n, lambda x, y: c.op("Mul", [x, c.op("Log", [y])]))]
 
 
 @handler("Xdivy")
 def _xdivy(c, n):
-    return [_x_is_zero(c, n, c.op("Div", [c.x(n, 0), c.x(n, 1)]))]
+    return [_x_is_zero(c, n, lambda x, y: c.op("Div", [x, y]))]
 
 
 @handler("FloorDiv")
@@ -430,8 +445,13 @@ def _floormod(c, n):
 
 
 @handler("ClipByValue")
-def _clip(c, n):  # bounds may be tensors that broadcast: Max/Min rather than Clip
-    return [c.op("Min", [c.op("Max", [c.x(n, 0), c.x(n, 1)]), c.x(n, 2)])]
+def _clip(c, n):
+    """x between its bounds, which may be tensors that broadcast; as selections, whose gradient
+    is TF's (x's where lo <= x <= hi, the bounds' beyond them) where Max and Min would split a
+    tie: half of the gradient for an x exactly at a bound (a ReLU's zeros clipped at 0)."""
+    x, lo, hi = c.x(n, 0), c.x(n, 1), c.x(n, 2)
+    inside = c.op("Where", [c.op("Greater", [x, hi]), hi, x])
+    return [c.op("Where", [c.op("Less", [x, lo]), lo, inside])]
 
 
 @handler("AddN")

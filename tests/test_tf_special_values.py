@@ -1,0 +1,111 @@
+"""Converted TF elementwise ops at their special values (0, tiny, huge, where an exp or log
+saturates): the converted output and ``onnxgrad.gradients`` of it equal TensorFlow's op and
+tf.gradients, NaN and inf included. Decompositions that select a branch with Where must keep the
+branch not taken finite ("double where"): Expm1, Log1p, Xlogy and Xdivy gave NaN gradients at
+0 (a Keras model with celu had NaN input gradients at every positive input), and Expm1 gave 0
+instead of -1 below -104 and NaN instead of inf above 89. A Max or Min that clamps halves the
+gradient at its tie (Erfc at 0.5, ClipByValue at its bounds): selections there instead."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tf_util import ort_run, tf, tf1_graph, tf_run
+
+import onnxgrad
+from onnxgrad.converters.tensorflow import convert
+
+v1 = tf.compat.v1
+SPECIAL = [0.0, -0.0, 1e-30, -1e-30, 1e-8, -1e-8, 1e-4, 0.25, 0.5, -0.5, 0.49999997, 1.0, -1.0,
+           3.0, -0.9, -0.99999994, 20.0, -20.0, 88.0, 89.0, 100.0, -100.0, -104.0, -200.0,
+           1e30, -1e30]
+UNARY = {"Expm1": tf.math.expm1, "Log1p": tf.math.log1p, "Softplus": tf.nn.softplus,
+         "Elu": tf.nn.elu, "Selu": tf.nn.selu, "Erfc": tf.math.erfc, "Softsign": tf.nn.softsign,
+         "Celu": lambda x: tf.maximum(x, 0.0) + tf.minimum(0.0, 0.7 * tf.math.expm1(x / 0.7))}
+BINARY = {"Xlogy": tf.math.xlogy, "Xdivy": tf.math.xdivy}
+# TF's ClipByValue op (tf.clip_by_value itself builds Minimum and Maximum, whose ties onnxgrad
+# splits evenly, as torch does: see the README's Guarantees)
+CLIPS = {"clip_by_value": lambda x: tf.raw_ops.ClipByValue(t=x, clip_value_min=-1.0,
+                                                           clip_value_max=0.5),
+         "clip_tensor_bounds": lambda x: tf.raw_ops.ClipByValue(
+             t=x, clip_value_min=x * 0.0 - 1.0, clip_value_max=tf.abs(x) * 0.0 + 0.5)}
+# where the comparison means something: outside its domain (log1p of x < -1 is NaN) TF's native
+# gradient still gives a number (1 / (1 + x)) that no decomposition into ONNX ops reproduces;
+# Selu's kink at 0 takes the left derivative here (as torch), TF's SeluGrad the right one, and
+# TF reads the branch from the output, so x = -1e-30 (whose output rounds to 0) gets it too
+DOMAIN = {"Log1p": lambda x: x > -1, "Selu": lambda x: np.abs(x) > 1e-6}
+
+
+def _both(fn, values):
+    """(TF's output and gradients, the converted model's) at ``values`` (float32 arrays)."""
+    def build():
+        ps = [v1.placeholder(tf.float32, [None], name=f"in{i}") for i in range(len(values))]
+        y = tf.identity(fn(*ps), name="y")
+        gy = v1.placeholder(tf.float32, [None], name="gy")
+        return ps, y, gy, tf.gradients(y, ps, grad_ys=gy)
+    graph, (ps, y, gy, grads) = tf1_graph(build)
+    gys = np.linspace(0.5, 1.5, len(values[0])).astype(np.float32)
+    feeds = {p.name: v for p, v in zip(ps, values)}
+    want = tf_run(graph, [y] + grads, {**feeds, gy.name: gys})
+    model = convert(graph.as_graph_def(), inputs=[p.name for p in ps], outputs=["y:0"])
+    res = onnxgrad.gradients(model, "y:0", [p.name for p in ps], grad_ys=["gy"])
+    got = ort_run(res.model, {**feeds, "gy": gys}, ["y:0", *res.grads])
+    return want, got
+
+
+def _same(got, want, what):
+    """The same NaNs and infinities; finite values to 2e-5 relative, or 1e-7 of the largest
+    (onnxruntime's Sigmoid is 0 where TF's is 2e-9, at -20: an absolute error of its kernel)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.array_equal(np.isnan(got), np.isnan(want)), (what, got, want)
+    ok = np.isfinite(want)
+    assert np.array_equal(got[~ok & ~np.isnan(want)], want[~ok & ~np.isnan(want)]), (what, got,
+                                                                                    want)
+    scale = np.abs(want[ok]).max(initial=0.0)
+    np.testing.assert_allclose(got[ok], want[ok], rtol=2e-5, atol=1e-7 * max(scale, 1.0),
+                               err_msg=what)
+
+
+@pytest.mark.parametrize("op", UNARY)
+def test_unary_ops_at_special_values(op):
+    x = np.array(SPECIAL, np.float32)
+    x = x[DOMAIN.get(op, np.isfinite)(x)]
+    want, got = _both(UNARY[op], [x])
+    for what, g, w in zip(["output", "gradient"], got, want):
+        _same(g, w, f"{op} {what} at {x.tolist()}")
+
+
+@pytest.mark.parametrize("op", CLIPS)
+def test_clips_at_their_bounds(op):
+    """An x exactly at a bound gets the whole gradient, as in TF (Max and Min split such a tie
+    and gave it half)."""
+    x = np.array([-1.0, 0.5, -2.0, 1.0, 0.0, 0.25, 6.0, -1.0], np.float32)
+    want, got = _both(CLIPS[op], [x])
+    for what, g, w in zip(["output", "gradient"], got, want):
+        _same(g, w, f"{op} {what} at {x.tolist()}")
+
+
+@pytest.mark.parametrize("op", BINARY)
+def test_binary_ops_at_zeros(op):
+    x = np.array([0.0, 0.0, 0.0, 2.0, -1.0, 0.0, 3.0], np.float32)
+    y = np.array([0.0, 1.0, -2.0, 0.0, 0.5, 1e-38, 4.0], np.float32)
+    want, got = _both(BINARY[op], [x, y])
+    for what, g, w in zip(["output", "d/dx", "d/dy"], got, want):
+        _same(g, w, f"{op} {what}")
+
+
+@settings(max_examples=25, deadline=None)
+@given(op=st.sampled_from(sorted(UNARY)),
+       xs=st.lists(st.one_of(st.sampled_from(SPECIAL),
+                             st.floats(-120, 120, width=32, allow_subnormal=False)),
+                   min_size=1, max_size=6))
+def test_unary_ops_against_tf_generated(op, xs):
+    x = np.array(xs, np.float32)
+    x = x[DOMAIN.get(op, np.isfinite)(x)]
+    if not x.size:
+        return
+    want, got = _both(UNARY[op], [x])
+    for what, g, w in zip(["output", "gradient"], got, want):
+        _same(g, w, f"{op} {what} at {x.tolist()}")
