@@ -102,6 +102,10 @@ MODELS = {  # name: (builder -> (input, output), input shape)
     "celu_selu_hard_swish": (lambda: (lambda i: (i, L.Concatenate()([
         L.Activation(a)(i) for a in ("celu", "selu", "hard_swish", "mish")])))(
         keras.Input((6,))), (4, 6)),
+    # swish / silu: TF's custom gradient (an IdentityN) is the product's own derivative; were
+    # refused as a custom gradient
+    "swish_silu": (lambda: (lambda i: (i, L.Dense(3, activation="silu")(L.Conv1D(
+        4, 2, activation="swish")(i))))(_seq()), (2, 5, 3)),
     "resizing_upsampling": (_resize, (2, 6, 6, 2)),
 }
 

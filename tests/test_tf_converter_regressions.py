@@ -268,6 +268,27 @@ def test_custom_gradient_is_refused():
                 outputs=[cf.outputs[0].name])
 
 
+@pytest.mark.parametrize("beta", [1.0, 1.5])
+def test_swish_custom_gradient_is_its_own_derivative(beta):
+    """tf.nn.silu / swish (Keras's "swish" and "silu") is a tf.custom_gradient of
+    x * sigmoid(beta * x) whose gradient is that product's derivative: it converts (it was
+    refused as a custom gradient), and onnxgrad's gradient equals TF's."""
+    import onnxgrad
+    cf = tf.function(lambda x: tf.nn.silu(x, beta=beta) * 2.0).get_concrete_function(
+        tf.TensorSpec([None], tf.float32))
+    model = convert(cf.graph.as_graph_def(), inputs=[cf.inputs[0].name],
+                    outputs=[cf.outputs[0].name])
+    x = np.array([-30.0, -2.0, -0.5, 0.0, 0.3, 4.0, 50.0], np.float32)
+    with tf.GradientTape() as tape:
+        xt = tf.constant(x)
+        tape.watch(xt)
+        y = tf.nn.silu(xt, beta=beta) * 2.0
+    want = tape.gradient(y, xt).numpy()
+    res = onnxgrad.gradients(model, cf.outputs[0].name, [cf.inputs[0].name])
+    got, = ort_run(res.model, {cf.inputs[0].name: x}, res.grads)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_gradient_override_map_is_refused():
     def build():
         x = tf.compat.v1.placeholder(tf.float32, [3], name="x")

@@ -243,7 +243,8 @@ class Converter:
             fn = call_handler if is_function(self, n.op) else None
         if fn is None:
             raise ConversionError(f"no converter for TensorFlow op {n.op!r} (node {n.name!r})")
-        if "_gradient_op_type" in n.attr:  # (TF's mark of both ways to override a gradient)
+        if "_gradient_op_type" in n.attr and not _swish(self.g, n):
+            # (TF's mark of both ways to override a gradient)
             raise ConversionError(
                 f"{n} has a custom gradient ({self.attr(n, '_gradient_op_type')!r}, from "
                 "tf.custom_gradient or gradient_override_map), which ONNX cannot carry: "
@@ -674,3 +675,27 @@ def _tf_shapes(c: Converter) -> dict:
                 out.setdefault(v, shape)
                 out.setdefault(f"{n.name}:{i}", shape)  # graph outputs keep TF's names
     return out
+
+
+def _swish(g, n) -> bool:
+    """Whether ``n`` is the IdentityN of TF's swish / silu (Keras's "swish" and "silu"):
+    IdentityN(x * sigmoid(beta * x), x, beta). Its custom gradient is that product's own
+    derivative, written out to save memory: differentiating the forward ops gives the same."""
+    if n.op != "IdentityN" or len(n.inputs) != 3:
+        return False
+    y, x, beta = (split_ref(r) for r in n.inputs)
+
+    def node(ref):
+        return g.nodes.get(ref[0]) if ref[1] == 0 else None
+
+    def operands(m, op):
+        return ({split_ref(r) for r in m.inputs} if m is not None and m.op == op
+                and len(m.inputs) == 2 else set())
+    prod = node(y)
+    ins = operands(prod, "Mul")
+    if x not in ins or len(ins) != 2:
+        return False
+    sig = node(next(iter(ins - {x})))
+    if sig is None or sig.op != "Sigmoid" or len(sig.inputs) != 1:
+        return False
+    return operands(node(split_ref(sig.inputs[0])), "Mul") == {x, beta}
