@@ -1,6 +1,6 @@
 """Keras 3 models (TensorFlow 2.21) saved with ``model.export()``: converted, run and
 differentiated. For every model of the layer list (Dense, Conv1D/Conv2D dilated and not,
-BatchNormalization, Dropout, gelu, Embedding, LSTM, GRU (with dropout too), Bidirectional, a hand-written
+BatchNormalization, Dropout, gelu, celu, selu, hard_swish, mish, swish, silu, Embedding (with mask_zero into a GRU too), LSTM, GRU (with dropout too), Bidirectional, a hand-written
 tf.while_loop RNN over a TensorArray, MultiHeadAttention with a causal mask, LayerNormalization,
 Resizing and UpSampling2D): the converted output equals TF's, and ``onnxgrad.gradients`` of the
 output (under a random upstream gradient) with respect to the input and every weight equals
@@ -85,6 +85,8 @@ MODELS = {  # name: (builder -> (input, output), input shape)
         L.Dense(5, activation="relu")(i)))))(keras.Input((6,))), (4, 6)),
     "conv_dilated_batchnorm": (_conv, (2, 9, 9, 3)),
     "embedding": (_embedding, (3, 5)),
+    "embedding_mask_zero_gru": (lambda: (lambda i: (i, L.GRU(3)(L.Embedding(10, 4, mask_zero=True)(
+        i))))(keras.Input((6,), dtype="int32")), (3, 6)),
     "lstm": (lambda: (lambda i: (i, L.LSTM(4, return_sequences=True)(i)))(_seq()), (2, 5, 3)),
     "gru": (lambda: (lambda i: (i, L.GRU(4, return_sequences=True)(i)))(_seq()), (2, 5, 3)),
     "bidirectional_lstm": (lambda: (lambda i: (i, L.Bidirectional(L.LSTM(
@@ -131,7 +133,7 @@ def cases(tmp_path_factory):
             case.path = root / name
             model.export(str(case.path), verbose=False)
             rng = np.random.default_rng(0)
-            case.int_input = name == "embedding"
+            case.int_input = name.startswith("embedding")
             case.x = rng.integers(0, 10, shape).astype(np.int32) if case.int_input else \
                 rng.standard_normal(shape).astype(np.float32)
             weights = model.trainable_weights
