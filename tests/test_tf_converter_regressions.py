@@ -472,3 +472,50 @@ def test_gradient_tape_graphs_through_conds_convert(name, xs):
     m = convert(cf.graph.as_graph_def(), inputs=[xin], outputs=outs)
     for got, want in zip(ort_run(m, {xin: x}, outs), cf(tf.constant(x))):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-15)
+
+
+# -- grouped convolutions ---------------------------------------------------------------------
+def test_grouped_conv2d_converts_and_differentiates():
+    """TF's Conv2D convolves in groups when the input has a multiple of the filter's input
+    channels: it converted with group 1, a model onnxruntime refused when it ran. Forward and
+    onnxgrad's gradients (input and filter) equal TF's; TF's own gradient graph converts its
+    grouped Conv2DBackpropInput, and its grouped Conv2DBackpropFilter is a clear error."""
+    import onnxgrad
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 6, 6, 4)).astype(np.float32)
+    w = rng.standard_normal((3, 3, 2, 6)).astype(np.float32)  # 2 groups of 2 -> 3 channels
+
+    def f(x, w):
+        return tf.nn.conv2d(x, w, [1, 2, 1, 1], "SAME")
+    cf = tf.function(f).get_concrete_function(tf.TensorSpec([None, 6, 6, 4], tf.float32),
+                                              tf.TensorSpec(w.shape, tf.float32))
+    names = [t.name for t in cf.inputs]
+    model = convert(cf.graph.as_graph_def(), inputs=names, outputs=[cf.outputs[0].name])
+    gy = rng.standard_normal(f(x, w).shape).astype(np.float32)
+    with tf.GradientTape() as tape:
+        xt, wt = tf.constant(x), tf.constant(w)
+        tape.watch([xt, wt])
+        y = f(xt, wt)
+    want = [y.numpy()] + [g.numpy() for g in tape.gradient(y, [xt, wt], output_gradients=gy)]
+    res = onnxgrad.gradients(model, cf.outputs[0].name, names, grad_ys=["gy"])
+    got = ort_run(res.model, {names[0]: x, names[1]: w, "gy": gy},
+                  [cf.outputs[0].name, *res.grads])
+    for g, v, what in zip(got, want, ["output", "d/dx", "d/dw"]):
+        np.testing.assert_allclose(g, v, rtol=1e-4, atol=1e-4, err_msg=what)
+
+    @tf.function
+    def tape_fn(x, w, gy):
+        with tf.GradientTape() as t:
+            t.watch([x, w])
+            y = f(x, w)
+        return t.gradient(y, [x, w], output_gradients=gy)
+    tf_graph = tape_fn.get_concrete_function(
+        tf.TensorSpec(x.shape, tf.float32), tf.TensorSpec(w.shape, tf.float32),
+        tf.TensorSpec(gy.shape, tf.float32))
+    tins = [t.name for t in tf_graph.inputs]
+    dx_only = convert(tf_graph.graph.as_graph_def(), inputs=tins,
+                      outputs=[tf_graph.outputs[0].name])
+    (dx,) = ort_run(dx_only, dict(zip(tins, [x, w, gy])), [tf_graph.outputs[0].name])
+    np.testing.assert_allclose(dx, want[1], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConversionError, match="grouped convolution"):
+        convert(tf_graph.graph.as_graph_def(), inputs=tins, outputs=[tf_graph.outputs[1].name])

@@ -125,7 +125,7 @@ CONV = {"Conv2D": 4, "Conv3D": 5, "DepthwiseConv2dNative": 4}
 @handler(*CONV)
 def _conv(c, n):
     r = CONV[n.op]
-    w, group = _weight(c, n, n.inputs[1], r)
+    w, group = _weight(c, n, n.inputs[1], r, _channels(c, n, n.inputs[0], r))
     g = _Geom(c, n, r)
     size = None
     if g.padding == "SAME" and set(g.dilations) != {1}:
@@ -135,13 +135,36 @@ def _conv(c, n):
     return [_from_cf(c, n, y, r)]
 
 
-def _weight(c, n, ref, r):
-    """The ONNX weight of node n's filter and the group count (depthwise: one per channel)."""
+def _weight(c, n, ref, r, channels=None):
+    """The ONNX weight of node n's filter and the group count (depthwise: one per channel;
+    Conv2D/Conv3D: the input's ``channels`` over the filter's, TF's grouped convolution)."""
     w = c.value(ref)
     if "Depthwise" not in n.op:
-        return _oihw(c, w, r), 1
+        return _oihw(c, w, r), _groups(c, n, ref, r, channels)
     kh, kw, cin, m = _filter_shape(c, n, ref)
     return _oihw(c, c.op("Reshape", [w, c.i64(kh, kw, 1, cin * m)]), r), cin
+
+
+def _groups(c, n, ref, r, channels) -> int:
+    """TF convolves in groups when the input has a multiple of the filter's input channels
+    (ONNX needs the count as an attribute: an input whose channels are not known statically
+    is taken as ungrouped, which onnxruntime checks when it runs)."""
+    fs = static_shape(c, ref)
+    per = None if fs is None else fs[r - 2]
+    if channels is None or per is None or channels == per:
+        return 1
+    if channels % per:
+        raise ConversionError(f"{n}: the input's {channels} channels are not a multiple of the "
+                              f"filter's {per}")
+    return channels // per
+
+
+def _channels(c, n, ref, r):
+    """The channel count of the value ``ref`` in the node's data format, or None."""
+    s = static_shape(c, ref)
+    if s is None or len(s) != r:
+        return None
+    return s[-1] if _channels_last(c, n) else s[1]
 
 
 BACKPROP_INPUT = {"Conv2DBackpropInput": 4, "Conv3DBackpropInputV2": 5,
@@ -152,7 +175,12 @@ BACKPROP_INPUT = {"Conv2DBackpropInput": 4, "Conv3DBackpropInputV2": 5,
 def _conv_backprop_input(c, n):
     """(input_sizes, filter, dy) -> dx: the transposed convolution, padded like the forward."""
     r = BACKPROP_INPUT[n.op]
-    w, group = _weight(c, n, n.inputs[1], r)
+    k = c.const_input(n, 0)
+    if k is None:
+        k = (c.attr(n, "_output_shapes") or [None])[0]
+    channels = None if k is None or len(k) != r else k[-1] if _channels_last(c, n) else k[1]
+    w, group = _weight(c, n, n.inputs[1], r, None if channels is None or channels < 0
+                       else int(channels))
     kernel = _filter_shape(c, n, n.inputs[1])[:r - 2]
     g = _Geom(c, n, r, kernel)
     b, e, _, extra = g.pads(_known(c, n, 0, "the input's spatial sizes", spatial=True))
@@ -173,6 +201,10 @@ def _conv_backprop_filter(c, n):
     r = BACKPROP_FILTER[n.op]
     fshape = _known(c, n, 1, "the filter's shape")
     kernel, cin, cout = fshape[:r - 2], fshape[r - 2], fshape[r - 1]
+    channels = _channels(c, n, n.inputs[0], r)
+    if "Depthwise" not in n.op and channels is not None and channels != cin:
+        raise ConversionError(f"{n}: the filter gradient of a grouped convolution ({channels} "
+                              f"input channels, {cin} per group) has no converter yet")
     g = _Geom(c, n, r, kernel)
     size = _input_sizes(c, n, n.inputs[0])
     b, e, _, _ = g.pads(size)
