@@ -519,3 +519,59 @@ def test_grouped_conv2d_converts_and_differentiates():
     np.testing.assert_allclose(dx, want[1], rtol=1e-4, atol=1e-4)
     with pytest.raises(ConversionError, match="grouped convolution"):
         convert(tf_graph.graph.as_graph_def(), inputs=tins, outputs=[tf_graph.outputs[1].name])
+
+
+# -- ops a model may hold that had no converter -------------------------------------------------
+NEW_OPS = {
+    "depth_to_space": (lambda x: tf.nn.depth_to_space(x, 2), (2, 3, 3, 8)),
+    "space_to_depth": (lambda x: tf.nn.space_to_depth(x, 3), (2, 6, 3, 2)),
+    "eye_and_diag": (lambda x: tf.matmul(x[:, :3, :3], tf.eye(3) * 2.0) +
+                     tf.linalg.diag(x[:, 0, :3] * 3.0), (2, 4, 5)),
+    "diag_part": (lambda x: tf.linalg.diag_part(x) * 2.0, (2, 4, 4)),
+}
+
+
+@pytest.mark.parametrize("name", NEW_OPS)
+def test_new_ops_convert_and_differentiate(name):
+    """DepthToSpace, SpaceToDepth (NHWC), MatrixDiagV3 (tf.eye, tf.linalg.diag) and
+    MatrixDiagPartV3 (tf.linalg.diag_part, MatrixDiag's gradient) had no converter: forward and onnxgrad's gradient equal TF's, and TF's own gradient graph (which
+    holds the other of the pair) converts and equals it too."""
+    import onnxgrad
+    fn, shape = NEW_OPS[name]
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape).astype(np.float32)
+    cf = tf.function(fn).get_concrete_function(tf.TensorSpec([None, *shape[1:]], tf.float32))
+    model = convert(cf.graph.as_graph_def(), inputs=[cf.inputs[0].name],
+                    outputs=[cf.outputs[0].name])
+    with tf.GradientTape() as tape:
+        xt = tf.constant(x)
+        tape.watch(xt)
+        y = fn(xt)
+    gy = rng.standard_normal(y.shape).astype(np.float32)
+    want = tape.gradient(y, xt, output_gradients=gy).numpy()
+    res = onnxgrad.gradients(model, cf.outputs[0].name, [cf.inputs[0].name], grad_ys=["gy"])
+    out, got = ort_run(res.model, {cf.inputs[0].name: x, "gy": gy},
+                       [cf.outputs[0].name, res.grads[0]])
+    np.testing.assert_allclose(out, y.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    @tf.function
+    def tape_fn(x, gy):
+        with tf.GradientTape() as t:
+            t.watch(x)
+            y = fn(x)
+        return t.gradient(y, x, output_gradients=gy)
+    tg = tape_fn.get_concrete_function(tf.TensorSpec(x.shape, tf.float32),
+                                       tf.TensorSpec(gy.shape, tf.float32))
+    tins = [t.name for t in tg.inputs]
+    grad_model = convert(tg.graph.as_graph_def(), inputs=tins, outputs=[tg.outputs[0].name])
+    (dx,) = ort_run(grad_model, dict(zip(tins, [x, gy])), [tg.outputs[0].name])
+    np.testing.assert_allclose(dx, want, rtol=1e-5, atol=1e-5)
+
+
+def test_matrix_diag_off_the_main_diagonal_is_refused():
+    cf = tf.function(lambda v: tf.linalg.diag(v, k=1)).get_concrete_function(
+        tf.TensorSpec([3], tf.float32))
+    with pytest.raises(ConversionError, match="only the main diagonal"):
+        convert(cf.graph.as_graph_def(), inputs=[cf.inputs[0].name],
+                outputs=[cf.outputs[0].name])

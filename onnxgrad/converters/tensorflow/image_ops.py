@@ -203,3 +203,20 @@ def _batch_to_space(c, n):
         end = c.op("Sub", [c.op("Concat", spatial, axis=0), c.op(
             "Reshape", [c.op("Slice", [cr, c.i64(1), c.i64(2), c.i64(1)]), c.i64(-1)])])
     return [c.op("Slice", [x, begin, end, c.i64(*range(1, 1 + m))])]
+
+
+@handler("DepthToSpace", "SpaceToDepth")
+def _depth_space(c, n):
+    """ONNX's DepthToSpace in DCR mode (depth read as [block, block, channels], TF's order) and
+    SpaceToDepth, channels-first: NHWC is transposed around them."""
+    if c.attr(n, "data_format", "NHWC") not in ("NHWC", "NCHW"):
+        raise ConversionError(f"{n}: data_format {c.attr(n, 'data_format')!r} is not supported")
+    last = c.attr(n, "data_format", "NHWC") == "NHWC"
+    x = c.x(n)
+    if last:
+        x = c.op("Transpose", [x], perm=[0, 3, 1, 2])
+    attrs = {"blocksize": int(c.attr(n, "block_size"))}
+    if n.op == "DepthToSpace":
+        attrs["mode"] = "DCR"
+    y = c.op(n.op, [x], **attrs)
+    return [c.op("Transpose", [y], perm=[0, 2, 3, 1]) if last else y]

@@ -506,6 +506,51 @@ def _rows(c, n, cond):
 
 
 # -- linear algebra ----------------------------------------------------------------------------
+@handler("MatrixDiag", "MatrixDiagV2", "MatrixDiagV3")
+def _matrix_diag(c, n):
+    """Square matrices with the vectors ``diagonal`` [..., m] on their main diagonal and
+    padding_value elsewhere (tf.eye, tf.linalg.diag): Where(i == j) over Range(m). Other
+    diagonals (k != 0) and non-square results are refused."""
+    x = c.x(n, 0)
+    pad = scalar(c, n, 0)
+    if n.op != "MatrixDiag":
+        k = c.const_input(n, 1, required="the diagonal's offset k")
+        rows = c.const_input(n, 2, required="num_rows")
+        cols = c.const_input(n, 3, required="num_cols")
+        shape = static_shape(c, n.inputs[0])
+        m = None if shape is None or not shape else shape[-1]
+        square = int(rows) == int(cols) and (int(rows) == -1 or m is None or m == int(rows))
+        if np.any(np.asarray(k) != 0) or not square:
+            raise ConversionError(f"{n}: only the main diagonal of square matrices as long as "
+                                  f"it (k = 0) is supported, not k={np.asarray(k).tolist()}, "
+                                  f"num_rows={int(rows)}, num_cols={int(cols)}")
+        pad = c.x(n, 4)
+    zero, one = c.const(0, np.int64), c.const(1, np.int64)
+    m = c.op("Squeeze", [c.op("Shape", [x], start=-1)])
+    i = c.op("Range", [zero, m, one])
+    eye = c.op("Equal", [c.op("Unsqueeze", [i, c.i64(1)]), c.op("Unsqueeze", [i, c.i64(0)])])
+    return [c.op("Where", [eye, c.op("Unsqueeze", [x, c.i64(-1)]), pad])]
+
+
+@handler("MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3")
+def _matrix_diag_part(c, n):
+    """The main diagonal x[..., i, i] (i < min(M, N)) of matrices x [..., M, N]: the sum of each
+    row masked by i == j (MatrixDiag's gradient); other diagonals are refused."""
+    x = c.x(n, 0)
+    if n.op != "MatrixDiagPart":
+        k = c.const_input(n, 1, required="the diagonal's offset k")
+        if np.any(np.asarray(k) != 0):
+            raise ConversionError(f"{n}: only the main diagonal (k = 0) is supported, not "
+                                  f"k={np.asarray(k).tolist()}")
+    zero, one = c.const(0, np.int64), c.const(1, np.int64)
+    rows = c.op("Range", [zero, c.op("Squeeze", [c.op("Shape", [x], start=-2, end=-1)]), one])
+    cols = c.op("Range", [zero, c.op("Squeeze", [c.op("Shape", [x], start=-1)]), one])
+    eye = c.op("Equal", [c.op("Unsqueeze", [rows, c.i64(1)]), c.op("Unsqueeze", [cols, c.i64(0)])])
+    d = c.op("ReduceSum", [c.op("Where", [eye, x, scalar(c, n, 0)]), c.i64(-1)], keepdims=0)
+    length = c.op("Min", [c.op("Shape", [x], start=-2, end=-1), c.op("Shape", [x], start=-1)])
+    return [c.op("Slice", [d, c.i64(0), length, c.i64(-1)])]
+
+
 @handler("MatrixBandPart")
 def _matrix_band_part(c, n):
     """(x, num_lower, num_upper): x[..., i, j] where (num_lower < 0 or i - j <= num_lower) and
