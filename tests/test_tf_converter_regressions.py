@@ -528,13 +528,15 @@ NEW_OPS = {
     "eye_and_diag": (lambda x: tf.matmul(x[:, :3, :3], tf.eye(3) * 2.0) +
                      tf.linalg.diag(x[:, 0, :3] * 3.0), (2, 4, 5)),
     "diag_part": (lambda x: tf.linalg.diag_part(x) * 2.0, (2, 4, 4)),
+    "lrn": (lambda x: tf.nn.local_response_normalization(x, depth_radius=2, bias=1.5,
+                                                         alpha=0.3, beta=0.75), (2, 3, 3, 7)),
 }
 
 
 @pytest.mark.parametrize("name", NEW_OPS)
 def test_new_ops_convert_and_differentiate(name):
     """DepthToSpace, SpaceToDepth (NHWC), MatrixDiagV3 (tf.eye, tf.linalg.diag) and
-    MatrixDiagPartV3 (tf.linalg.diag_part, MatrixDiag's gradient) had no converter: forward and onnxgrad's gradient equal TF's, and TF's own gradient graph (which
+    MatrixDiagPartV3 (tf.linalg.diag_part, MatrixDiag's gradient) and LRN had no converter: forward and onnxgrad's gradient equal TF's, and TF's own gradient graph (which
     holds the other of the pair) converts and equals it too."""
     import onnxgrad
     fn, shape = NEW_OPS[name]
@@ -564,6 +566,10 @@ def test_new_ops_convert_and_differentiate(name):
     tg = tape_fn.get_concrete_function(tf.TensorSpec(x.shape, tf.float32),
                                        tf.TensorSpec(gy.shape, tf.float32))
     tins = [t.name for t in tg.inputs]
+    if name == "lrn":  # TF's LRNGrad has no converter: a clear error
+        with pytest.raises(ConversionError, match="LRNGrad"):
+            convert(tg.graph.as_graph_def(), inputs=tins, outputs=[tg.outputs[0].name])
+        return
     grad_model = convert(tg.graph.as_graph_def(), inputs=tins, outputs=[tg.outputs[0].name])
     (dx,) = ort_run(grad_model, dict(zip(tins, [x, gy])), [tg.outputs[0].name])
     np.testing.assert_allclose(dx, want, rtol=1e-5, atol=1e-5)

@@ -519,3 +519,16 @@ def _sparse_softmax_xent(c, n):
     one_hot = c.op("Cast", [c.op("Equal", [col, classes])], to=c.onnx_type(n))
     return [loss, c.op("Sub", [c.op("Softmax", [logits], axis=-1), one_hot])]
 
+
+
+@handler("LRN")
+def _lrn(c, n):
+    """TF's local response normalization over the last axis, x / (bias + alpha * sum of squares
+    within depth_radius)^beta: ONNX's LRN over channels (NCHW) with size 2r + 1 and alpha times
+    that size (ONNX divides alpha by it)."""
+    r = int(c.attr(n, "depth_radius", 5))
+    size = 2 * r + 1
+    x = c.op("Transpose", [c.x(n)], perm=[0, 3, 1, 2])
+    y = c.op("LRN", [x], size=size, alpha=float(c.attr(n, "alpha", 1.0)) * size,
+             beta=float(c.attr(n, "beta", 0.5)), bias=float(c.attr(n, "bias", 1.0)))
+    return [c.op("Transpose", [y], perm=[0, 2, 3, 1])]

@@ -386,6 +386,32 @@ def _x_is_zero(c, n, f):
     return c.op("Where", [at0, zero, f(x, c.op("Where", [at0, scalar(c, n, 1), y]))])
 
 
+def _y_is_zero(c, n, f):
+    """0 where y == 0, else f(x, y) on an x made 0 and a y made 1 there (DivNoNan: TF's
+    gradients are 0 there, where x / 0 would make them NaN)."""
+    x, y = c.x(n, 0), c.x(n, 1)
+    zero = scalar(c, n, 0)
+    at0 = c.op("Equal", [y, zero])
+    xs = c.op("Where", [at0, zero, x])
+    return c.op("Where", [at0, zero, f(xs, c.op("Where", [at0, scalar(c, n, 1), y]))])
+
+
+@handler("DivNoNan")
+def _div_no_nan(c, n):  # (Keras's losses and metrics divide so)
+    return [_y_is_zero(c, n, lambda x, y: c.op("Div", [x, y]))]
+
+
+@handler("MulNoNan")
+def _mul_no_nan(c, n):
+    """x * y, 0 where y == 0 even for an infinite or NaN x: such an x is made 0 there, so that
+    d/dy stays x (TF's gradient) wherever x is finite."""
+    x, y = c.x(n, 0), c.x(n, 1)
+    zero = scalar(c, n, 0)
+    bad = c.op("And", [c.op("Equal", [y, zero]),
+                       c.op("Or", [c.op("IsInf", [x]), c.op("IsNaN", [x])])])
+    return [c.op("Mul", [c.op("Where", [bad, zero, x]), y])]
+
+
 @handler("Xlogy")
 def _xlogy(c, n):
     return [_x_is_zero(c, n, lambda x, y: c.op("Mul", [x, c.op("Log", [y])]))]
