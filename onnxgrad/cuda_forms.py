@@ -175,16 +175,16 @@ def _nll_form(n: onnx.NodeProto, types: dict, consts: dict, opset: int, taken: s
     (log-)probabilities, weighted, masked where the label is ignore_index, reduced. onnxruntime's
     CUDA provider has no kernel for either (its training build has), so every step's logits
     went to the host and back (seen in onnxruntime's log on an H200)."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    attrs = _attrs(n)
     reduction = attrs.get("reduction", b"mean")
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
     ignore = attrs.get("ignore_index")
     x, labels = n.input[0], n.input[1]
     weight = n.input[2] if len(n.input) > 2 and n.input[2] else None
-    t = types.get(x)
-    tx = t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
-    if not tx:
-        return [n]  # (the mask's type is x's)
+    tx, tl = _elem(types, x), _elem(types, labels)
+    if not tx or not tl:
+        return [n]  # (the mask's type is x's, ignore_index's the labels')
+    lt = helper.tensor_dtype_to_np_dtype(tl)
     b = _Nodes(f"{n.name or n.output[0]}/cuda_form", taken)
     op, ints = b.op, b.const
 
@@ -195,7 +195,7 @@ def _nll_form(n: onnx.NodeProto, types: dict, consts: dict, opset: int, taken: s
         return [ints(v)] if opset >= 13 else []
     lp = x
     if n.op_type == "SoftmaxCrossEntropyLoss":
-        rank = len(t.tensor_type.shape.dim) if t.tensor_type.HasField("shape") else None
+        rank = _rank(types, x)
         if opset >= 13 or rank == 2:
             lp = op("LogSoftmax", x, axis=1)
         elif rank is None:
@@ -209,8 +209,8 @@ def _nll_form(n: onnx.NodeProto, types: dict, consts: dict, opset: int, taken: s
             op("Identity", lp, out=n.output[1])
     safe, valid = labels, None
     if ignore is not None:
-        valid = op("Not", op("Equal", labels, ints(ignore)))
-        safe = op("Where", valid, labels, ints(0))
+        valid = op("Not", op("Equal", labels, b.const(ignore, lt)))
+        safe = op("Where", valid, labels, b.const(0, lt))
     picked = op("Squeeze", op("GatherElements", lp, op("Unsqueeze", safe, *ax([1]), **axes([1])),
                               axis=1), *ax([1]), **axes([1]))
     w = op("Gather", weight, safe) if weight else None

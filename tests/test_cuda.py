@@ -217,7 +217,7 @@ def test_col2im_with_run_time_geometry_stays():
     assert [x.op_type for x in for_cuda(m).graph.node] == ["Col2Im"]
 
 
-def nll_model(kind, shape, reduction, ignore, weighted, log_prob, opset):
+def nll_model(kind, shape, reduction, ignore, weighted, log_prob, opset, labels=TP.INT64):
     C = shape[1]
     ins = ["x", "t"] + (["w"] if weighted else [])
     attrs = {"reduction": reduction}
@@ -228,7 +228,7 @@ def nll_model(kind, shape, reduction, ignore, weighted, log_prob, opset):
     lab = [shape[0], *shape[2:]]
     g = helper.make_graph(
         [n], "nll", [helper.make_tensor_value_info("x", TP.FLOAT, shape),
-                     helper.make_tensor_value_info("t", TP.INT64, lab)]
+                     helper.make_tensor_value_info("t", labels, lab)]
         + ([helper.make_tensor_value_info("w", TP.FLOAT, [C])] if weighted else []),
         [helper.make_tensor_value_info("loss", TP.FLOAT, None)]
         + ([helper.make_tensor_value_info("lp", TP.FLOAT, shape)] if log_prob else []))
@@ -240,13 +240,13 @@ def nll_model(kind, shape, reduction, ignore, weighted, log_prob, opset):
        extra=st.lists(st.integers(1, 3), max_size=2), n=st.integers(1, 4), c=st.integers(1, 5),
        reduction=st.sampled_from(["mean", "sum", "none"]), ignore=st.sampled_from([None, 0, 2, -1]),
        weighted=st.booleans(), log_prob=st.booleans(), opset=st.sampled_from([12, 13, 17, 21]),
-       seed=st.integers(0, 99))
+       seed=st.integers(0, 99), int32=st.booleans())
 @example(kind="SoftmaxCrossEntropyLoss", extra=[3, 2], n=2, c=1, reduction="mean", ignore=None,
-         weighted=False, log_prob=True, opset=12, seed=0)  # LogSoftmax-11 flattens from axis 1
+         weighted=False, log_prob=True, opset=12, seed=0, int32=False)  # LogSoftmax-11
 @example(kind="SoftmaxCrossEntropyLoss", extra=[2], n=3, c=3, reduction="none", ignore=None,
-         weighted=False, log_prob=True, opset=12, seed=1)
+         weighted=False, log_prob=True, opset=12, seed=1, int32=True)
 def test_nll_losses_match_onnxruntime(kind, extra, n, c, reduction, ignore, weighted, log_prob,
-                                      opset, seed):
+                                      opset, seed, int32):
     """SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss (no CUDA kernel: every step's
     logits went to the host) written as standard ops give onnxruntime CPU's own losses and log
     probabilities, every reduction, ignore_index and class weights included."""
@@ -261,10 +261,12 @@ def test_nll_losses_match_onnxruntime(kind, extra, n, c, reduction, ignore, weig
             t.flat[0] = 0 if ignore != 0 else min(1, c - 1)
             if (t == ignore).all():
                 return  # every label ignored: 0 / 0
-    feeds = {"x": rng.standard_normal(shape).astype(np.float32), "t": t}
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32),
+             "t": t.astype(np.int32 if int32 else np.int64)}
     if weighted:
         feeds["w"] = rng.uniform(0.5, 2, c).astype(np.float32)
-    m = nll_model(kind, shape, reduction, ignore, weighted, log_prob, opset)
+    m = nll_model(kind, shape, reduction, ignore, weighted, log_prob, opset,
+                  TP.INT32 if int32 else TP.INT64)
     form = for_cuda(m)
     assert not any(x.op_type == kind for x in form.graph.node)
     for want, got in zip(cpu(m, feeds), cpu(form, feeds)):

@@ -536,7 +536,8 @@ NEW_OPS = {
 @pytest.mark.parametrize("name", NEW_OPS)
 def test_new_ops_convert_and_differentiate(name):
     """DepthToSpace, SpaceToDepth (NHWC), MatrixDiagV3 (tf.eye, tf.linalg.diag) and
-    MatrixDiagPartV3 (tf.linalg.diag_part, MatrixDiag's gradient) and LRN had no converter: forward and onnxgrad's gradient equal TF's, and TF's own gradient graph (which
+    MatrixDiagPartV3 (tf.linalg.diag_part, MatrixDiag's gradient) and LRN had no converter:
+    forward and onnxgrad's gradient equal TF's, and TF's own gradient graph (which
     holds the other of the pair) converts and equals it too."""
     import onnxgrad
     fn, shape = NEW_OPS[name]
