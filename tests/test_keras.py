@@ -254,3 +254,37 @@ def test_an_output_that_reads_an_assigned_variable_is_refused(tmp_path):
         tf.saved_model.save(m, str(tmp_path / "c"), signatures=m.__call__)
     with pytest.raises(ConversionError, match="variable"):
         convert(str(tmp_path / "c"))
+
+
+def test_grouped_conv2d_inside_keras_jit_function(tmp_path):
+    """Keras's Conv2D(groups=2) runs TF's grouped conv inside a jit-compiled function, whose
+    body did not know its argument's shapes: it converted as ungrouped, a model onnxruntime
+    refused. The function's traced argument shapes are read now: forward and gradients equal
+    TF's; the tape's grouped filter gradient is a clear error (no converter yet)."""
+    from tensorflow.python.eager import context
+
+    from onnxgrad.converters.tensorflow import ConversionError
+    with context.eager_mode():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((5, 5, 4))
+        model = keras.Model(inp, L.Conv2D(4, 3, groups=2, padding="same")(inp))
+        model.export(str(tmp_path / "m"), verbose=False)
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((2, 5, 5, 4)).astype(np.float32)
+        weights = model.trainable_weights
+        step = _tape_step(model, weights)
+        gy = rng.standard_normal((2, 5, 5, 4)).astype(np.float32)
+        cf = step.get_concrete_function(tf.TensorSpec(x.shape, tf.float32),
+                                        tf.TensorSpec(gy.shape, tf.float32))
+        want = [v.numpy() for v in cf(tf.constant(x), tf.constant(gy))]
+        tape = (cf.graph.as_graph_def(), [t.name for t in cf.inputs],
+                [t.name for t in cf.outputs])
+    m = convert(tmp_path / "m")
+    (x_in,), (y_out,) = m.graph.input, m.graph.output
+    xs = [x_in.name] + [f"{w.path}:0" for w in weights]
+    res = onnxgrad.gradients(m, y_out.name, xs, grad_ys=["gy"])
+    got = ort_run(res.model, {x_in.name: x, "gy": gy}, [y_out.name, *res.grads])
+    for g, w, what in zip(got, want, ["output", *xs]):
+        assert_close(g, w, np.abs(w).max(), what)
+    with pytest.raises(ConversionError, match="grouped convolution"):
+        convert(tape[0], inputs=tape[1], outputs=tape[2])

@@ -173,8 +173,8 @@ class Function:
                                            self.name)
             return f"{node}:{offsets[key] + idx}"
 
-        nodes = [SimpleNamespace(name=a.name, op="_Arg", input=[], attr={"T": _type_attr(a.type)})
-                 for a in sig.input_arg]
+        nodes = [SimpleNamespace(name=a.name, op="_Arg", input=[], attr=_arg_attrs(fdef, i, a))
+                 for i, a in enumerate(sig.input_arg)]
         for nd in fdef.node_def:
             nodes.append(SimpleNamespace(name=nd.name, op=nd.op, input=[flat(s) for s in nd.input],
                                          attr=nd.attr))
@@ -700,6 +700,17 @@ def _case(c, n):
 
 def is_function(c: Converter, op: str) -> bool:
     return op in _library(c)
+
+
+def _arg_attrs(fdef, i: int, a) -> dict:
+    """An arg's node attributes: its type, and the static shape TF traced the function with
+    (``arg_attr`` ``_output_shapes``, where the FunctionDef has it), which handlers read as they
+    read any node's (a grouped Conv2D's channel count, inside Keras's jit-compiled conv)."""
+    attrs = {"T": _type_attr(a.type)}
+    arg = fdef.arg_attr.get(i) if fdef.arg_attr else None
+    if arg is not None and "_output_shapes" in arg.attr:
+        attrs["_output_shapes"] = arg.attr["_output_shapes"]
+    return attrs
 
 
 def call_handler(c, n):
