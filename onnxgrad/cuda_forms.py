@@ -40,6 +40,30 @@ def _training_bn(n: onnx.NodeProto) -> bool:
     return any(a.name == "training_mode" and a.i for a in n.attribute)
 
 
+def _attrs(n: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in n.attribute}
+
+
+def _elem(types: dict, name: str) -> int:
+    t = types.get(name)
+    return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
+
+
+def _rank(types: dict, name: str) -> int | None:
+    t = types.get(name)
+    if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
+        return None
+    return len(t.tensor_type.shape.dim)
+
+
+def _reduce(b: _Nodes, op_type: str, v: str, axes: list, opset: int) -> str:
+    """A keepdims Reduce over ``axes``: an input from opset 13 (ReduceSum) or 18 (the others),
+    an attribute before."""
+    if opset >= (13 if op_type == "ReduceSum" else 18):
+        return b.op(op_type, v, b.const(axes), keepdims=1)
+    return b.op(op_type, v, axes=axes, keepdims=1)
+
+
 def has_forms(model: onnx.ModelProto) -> bool:
     """Whether :func:`for_cuda` rewrites any node of ``model``."""
     return any(_form_of(n) is not None for g in graphs_of(model.graph) for n in g.node)
@@ -78,16 +102,10 @@ def for_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
 def _batch_norm(n: onnx.NodeProto, types: dict, consts: dict, opset: int, taken: set) -> list:
     x, scale, bias, mean_in, var_in = n.input[:5]
     outs = list(n.output) + [""] * (3 - len(n.output))
-    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    attrs = _attrs(n)
     eps, momentum = attrs.get("epsilon", 1e-5), attrs.get("momentum", 0.9)
-
-    def elem(name):
-        t = types.get(name)
-        return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
-    tx = elem(x) or elem(scale)
-    t = types.get(x)
-    rank = (len(t.tensor_type.shape.dim) if t is not None and t.HasField("tensor_type")
-            and t.tensor_type.HasField("shape") else None)
+    tx = _elem(types, x) or _elem(types, scale)
+    rank = _rank(types, x)
     if not tx or rank is None or rank < 2:
         raise UnsupportedError(
             f"BatchNormalization {n.name or outs[0]!r} (training_mode=1): onnxruntime's CUDA "
@@ -102,14 +120,12 @@ def _batch_norm(n: onnx.NodeProto, types: dict, consts: dict, opset: int, taken:
         return b.const(value, dtype)
 
     def as_x(name):  # scale and bias (T1) and the running statistics (T2) may differ from X's T
-        return name if elem(name) in (0, tx) else op("Cast", name, to=tx)
+        return name if _elem(types, name) in (0, tx) else op("Cast", name, to=tx)
 
     axes = [0, *range(2, rank)]
 
     def mean(v):
-        if opset >= 18:
-            return op("ReduceMean", v, const(axes, np.int64), keepdims=1)
-        return op("ReduceMean", v, axes=axes, keepdims=1)
+        return _reduce(b, "ReduceMean", v, axes, opset)
     per_channel = const([-1] + [1] * (rank - 2), np.int64)
     mu = mean(x)
     d = op("Sub", x, mu)
@@ -122,10 +138,10 @@ def _batch_norm(n: onnx.NodeProto, types: dict, consts: dict, opset: int, taken:
         if out:
             moved = op("Add", op("Mul", as_x(running), const(momentum)),
                        op("Mul", op("Reshape", stat, flat), const(1 - momentum)))
-            if elem(running) in (0, tx):
+            if _elem(types, running) in (0, tx):
                 op("Identity", moved, out=out)
             else:
-                op("Cast", moved, to=elem(running), out=out)
+                op("Cast", moved, to=_elem(types, running), out=out)
     return b.nodes
 
 
@@ -137,7 +153,7 @@ def _col2im_form(n: onnx.NodeProto, types: dict, consts: dict, opset: int,
     size = [int(v) for v in numpy_helper.to_array(consts[image])]
     k = [int(v) for v in numpy_helper.to_array(consts[block])]
     r = len(k)
-    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    attrs = _attrs(n)
     d = list(attrs.get("dilations", [1] * r))
     s = list(attrs.get("strides", [1] * r))
     pads = list(attrs.get("pads", [0] * 2 * r))
@@ -231,22 +247,6 @@ def _nll_form(n: onnx.NodeProto, types: dict, consts: dict, opset: int, taken: s
 
 
 # -- activations and normalizations with no CUDA kernel ----------------------------------------
-def _attrs(n: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in n.attribute}
-
-
-def _elem(types: dict, name: str) -> int:
-    t = types.get(name)
-    return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
-
-
-def _rank(types: dict, name: str) -> int | None:
-    t = types.get(name)
-    if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
-        return None
-    return len(t.tensor_type.shape.dim)
-
-
 def _mish(n, types, consts, opset, taken) -> list:
     """Mish(x) = x tanh(softplus(x))."""
     b = _Nodes(f"{n.name or n.output[0]}/cuda_form", taken)
@@ -280,9 +280,7 @@ def _lp_normalization(n, types, consts, opset, taken) -> list:
     b = _Nodes(f"{n.name or n.output[0]}/cuda_form", taken)
     op, x = b.op, n.input[0]
     t = op("Abs", x) if p == 1 else op("Mul", x, x)
-    axes = [axis % rank]
-    total = (op("ReduceSum", t, b.const(axes), keepdims=1) if opset >= 13
-             else op("ReduceSum", t, axes=axes, keepdims=1))
+    total = _reduce(b, "ReduceSum", t, [axis % rank], opset)
     op("Div", x, total if p == 1 else op("Sqrt", total), out=n.output[0])
     return b.nodes
 
@@ -308,9 +306,7 @@ def _group_norm(n, types, consts, opset, taken) -> list:
     sdt = helper.tensor_dtype_to_np_dtype(stash)
 
     def mean(v):
-        ax = ints([2])
-        return op("ReduceMean", v, ax, keepdims=1) if opset >= 18 else \
-            op("ReduceMean", v, axes=[2], keepdims=1)
+        return _reduce(b, "ReduceMean", v, [2], opset)
     g = op("Reshape", x if stash == tx else op("Cast", x, to=stash), ints([0, groups, -1]))
     d = op("Sub", g, mean(g))
     normed = op("Mul", d, op("Reciprocal", op("Sqrt", op("Add", mean(op("Mul", d, d)),
