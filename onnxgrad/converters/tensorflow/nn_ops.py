@@ -92,14 +92,19 @@ class _Geom:
 def _known(c, n, i, what, spatial=False) -> list:
     """A shape vector that conv gradients need statically (all of it, or its spatial part):
     constant input i (input_sizes, filter_sizes), or else the node's own output shape."""
-    k = c.const_input(n, i)
-    if k is None:
-        k = (c.attr(n, "_output_shapes") or [None])[0]
+    k = _shape_vector(c, n, i)
     part = None if k is None else (_spatial(c, n, k) if spatial else list(k))
     if part is None or None in part:
         raise ConversionError(f"{n}: {what} must be known statically (export the graph with "
                               "add_shapes=True)")
     return [int(d) for d in part]
+
+
+def _shape_vector(c, n, i):
+    """Constant input i (input_sizes, filter_sizes), or else the node's own output shape (None
+    for unknown dims), or None."""
+    k = c.const_input(n, i)
+    return (c.attr(n, "_output_shapes") or [None])[0] if k is None else k
 
 
 def _input_sizes(c, n, ref) -> list[int]:
@@ -125,7 +130,7 @@ CONV = {"Conv2D": 4, "Conv3D": 5, "DepthwiseConv2dNative": 4}
 @handler(*CONV)
 def _conv(c, n):
     r = CONV[n.op]
-    w, group = _weight(c, n, n.inputs[1], r, _channels(c, n, n.inputs[0], r))
+    w, group = _weight(c, n, n.inputs[1], r, _channels(c, n, static_shape(c, n.inputs[0]), r))
     g = _Geom(c, n, r)
     size = None
     if g.padding == "SAME" and set(g.dilations) != {1}:
@@ -159,12 +164,12 @@ def _groups(c, n, ref, r, channels) -> int:
     return channels // per
 
 
-def _channels(c, n, ref, r):
-    """The channel count of the value ``ref`` in the node's data format, or None."""
-    s = static_shape(c, ref)
-    if s is None or len(s) != r:
+def _channels(c, n, shape, r):
+    """The channel count in ``shape`` (the node's data format), or None where unknown."""
+    if shape is None or len(shape) != r:
         return None
-    return s[-1] if _channels_last(c, n) else s[1]
+    ch = shape[-1] if _channels_last(c, n) else shape[1]
+    return None if ch is None or ch < 0 else int(ch)
 
 
 BACKPROP_INPUT = {"Conv2DBackpropInput": 4, "Conv3DBackpropInputV2": 5,
@@ -175,12 +180,7 @@ BACKPROP_INPUT = {"Conv2DBackpropInput": 4, "Conv3DBackpropInputV2": 5,
 def _conv_backprop_input(c, n):
     """(input_sizes, filter, dy) -> dx: the transposed convolution, padded like the forward."""
     r = BACKPROP_INPUT[n.op]
-    k = c.const_input(n, 0)
-    if k is None:
-        k = (c.attr(n, "_output_shapes") or [None])[0]
-    channels = None if k is None or len(k) != r else k[-1] if _channels_last(c, n) else k[1]
-    w, group = _weight(c, n, n.inputs[1], r, None if channels is None or channels < 0
-                       else int(channels))
+    w, group = _weight(c, n, n.inputs[1], r, _channels(c, n, _shape_vector(c, n, 0), r))
     kernel = _filter_shape(c, n, n.inputs[1])[:r - 2]
     g = _Geom(c, n, r, kernel)
     b, e, _, extra = g.pads(_known(c, n, 0, "the input's spatial sizes", spatial=True))
@@ -201,7 +201,7 @@ def _conv_backprop_filter(c, n):
     r = BACKPROP_FILTER[n.op]
     fshape = _known(c, n, 1, "the filter's shape")
     kernel, cin, cout = fshape[:r - 2], fshape[r - 2], fshape[r - 1]
-    channels = _channels(c, n, n.inputs[0], r)
+    channels = _channels(c, n, static_shape(c, n.inputs[0]), r)
     if "Depthwise" not in n.op and channels is not None and channels != cin:
         raise ConversionError(f"{n}: the filter gradient of a grouped convolution ({channels} "
                               f"input channels, {cin} per group) has no converter yet")

@@ -558,6 +558,14 @@ def _matrix_diag(c, n):
     return [c.op("Where", [eye, c.op("Unsqueeze", [x, c.i64(-1)]), pad])]
 
 
+def _row_col(c, x):
+    """The row index [M, 1] and column index [1, N] of matrices x [..., M, N] (int64)."""
+    zero, one = c.const(0, np.int64), c.const(1, np.int64)
+    rows = c.op("Range", [zero, c.op("Squeeze", [c.op("Shape", [x], start=-2, end=-1)]), one])
+    cols = c.op("Range", [zero, c.op("Squeeze", [c.op("Shape", [x], start=-1)]), one])
+    return c.op("Unsqueeze", [rows, c.i64(1)]), c.op("Unsqueeze", [cols, c.i64(0)])
+
+
 @handler("MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3")
 def _matrix_diag_part(c, n):
     """The main diagonal x[..., i, i] (i < min(M, N)) of matrices x [..., M, N]: the sum of each
@@ -568,10 +576,8 @@ def _matrix_diag_part(c, n):
         if np.any(np.asarray(k) != 0):
             raise ConversionError(f"{n}: only the main diagonal (k = 0) is supported, not "
                                   f"k={np.asarray(k).tolist()}")
-    zero, one = c.const(0, np.int64), c.const(1, np.int64)
-    rows = c.op("Range", [zero, c.op("Squeeze", [c.op("Shape", [x], start=-2, end=-1)]), one])
-    cols = c.op("Range", [zero, c.op("Squeeze", [c.op("Shape", [x], start=-1)]), one])
-    eye = c.op("Equal", [c.op("Unsqueeze", [rows, c.i64(1)]), c.op("Unsqueeze", [cols, c.i64(0)])])
+    rows, cols = _row_col(c, x)
+    eye = c.op("Equal", [rows, cols])
     d = c.op("ReduceSum", [c.op("Where", [eye, x, scalar(c, n, 0)]), c.i64(-1)], keepdims=0)
     length = c.op("Min", [c.op("Shape", [x], start=-2, end=-1), c.op("Shape", [x], start=-1)])
     return [c.op("Slice", [d, c.i64(0), length, c.i64(-1)])]
@@ -585,10 +591,9 @@ def _matrix_band_part(c, n):
     if y is not None:
         return [y]
     x = c.x(n, 0)
-    zero, one = c.const(0, np.int64), c.const(1, np.int64)
-    rows = c.op("Range", [zero, c.op("Squeeze", [c.op("Shape", [x], start=-2, end=-1)]), one])
-    cols = c.op("Range", [zero, c.op("Squeeze", [c.op("Shape", [x], start=-1)]), one])
-    d = c.op("Sub", [c.op("Unsqueeze", [cols, c.i64(0)]), c.op("Unsqueeze", [rows, c.i64(1)])])
+    zero = c.const(0, np.int64)
+    rows, cols = _row_col(c, x)
+    d = c.op("Sub", [cols, rows])
     keep = None
     for i, dist in ((1, c.op("Neg", [d])), (2, d)):  # i - j against num_lower, j - i num_upper
         bound = c.const_input(n, i)
