@@ -7,6 +7,7 @@ kernel's generated cases (hypothesis) cover sizes, thread splits and hyper-param
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -316,3 +317,49 @@ def test_parameters_and_state_are_copies(cc, fused_optimizer):
     for k, v in {**p, **s}.items():
         assert np.array_equal(v, kept[k]), k
     assert not np.array_equal(tr.parameters()["W1"], kept["W1"])  # it did train
+
+
+
+# -- gradients where the gradient graph leaves them (grad_layout) ------------------------------
+def _reshaped(seed=0):
+    """Parameters whose gradients end in nodes that only re-shape them: a 3x3 Conv (its dW a
+    Gemm's [Co, C*K] or the taps' [Co, C, K], then a Reshape), a BatchNormalization's scale
+    read through a Reshape to [1, C, 1, 1] as torch exports it, a Linear read through a
+    Transpose (which stays: it moves elements), and a bias read through Flatten and Squeeze."""
+    rng = np.random.default_rng(seed)
+    w = {"W1": rng.standard_normal((16, 8, 3, 3)) * 0.2, "s": 1 + 0.1 * rng.standard_normal(16),
+         "W2": rng.standard_normal((5, 1024)) * 0.05, "b": rng.standard_normal((1, 5, 1)) * 0.1}
+    inits = {k: v.astype(np.float32) for k, v in w.items()}
+    inits["to_c"] = np.array([1, 16, 1, 1], np.int64)
+    inits["ax2"] = np.array([2], np.int64)
+    nodes = [helper.make_node("Conv", ["x", "W1"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Reshape", ["s", "to_c"], ["s4"]),
+             helper.make_node("Mul", ["c", "s4"], ["cs"]),
+             helper.make_node("Relu", ["cs"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["mp"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Flatten", ["mp"], ["h"]),
+             helper.make_node("Transpose", ["W2"], ["W2t"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "W2t"], ["o"]),
+             helper.make_node("Flatten", ["b"], ["bf"]),
+             helper.make_node("Squeeze", ["bf"], ["bs"]),
+             helper.make_node("Add", ["o", "bs"], ["logits"])]
+    return make_model(nodes, {"x": (np.float32, ["N", 8, 16, 16])}, ["logits"], inits=inits)
+
+
+@pytest.mark.parametrize("opt", ["adamw-amsgrad", "sgd-nesterov-wd"])
+def test_fused_reads_gradients_where_the_graph_leaves_them(cc, opt):
+    """The fused step binds each gradient before the Reshapes that end it (onnxruntime copies
+    at a graph output's Reshape; the kernel reads flat memory): the same losses, parameters
+    and state as the optimizer graph's step, which reads the gradients in the parameters'
+    own shapes (float32: onnxruntime has no float64 Conv)."""
+    rng = np.random.default_rng(3)
+    batches = [{"x": rng.standard_normal((6, 8, 16, 16)).astype(np.float32),
+                "target": rng.integers(0, 5, 6)} for _ in range(4)]
+    _against_graph(OPTIMIZERS[opt], batches, _reshaped(), rtol=1e-5)
+    tr = Trainer(_reshaped(), "cross_entropy", optimizer=AdamW(), device="cpu",
+                 progress=False, fused_optimizer=True)
+    stored = dict(zip(tr.params, tr._stored))
+    for p in ("W1", "s", "b"):  # bound before their Reshapes, Flatten and Squeeze
+        assert stored[p] is not None and stored[p][0] not in tr._acc.grads, p
+        assert math.prod(stored[p][1]) == tr.parameters()[p].size, p
+    assert stored["W2"] is None  # its gradient ends in a Transpose

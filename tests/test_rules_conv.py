@@ -396,6 +396,21 @@ def test_conv_dx_by_cols_versus_torch(case, symbolic):
         F.pad(x, torch_pad), w, b, stride=s, dilation=d))
 
 
+@pytest.mark.parametrize("xs, s, cols", [((2, 4, 8, 8), [1, 1], False), ((2, 4, 7, 9), [1, 1], True),
+                                         ((2, 4, 16, 16), [2, 2], True)])
+def test_conv_dx_form_at_the_blocked_conv_boundary(xs, s, cols):
+    """Unit strides on images of 64 output positions or more take the flipped Conv (the
+    Trainer runs it in onnxruntime's blocked layout, faster there); fewer positions (7x9), or
+    strides (16x16 / 2: 8x8 outputs), the columns and Col2Im."""
+    import torch.nn.functional as F
+    feeds = {"x": rnd(xs), "w": rnd((5, 4, 3, 3), 1), "b": rnd((5,), 2)}
+    m = model_of("Conv", feeds, strides=s, pads=[1, 1, 1, 1])
+    res = onnxgrad.gradients(m, "y", ["x"])
+    assert sum(n.op_type == "Col2Im" for n in res.model.graph.node) == int(cols)
+    versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: F.conv2d(x, w, b, stride=s,
+                                                                     padding=1))
+
+
 def test_conv_dx_by_cols_second_order_versus_torch():
     import torch.nn.functional as F
     xs, ws, s, p, d = COLS["dilated-asym"]

@@ -6,8 +6,9 @@ onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
 
 - Conv: dx is a ConvTranspose of g with W (same strides, dilations, group); with unit strides a
   Conv of g with W flipped in space and its channel axes swapped, which onnxruntime runs faster;
-  on small images (up to 64 output positions, ungrouped 2-D float32) one Gemm of every image's
-  columns with W and a Col2Im (:meth:`_Geo.long_from_cols`).
+  on small images (up to 64 output positions, ungrouped 2-D float32; with unit strides fewer
+  than 64, below the Trainer's blocked Conv) one Gemm of every image's columns with W and a
+  Col2Im (:meth:`_Geo.long_from_cols`).
   dW of an ungrouped 1-D, 2-D or 3-D convolution with static geometry (up to 49 kernel taps) is
   one Gemm per tap: g [Co, N*O] times the strided slice of the padded x [C, N*O] that the tap
   sees, transposed (1.2x to 3x faster than the Conv form below on ResNet-sized layers in
@@ -86,7 +87,8 @@ _MAX_TAPS = 49  # kernels up to 7x7 get the per-tap weight gradient (one Gemm pe
 _TAPS_MIN = 256  # output positions per image from which a 3-D or depthwise dW pays per tap
 _GATHER_MIN_C = 16  # dW from gathered channels-last rows (_Geo._weight_by_gather): channels
 _GATHER_MAX = 256  # at least this many, output positions per image at most this many
-_COLS_MAX = 64  # Conv's dx by one Gemm and Col2Im on images of up to 64 output positions
+_COLS_MAX = 64  # Conv's dx by one Gemm and Col2Im on images of up to 64 output positions,
+BLOCKED_MIN = 64  # but with unit strides below this, where the Trainer blocks Convs (nchwc.py)
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -236,11 +238,11 @@ class _Geo:
         the flipped kernel (``flipped()``: w's adjoint kernel, or None) where the pads allow:
         onnxruntime's Conv is faster than its ConvTranspose."""
         e, zero = self.e, [0] * self.nsp
-        if self.mode == "static" and flipped is not None and all(s == 1 for s in self.s):
-            pb = [k - 1 - b for k, b in zip(self.ek, self.b)]
-            pe = [k - 1 - x for k, x in zip(self.ek, self.end)]
-            wf = flipped() if min(pb + pe) >= 0 else None
+        if self.mode == "static" and flipped is not None and self._flips():
+            wf = flipped()
             if wf is not None:
+                pb = [k - 1 - b for k, b in zip(self.ek, self.b)]
+                pe = [k - 1 - x for k, x in zip(self.ek, self.end)]
                 return e.Conv(t, wf, group=group, **self._attrs(pb, pe))
         if self.mode == "static":
             pe = [max(x, 0) for x in self.end]
@@ -268,13 +270,25 @@ class _Geo:
 
     def cols_fit(self, t, w, group) -> bool:
         """Whether :meth:`long_from_cols` applies: an ungrouped 2-D float32 op with static
-        geometry, W and images, and at most _COLS_MAX positions per short-side image."""
+        geometry, W and images, and at most _COLS_MAX positions per short-side image. Not
+        where the flipped Conv applies on images of BLOCKED_MIN positions or more: the Trainer
+        runs that Conv in onnxruntime's blocked layout (training/nchwc.py), faster than the
+        Gemm, Transpose and Col2Im (ResNet-18's 8x8 layers: its step 1.05x at 2 threads and
+        1.03x at one; without the blocked layout the columns are 2 % faster at one thread)."""
         ws = w.shape
-        return (self.mode == "static" and self.nsp == 2 and group == 1 and self.e.opset >= 18
+        if not (self.mode == "static" and self.nsp == 2 and group == 1 and self.e.opset >= 18
                 and t.dtype == ir.DataType.FLOAT and self.short_dims is not None
                 and math.prod(self.short_dims) <= _COLS_MAX
                 and _static_dims(self.long, 2) is not None
-                and ws is not None and len(ws) == 4 and all(isinstance(i, int) for i in ws))
+                and ws is not None and len(ws) == 4 and all(isinstance(i, int) for i in ws)):
+            return False
+        return math.prod(self.short_dims) < BLOCKED_MIN or not self._flips()
+
+    def _flips(self) -> bool:
+        """Whether :meth:`long_from_short` takes the flipped kernel's Conv (static geometry)."""
+        return all(s == 1 for s in self.s) and min(
+            [k - 1 - b for k, b in zip(self.ek, self.b)]
+            + [k - 1 - x for k, x in zip(self.ek, self.end)]) >= 0
 
     def long_from_cols(self, t, w):
         """long_from_short as one Gemm and a Col2Im: the im2col columns of every image at once,

@@ -25,14 +25,16 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..inference import graphs_of
+from ..rules.conv import BLOCKED_MIN
 from .fast_forms import _attrs, _Nodes, _static_shapes, conv_out_dims, explicit_pads
 from .losses import _taken
 
 DOMAIN = "com.microsoft.nchwc"
 # an ungrouped Conv gains from 64 output positions per image on (3x3, onnxruntime 1.31, AVX2,
 # one and two threads: 0.6x-0.75x the time on 32x32 to 64x64 images, 0.91x-1.0x on 8x8 to 16x16,
-# 1.4x-1.7x on 2x2); a depthwise one at every size (0.1x-0.5x)
-MIN_POSITIONS = 64
+# 1.4x-1.7x on 2x2); a depthwise one at every size (0.1x-0.5x). The Conv rule's input gradient
+# takes the flipped Conv from there on, below it one Gemm of the image columns
+MIN_POSITIONS = BLOCKED_MIN
 
 
 @functools.lru_cache(maxsize=None)

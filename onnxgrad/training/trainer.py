@@ -62,6 +62,7 @@ from .losses import LOSSES, attach_loss, check_labels, load
 from .nchwc import blocked_convs
 from .optimizers import check_number
 from .optimizers import AdamW, Optimizer
+from .grad_layout import stored_gradients
 from .step import (_params_to_inputs, _prune, build_accumulate_model,
                    build_apply_model, build_gradient_model, build_train_step, with_defaults)
 
@@ -252,7 +253,12 @@ class Trainer:
             # the optimizer graph: run for split steps, its state layout only when fused
             self._apply = build_apply_model(self._acc, self.optimizer, clip_norm)
             desc = self._apply
-            self._acc_sess = make_session(self._acc.model, self.device, self.threads, profile,
+            acc_model, self._stored = self._acc.model, [None] * len(self._acc.grads)
+            if self._fused is not None and not self._split:
+                sizes = [self._acc.initial_params[p].size for p in self._acc.params]
+                acc_model, self._stored = stored_gradients(acc_model, self._acc.loss,
+                                                           self._acc.grads, sizes)
+            self._acc_sess = make_session(acc_model, self.device, self.threads, profile,
                                           self._so)
             self._sess = None if self._fused is not None else make_session(
                 self._apply.model, self.device, self.threads, None, self._so)
@@ -352,15 +358,18 @@ class Trainer:
         return fused.unsupported(self.optimizer) or fused.unavailable()
 
     def _setup_fused(self, init):
-        """The gradient graph's binding: params in, loss and gradients out into ``_grads``."""
+        """The gradient graph's binding: params in, loss and gradients out into ``_grads``, each
+        where and in the shape the graph leaves it (``_stored``; the kernel reads it flat)."""
         a, k = self._acc, len(self.params)
-        self._grads = self._gradient_buffers([init[p] for p in self.params])
+        self._grads = self._gradient_buffers(
+            [init[p] if st is None else np.empty(st[1], init[p].dtype)
+             for p, st in zip(self.params, self._stored)])
         b = self._acc_sess.io_binding()
         for name, ov in zip(a.params, self._sets[0][:k]):
             b.bind_ortvalue_input(name, ov)
         b.bind_ortvalue_output(a.loss, self._loss)
-        for name, ov in zip(a.grads, self._grads):
-            b.bind_ortvalue_output(name, ov)
+        for name, st, ov in zip(a.grads, self._stored, self._grads):
+            b.bind_ortvalue_output(name if st is None else st[0], ov)
         self._bindings = [b, b]
 
     def _fused_update(self) -> None:
