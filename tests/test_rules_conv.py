@@ -245,21 +245,23 @@ def test_conv_versus_torch(nsp, groups, stride, padding, dilation, symbolic):
 
 # ungrouped 1-D, 2-D and 3-D convolutions with static shapes take dW as one Gemm per kernel tap
 # (up to 49 taps), or as one Gemm over the stacked tap slices when Co (K-1) > 2 K C (few input
-# channels); (x shape, kernel, strides, pads, dilations, form), Co = 5
+# channels; strided 1-D and 2-D ones gather them instead, as a stem); (x shape, kernel,
+# strides, pads, dilations, form), Co = 5
 PER_TAP = {
     "3x3-pad": ((2, 3, 8, 7), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], "taps"),
     "stride-dil-asym": ((2, 3, 9, 8), (3, 2), [2, 3], [1, 0, 2, 1], [2, 1], "taps"),
     "stride-over-kernel": ((1, 2, 8, 7), (2, 2), [3, 3], [0, 1, 0, 0], [1, 1], "taps"),
     "pads-over-kernel": ((1, 2, 4, 4), (2, 2), [1, 1], [3, 0, 1, 2], [1, 1], "taps"),
     "1x1-stride": ((2, 4, 6, 5), (1, 1), [2, 2], [0, 0, 0, 0], [1, 1], "taps"),
-    "7x7": ((1, 2, 9, 9), (7, 7), [2, 2], [3, 3, 3, 3], [1, 1], "stacked"),
+    "7x7": ((1, 2, 9, 9), (7, 7), [2, 2], [3, 3, 3, 3], [1, 1], "gather"),  # strided: gathered
     "7x7-wide": ((1, 4, 9, 9), (7, 7), [2, 2], [3, 3, 3, 3], [1, 1], "taps"),
     "1d": ((2, 3, 11), (3,), [2], [2, 1], [2], "taps"),
-    "1d-one-channel": ((2, 1, 11), (3,), [2], [2, 1], [2], "stacked"),
+    "1d-one-channel": ((2, 1, 11), (3,), [2], [2, 1], [2], "gather"),
+    "1d-one-channel-unit": ((2, 1, 11), (3,), [1], [2, 1], [2], "stacked"),
     "first-layer": ((3, 1, 8, 7), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], "stacked"),
-    "first-layer-stride-dil": ((2, 1, 9, 8), (3, 2), [2, 3], [1, 0, 2, 1], [2, 1], "stacked"),
+    "first-layer-stride-dil": ((2, 1, 9, 8), (3, 2), [2, 3], [1, 0, 2, 1], [2, 1], "gather"),
     "small-image": ((1, 4, 2, 2), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], "stacked"),  # N*O < Co
-    "small-image-stride": ((1, 3, 4, 3), (3, 2), [2, 2], [1, 0, 1, 1], [1, 1], "stacked"),
+    "small-image-stride": ((1, 3, 4, 3), (3, 2), [2, 2], [1, 0, 1, 1], [1, 1], "gather"),
     "7x8-fallback": ((1, 2, 9, 10), (7, 8), [1, 1], [0, 0, 0, 0], [1, 1], "conv"),
     # 3-D: per tap only with unit strides on at least 256 output positions per image
     "3d-3x3x3-pad": ((1, 3, 4, 8, 8), (3, 3, 3), [1, 1, 1], [1] * 6, [1, 1, 1], "taps"),

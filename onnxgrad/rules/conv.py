@@ -16,7 +16,8 @@ onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
   output positions, where it is 1.4x to 2x faster, and slower otherwise); with few input
   channels (a first layer) the slices are stacked into one Gemm, which reads g once instead of
   once per tap; 1-D and 2-D ones with at least 16 input channels on images of at most 256
-  output positions take one Gemm over channels-last im2col rows instead, made by one Gather,
+  output positions, or strided with few input channels (a stem), take one Gemm over
+  channels-last im2col rows instead, made by one Gather,
   which onnxruntime runs on every thread where its Slice and Pad use one (ResNet-18's training
   step: 4 % less kernel time at 2 threads, the same at one, 23 MB less peak memory; measured).
   dW of a depthwise convolution with unit strides on images of at least 256 output positions is
@@ -408,7 +409,7 @@ class _Geo:
             co is not None and n * math.prod(self.short_dims) < co
         stacked = K > 1 and c is not None and co is not None and (
             co * (K - 1) > 2 * K * c or small)
-        if not stacked and self._gather_pays(c, K, pb, pe):
+        if self._gather_pays(c, K, pb, pe, stacked):
             return self._weight_by_gather(inp, gt, pb, c, K)
         if not stacked and self._batched_pays(inp, c, K):
             return self._weight_by_batched_taps(inp, gy, pb, pe, c)
@@ -470,15 +471,21 @@ class _Geo:
         dims = _static_dims(self.long, self.nsp)
         return None if dims is None else [n + min(x, 0) for n, x in zip(dims, self.end)]
 
-    def _gather_pays(self, c, K, pb, pe) -> bool:
+    def _gather_pays(self, c, K, pb, pe, stacked) -> bool:
         """Whether :meth:`_weight_by_gather` applies and pays: a 1-D or 2-D op with static
-        spatial dims, at least _GATHER_MIN_C channels (the rows the Gather copies) and at most
-        _GATHER_MAX output positions per image, and something to gather (not a 1x1 kernel
-        that reads x as it is)."""
+        spatial dims and something to gather (not a 1x1 kernel that reads x as it is), with
+        at least _GATHER_MIN_C channels (the rows the Gather copies) and at most _GATHER_MAX
+        output positions per image, or with strides where the taps would be ``stacked``: a
+        strided stem's K strided Slices run on one thread (ResNet-18's 7x7 / 2 on 3 channels:
+        its step 1.04x at 2 threads and 1.02x at one with the Gather; MobileNetV3's 3x3 / 2
+        1.01x; unit strides gain nothing, measured)."""
         whole = K == 1 and all(si == 1 for si in self.s) and not any(pb) and not any(pe)
-        return (self.nsp <= 2 and not whole and c is not None and c >= _GATHER_MIN_C
-                and self.short_dims is not None and math.prod(self.short_dims) <= _GATHER_MAX
-                and self._cropped_dims() is not None)
+        if self.nsp > 2 or whole or c is None or self.short_dims is None \
+                or self._cropped_dims() is None:
+            return False
+        if stacked:
+            return any(si > 1 for si in self.s)
+        return c >= _GATHER_MIN_C and math.prod(self.short_dims) <= _GATHER_MAX
 
     def _weight_by_gather(self, inp, gt, pb, c, K):
         """dW as one Gemm over channels-last im2col rows: x made [N, L, C] (with a zero row
