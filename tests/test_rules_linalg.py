@@ -53,6 +53,21 @@ def test_matmul_weight_grad_avoids_gemm_trans_a():
         assert "Transpose" in {n.op_type for n in res.model.graph.node}
 
 
+@pytest.mark.parametrize("k,n", [(5, 4), (3, 6)])
+def test_matmul_weight_read_through_a_transpose(k, n):
+    """x[..., K] @ Transpose(W) (torch's Linear as exported) with N < K: W's gradient is made
+    transposed ((g^T x)^T, g the narrower), and the Transpose's own gradient undoes that, so
+    W's gradient is the MatMul's output, no Transpose after it; values against finite
+    differences either way."""
+    nodes = [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "Wt"], ["y"])]
+    m = make_model(nodes, {"x": (np.float32, ["N", 3, k]), "W": (np.float32, [n, k])}, ["y"])
+    res = onnxgrad.gradients(m, "y", ["W"])
+    made = {o: nd for nd in res.model.graph.node for o in nd.output}
+    assert made[res.grads[0]].op_type == ("MatMul" if n < k else "Transpose")
+    assert_gradients(m, "y", ["x", "W"], feeds=_feeds({"x": [2, 3, k], "W": [n, k]}))
+
+
 def test_matmul_symbolic_broadcast_at_run_time():
     """A symbolic dim that is 1 at run time on one side and not on the other."""
     m = op_model("MatMul", {"a": (np.float32, ["B", 1, 3, 4]), "b": (np.float32, ["T", 4, 2])})

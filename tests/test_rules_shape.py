@@ -956,3 +956,27 @@ def test_gather_pieces_of_unknown_rank(ks, pads):
         ref[k] += 2 * x0.reshape(3, 4)[k]
     np.testing.assert_allclose(got, ref.ravel(), rtol=1e-14, atol=0)
     assert sum(n.op_type == "Pad" for n in res.model.graph.node) == pads
+
+
+# -- a Transpose's gradient of a Transpose's gradient (generated) ------------------------------
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(first=st.permutations(range(4)), data=st.data())
+def test_transposes_in_a_row(first, data):
+    """x -> Transpose(p) -> Transpose(q) -> * c: where q undoes p the second gradient
+    Transpose is left out (its input is the gradient already); any other q keeps both. The
+    gradient against finite differences either way."""
+    undo = data.draw(st.booleans())
+    second = [int(i) for i in np.argsort(first)] if undo else \
+        data.draw(st.permutations(range(4)))
+    nodes = [helper.make_node("Transpose", ["x"], ["a"], perm=list(first)),
+             helper.make_node("Transpose", ["a"], ["b"], perm=list(second)),
+             helper.make_node("Mul", ["b", "c"], ["y"])]
+    xs = (2, 3, 4, 5)
+    bs = tuple(int(d) for d in np.array(xs)[list(first)][list(second)])
+    m = make_model(nodes, {"x": (F32, list(xs)), "c": (F32, list(bs))}, ["y"])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal(xs), "c": rng.standard_normal(bs)}
+    assert_gradients(m, "y", ["x"], feeds=feeds)
+    res = onnxgrad.gradients(m, "y", ["x"])
+    transposes = sum(nd.op_type == "Transpose" for nd in res.model.graph.node)
+    assert transposes == 2 + (0 if list(np.array(first)[list(second)]) == [0, 1, 2, 3] else 2)

@@ -14,6 +14,7 @@ Shapes come from Shape at run time; only ranks and axes are read statically.
 import numpy as np
 import onnx_ir as ir
 
+from ..emitter import V
 from ..errors import NotDifferentiableError
 from ..registry import register
 from .spec import attr
@@ -120,7 +121,18 @@ def _reshape(n, g):
 
 @register("Transpose")
 def _transpose(n, g):
-    return n.e.Transpose(g, perm=_inverse(n.attr("perm")))  # no perm: reversing twice
+    perm = _inverse(n.attr("perm"))  # no perm: reversing twice
+    node = g.value.producer()
+    if node is not None and node.op_type == "Transpose" and node.domain in ("", "ai.onnx") \
+            and g.rank is not None:
+        # g is a Transpose this one undoes (a weight gradient made transposed, for a weight
+        # read through a Transpose): its input, not two copies in a row
+        a = node.attributes.get("perm")
+        first = list(a.as_ints()) if a is not None else list(range(g.rank))[::-1]
+        last = perm if perm is not None else list(range(g.rank))[::-1]
+        if [first[i] for i in last] == list(range(g.rank)):
+            return V(node.inputs[0], n.e)
+    return n.e.Transpose(g, perm=perm)
 
 
 @register("DepthToSpace")
