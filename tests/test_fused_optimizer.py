@@ -363,3 +363,39 @@ def test_fused_reads_gradients_where_the_graph_leaves_them(cc, opt):
         assert stored[p] is not None and stored[p][0] not in tr._acc.grads, p
         assert math.prod(stored[p][1]) == tr.parameters()[p].size, p
     assert stored["W2"] is None  # its gradient ends in a Transpose
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.sampled_from([(4, 10), (2, 4, 5), (40,), (1, 8, 5, 1)]),
+       chain=st.lists(st.sampled_from(["Identity", "Unsqueeze", "Flatten", "Reshape"]),
+                      max_size=3),
+       opt=st.sampled_from(["adamw", "sgd-momentum"]))
+def test_fused_reads_gradients_past_any_reshaping_chain(cc, shape, chain, opt):
+    """A parameter of any shape reaches its MatMul through a drawn chain of Identity,
+    Unsqueeze, Flatten and Reshape nodes (the last one to [8, 5]): its gradient ends in the
+    reverse chain, whose start the fused step binds in whatever shape it has (one dim solved
+    from the parameter's size where inference leaves it open); the same training as the
+    optimizer graph's step."""
+    nodes, cur, inits = [], "P", {"P": np.random.default_rng(1).standard_normal(shape)
+                                  .astype(np.float32) * 0.3, "to": np.array([8, 5])}
+    for i, op in enumerate([*chain, "Reshape"]):
+        out = f"c{i}"
+        if op == "Unsqueeze":
+            inits[f"ax{i}"] = np.array([0])
+            nodes.append(helper.make_node(op, [cur, f"ax{i}"], [out]))
+        elif op == "Reshape":
+            inits[f"sh{i}"] = np.array([8, 5] if i == len(chain) else [-1])
+            nodes.append(helper.make_node(op, [cur, f"sh{i}"], [out]))
+        else:
+            nodes.append(helper.make_node(op, [cur], [out]))
+        cur = out
+    nodes.append(helper.make_node("MatMul", ["x", cur], ["logits"]))
+    m = make_model(nodes, {"x": (np.float32, ["N", 8])}, ["logits"], inits=inits)
+    rng = np.random.default_rng(2)
+    batches = [{"x": rng.standard_normal((6, 8)).astype(np.float32),
+                "target": rng.integers(0, 5, 6)} for _ in range(3)]
+    _against_graph(OPTIMIZERS[opt], batches, m, rtol=1e-5, params=["P"])
+    tr = Trainer(m, "cross_entropy", device="cpu", progress=False, params=["P"],
+                 fused_optimizer=True)
+    assert tr._stored[0] is not None and math.prod(tr._stored[0][1]) == 40  # bound early
