@@ -582,3 +582,43 @@ def test_matrix_diag_off_the_main_diagonal_is_refused():
     with pytest.raises(ConversionError, match="only the main diagonal"):
         convert(cf.graph.as_graph_def(), inputs=[cf.inputs[0].name],
                 outputs=[cf.outputs[0].name])
+
+
+def test_freezing_failure_says_what_failed(tmp_path):
+    """Any failure of TF's freezer (convert_variables_to_constants_v2) ended with "a graph that
+    assigns float variables ... cannot be frozen", also where nothing is assigned: TF refuses
+    to freeze a raw ResourceGather with batch_dims=1 on a variable. The message gives TF's own
+    error, and the assignment only where the graph assigns a float variable."""
+    from tensorflow.python.eager import context
+
+    class Gather(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.v = tf.Variable(np.arange(24, dtype=np.float32).reshape(2, 3, 4))
+
+        @tf.function(input_signature=[tf.TensorSpec([2, 2], tf.int32)])
+        def __call__(self, idx):
+            return tf.raw_ops.ResourceGather(resource=self.v.handle, indices=idx,
+                                             dtype=tf.float32, batch_dims=1)
+
+    class Assign(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.v = tf.Variable(np.ones(3, np.float32))
+
+        @tf.function(input_signature=[tf.TensorSpec([3], tf.float32)])
+        def __call__(self, x):
+            self.v.assign_add(x)
+            return self.v * 2.0
+
+    with context.eager_mode():
+        for name, cls in (("gather", Gather), ("assign", Assign)):
+            m = cls()
+            tf.saved_model.save(m, str(tmp_path / name), signatures=m.__call__)
+    with pytest.raises(ConversionError, match="TensorFlow cannot freeze") as e:
+        convert(str(tmp_path / "gather"))
+    assert "batch_dims must be 0" in str(e.value), str(e.value)
+    assert "assigns" not in str(e.value), str(e.value)
+    with pytest.raises(ConversionError, match="a graph that assigns float variables .* cannot "
+                                              "be frozen, and this one does .*AssignAddVariableOp"):
+        convert(str(tmp_path / "assign"))

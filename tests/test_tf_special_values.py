@@ -20,7 +20,7 @@ from onnxgrad.converters.tensorflow import convert
 v1 = tf.compat.v1
 SPECIAL = [0.0, -0.0, 1e-30, -1e-30, 1e-8, -1e-8, 1e-4, 0.25, 0.5, -0.5, 0.49999997, 1.0, -1.0,
            3.0, -0.9, -0.99999994, 20.0, -20.0, 88.0, 89.0, 100.0, -100.0, -104.0, -200.0,
-           1e30, -1e30]
+           1e30, -1e30, np.inf, -np.inf]
 UNARY = {"Expm1": tf.math.expm1, "Log1p": tf.math.log1p, "Softplus": tf.nn.softplus,
          "Elu": tf.nn.elu, "Selu": tf.nn.selu, "Erfc": tf.math.erfc, "Softsign": tf.nn.softsign,
          "Celu": lambda x: tf.maximum(x, 0.0) + tf.minimum(0.0, 0.7 * tf.math.expm1(x / 0.7))}

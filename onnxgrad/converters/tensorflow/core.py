@@ -107,6 +107,7 @@ class Converter:
         self.optional_union: dict[str, dict] = {}  # -> {element type: the value of that type}
         self.bga_shapes: dict[str, str] = {}  # BGA axes / a gradient -> the shape it sums to
         self.list_scans: dict[str, str | None] = {}  # TF2 list -> the item a While body writes
+        self.made_by: dict[str, TFNode] = {}  # ONNX node name -> the TF node it converts
 
     # -- names and emission ------------------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -122,8 +123,11 @@ class Converter:
         """Emit one node into the current scope; returns its output name(s)."""
         base = name or (f"{self.node.name}/{op_type}" if self.node else op_type)
         outs = [self.fresh(f"{base}:{i}") for i in range(n_out)]
+        node_name = self.fresh(base)
         self.scope.nodes.append(helper.make_node(op_type, [i or "" for i in inputs], outs,
-                                                 name=self.fresh(base), domain=domain, **attrs))
+                                                 name=node_name, domain=domain, **attrs))
+        if self.node is not None:
+            self.made_by[node_name] = self.node
         if domain:
             self.domains.add(domain)
         return outs[0] if n_out == 1 else outs
@@ -493,6 +497,51 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
     return _finish(c, name, opset)
 
 
+# ONNX ops (that handlers emit) without a kernel for an input type in onnxruntime's CPU provider
+# (1.31): a model with one converts, then fails to load. Elementwise functions are built from
+# other ops for float64 (:mod:`.special`); these are refused.
+MISSING_KERNELS = {
+    TensorProto.DOUBLE: {"Conv", "ConvTranspose", "AveragePool", "Det", "LRN", "Tan", "Asin",
+                         "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Erf",
+                         "Hardmax", "GridSample", "MaxUnpool", "Col2Im", "InstanceNormalization"},
+}
+
+
+def _refuse_missing_kernels(c: Converter, m: onnx.ModelProto) -> None:
+    """A clear error, naming the TF node, its op and the dtype, for a node whose ONNX op has no
+    onnxruntime CPU kernel for its (first) input's element type (:data:`MISSING_KERNELS`),
+    instead of a model that converts and then cannot be run. IsInf, which has no float16 or
+    bfloat16 kernel either, reads its input cast to float32 instead (exactly: infinities stay
+    infinite, finite values finite)."""
+    from ...inference import graphs_of
+
+    graphs = graphs_of(m.graph)
+    types = {t.name: t.data_type for g in graphs for t in g.initializer}
+    types.update({vi.name: vi.type.tensor_type.elem_type for g in graphs
+                  for vi in [*g.input, *g.output, *g.value_info]
+                  if vi.type.WhichOneof("value") == "tensor_type"})
+    for g in graphs:
+        for i in reversed(range(len(g.node))):
+            nd = g.node[i]
+            if nd.op_type == "IsInf" and nd.domain in ("", "ai.onnx") and \
+                    types.get(nd.input[0]) in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+                wide = c.fresh(f"{nd.name}/float32")
+                g.node.insert(i, helper.make_node("Cast", [nd.input[0]], [wide], name=wide,
+                                                  to=TensorProto.FLOAT))
+                nd.input[0] = wide
+        for nd in g.node:
+            if nd.domain not in ("", "ai.onnx") or not nd.input:
+                continue
+            t = types.get(nd.input[0])
+            if nd.op_type in MISSING_KERNELS.get(t, ()):
+                tf_node = c.made_by.get(nd.name)
+                dtype = TensorProto.DataType.Name(t).lower()
+                raise ConversionError(
+                    f"{tf_node or nd.name}: not supported in {dtype}: it converts to ONNX "
+                    f"{nd.op_type}, which onnxruntime's CPU has no {dtype} kernel for (the model "
+                    "would not run); convert the graph in float32")
+
+
 def _ref(name, what: str) -> str:
     if not isinstance(name, str):
         raise ConversionError(f"{what} {name!r}: tensor names are strings, such as 'y:0'")
@@ -554,6 +603,7 @@ def _finish(c: Converter, name: str, opset: int = DEFAULT_OPSET) -> onnx.ModelPr
     _guard_range_gathers(m)
     from .ranks import infer
     m = infer(m, _tf_shapes(c))
+    _refuse_missing_kernels(c, m)
     m = _declare_outputs(c, m)
     return m if opset == c.opset else _to_opset(m, opset)
 

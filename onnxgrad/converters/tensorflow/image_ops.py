@@ -10,6 +10,14 @@ with the coordinate mode that says the same; nearest is a Gather per axis of tho
 nearest modes round ties differently). The gradients are the adjoints: each
 resized axis is a linear map, an (m x n) interpolation matrix built at run time from those
 formulas, so ``dx = einsum(dy, A_h, A_w)`` (sizes need not be known statically).
+
+Bicubic (ResizeBicubic, what tf.image.resize(method="bicubic") and Keras's Resizing emit) is that
+linear map forwards too, ``y = einsum(x, A_h, A_w)``, with TF's weights exactly: TF reads them from
+a table of the cubic kernel at 1024 steps between pixels (the fraction rounded to the nearest
+step), with a = -0.75 and clamped edge taps (repeated edge pixels) in the legacy modes, a = -0.5
+(Keys) with half_pixel_centers, where taps outside the image get weight 0 and the other weights
+are renormalized to sum 1. ONNX's Resize(cubic) computes the kernel at the exact fraction, so it
+differs from TF by up to ~1e-3 of the pixel values; hence the matrices.
 """
 from __future__ import annotations
 
@@ -83,7 +91,9 @@ def _axis_matrix(c, n, n_in, n_out, dtype):
     """The (n_out x n_in) matrix of one resized axis (see the module docstring), its weights
     computed in float32 as TF's kernels do; ``n_in`` and ``n_out`` are int64 scalars."""
     zero, one = c.const(0, np.int64), c.const(1, np.int64)
-    if n.op.startswith("ResizeBilinear"):
+    if n.op.startswith("ResizeBicubic"):
+        weights = _bicubic_taps(c, n, n_in, n_out)
+    elif n.op.startswith("ResizeBilinear"):
         half = _flags(c, n)[1]
         i = c.op("Cast", [c.op("Range", [zero, n_out, one])], to=TensorProto.FLOAT)
         pos = c.op("Mul", [c.op("Add", [i, c.const(0.5, np.float32)]) if half else i,
@@ -108,20 +118,98 @@ def _axis_matrix(c, n, n_in, n_out, dtype):
     return total if dtype == TensorProto.FLOAT else c.op("Cast", [total], to=dtype)
 
 
-@handler("ResizeBilinearGrad", "ResizeNearestNeighborGrad")
+TABLE_SIZE = 1024  # TF's kTableSize: the cubic kernel's samples between two pixels
+
+
+def _cubic_table(a: float) -> np.ndarray:
+    """TF's InitCoeffsTable(a): [TABLE_SIZE + 1, 2] float32, row i the kernel at distances
+    i / TABLE_SIZE and 1 + i / TABLE_SIZE (computed in double from the float distance)."""
+    x = (np.arange(TABLE_SIZE + 1) / TABLE_SIZE).astype(np.float32).astype(np.float64)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    x1 = (x.astype(np.float32) + np.float32(1)).astype(np.float64)
+    far = ((a * x1 - 5 * a) * x1 + 8 * a) * x1 - 4 * a
+    return np.stack([near, far], axis=1).astype(np.float32)
+
+
+def _bicubic_taps(c, n, n_in, n_out):
+    """TF's GetWeightsAndIndices for each of the n_out output positions of one axis: four
+    (int64 source index, float32 weight) pairs, the sources floor(in) - 1 .. floor(in) + 2
+    clamped to the image."""
+    half = _flags(c, n)[1]
+    zero, one = c.const(0, np.int64), c.const(1, np.int64)
+    i = c.op("Cast", [c.op("Range", [zero, n_out, one])], to=TensorProto.FLOAT)
+    if half:
+        i = c.op("Add", [i, c.const(0.5, np.float32)])
+    pos = c.op("Mul", [i, _scale(c, n, n_in, n_out)])
+    if half:
+        pos = c.op("Sub", [pos, c.const(0.5, np.float32)])
+    lo = c.op("Floor", [pos])
+    step = c.op("Cast", [c.op("Round", [c.op("Mul", [c.op("Sub", [pos, lo]), c.const(
+        float(TABLE_SIZE), np.float32)])])], to=TensorProto.INT64)  # lrintf: half to even
+    table = c.const(_cubic_table(-0.5 if half else -0.75))
+    back = c.op("Sub", [c.const(TABLE_SIZE, np.int64), step])
+    # distances 1 + f, f, 1 - f, 2 - f from taps floor - 1 .. floor + 2 (f the fraction)
+    w = [c.op("Gather", [c.op("Gather", [table, s], axis=0), c.const(k, np.int64)], axis=1)
+         for s, k in ((step, 1), (step, 0), (back, 0), (back, 1))]
+    base = c.op("Cast", [lo], to=TensorProto.INT64)
+    last = c.op("Sub", [n_in, one])
+    raw = [c.op("Add", [base, c.const(k, np.int64)]) for k in (-1, 0, 1, 2)]
+    idx = [c.op("Min", [c.op("Max", [r, zero]), last]) for r in raw]
+    if half:  # Keys: taps outside the image weigh 0, the rest are renormalized
+        zf = c.const(0.0, np.float32)
+        w = [c.op("Where", [c.op("Equal", [k, r]), wk, zf]) for k, r, wk in zip(idx, raw, w)]
+        total = c.op("Sum", w)
+        ok = c.op("GreaterOrEqual", [c.op("Abs", [total]), c.const(
+            1000 * np.finfo(np.float32).tiny, np.float32)])
+        inv = c.op("Div", [c.const(1.0, np.float32), c.op("Where", [ok, total, c.const(
+            1.0, np.float32)])])
+        w = [c.op("Where", [ok, c.op("Mul", [wk, inv]), wk]) for wk in w]
+    return list(zip(idx, w))
+
+
+@handler("ResizeBicubic")
+def _resize_bicubic(c, n):
+    """(images [B, H, W, C], size [2]) -> float32 [B, size, C]: y = einsum(x, A_h, A_w) with
+    TF's bicubic matrices (see the module docstring)."""
+    x = c.x(n, 0)
+    if np_type(n) != np.float32:
+        x = c.op("Cast", [x], to=TensorProto.FLOAT)  # TF's bicubic output is float32
+    size = as_i64(c, c.x(n, 1))
+    dims = [[c.op("Squeeze", [c.op("Slice", [v, c.i64(k), c.i64(k + 1)]), c.i64(0)])
+             for k in (0, 1)] for v in (c.op("Shape", [x], start=1, end=3), size)]
+    a_h, a_w = (_axis_matrix(c, n, dims[0][k], dims[1][k], TensorProto.FLOAT) for k in (0, 1))
+    return [c.op("Einsum", [x, a_h, a_w], equation="bhwc,ih,jw->bijc")]
+
+
+@handler("ScaleAndTranslate", "ScaleAndTranslateGrad")
+def _scale_and_translate(c, n):
+    raise ConversionError(
+        f"{n}: not supported: TF's ScaleAndTranslate (tf.image.resize with antialias=True, or "
+        f"with the kernel {c.attr(n, 'kernel_type', '?')!r}) samples a kernel scaled to the "
+        "resize factor with renormalized weights, which ONNX's Resize does not compute the "
+        "same way; resize with antialias=False (bilinear, bicubic and nearest emit "
+        "ResizeBilinear, ResizeBicubic and ResizeNearestNeighbor, which convert exactly)")
+
+
+@handler("ResizeBilinearGrad", "ResizeNearestNeighborGrad", "ResizeBicubicGrad")
 def _resize_grad(c, n):
-    """ResizeBilinearGrad(grads, original_image), ResizeNearestNeighborGrad(grads, size):
+    """ResizeBilinearGrad / ResizeBicubicGrad(grads, original_image),
+    ResizeNearestNeighborGrad(grads, size):
     dx[b, h, w, ch] = sum over (i, j) of A_h[i, h] A_w[j, w] dy[b, i, j, ch]."""
     dy = c.x(n, 0)
     out_hw = c.op("Shape", [dy], start=1, end=3)
-    if n.op == "ResizeBilinearGrad":
+    if n.op in ("ResizeBilinearGrad", "ResizeBicubicGrad"):
         in_hw = c.op("Shape", [c.x(n, 1)], start=1, end=3)
     else:
         in_hw = as_i64(c, c.x(n, 1))
     dims = [[c.op("Squeeze", [c.op("Slice", [v, c.i64(k), c.i64(k + 1)]), c.i64(0)])
              for k in (0, 1)] for v in (in_hw, out_hw)]
-    a_h, a_w = (_axis_matrix(c, n, dims[0][k], dims[1][k], c.onnx_type(n)) for k in (0, 1))
-    return [c.op("Einsum", [dy, a_h, a_w], equation="bijc,ih,jw->bhwc")]
+    t = c.onnx_type(n)
+    grads_f32 = n.op != "ResizeNearestNeighborGrad"  # (TF's grads are float32, dx of type T)
+    a_h, a_w = (_axis_matrix(c, n, dims[0][k], dims[1][k], TensorProto.FLOAT if grads_f32
+                             else t) for k in (0, 1))
+    dx = c.op("Einsum", [dy, a_h, a_w], equation="bijc,ih,jw->bhwc")
+    return [c.op("Cast", [dx], to=t) if grads_f32 and t != TensorProto.FLOAT else dx]
 
 
 # -- SpaceToBatchND / BatchToSpaceND ----------------------------------------------------------

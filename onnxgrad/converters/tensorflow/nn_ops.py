@@ -2,9 +2,13 @@
 ops tf.gradients emits for them (Conv2DBackpropInput/Filter, MaxPoolGrad, ReluGrad, ...).
 
 ONNX convolutions and pools are channels-first (NCHW, weights OIHW); TF's default is channels-last
-(NHWC, filters HWIO), so channels-last nodes transpose in and out. Padding: TF's SAME puts the odd
-pixel at the end, ONNX's ``auto_pad=SAME_UPPER``; the gradients compute explicit pads from the
-forward op's static spatial sizes (TF knows them whenever the graph was built with shapes).
+(NHWC, filters HWIO), so channels-last nodes transpose in and out. Padding: TF's SAME pads each
+spatial axis by max(total, 0), total = (ceil(in / s) - 1) * s + (k - 1) * d + 1 - in, the odd pixel
+at the end. A stride larger than the window makes total negative, which ONNX's
+``auto_pad=SAME_UPPER`` does not clamp (onnxruntime's pools refuse it), so every window op (Conv,
+the pools, the gradients that recompute them) pads as :func:`_window` says: explicit pads from the
+static spatial sizes, else SAME_UPPER where it cannot go negative (unit dilations, every window at
+least its stride), else a Pad computed at run time from Shape.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from onnx import helper as onnx_helper
 
 from .core import handler
 from .errors import ConversionError
-from .ops import as_i64, gemm_plus, np_type, rank_of, scalar, static_shape
+from .ops import as_i64, gemm_plus, is_float, np_type, rank_of, scalar, static_shape
 
 
 # -- layouts and conv geometry ------------------------------------------------------------------
@@ -22,9 +26,11 @@ def _channels_last(c, n) -> bool:
     return not c.attr(n, "data_format", "NHWC").startswith("NC")
 
 
-def _spatial(c, n, vals) -> list[int]:
-    """The spatial entries of a per-dimension attribute given in the node's data format."""
-    return [int(v) for v in (vals[1:-1] if _channels_last(c, n) else vals[2:])]
+def _spatial(c, n, vals) -> list:
+    """The spatial entries of a per-dimension attribute or shape given in the node's data format
+    (None for a dim not known statically)."""
+    return [None if v is None or v < 0 else int(v)
+            for v in (vals[1:-1] if _channels_last(c, n) else vals[2:])]
 
 
 def _to_cf(c, n, x, r):  # channels-last -> channels-first
@@ -44,7 +50,7 @@ class _Geom:
 
     def __init__(self, c, n, r, kernel=None):
         self.padding = c.attr(n, "padding")
-        self.strides = _spatial(c, n, c.attr(n, "strides"))
+        self.strides = _spatial(c, n, c.attr(n, "strides") or [1] * r)  # (V2 pools: an input)
         self.dilations = _spatial(c, n, c.attr(n, "dilations", [1] * r))
         self.kernel = kernel
         self.explicit = None
@@ -53,29 +59,12 @@ class _Geom:
             p = p[1:-1] if _channels_last(c, n) else p[2:]
             self.explicit = [(int(a), int(b)) for a, b in p]
 
-    def attrs(self, dilations=True, size=None) -> dict:
-        """Attributes of the forward ONNX Conv/Pool (over spatial input sizes ``size``, needed
-        for SAME with dilations: onnxruntime pads those only explicitly)."""
-        a = {"strides": self.strides}
-        if dilations:
-            a["dilations"] = self.dilations
-        if self.padding == "SAME" and dilations and set(self.dilations) != {1}:
-            if size is None or None in size:
-                raise ConversionError("SAME padding with dilations needs the input's spatial "
-                                      "sizes known statically")
-            b, e, _, _ = self.pads(size)
-            a["pads"] = b + e
-        elif self.padding == "SAME":
-            a["auto_pad"] = "SAME_UPPER"
-        elif self.explicit:
-            a["pads"] = [b for b, _ in self.explicit] + [e for _, e in self.explicit]
-        return a
-
-    def pads(self, size: list[int]):
+    def pads(self, size: list[int], dilations=None):
         """(begins, ends, forward output sizes, output_padding that gives ``size`` back) for the
-        forward op over input sizes ``size``."""
+        forward op over input sizes ``size`` (with the node's dilations unless given)."""
         begins, ends, outs, extra = [], [], [], []
-        for i, (n_in, k, s, d) in enumerate(zip(size, self.kernel, self.strides, self.dilations)):
+        dilations = self.dilations if dilations is None else dilations
+        for i, (n_in, k, s, d) in enumerate(zip(size, self.kernel, self.strides, dilations)):
             eff = (k - 1) * d + 1
             if self.padding == "SAME":
                 out = -(-n_in // s)
@@ -87,6 +76,96 @@ class _Geom:
             begins.append(b), ends.append(e), outs.append(out)
             extra.append(n_in - ((out - 1) * s + eff - b - e))
         return begins, ends, outs, extra
+
+
+def _window(c, n, g, op, x, size, weight=None, dilations=True, **attrs):
+    """ONNX ``op`` (Conv, MaxPool, AveragePool) over the channels-first ``x`` (and ``weight``,
+    Conv's) with node n's strides, dilations and padding, ``size`` the static spatial sizes of x
+    (None entries, or None, where unknown). SAME pads as TF (see the module docstring), from
+    :func:`_pad_attrs` or else by a Pad at run time: zeros for Conv; -inf (the dtype's lowest)
+    for MaxPool, where every window keeps a real element; zeros for AveragePool, whose result is
+    then divided by the same pool of the padded ones (TF's count of the real pixels)."""
+    ins = [x] if weight is None else [x, weight]
+    pad = _pad_attrs(g, size, dilations)
+    a = {"strides": g.strides, **({"dilations": g.dilations} if dilations else {}), **attrs}
+    if pad is not None:
+        return c.op(op, ins, **a, **pad)
+    pads = _same_pads(c, n, g, x, g.dilations if dilations else None, weight)
+    if op == "MaxPool":
+        return c.op(op, [_pad(c, n, x, pads, low=True)], **a)
+    y = c.op(op, [_pad(c, n, x, pads), *ins[1:]], **a)
+    if op != "AveragePool":
+        return y
+    ones = c.op("Expand", [scalar(c, n, 1), c.op("Concat", [c.i64(1, 1), c.op(
+        "Shape", [x], start=2)], axis=0)])
+    return c.op("Div", [y, c.op(op, [_pad(c, n, ones, pads)], **a)])
+
+
+def _max_pool(c, n, g, x, size):
+    """MaxPool with its indices over the channels-first x: (y, indices, pads), pads None where
+    the indices count over x, else the run-time SAME pads (:func:`_same_pads`) of the padded x
+    (-inf around x) that they count over."""
+    a = {"kernel_shape": g.kernel, "strides": g.strides}
+    pad = _pad_attrs(g, size, False)
+    if pad is not None:
+        y, idx = c.op("MaxPool", [x], n_out=2, **a, **pad)
+        return y, idx, None
+    pads = _same_pads(c, n, g, x, None)
+    y, idx = c.op("MaxPool", [_pad(c, n, x, pads, low=True)], n_out=2, **a)
+    return y, idx, pads
+
+
+def _pad_attrs(g, size, dilations=True) -> dict | None:
+    """The padding attributes of the ONNX op (with dilations, or without: the pools'): TF's
+    explicit pads; for SAME, pads from the static spatial sizes ``size`` and the kernel where
+    both are known, else ``auto_pad=SAME_UPPER`` where its total cannot be negative (unit
+    dilations, every window at least its stride); else None: the pads are the run time's."""
+    if g.padding == "EXPLICIT":
+        return {"pads": [b for b, _ in g.explicit] + [e for _, e in g.explicit]}
+    if g.padding != "SAME":
+        return {}
+    d = g.dilations if dilations else [1] * len(g.strides)
+    if size is not None and None not in size and g.kernel is not None:
+        b, e, _, _ = g.pads(size, d)
+        return {"pads": b + e}
+    if set(d) == {1} and (set(g.strides) == {1} or g.kernel is not None and all(
+            k >= s for k, s in zip(g.kernel, g.strides))):
+        return {"auto_pad": "SAME_UPPER"}
+    return None
+
+
+def _pad(c, n, x, pads, low=False):
+    """x padded by ``pads`` with zeros, or with ``low`` -inf (an integer dtype's lowest)."""
+    fill = 0 if not low else -np.inf if is_float(n) else np.iinfo(np_type(n)).min
+    return c.op("Pad", [x, pads, scalar(c, n, fill)])
+
+
+def _same_pads(c, n, g, x, dilations=None, weight=None):
+    """The Pad pads (int64 [2 * rank]: zeros for N and C) of TF's SAME over the channels-first x
+    (``dilations`` None: unit ones), from its run-time spatial sizes (and the kernel's, from the
+    ONNX weight's shape, when it is not known statically)."""
+    dilations = dilations or [1] * len(g.strides)
+    size = c.op("Shape", [x], start=2)
+    s = c.i64(*g.strides)
+    if g.kernel is not None:
+        eff = c.i64(*[(k - 1) * dd + 1 for k, dd in zip(g.kernel, dilations)])
+    else:
+        k = c.op("Shape", [weight], start=2)
+        one = c.const(1, np.int64)
+        eff = c.op("Add", [c.op("Mul", [c.op("Sub", [k, one]), c.i64(*dilations)]), one])
+    out = c.op("Div", [c.op("Add", [size, c.op("Sub", [s, c.const(1, np.int64)])]), s])
+    total = c.op("Sub", [c.op("Add", [c.op("Mul", [c.op("Sub", [out, c.const(1, np.int64)]), s]),
+                                      eff]), size])
+    total = c.op("Max", [total, c.const(0, np.int64)])
+    begin = c.op("Div", [total, c.const(2, np.int64)])
+    zeros = c.i64(0, 0)
+    return c.op("Concat", [zeros, begin, zeros, c.op("Sub", [total, begin])], axis=0)
+
+
+def _static_spatial(c, n, ref):
+    """The static spatial sizes of tensor ``ref`` (None entries where unknown), or None."""
+    s = static_shape(c, ref)
+    return None if s is None else _spatial(c, n, s)
 
 
 def _known(c, n, i, what, spatial=False) -> list:
@@ -131,12 +210,11 @@ CONV = {"Conv2D": 4, "Conv3D": 5, "DepthwiseConv2dNative": 4}
 def _conv(c, n):
     r = CONV[n.op]
     w, group = _weight(c, n, n.inputs[1], r, _channels(c, n, static_shape(c, n.inputs[0]), r))
-    g = _Geom(c, n, r)
-    size = None
-    if g.padding == "SAME" and set(g.dilations) != {1}:
-        g.kernel = _filter_shape(c, n, n.inputs[1])[:r - 2]
-        size = _input_sizes(c, n, n.inputs[0])
-    y = c.op("Conv", [_to_cf(c, n, c.x(n, 0), r), w], group=group, **g.attrs(size=size))
+    fs = static_shape(c, n.inputs[1])
+    known = fs is not None and len(fs) == r and None not in fs[:r - 2]
+    g = _Geom(c, n, r, [int(k) for k in fs[:r - 2]] if known else None)
+    y = _window(c, n, g, "Conv", _to_cf(c, n, c.x(n, 0), r), _static_spatial(c, n, n.inputs[0]),
+                weight=w, group=group)
     return [_from_cf(c, n, y, r)]
 
 
@@ -235,20 +313,13 @@ def _ksize(c, n, i=None):
 @handler(*POOL)
 def _pool(c, n):
     op, r = POOL[n.op]
-    y, _ = _run_pool(c, n, op, r, c.x(n))
-    return [y]
-
-
-def _run_pool(c, n, op, r, x, indices=False):
     v2 = n.op.endswith("V2")
-    g = _Geom(c, n, r)
+    g = _Geom(c, n, r, _ksize(c, n, 1 if v2 else None))
     if v2:
         g.strides = _spatial(c, n, list(c.const_input(n, 2, required="strides")))
-    out = c.op(op, [_to_cf(c, n, x, r)], n_out=1 + indices, kernel_shape=_ksize(c, n, 1 if v2
-                                                                               else None),
-               **g.attrs(dilations=False))
-    y, idx = (out, None) if not indices else out
-    return _from_cf(c, n, y, r), idx
+    y = _window(c, n, g, op, _to_cf(c, n, c.x(n), r), _static_spatial(c, n, n.inputs[0]),
+                dilations=False, kernel_shape=g.kernel)
+    return [_from_cf(c, n, y, r)]
 
 
 MAX_POOL_GRAD = {"MaxPoolGrad": 4, "MaxPool3DGrad": 5, "MaxPoolGradV2": 4}
@@ -257,19 +328,91 @@ MAX_POOL_GRAD = {"MaxPoolGrad": 4, "MaxPool3DGrad": 5, "MaxPoolGradV2": 4}
 @handler(*MAX_POOL_GRAD)
 def _max_pool_grad(c, n):
     """(x, y, dy) -> dx: dy added onto the position of each window's maximum (MaxPool's
-    indices count over the whole channels-first tensor)."""
+    indices count over the whole channels-first tensor: over x padded at run time where
+    :func:`_max_pool` pads, which is then cut back to x)."""
     r = MAX_POOL_GRAD[n.op]
     x = _to_cf(c, n, c.x(n, 0), r)
-    g = _Geom(c, n, r)
+    g = _Geom(c, n, r, _ksize(c, n, 3 if n.op.endswith("V2") else None))
     if n.op.endswith("V2"):
         g.strides = _spatial(c, n, list(c.const_input(n, 4, required="strides")))
-    _, idx = c.op("MaxPool", [x], n_out=2, kernel_shape=_ksize(
-        c, n, 3 if n.op.endswith("V2") else None), **g.attrs(dilations=False))
-    flat = c.op("Reshape", [x, c.i64(-1)])
+    _, idx, pads = _max_pool(c, n, g, x, _static_spatial(c, n, n.inputs[0]))
+    shape = c.op("Shape", [x])
+    if pads is not None:
+        shape = c.op("Add", [shape, c.op("Add", [c.op("Slice", [pads, c.i64(0), c.i64(r)]),
+                                                 c.op("Slice", [pads, c.i64(r), c.i64(2 * r)])])])
     dy = c.op("Reshape", [_to_cf(c, n, c.x(n, 2), r), c.i64(-1)])
-    zeros = c.op("Expand", [scalar(c, n, 0), c.op("Shape", [flat])])
+    zeros = c.op("Expand", [scalar(c, n, 0), c.op("ReduceProd", [shape], keepdims=1)])
     dx = c.op("ScatterElements", [zeros, c.op("Reshape", [idx, c.i64(-1)]), dy], reduction="add")
-    return [_from_cf(c, n, c.op("Reshape", [dx, c.op("Shape", [x])]), r)]
+    dx = c.op("Reshape", [dx, shape])
+    if pads is not None:
+        begin = c.op("Slice", [pads, c.i64(2), c.i64(r)])
+        dx = c.op("Slice", [dx, begin, c.op("Add", [begin, c.op("Shape", [x], start=2)]),
+                            c.i64(*range(2, r))])
+    return [_from_cf(c, n, dx, r)]
+
+
+@handler("MaxPoolWithArgmax")
+def _max_pool_with_argmax(c, n):
+    """x [B, H, W, C] -> (MaxPool's output, the flat index of each window's maximum in TF's
+    layout: (y * W + x) * C + c, plus b * H * W * C with include_batch_in_index). ONNX's MaxPool
+    counts its indices over the channels-first tensor, ((b * C + c) * H + y) * W + x: the position
+    in the plane (its remainder by H * W) is kept, the channel and batch come from where the
+    index sits. Both take the first maximum of a window in row-major order (ties). Where the
+    pads are the run time's, the indices count over the padded plane: row and column move back
+    by the begin pads."""
+    x = c.x(n)
+    g = _Geom(c, n, 4, _ksize(c, n))
+    x_cf = _to_cf(c, n, x, 4)
+    y, idx, pads = _max_pool(c, n, g, x_cf, _static_spatial(c, n, n.inputs[0]))
+    y = _from_cf(c, n, y, 4)  # idx [B, C, OH, OW]
+    shape = c.op("Shape", [x])
+    hw = c.op("Mul", [c.op("Gather", [shape, c.i64(1)]), c.op("Gather", [shape, c.i64(2)])])
+    ch = c.op("Gather", [shape, c.i64(3)])
+    if pads is None:
+        plane = c.op("Mod", [idx, c.op("Reshape", [hw, c.i64(1, 1, 1, 1)])])
+    else:
+        begin = c.op("Slice", [pads, c.i64(2), c.i64(4)])
+        hp, wp = (c.op("Gather", [c.op("Add", [c.op("Add", [c.op("Shape", [x_cf], start=2),
+                                                            begin]),
+                                               c.op("Slice", [pads, c.i64(6), c.i64(8)])]),
+                                  c.const(k, np.int64)]) for k in (0, 1))
+        at = c.op("Mod", [idx, c.op("Mul", [hp, wp])])
+        row = c.op("Sub", [c.op("Div", [at, wp]), c.op("Gather", [begin, c.const(0, np.int64)])])
+        col = c.op("Sub", [c.op("Mod", [at, wp]), c.op("Gather", [begin, c.const(1, np.int64)])])
+        w = c.op("Gather", [shape, c.const(2, np.int64)])
+        plane = c.op("Add", [c.op("Mul", [row, w]), col])
+    zero, one = c.const(0, np.int64), c.const(1, np.int64)
+    chan = c.op("Reshape", [c.op("Range", [zero, c.op("Squeeze", [ch]), one]), c.i64(1, -1, 1, 1)])
+    flat = c.op("Add", [c.op("Mul", [plane, c.op("Reshape", [ch, c.i64(1, 1, 1, 1)])]), chan])
+    if c.attr(n, "include_batch_in_index", False):
+        b = c.op("Reshape", [c.op("Range", [zero, c.op("Squeeze", [c.op("Gather", [
+            shape, c.i64(0)])]), one]), c.i64(-1, 1, 1, 1)])
+        flat = c.op("Add", [flat, c.op("Mul", [b, c.op("Reshape", [c.op("Mul", [hw, ch]),
+                                                                   c.i64(1, 1, 1, 1)])])])
+    flat = c.op("Transpose", [flat], perm=[0, 2, 3, 1])
+    t = c.onnx_type(n, "Targmax") if "Targmax" in n.attr else TensorProto.INT64
+    return [y, flat if t == TensorProto.INT64 else c.op("Cast", [flat], to=t)]
+
+
+@handler("MaxPoolGradWithArgmax")
+def _max_pool_grad_with_argmax(c, n):
+    """(x, dy, argmax) -> dx: dy added at the flat NHWC positions argmax names (offset by
+    b * H * W * C per batch unless include_batch_in_index)."""
+    x, dy = c.x(n, 0), c.x(n, 1)
+    arg = c.op("Cast", [c.x(n, 2)], to=TensorProto.INT64)
+    shape = c.op("Shape", [x])
+    if not c.attr(n, "include_batch_in_index", False):
+        per = c.op("ReduceProd", [c.op("Shape", [x], start=1)], keepdims=1)
+        zero, one = c.const(0, np.int64), c.const(1, np.int64)
+        b = c.op("Range", [zero, c.op("Squeeze", [c.op("Gather", [shape, c.i64(0)])]), one])
+        off = c.op("Mul", [c.op("Reshape", [b, c.i64(-1, 1, 1, 1)]),
+                           c.op("Reshape", [per, c.i64(1, 1, 1, 1)])])
+        arg = c.op("Add", [arg, off])
+    flat = c.op("Reshape", [x, c.i64(-1)])
+    zeros = c.op("Expand", [scalar(c, n, 0), c.op("Shape", [flat])])
+    dx = c.op("ScatterElements", [zeros, c.op("Reshape", [arg, c.i64(-1)]),
+                                  c.op("Reshape", [dy, c.i64(-1)])], reduction="add")
+    return [c.op("Reshape", [dx, shape])]
 
 
 AVG_POOL_GRAD = {"AvgPoolGrad": 4, "AvgPool3DGrad": 5}

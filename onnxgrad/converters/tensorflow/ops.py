@@ -16,7 +16,7 @@ import re
 import numpy as np
 from onnx import TensorProto, helper
 
-from . import control_flow, resources  # noqa: F401  (their handlers register on import)
+from . import control_flow, resources, special  # noqa: F401  (the first two register handlers)
 from .core import Converter, handler, onnx_dtype
 from .errors import ConversionError
 from .graph import TFNode, split_ref
@@ -65,7 +65,7 @@ def np_type(n: TFNode, key: str = "T"):
     return dtype_info(n.attr[key].type).np
 
 
-def _is_float(n: TFNode, key: str = "T") -> bool:
+def is_float(n: TFNode, key: str = "T") -> bool:
     return np.issubdtype(np.dtype(np_type(n, key)), np.floating) or \
         dtype_info(n.attr[key].type).name in ("DT_HALF", "DT_BFLOAT16")
 
@@ -223,12 +223,11 @@ SAME = {  # TF op -> ONNX op with the same inputs and numpy broadcasting
     "GreaterEqual": "GreaterOrEqual", "LessEqual": "LessOrEqual", "Equal": "Equal",
     "LogicalAnd": "And", "LogicalOr": "Or", "LogicalNot": "Not",
     "Tanh": "Tanh", "Sigmoid": "Sigmoid", "Relu": "Relu", "Exp": "Exp", "Log": "Log",
-    "Neg": "Neg", "Abs": "Abs", "Sqrt": "Sqrt", "Sin": "Sin", "Cos": "Cos", "Tan": "Tan",
-    "Floor": "Floor", "Ceil": "Ceil", "Erf": "Erf", "Reciprocal": "Reciprocal", "Inv": "Reciprocal",
+    "Neg": "Neg", "Abs": "Abs", "Sqrt": "Sqrt", "Sin": "Sin", "Cos": "Cos",
+    "Floor": "Floor", "Ceil": "Ceil", "Reciprocal": "Reciprocal", "Inv": "Reciprocal",
     "Sign": "Sign", "Softplus": "Softplus", "Softsign": "Softsign", "Elu": "Elu", "Selu": "Selu",
-    "Rint": "Round", "Round": "Round", "IsNan": "IsNaN", "Asin": "Asin", "Acos": "Acos",
-    "Atan": "Atan", "Sinh": "Sinh", "Cosh": "Cosh", "Asinh": "Asinh", "Acosh": "Acosh",
-    "Atanh": "Atanh", "SelectV2": "Where", "MatrixDeterminant": "Det", "Einsum": "Einsum",
+    "Rint": "Round", "Round": "Round", "IsNan": "IsNaN",
+    "SelectV2": "Where", "MatrixDeterminant": "Det", "Einsum": "Einsum",
     "BitwiseAnd": "BitwiseAnd", "BitwiseOr": "BitwiseOr", "BitwiseXor": "BitwiseXor",
 }
 
@@ -241,7 +240,7 @@ NP_FOLD = {"Add": np.add, "AddV2": np.add, "Sub": np.subtract, "Mul": np.multipl
 def _fold_int(c, n):
     """Integer arithmetic on constants (shape and axis arithmetic) folds."""
     fn = NP_FOLD.get(n.op)
-    if fn is None or "T" not in n.attr or _is_float(n):
+    if fn is None or "T" not in n.attr or is_float(n):
         return None
     return _fold(c, n, lambda *v: fn(*v).astype(v[0].dtype), *range(len(n.inputs)))
 
@@ -323,6 +322,15 @@ def _is_finite(c, n):
     return [c.op("Not", [c.op("Or", [c.op("IsNaN", [x]), c.op("IsInf", [x])])])]
 
 
+@handler("Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Erf")
+def _special(c, n):
+    """The ONNX op of the same name; float64, which onnxruntime's CPU has no kernel of these
+    for, from ops it has (:mod:`.special`)."""
+    if c.onnx_type(n) == TensorProto.DOUBLE:
+        return [special.FLOAT64[n.op](c, n, c.x(n))]
+    return [c.op(n.op, [c.x(n)])]
+
+
 ERFC_TAIL = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
              -1.13520398, 1.48851587, -0.82215223, 0.17087277)
 
@@ -333,7 +341,9 @@ def _erfc(c, n):
     the Chebyshev fit t * exp(-x^2 + P(t)), t = 1 / (1 + x / 2) (Numerical Recipes' erfcc:
     relative error under 1.2e-7, its derivative's under 4e-7), on x moved to 0.5 where the head is
     taken, so that the branch not taken stays finite (a Max would split its tie at 0.5: half the
-    gradient there)."""
+    gradient there). float64: fdlibm's erfc (:mod:`.special`), exact to ~1e-15."""
+    if c.onnx_type(n) == TensorProto.DOUBLE:
+        return [special.erfc(c, n, c.x(n))]
     x = c.x(n)
     head_taken = c.op("Less", [x, scalar(c, n, 0.5)])
     z = c.op("Where", [head_taken, scalar(c, n, 0.5), x])
@@ -351,13 +361,24 @@ def _erfc(c, n):
 # into NaN (0 * inf). So each branch is computed on inputs where it is finite ("double where"):
 # the gradient is TF's, NaN-free, where TF's native op has one.
 @handler("Log1p")
-def _log1p(c, n):  # log(u) * x / (u - 1) with u = 1 + x: exact to rounding for small x
-    x = c.x(n)
-    u = c.op("Add", [x, scalar(c, n, 1)])
-    d = c.op("Sub", [u, scalar(c, n, 1)])
-    exact = c.op("Equal", [d, scalar(c, n, 0)])  # 1 + x rounds to 1: log1p(x) = x
-    safe = c.op("Where", [exact, scalar(c, n, 1), d])
-    return [c.op("Where", [exact, x, c.op("Div", [c.op("Mul", [c.op("Log", [u]), x]), safe])])]
+def _log1p(c, n):
+    """Kahan's log(u) * x / (u - 1), u = 1 + x, where 1 + x loses digits (|x| < 0.5; x itself
+    where 1 + x rounds to 1); log(1 + x) beyond, as exact there (1 + x is exact from -1 to
+    -0.5), which reaches -inf at -1 and inf at inf (the ratio's inf / inf does not), with
+    gradient 1 / (1 + x). The small branch runs on x clamped to where it is finite, and a
+    value that may be -0 is Where's second choice (onnxruntime's Where drops the sign of a
+    first one)."""
+    x, one = c.x(n), scalar(c, n, 1)
+    big = c.op("GreaterOrEqual", [c.op("Abs", [x]), scalar(c, n, 0.5)])
+    xs = c.op("Where", [big, scalar(c, n, 0.25), x])
+    u = c.op("Add", [xs, one])
+    d = c.op("Sub", [u, one])
+    inexact = c.op("Greater", [c.op("Abs", [d]), scalar(c, n, 0)])
+    ratio = c.op("Div", [c.op("Mul", [c.op("Log", [u]), xs]),
+                         c.op("Where", [inexact, d, one])])
+    kahan = c.op("Where", [inexact, ratio, xs])
+    direct = c.op("Log", [c.op("Add", [c.op("Where", [big, x, one]), one])])
+    return [c.op("Where", [big, direct, kahan])]
 
 
 @handler("Expm1")
@@ -422,13 +443,19 @@ def _xdivy(c, n):
     return [_x_is_zero(c, n, lambda x, y: c.op("Div", [x, y]))]
 
 
+@handler("Atan2")
+def _atan2(c, n):
+    """C's atan2(y, x) (:func:`.special.atan2`)."""
+    return [special.atan2(c, n, c.x(n, 0), c.x(n, 1))]
+
+
 @handler("FloorDiv")
 def _floordiv(c, n):
     y = _fold_int(c, n)
     if y is not None:
         return [y]
     q = c.op("Div", [c.x(n, 0), c.x(n, 1)])
-    return [c.op("Floor", [q]) if _is_float(n) else _floor_int(c, n, q)]
+    return [c.op("Floor", [q]) if is_float(n) else _floor_int(c, n, q)]
 
 
 def _floor_int(c, n, q):
@@ -445,7 +472,7 @@ def _floor_int(c, n, q):
 @handler("TruncateDiv")
 def _truncate_div(c, n):
     q = c.op("Div", [c.x(n, 0), c.x(n, 1)])  # integer Div truncates already
-    if not _is_float(n):
+    if not is_float(n):
         return [q]
     return [c.op("Mul", [c.op("Sign", [q]), c.op("Floor", [c.op("Abs", [q])])])]
 
@@ -461,7 +488,7 @@ def _floormod(c, n):
     if y is not None:
         return [y]
     a, b = c.x(n, 0), c.x(n, 1)
-    if not _is_float(n):
+    if not is_float(n):
         return [c.op("Mod", [a, b], fmod=0)]  # integer Mod takes the divisor's sign, like TF
     m = c.op("Mod", [a, b], fmod=1)  # TF: fmod, plus b where it is nonzero and signs differ
     zero = scalar(c, n, 0)
@@ -658,7 +685,7 @@ def _reduce(c, n, onnx_op):
     if shape is not None and c.no_broadcast:  # summed over no axis: the gradient itself,
         c.bga_shapes[c.x(n, 0)] = shape  # which has the shape it is reshaped to (_reshape)
         return [c.x(n, 0)]
-    if n.op in NP_REDUCE and not _is_float(n):  # shape arithmetic (Prod of a shape) folds
+    if n.op in NP_REDUCE and not is_float(n):  # shape arithmetic (Prod of a shape) folds
         y = _fold(c, n, lambda x, a: NP_REDUCE[n.op](x, axis=tuple(np.reshape(a, -1)),
                                                      keepdims=bool(keep)).astype(x.dtype), 0, 1)
         if y is not None:
@@ -719,6 +746,35 @@ def _cumprod(c, n):
         mask = c.op("Unsqueeze", [mask, c.i64(*range(2, r - a + 1))])
     pairs = c.op("Where", [mask, c.op("Unsqueeze", [x, c.i64(a)]), scalar(c, n, 1)])
     return [c.op("ReduceProd", [pairs, c.i64(a + 1)], keepdims=0)]
+
+
+@handler("CumulativeLogsumexp")
+def _cumulative_logsumexp(c, n):
+    """y[i] = log(sum over j of exp(x[j]) for j <= i (or <, >=, >)), with i and j on two axes
+    (O(L^2) for an axis of length L, as Cumprod): m[i], the largest x[j] taken (a constant to
+    the gradient: y does not depend on it), is subtracted before the exps and added back, so that
+    neither 1000 overflows nor -1000 underflows; an infinite m is taken as 0 (a sum of no terms
+    or of -inf ones is -inf, one with +inf is +inf, as TF's)."""
+    r = rank_of(c, n, 0, required="CumulativeLogsumexp")
+    a = _const_axis(c, n, 1) % r
+    x = c.x(n, 0)
+    length = c.op("Gather", [c.op("Shape", [x]), c.const(a, np.int64)])
+    iota = c.op("Range", [c.const(0, np.int64), length, c.const(1, np.int64)])
+    i, j = c.op("Unsqueeze", [iota, c.i64(1)]), c.op("Unsqueeze", [iota, c.i64(0)])
+    rev, excl = c.attr(n, "reverse", False), c.attr(n, "exclusive", False)
+    cmp = {(0, 0): "LessOrEqual", (0, 1): "Less", (1, 0): "GreaterOrEqual", (1, 1): "Greater"}
+    mask = c.op(cmp[int(rev), int(excl)], [j, i])  # [i, j]: x[j] is in y[i]
+    if r - a - 1:
+        mask = c.op("Unsqueeze", [mask, c.i64(*range(2, r - a + 1))])
+    xj = c.op("Unsqueeze", [x, c.i64(a)])  # [..., 1, L, ...]: j on axis a + 1
+    neg_inf = scalar(c, n, -np.inf)
+    m = c.op("ReduceMax", [c.op("Where", [mask, xj, neg_inf]), c.i64(a + 1)], keepdims=1)
+    m = c.op("Identity", [m])
+    c.stop_gradients.append(m)
+    m = c.op("Where", [c.op("IsInf", [m]), scalar(c, n, 0), m])
+    terms = c.op("Exp", [c.op("Where", [mask, c.op("Sub", [xj, m]), neg_inf])])
+    total = c.op("ReduceSum", [terms, c.i64(a + 1)], keepdims=0)
+    return [c.op("Add", [c.op("Log", [total]), c.op("Squeeze", [m, c.i64(a + 1)])])]
 
 
 @handler("TopKV2")
@@ -949,7 +1005,7 @@ def _zeros_like(c, n):
 
 @handler("Range")
 def _range(c, n):
-    y = None if _is_float(n, "Tidx") else _fold(
+    y = None if is_float(n, "Tidx") else _fold(
         c, n, lambda a, b, d: np.arange(a, b, d).astype(np.result_type(a, b, d)), 0, 1, 2)
     return [y or c.op("Range", [c.x(n, 0), c.x(n, 1), c.x(n, 2)])]
 
@@ -1027,11 +1083,50 @@ def _reverse(c, x, axes):
 # -- gathers and scatters ----------------------------------------------------------------------
 @handler("GatherV2")
 def _gather(c, n):
-    if c.attr(n, "batch_dims", 0):
-        raise ConversionError(f"{n}: batch_dims != 0 is not supported")
     axis = _const_axis(c, n, 2)
+    if c.attr(n, "batch_dims", 0):
+        return [_batch_gather(c, n, c.x(n, 0), axis, c.attr(n, "batch_dims"))]
     y = _fold(c, n, lambda p, i, a: np.take(p, i, axis=int(a)), 0, 1, 2)
     return [y or c.op("Gather", [c.x(n, 0), c.x(n, 1)], axis=axis)]
+
+
+def _batch_gather(c, n, params, axis: int, batch_dims: int):
+    """tf.gather(params, indices, axis, batch_dims): y[b.., p.., i.., r..] =
+    params[b.., p.., indices[b.., i..], r..], the b the first batch_dims axes of both, p the axes
+    of params between them and ``axis``. GatherND with batch_dims on params with ``axis`` moved
+    right after the batch axes, and the p axes moved back in front of the i axes. A negative
+    batch_dims counts from the end of indices' axes, a negative axis from params' (TF's kernel);
+    indices must lie in [0, params.shape[axis]) (TF's CPU kernel raises otherwise)."""
+    ri = rank_of(c, n, 1)
+    if batch_dims < 0:
+        ri = rank_of(c, n, 1, required=f"a negative batch_dims ({batch_dims})")
+        batch_dims += ri
+    rp = rank_of(c, n, 0)
+    if axis < 0 or axis > batch_dims:
+        rp = rank_of(c, n, 0, required=f"gather axis {axis} with batch_dims {batch_dims}")
+        axis += rp if axis < 0 else 0
+    if ri is not None and not 0 <= batch_dims <= ri or rp is not None and not (
+            batch_dims <= axis < rp) or axis < batch_dims:
+        raise ConversionError(f"{n}: batch_dims {c.attr(n, 'batch_dims')} and axis "
+                              f"{_const_axis(c, n, 2)} do not fit params of rank {rp} and "
+                              f"indices of rank {ri} (TF needs 0 <= batch_dims <= rank(indices) "
+                              "and batch_dims <= axis < rank(params))")
+    if batch_dims == 0:
+        return c.op("Gather", [params, c.x(n, 1)], axis=axis)
+    between = axis - batch_dims  # the p axes
+    if between:
+        perm = [*range(batch_dims), axis, *range(batch_dims, axis), *range(axis + 1, rp)]
+        params = c.op("Transpose", [params], perm=perm)
+    idx = c.op("Unsqueeze", [as_i64(c, c.x(n, 1)), c.i64(-1)])
+    y = c.op("GatherND", [params, idx], batch_dims=batch_dims)
+    if not between:
+        return y
+    ri = rank_of(c, n, 1, required=f"gather axis {axis} after batch_dims {batch_dims}")
+    k = ri - batch_dims  # the i axes, now right after the batch axes, then the p axes
+    b = list(range(batch_dims))
+    perm = [*b, *range(batch_dims + k, axis + k), *range(batch_dims, batch_dims + k),
+            *range(axis + k, rp - 1 + k)]
+    return c.op("Transpose", [y], perm=perm)
 
 
 @handler("Gather")
@@ -1081,6 +1176,41 @@ def _unsorted_segment(c, n):
     flat = c.op("Reshape", [data, c.op("Concat", [c.i64(-1), tail], axis=0)])
     return [c.op("ScatterND", [c.op("Expand", [c.const(init, dt), shape]), flat_ids, flat],
                  reduction=red)]
+
+
+SORTED_SEGMENT = {"SegmentSum": "add", "SegmentMean": "add", "SegmentProd": "mul",
+                  "SegmentMax": "max", "SegmentMin": "min"}
+
+
+@handler(*SORTED_SEGMENT)
+def _sorted_segment(c, n):
+    """(data, ids): out[ids[i], ...] (+)= data[i, ...] over segment_ids[-1] + 1 segments (ids
+    sorted, 1-D, as TF requires; none when empty). An empty segment is 0 (1 for SegmentProd), as
+    TF's sorted kernels give: Max and Min start from the dtype's lowest / highest and their empty
+    segments are set to 0 by a count of the rows in each segment, which also divides the sum for
+    SegmentMean (TF's integer mean truncates, as ONNX's integer Div)."""
+    red = SORTED_SEGMENT[n.op]
+    dt = np.dtype(np_type(n))
+    init = {"add": 0, "mul": 1}.get(red)
+    if init is None:
+        info = np.finfo(dt) if dt.kind == "f" else np.iinfo(dt)
+        init = info.min if red == "max" else info.max
+    data, ids = c.x(n, 0), c.op("Reshape", [as_i64(c, c.x(n, 1)), c.i64(-1)])
+    last = c.op("Slice", [c.op("Concat", [c.i64(-1), ids], axis=0), c.i64(-1), c.i64(BIG)])
+    tail = c.op("Shape", [data], start=1)
+    shape = c.op("Concat", [c.op("Add", [last, c.i64(1)]), tail], axis=0)
+    where = c.op("Unsqueeze", [ids, c.i64(-1)])
+    y = c.op("ScatterND", [c.op("Expand", [c.const(init, dt), shape]), where, data],
+             reduction=red)
+    if n.op in ("SegmentSum", "SegmentProd"):
+        return [y]
+    zero = c.const(0, np.int64)
+    count = c.op("ScatterND", [c.op("Expand", [zero, shape]), where, c.op(
+        "Expand", [c.const(1, np.int64), c.op("Shape", [data])])], reduction="add")
+    if n.op == "SegmentMean":
+        return [c.op("Div", [y, c.op("Cast", [c.op("Max", [count, c.const(1, np.int64)])],
+                                     to=c.onnx_type(n))])]
+    return [c.op("Where", [c.op("Equal", [count, zero]), c.const(0, dt), y])]
 
 
 def _shape_after(c, data, ids):

@@ -105,10 +105,7 @@ def _freeze(tf, path, sig: str):
         # the outputs read), and refuses a graph whose outputs read one.
         frozen = _freeze_keeping_integer_state(fn)
         if frozen is None:
-            raise ConversionError(
-                f"{os.fspath(path)}: TensorFlow cannot freeze signature {sig!r} into constants "
-                f"({type(e).__name__}: {str(e).strip().splitlines()[0]}); a graph that assigns "
-                "float variables (a layer's training state) cannot be frozen") from None
+            raise ConversionError(_freeze_failure(tf, path, sig, fn, e)) from None
     specs = fn.structured_input_signature[1] or {}
     in_keys = sorted(specs)  # TF flattens a dict by sorted key
     ins = [t for t in frozen.inputs if t.dtype != tf.resource]
@@ -123,6 +120,43 @@ def _freeze(tf, path, sig: str):
     inputs = dict(zip(in_keys, (_renamed(t.name, rename) for t in ins)))
     outputs = dict(zip(out_keys, (_renamed(t.name, rename) for t in frozen.outputs)))
     return gd.SerializeToString(), inputs, outputs, list(rename.values())
+
+
+# ops that write a resource variable, which TF's freezer cannot make a constant
+ASSIGNS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+ASSIGN_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter",
+                   "ResourceStridedSliceAssign")
+
+
+def _freeze_failure(tf, path, sig: str, fn, error: Exception) -> str:
+    """Why freezing failed: TF's own error, and, where the graph writes float variables (what
+    freezing cannot keep), those writes."""
+    text = next((line for line in str(error).strip().splitlines() if line.strip()), "")
+    msg = (f"{os.fspath(path)}: TensorFlow cannot freeze signature {sig!r} into constants "
+           f"({type(error).__name__}: {text})")
+    writes = _float_variable_writes(tf, fn)
+    if not writes:
+        return msg
+    more = f" and {len(writes) - 3} more" if len(writes) > 3 else ""
+    return (f"{msg}; a graph that assigns float variables (a layer's training state) cannot be "
+            f"frozen, and this one does ({', '.join(writes[:3])}{more})")
+
+
+def _float_variable_writes(tf, fn) -> list[str]:
+    """The nodes of ``fn``'s graph and of the functions it calls that write a float variable."""
+    try:
+        gd = fn.graph.as_graph_def()
+    except Exception:  # noqa: BLE001  (no graph to read: nothing to say about it)
+        return []
+    nodes = [*gd.node, *(nd for f in gd.library.function for nd in f.node_def)]
+    out = []
+    for nd in nodes:
+        if nd.op not in ASSIGNS and not nd.op.startswith(ASSIGN_PREFIXES):
+            continue
+        key = "dtype" if "dtype" in nd.attr else "T" if "T" in nd.attr else None
+        if key is None or tf.as_dtype(nd.attr[key].type).is_floating:
+            out.append(f"{nd.op} {nd.name!r}")
+    return out
 
 
 def _freeze_keeping_integer_state(fn):
