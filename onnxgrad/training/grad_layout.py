@@ -5,7 +5,8 @@ to the kernel's [Co, C, kh, kw], a BatchNormalization's [1, C, 1, 1] to [C]. onn
 at each of them when its output is a graph output (the output has its own buffer): ResNet-18's
 step at 2 threads spent 6 ms of its 240 ms of kernels in such Reshapes (profiled). The fused
 optimizer reads a gradient as flat memory, where a Reshape moves no element, so the gradient
-graph hands it the tensor before them."""
+graph hands it the tensor before them (ResNet-18's step 1.04x; its peak RSS about 46 MB higher,
+onnxruntime's arena planning the step's buffers otherwise, measured)."""
 from __future__ import annotations
 
 import math
