@@ -54,7 +54,10 @@ def stored_gradients(model: onnx.ModelProto, loss: str, grads: list[str], sizes:
             taken.add(cur)
     if not before:
         return model, [None] * len(grads)
-    types = {v.name: v for v in infer_shapes(model).graph.value_info}
+    try:
+        types = {v.name: v for v in infer_shapes(model).graph.value_info}
+    except Exception:  # noqa: BLE001  (an optimisation: without shapes the outputs stay)
+        return model, [None] * len(grads)
     where, outputs, infos = [], [], []
     for grad, size in zip(grads, sizes):
         cur = before.get(grad)
