@@ -622,3 +622,23 @@ def test_freezing_failure_says_what_failed(tmp_path):
     with pytest.raises(ConversionError, match="a graph that assigns float variables .* cannot "
                                               "be frozen, and this one does .*AssignAddVariableOp"):
         convert(str(tmp_path / "assign"))
+
+
+@pytest.mark.parametrize("act", ["selu", "elu"])
+def test_tf_selu_and_elu_grad_at_zero_outputs(act):
+    """TF's SeluGrad and EluGrad take the negative branch only where the output is < 0: at an
+    output of 0 (x = 0, or a tiny negative x whose output rounds to 0) SeluGrad's gradient is
+    scale. The converted gradient graph took scale * alpha there (it tested y > 0)."""
+    fn = getattr(tf.nn, act)
+
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [None], name="x")
+        gy = tf.compat.v1.placeholder(tf.float32, [None], name="gy")
+        return x, gy, tf.identity(tf.gradients(fn(x), x, grad_ys=gy)[0], name="gx")
+    graph, (x, gy, gx) = tf1_graph(build)
+    xs = np.array([0.0, -0.0, -1e-30, 1e-30, -1e-8, -1.0, 1.0, -20.0], np.float32)
+    gys = np.linspace(0.5, 1.5, xs.size).astype(np.float32)
+    want = tf_run(graph, [gx], {x: xs, gy: gys})[0]
+    model = convert(graph.as_graph_def(), inputs=["x:0", "gy:0"], outputs=["gx:0"])
+    got = ort_run(model, {"x:0": xs, "gy:0": gys}, ["gx:0"])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)

@@ -260,3 +260,18 @@ def test_float64_ops_without_a_decomposition_are_refused():
                 continue
             with pytest.raises(ConversionError, match=fr"{op} node 'conv'.*double.*onnxruntime"):
                 convert(gd, inputs=["x:0"], outputs=["y:0"])
+
+
+def test_float64_selu_has_tf_s_constants(monkeypatch):
+    """ONNX's Selu holds alpha and gamma as float32 attributes (TF's float64 Selu was 3e-8
+    off): float64 Selu is TF's kernel with TF's constants, to 1e-12 of TF's output; its
+    gradient is the exact derivative (TF's SeluGrad reads y + scale alpha, which loses digits
+    where y nears -scale alpha), and TF's SeluGrad graph converted gives TF's."""
+    from onnxgrad.converters.tensorflow.nn_ops import SELU_ALPHA, SELU_SCALE
+    monkeypatch.setitem(OPS, "Selu", tf.nn.selu)
+    x = np.concatenate([np.linspace(-30, 30, 60), [1e-300, -1e-300, 1e-9, -1e-9, 700, -700]])
+    want, got, got_tf_graph, gys = _run("Selu", x)
+    _same(got[0], want[0], "selu")
+    exact = gys * np.where(x > 0, SELU_SCALE, SELU_SCALE * SELU_ALPHA * np.exp(np.minimum(x, 0)))
+    _same(got[1], exact, "dselu")
+    _same(got_tf_graph, want[1], "SeluGrad")

@@ -613,19 +613,22 @@ def _leaky_relu_grad(c, n, dy, x):
     return _pick(c, n, c.op("Greater", [x, scalar(c, n, 0)]), dy, _mul(c, dy, alpha))
 
 
+# TF's EluGrad and SeluGrad take the negative branch where y < 0: at y = 0 (x = 0, or a tiny
+# negative x whose output rounds to 0) Selu's is scale, not scale * alpha
 @_grad("EluGrad")
-def _elu_grad(c, n, dy, y):  # y > 0: dy, else dy * (y + 1)
-    return _pick(c, n, c.op("Greater", [y, scalar(c, n, 0)]), dy,
-                 _mul(c, dy, c.op("Add", [y, scalar(c, n, 1)])))
+def _elu_grad(c, n, dy, y):  # y < 0: dy * (y + 1), else dy
+    return _pick(c, n, c.op("Less", [y, scalar(c, n, 0)]),
+                 _mul(c, dy, c.op("Add", [y, scalar(c, n, 1)])), dy)
 
 
 SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 
 
 @_grad("SeluGrad")
-def _selu_grad(c, n, dy, y):  # y > 0: dy * scale, else dy * (y + scale * alpha)
-    return _pick(c, n, c.op("Greater", [y, scalar(c, n, 0)]), _mul(c, dy, scalar(c, n, SELU_SCALE)),
-                 _mul(c, dy, c.op("Add", [y, scalar(c, n, SELU_SCALE * SELU_ALPHA)])))
+def _selu_grad(c, n, dy, y):  # y < 0: dy * (y + scale * alpha), else dy * scale
+    return _pick(c, n, c.op("Less", [y, scalar(c, n, 0)]),
+                 _mul(c, dy, c.op("Add", [y, scalar(c, n, SELU_SCALE * SELU_ALPHA)])),
+                 _mul(c, dy, scalar(c, n, SELU_SCALE)))
 
 
 @_grad("SoftplusGrad")

@@ -225,7 +225,7 @@ SAME = {  # TF op -> ONNX op with the same inputs and numpy broadcasting
     "Tanh": "Tanh", "Sigmoid": "Sigmoid", "Relu": "Relu", "Exp": "Exp", "Log": "Log",
     "Neg": "Neg", "Abs": "Abs", "Sqrt": "Sqrt", "Sin": "Sin", "Cos": "Cos",
     "Floor": "Floor", "Ceil": "Ceil", "Reciprocal": "Reciprocal", "Inv": "Reciprocal",
-    "Sign": "Sign", "Softplus": "Softplus", "Softsign": "Softsign", "Elu": "Elu", "Selu": "Selu",
+    "Sign": "Sign", "Softplus": "Softplus", "Softsign": "Softsign", "Elu": "Elu",
     "Rint": "Round", "Round": "Round", "IsNan": "IsNaN",
     "SelectV2": "Where", "MatrixDeterminant": "Det", "Einsum": "Einsum",
     "BitwiseAnd": "BitwiseAnd", "BitwiseOr": "BitwiseOr", "BitwiseXor": "BitwiseXor",
@@ -383,10 +383,29 @@ def _log1p(c, n):
 
 @handler("Expm1")
 def _expm1(c, n):
+    return [expm1(c, n, c.x(n))]
+
+
+@handler("Selu")
+def _selu(c, n):
+    """ONNX's Selu takes alpha and gamma as float32 attributes (TF's float64 Selu: 3e-8 off):
+    float64 writes TF's kernel, x > 0 ? scale x : scale alpha (exp(x) - 1), with its constants
+    (the exp on min(x, 0), so its gradient stays finite where it is not taken)."""
+    x = c.x(n)
+    if c.onnx_type(n) != TensorProto.DOUBLE:
+        return [c.op("Selu", [x])]
+    from .nn_ops import SELU_ALPHA, SELU_SCALE
+    pos = c.op("Greater", [x, scalar(c, n, 0)])
+    em1 = c.op("Sub", [c.op("Exp", [c.op("Where", [pos, scalar(c, n, 0), x])]),
+                       scalar(c, n, 1)])
+    return [c.op("Where", [pos, c.op("Mul", [x, scalar(c, n, SELU_SCALE)]),
+                           c.op("Mul", [em1, scalar(c, n, SELU_SCALE * SELU_ALPHA)])])]
+
+
+def expm1(c, n, x):
     """Kahan's (u - 1) x / log(u), u = exp(x), where it matters (|x| < 0.5); exp(x) - 1 beyond,
     where it is as exact and reaches -1 and inf (the correction's log(0) and inf / inf do not).
     The small branch runs on x clamped to where it is finite."""
-    x = c.x(n)
     small = c.op("Less", [c.op("Abs", [x]), scalar(c, n, 0.5)])
     xs = c.op("Where", [small, x, scalar(c, n, 0.25)])
     u = c.op("Exp", [xs])
@@ -395,7 +414,7 @@ def _expm1(c, n):
     lu = c.op("Where", [one, scalar(c, n, 1), c.op("Log", [u])])
     kahan = c.op("Where", [one, xs, c.op("Div", [c.op("Mul", [um1, xs]), lu])])
     big = c.op("Sub", [c.op("Exp", [x]), scalar(c, n, 1)])
-    return [c.op("Where", [small, kahan, big])]
+    return c.op("Where", [small, kahan, big])
 
 
 def _x_is_zero(c, n, f):
