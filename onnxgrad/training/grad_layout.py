@@ -15,6 +15,7 @@ import onnx
 from onnx import helper
 
 from ..inference import infer_shapes
+from .step import _prune
 
 _RESHAPING = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
 
@@ -72,7 +73,6 @@ def stored_gradients(model: onnx.ModelProto, loss: str, grads: list[str], sizes:
             cur, types[cur].type.tensor_type.elem_type, shape))
     if not infos:
         return model, where
-    from .step import _prune  # step's users import this module: late
     m = onnx.ModelProto()
     m.CopyFrom(model)
     m.graph.value_info.extend(infos)

@@ -174,11 +174,17 @@ def _resize_bicubic(c, n):
     x = c.x(n, 0)
     if np_type(n) != np.float32:
         x = c.op("Cast", [x], to=TensorProto.FLOAT)  # TF's bicubic output is float32
-    size = as_i64(c, c.x(n, 1))
-    dims = [[c.op("Squeeze", [c.op("Slice", [v, c.i64(k), c.i64(k + 1)]), c.i64(0)])
-             for k in (0, 1)] for v in (c.op("Shape", [x], start=1, end=3), size)]
-    a_h, a_w = (_axis_matrix(c, n, dims[0][k], dims[1][k], TensorProto.FLOAT) for k in (0, 1))
+    a_h, a_w = _axis_matrices(c, n, c.op("Shape", [x], start=1, end=3),
+                              as_i64(c, c.x(n, 1)), TensorProto.FLOAT)
     return [c.op("Einsum", [x, a_h, a_w], equation="bhwc,ih,jw->bijc")]
+
+
+def _axis_matrices(c, n, in_hw, out_hw, dtype):
+    """(A_h, A_w): :func:`_axis_matrix` of each axis, from [2] int64 vectors of the input's and
+    the output's height and width."""
+    dims = [[c.op("Squeeze", [c.op("Slice", [v, c.i64(k), c.i64(k + 1)]), c.i64(0)])
+             for k in (0, 1)] for v in (in_hw, out_hw)]
+    return tuple(_axis_matrix(c, n, dims[0][k], dims[1][k], dtype) for k in (0, 1))
 
 
 @handler("ScaleAndTranslate", "ScaleAndTranslateGrad")
@@ -202,12 +208,9 @@ def _resize_grad(c, n):
         in_hw = c.op("Shape", [c.x(n, 1)], start=1, end=3)
     else:
         in_hw = as_i64(c, c.x(n, 1))
-    dims = [[c.op("Squeeze", [c.op("Slice", [v, c.i64(k), c.i64(k + 1)]), c.i64(0)])
-             for k in (0, 1)] for v in (in_hw, out_hw)]
     t = c.onnx_type(n)
     grads_f32 = n.op != "ResizeNearestNeighborGrad"  # (TF's grads are float32, dx of type T)
-    a_h, a_w = (_axis_matrix(c, n, dims[0][k], dims[1][k], TensorProto.FLOAT if grads_f32
-                             else t) for k in (0, 1))
+    a_h, a_w = _axis_matrices(c, n, in_hw, out_hw, TensorProto.FLOAT if grads_f32 else t)
     dx = c.op("Einsum", [dy, a_h, a_w], equation="bijc,ih,jw->bhwc")
     return [c.op("Cast", [dx], to=t) if grads_f32 and t != TensorProto.FLOAT else dx]
 

@@ -340,10 +340,7 @@ def _max_pool_grad(c, n):
     if pads is not None:
         shape = c.op("Add", [shape, c.op("Add", [c.op("Slice", [pads, c.i64(0), c.i64(r)]),
                                                  c.op("Slice", [pads, c.i64(r), c.i64(2 * r)])])])
-    dy = c.op("Reshape", [_to_cf(c, n, c.x(n, 2), r), c.i64(-1)])
-    zeros = c.op("Expand", [scalar(c, n, 0), c.op("ReduceProd", [shape], keepdims=1)])
-    dx = c.op("ScatterElements", [zeros, c.op("Reshape", [idx, c.i64(-1)]), dy], reduction="add")
-    dx = c.op("Reshape", [dx, shape])
+    dx = _scatter_add(c, n, shape, idx, _to_cf(c, n, c.x(n, 2), r))
     if pads is not None:
         begin = c.op("Slice", [pads, c.i64(2), c.i64(r)])
         dx = c.op("Slice", [dx, begin, c.op("Add", [begin, c.op("Shape", [x], start=2)]),
@@ -408,11 +405,15 @@ def _max_pool_grad_with_argmax(c, n):
         off = c.op("Mul", [c.op("Reshape", [b, c.i64(-1, 1, 1, 1)]),
                            c.op("Reshape", [per, c.i64(1, 1, 1, 1)])])
         arg = c.op("Add", [arg, off])
-    flat = c.op("Reshape", [x, c.i64(-1)])
-    zeros = c.op("Expand", [scalar(c, n, 0), c.op("Shape", [flat])])
-    dx = c.op("ScatterElements", [zeros, c.op("Reshape", [arg, c.i64(-1)]),
-                                  c.op("Reshape", [dy, c.i64(-1)])], reduction="add")
-    return [c.op("Reshape", [dx, shape])]
+    return [_scatter_add(c, n, shape, arg, dy)]
+
+
+def _scatter_add(c, n, shape, idx, dy):
+    """Zeros of ``shape`` with each element of dy added at the flat position idx names."""
+    zeros = c.op("Expand", [scalar(c, n, 0), c.op("ReduceProd", [shape], keepdims=1)])
+    flat = c.op("ScatterElements", [zeros, c.op("Reshape", [idx, c.i64(-1)]),
+                                    c.op("Reshape", [dy, c.i64(-1)])], reduction="add")
+    return c.op("Reshape", [flat, shape])
 
 
 AVG_POOL_GRAD = {"AvgPoolGrad": 4, "AvgPool3DGrad": 5}
@@ -622,6 +623,21 @@ def _elu_grad(c, n, dy, y):  # y < 0: dy * (y + 1), else dy
 
 
 SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+@handler("Selu")
+def _selu(c, n):
+    """ONNX's Selu takes alpha and gamma as float32 attributes (TF's float64 Selu: 3e-8 off):
+    float64 writes TF's kernel, x > 0 ? scale x : scale alpha (exp(x) - 1), with its constants
+    (the exp on min(x, 0), so its gradient stays finite where it is not taken)."""
+    x = c.x(n)
+    if c.onnx_type(n) != TensorProto.DOUBLE:
+        return [c.op("Selu", [x])]
+    pos = c.op("Greater", [x, scalar(c, n, 0)])
+    em1 = c.op("Sub", [c.op("Exp", [c.op("Where", [pos, scalar(c, n, 0), x])]),
+                       scalar(c, n, 1)])
+    return [c.op("Where", [pos, c.op("Mul", [x, scalar(c, n, SELU_SCALE)]),
+                           c.op("Mul", [em1, scalar(c, n, SELU_SCALE * SELU_ALPHA)])])]
 
 
 @_grad("SeluGrad")

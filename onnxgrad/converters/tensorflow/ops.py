@@ -362,59 +362,12 @@ def _erfc(c, n):
 # the gradient is TF's, NaN-free, where TF's native op has one.
 @handler("Log1p")
 def _log1p(c, n):
-    """Kahan's log(u) * x / (u - 1), u = 1 + x, where 1 + x loses digits (|x| < 0.5; x itself
-    where 1 + x rounds to 1); log(1 + x) beyond, as exact there (1 + x is exact from -1 to
-    -0.5), which reaches -inf at -1 and inf at inf (the ratio's inf / inf does not), with
-    gradient 1 / (1 + x). The small branch runs on x clamped to where it is finite, and a
-    value that may be -0 is Where's second choice (onnxruntime's Where drops the sign of a
-    first one)."""
-    x, one = c.x(n), scalar(c, n, 1)
-    big = c.op("GreaterOrEqual", [c.op("Abs", [x]), scalar(c, n, 0.5)])
-    xs = c.op("Where", [big, scalar(c, n, 0.25), x])
-    u = c.op("Add", [xs, one])
-    d = c.op("Sub", [u, one])
-    inexact = c.op("Greater", [c.op("Abs", [d]), scalar(c, n, 0)])
-    ratio = c.op("Div", [c.op("Mul", [c.op("Log", [u]), xs]),
-                         c.op("Where", [inexact, d, one])])
-    kahan = c.op("Where", [inexact, ratio, xs])
-    direct = c.op("Log", [c.op("Add", [c.op("Where", [big, x, one]), one])])
-    return [c.op("Where", [big, direct, kahan])]
+    return [special.log1p(c, n, c.x(n))]
 
 
 @handler("Expm1")
 def _expm1(c, n):
-    return [expm1(c, n, c.x(n))]
-
-
-@handler("Selu")
-def _selu(c, n):
-    """ONNX's Selu takes alpha and gamma as float32 attributes (TF's float64 Selu: 3e-8 off):
-    float64 writes TF's kernel, x > 0 ? scale x : scale alpha (exp(x) - 1), with its constants
-    (the exp on min(x, 0), so its gradient stays finite where it is not taken)."""
-    x = c.x(n)
-    if c.onnx_type(n) != TensorProto.DOUBLE:
-        return [c.op("Selu", [x])]
-    from .nn_ops import SELU_ALPHA, SELU_SCALE
-    pos = c.op("Greater", [x, scalar(c, n, 0)])
-    em1 = c.op("Sub", [c.op("Exp", [c.op("Where", [pos, scalar(c, n, 0), x])]),
-                       scalar(c, n, 1)])
-    return [c.op("Where", [pos, c.op("Mul", [x, scalar(c, n, SELU_SCALE)]),
-                           c.op("Mul", [em1, scalar(c, n, SELU_SCALE * SELU_ALPHA)])])]
-
-
-def expm1(c, n, x):
-    """Kahan's (u - 1) x / log(u), u = exp(x), where it matters (|x| < 0.5); exp(x) - 1 beyond,
-    where it is as exact and reaches -1 and inf (the correction's log(0) and inf / inf do not).
-    The small branch runs on x clamped to where it is finite."""
-    small = c.op("Less", [c.op("Abs", [x]), scalar(c, n, 0.5)])
-    xs = c.op("Where", [small, x, scalar(c, n, 0.25)])
-    u = c.op("Exp", [xs])
-    um1 = c.op("Sub", [u, scalar(c, n, 1)])
-    one = c.op("Equal", [um1, scalar(c, n, 0)])  # exp(x) rounds to 1: expm1(x) = x
-    lu = c.op("Where", [one, scalar(c, n, 1), c.op("Log", [u])])
-    kahan = c.op("Where", [one, xs, c.op("Div", [c.op("Mul", [um1, xs]), lu])])
-    big = c.op("Sub", [c.op("Exp", [x]), scalar(c, n, 1)])
-    return c.op("Where", [small, kahan, big])
+    return [special.expm1(c, n, c.x(n))]
 
 
 def _x_is_zero(c, n, f):
@@ -1175,19 +1128,25 @@ def _tensor_scatter(c, n):
                  reduction=TENSOR_SCATTER[n.op])]
 
 
-SEGMENT = {"UnsortedSegmentSum": ("add", 0), "UnsortedSegmentProd": ("mul", 1),
-           "UnsortedSegmentMax": ("max", "lowest"), "UnsortedSegmentMin": ("min", "highest")}
+SEGMENT = {"UnsortedSegmentSum": "add", "UnsortedSegmentProd": "mul",
+           "UnsortedSegmentMax": "max", "UnsortedSegmentMin": "min"}
+
+
+def _identity(red: str, dt: np.dtype):
+    """The identity of ScatterND's reduction ``red`` in dtype dt (0, 1, its lowest, highest)."""
+    if red in ("add", "mul"):
+        return int(red == "mul")
+    info = np.finfo(dt) if dt.kind == "f" else np.iinfo(dt)
+    return info.min if red == "max" else info.max
 
 
 @handler(*SEGMENT)
 def _unsorted_segment(c, n):
     """(data, ids, num): out[ids[i], ...] (+)= data[i, ...], out's other rows TF's identity
     for the reduction (0, 1, the dtype's lowest/highest)."""
-    red, init = SEGMENT[n.op]
+    red = SEGMENT[n.op]
     dt = np.dtype(np_type(n))
-    if isinstance(init, str):
-        info = np.finfo(dt) if dt.kind == "f" else np.iinfo(dt)
-        init = info.min if init == "lowest" else info.max
+    init = _identity(red, dt)
     data, ids = c.x(n, 0), as_i64(c, c.x(n, 1))
     tail = _shape_after(c, data, ids)
     shape = c.op("Concat", [c.op("Reshape", [as_i64(c, c.x(n, 2)), c.i64(1)]), tail], axis=0)
@@ -1210,10 +1169,7 @@ def _sorted_segment(c, n):
     SegmentMean (TF's integer mean truncates, as ONNX's integer Div)."""
     red = SORTED_SEGMENT[n.op]
     dt = np.dtype(np_type(n))
-    init = {"add": 0, "mul": 1}.get(red)
-    if init is None:
-        info = np.finfo(dt) if dt.kind == "f" else np.iinfo(dt)
-        init = info.min if red == "max" else info.max
+    init = _identity(red, dt)
     data, ids = c.x(n, 0), c.op("Reshape", [as_i64(c, c.x(n, 1)), c.i64(-1)])
     last = c.op("Slice", [c.op("Concat", [c.i64(-1), ids], axis=0), c.i64(-1), c.i64(BIG)])
     tail = c.op("Shape", [data], start=1)

@@ -17,8 +17,8 @@ TF's float64 kernels (the C library's functions): about 1e-15 relative, the grad
 - sinh, cosh: Taylor series below 0.5 (exp(x) - exp(-x) cancels there), (e +- 1 / e) / 2 up to
   20, exp(|x|) / 2 beyond, as exp(|x| - L) exp(L - log(2)) with an exact subtraction (no
   overflow before sinh's and cosh's own, in the value or the gradient).
-- log1p (:func:`log1p`, for the inverse hyperbolic functions): x - x^2 / 2, Kahan's form, or
-  log(1 + x), by magnitude.
+- log1p and expm1 (:func:`log1p`, :func:`expm1`; any float type, TF's Log1p and Expm1 too):
+  Kahan's forms below 0.5 in magnitude, log(1 + x) and exp(x) - 1 beyond.
 - asinh(|x|) = log1p(a + a^2 / (1 + sqrt(1 + a^2))), log(a) + log(2) above 2^28; acosh(x) =
   log1p(t + sqrt(t) sqrt(t + 2)), t = x - 1; atanh(a) = (log1p(a) - log1p(-a)) / 2 (the two
   logs have opposite signs: no cancellation); odd functions by their symmetry, and x itself
@@ -118,20 +118,36 @@ def _odd(c, n, x, v):
 
 # -- logarithm -----------------------------------------------------------------------------------
 def log1p(c, n, x):
-    """log(1 + x): x - x^2 / 2 below 2^-29 (the next term is under an ulp); Kahan's
-    log(u) * x / (u - 1), u = 1 + x rounded (never 1 there), below 0.5, where 1 + x loses
-    digits; log(1 + x) beyond, as exact there (1 + x is exact from -1 to -0.5), which reaches
-    -inf at -1 and inf at inf, with gradient 1 / (1 + x)."""
+    """log(1 + x), any float type: Kahan's log(u) * x / (u - 1), u = 1 + x, where 1 + x loses
+    digits (|x| < 0.5; x itself where 1 + x rounds to 1); log(1 + x) beyond, as exact there (1 + x
+    is exact from -1 to -0.5), which reaches -inf at -1 and inf at inf (the ratio's inf / inf
+    does not), with gradient 1 / (1 + x). The small branch runs on x clamped to where it is
+    finite, and a value that may be -0 is Where's second choice."""
     one = _k(c, n, 1)
-    a = c.op("Abs", [x])
-    big, mid = _at_least(c, n, a, 0.5), _at_least(c, n, a, TINY / 2)
-    xs = _where(c, mid, _k(c, n, 0), x)
-    series = c.op("Sub", [xs, c.op("Mul", [c.op("Mul", [xs, xs]), _k(c, n, 0.5)])])
-    xk = _where(c, c.op("And", [mid, c.op("Not", [big])]), x, _k(c, n, 0.25))
-    u = c.op("Add", [xk, one])
-    kahan = c.op("Div", [c.op("Mul", [c.op("Log", [u]), xk]), c.op("Sub", [u, one])])
+    big = _at_least(c, n, c.op("Abs", [x]), 0.5)
+    xs = _where(c, big, _k(c, n, 0.25), x)
+    u = c.op("Add", [xs, one])
+    d = c.op("Sub", [u, one])
+    inexact = c.op("Greater", [c.op("Abs", [d]), _k(c, n, 0)])
+    ratio = c.op("Div", [c.op("Mul", [c.op("Log", [u]), xs]), _where(c, inexact, d, one)])
     direct = c.op("Log", [c.op("Add", [_where(c, big, x, one), one])])
-    return _where(c, big, direct, _where(c, mid, kahan, series))
+    return _where(c, big, direct, _where(c, inexact, ratio, xs))
+
+
+def expm1(c, n, x):
+    """exp(x) - 1, any float type: Kahan's (u - 1) x / log(u), u = exp(x), where it matters
+    (|x| < 0.5); exp(x) - 1 beyond, where it is as exact and reaches -1 and inf (the
+    correction's log(0) and inf / inf do not). The small branch runs on x clamped to where it
+    is finite."""
+    one = _k(c, n, 1)
+    small = c.op("Less", [c.op("Abs", [x]), _k(c, n, 0.5)])
+    xs = _where(c, small, x, _k(c, n, 0.25))
+    u = c.op("Exp", [xs])
+    um1 = c.op("Sub", [u, one])
+    exact = c.op("Equal", [um1, _k(c, n, 0)])  # exp(x) rounds to 1: expm1(x) = x
+    lu = _where(c, exact, one, c.op("Log", [u]))
+    kahan = _where(c, exact, xs, c.op("Div", [c.op("Mul", [um1, xs]), lu]))
+    return _where(c, small, kahan, c.op("Sub", [c.op("Exp", [x]), one]))
 
 
 # -- inverse trigonometric -----------------------------------------------------------------------
