@@ -403,7 +403,8 @@ def test_conv_dx_by_cols_versus_torch(case, symbolic):
 def test_conv_dx_form_at_the_blocked_conv_boundary(xs, s, cols):
     """Unit strides on images of 64 output positions or more take the flipped Conv (the
     Trainer runs it in onnxruntime's blocked layout, faster there); fewer positions (7x9), or
-    strides (16x16 / 2: 8x8 outputs), the columns and Col2Im."""
+    strides (16x16 / 2: 8x8 outputs), the columns and Col2Im; against torch and finite
+    differences."""
     import torch.nn.functional as F
     feeds = {"x": rnd(xs), "w": rnd((5, 4, 3, 3), 1), "b": rnd((5,), 2)}
     m = model_of("Conv", feeds, strides=s, pads=[1, 1, 1, 1])
@@ -411,6 +412,7 @@ def test_conv_dx_form_at_the_blocked_conv_boundary(xs, s, cols):
     assert sum(n.op_type == "Col2Im" for n in res.model.graph.node) == int(cols)
     versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: F.conv2d(x, w, b, stride=s,
                                                                      padding=1))
+    fd(m, feeds)
 
 
 def test_conv_dx_by_cols_second_order_versus_torch():
