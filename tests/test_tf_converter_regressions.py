@@ -624,6 +624,38 @@ def test_freezing_failure_says_what_failed(tmp_path):
         convert(str(tmp_path / "assign"))
 
 
+_ACT_GRADS = {"selu": tf.nn.selu, "elu": tf.nn.elu, "relu": tf.nn.relu, "relu6": tf.nn.relu6,
+              "leaky_relu": lambda x: tf.nn.leaky_relu(x, 0.3), "softplus": tf.nn.softplus,
+              "softsign": tf.nn.softsign}
+_EDGES = [0.0, -0.0, 1e-30, -1e-30, 1e-8, -1e-8, 6.0, 5.9999995, 6.0000005, 1.0, -1.0, 20.0,
+          -20.0, 100.0, -100.0]
+
+
+@pytest.mark.parametrize("act", sorted(_ACT_GRADS))
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(more=st.lists(st.floats(-30, 30, width=32), max_size=8))
+def test_tf_activation_grad_graphs_at_their_edges(act, more):
+    """TF's own gradient graphs of the activations (ReluGrad, Relu6Grad, EluGrad, SeluGrad,
+    LeakyReluGrad, SoftplusGrad, SoftsignGrad), converted, equal TF at the points where their
+    branches meet (0, -0, outputs that round to 0, Relu6's 6), far out, and at drawn points."""
+    xs = _EDGES + more
+    fn = _ACT_GRADS[act]
+
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [None], name="x")
+        gy = tf.compat.v1.placeholder(tf.float32, [None], name="gy")
+        return x, gy, tf.identity(tf.gradients(fn(x), x, grad_ys=gy)[0], name="gx")
+    graph, (x, gy, gx) = tf1_graph(build)
+    xv = np.array(xs, np.float32)
+    gys = np.linspace(0.5, 1.5, xv.size).astype(np.float32)
+    want = tf_run(graph, [gx], {x: xv, gy: gys})[0]
+    model = convert(graph.as_graph_def(), inputs=["x:0", "gy:0"], outputs=["gx:0"])
+    got = ort_run(model, {"x:0": xv, "gy:0": gys}, ["gx:0"])[0]
+    # atol: SoftplusGrad is dy * Sigmoid(x), and onnxruntime's float32 Sigmoid is exact to
+    # ~1e-7 absolute, not relative (sigmoid(-7.9) 2e-4 off, sigmoid(-20) = 2e-9 comes out 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-7, err_msg=act)
+
+
 @pytest.mark.parametrize("act", ["selu", "elu"])
 def test_tf_selu_and_elu_grad_at_zero_outputs(act):
     """TF's SeluGrad and EluGrad take the negative branch only where the output is < 0: at an
