@@ -19,6 +19,7 @@ import onnx
 import onnx_ir as ir
 
 from . import rules as _rules  # noqa: F401  (registers every rule)
+from .aliasing import private_statistics
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, compatible_dims, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError, UnsupportedError)
@@ -144,6 +145,7 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     names = _outputs(e, graph, xs, x_vals, results, unconnected)
     _drop_dead(graph, e.nodes)
     out = attach_functions(_to_proto(proto, irm, forward, declared, kept))
+    private_statistics(out)
     for vi in out.graph.value_info:  # their rank alone (see _computed_reshapes)
         if vi.name in reshaped:
             for d in vi.type.tensor_type.shape.dim:
