@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tf_util import ort_run, tf, tf1_graph, tf_run
 
 import onnxgrad
-from onnxgrad.converters.tensorflow import ConversionError, convert
+from onnxgrad.converters.tensorflow import convert
 
 v1 = tf.compat.v1
 
@@ -39,12 +39,15 @@ def upstream(shape):
 
 
 def _close(got, want, what):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=what)
+    """float32 sums of products of values up to ~35 (:func:`distinct`): absolute error relative
+    to the largest value (cancellation leaves small results with large ones' rounding)."""
+    scale = max(1.0, float(np.abs(want).max())) if np.size(want) else 1.0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=what)
 
 
-def check(fn, x, static=True, grad=True, tf_grad_graph=True):
+def check(fn, x, static=True, grad=True):
     """fn(x) in a TF1 graph with x's spatial sizes static or not: forward, onnxgrad's gradient
-    and TF's gradient graph converted (tf_grad_graph=False: a clear error), all against TF."""
+    and TF's gradient graph converted, all against TF."""
     def build():
         shape = list(x.shape) if static else [x.shape[0], *[None] * (x.ndim - 2), x.shape[-1]]
         xp = v1.placeholder(tf.float32, shape, name="x")
@@ -68,10 +71,6 @@ def check(fn, x, static=True, grad=True, tf_grad_graph=True):
     res = onnxgrad.gradients(model, "y:0", ["x:0"], grad_ys=["gy"])
     onnx.checker.check_model(res.model, full_check=True)
     _close(ort_run(res.model, {"x:0": x, "gy": gys}, res.grads)[0], want_g, "onnxgrad gradient")
-    if not tf_grad_graph:
-        with pytest.raises(ConversionError, match="must be known statically"):
-            convert(gd, inputs=["x:0", "gy:0"], outputs=[gx.name])
-        return model
     m2 = convert(gd, inputs=["x:0", "gy:0"], outputs=[gx.name])
     _close(ort_run(m2, {"x:0": x, "gy:0": gys}, [gx.name])[0], want_g, "TF's gradient graph")
     return model
@@ -99,18 +98,13 @@ CASES = {  # name: (fn, input shape); every one has a stride larger than its win
     "avg_pool3d": (lambda x: tf.nn.avg_pool3d(x, [1, 2, 1], [3, 3, 2], "SAME"), [1, 5, 6, 4, 2]),
     "conv3d": (lambda x: tf.nn.conv3d(x, W3, [1, 3, 3, 2, 1], "SAME"), [1, 5, 6, 4, 3]),
 }
-# TF's gradient graphs whose ops need static spatial sizes (Conv*BackpropInput's and
-# AvgPoolGrad's output shapes): with unknown sizes, a clear error
-STATIC_GRADIENT_GRAPH = {"avg_pool1d", "conv1d", "avg_pool2d", "conv2d", "depthwise",
-                         "avg_pool3d", "conv3d"}
 
 
 @pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_same_padding_stride_past_the_window(name, static):
     fn, shape = CASES[name]
-    model = check(fn, distinct(shape), static=static,
-                  tf_grad_graph=static or name not in STATIC_GRADIENT_GRAPH)
+    model = check(fn, distinct(shape), static=static)
     if static:  # explicit pads, never an auto_pad that onnxruntime may take negative
         assert not any(a.name == "auto_pad" for nd in model.graph.node for a in nd.attribute)
 
@@ -196,4 +190,4 @@ def test_same_padding_generated(case):
     else:
         pool = tf.nn.max_pool if op == "max" else tf.nn.avg_pool
         fn = lambda x: pool(x, kernel, strides, "SAME")  # noqa: E731
-    check(fn, x, static=static, tf_grad_graph=static or op == "max")
+    check(fn, x, static=static)

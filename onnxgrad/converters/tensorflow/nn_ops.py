@@ -8,7 +8,9 @@ at the end. A stride larger than the window makes total negative, which ONNX's
 ``auto_pad=SAME_UPPER`` does not clamp (onnxruntime's pools refuse it), so every window op (Conv,
 the pools, the gradients that recompute them) pads as :func:`_window` says: explicit pads from the
 static spatial sizes, else SAME_UPPER where it cannot go negative (unit dilations, every window at
-least its stride), else a Pad computed at run time from Shape.
+least its stride), else a Pad computed at run time from Shape. The gradients given the input's
+sizes as a vector (Conv*BackpropInput, AvgPoolGrad) read them statically where they can, else
+take the full transposed op and cut it to the run-time sizes (:func:`_crop`).
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def _window(c, n, g, op, x, size, weight=None, dilations=True, **attrs):
     a = {"strides": g.strides, **({"dilations": g.dilations} if dilations else {}), **attrs}
     if pad is not None:
         return c.op(op, ins, **a, **pad)
-    pads = _same_pads(c, n, g, x, g.dilations if dilations else None, weight)
+    pads = _same_pads(c, n, g, _sizes(c, x), g.dilations if dilations else None, weight)
     if op == "MaxPool":
         return c.op(op, [_pad(c, n, x, pads, low=True)], **a)
     y = c.op(op, [_pad(c, n, x, pads), *ins[1:]], **a)
@@ -110,7 +112,7 @@ def _max_pool(c, n, g, x, size):
     if pad is not None:
         y, idx = c.op("MaxPool", [x], n_out=2, **a, **pad)
         return y, idx, None
-    pads = _same_pads(c, n, g, x, None)
+    pads = _same_pads(c, n, g, _sizes(c, x))
     y, idx = c.op("MaxPool", [_pad(c, n, x, pads, low=True)], n_out=2, **a)
     return y, idx, pads
 
@@ -140,12 +142,16 @@ def _pad(c, n, x, pads, low=False):
     return c.op("Pad", [x, pads, scalar(c, n, fill)])
 
 
-def _same_pads(c, n, g, x, dilations=None, weight=None):
-    """The Pad pads (int64 [2 * rank]: zeros for N and C) of TF's SAME over the channels-first x
-    (``dilations`` None: unit ones), from its run-time spatial sizes (and the kernel's, from the
-    ONNX weight's shape, when it is not known statically)."""
+def _sizes(c, x):
+    """The run-time spatial sizes (int64) of the channels-first x."""
+    return c.op("Shape", [x], start=2)
+
+
+def _same_pads(c, n, g, size, dilations=None, weight=None):
+    """The Pad pads (int64 [2 * rank]: zeros for N and C) of TF's SAME over the run-time spatial
+    sizes ``size`` (``dilations`` None: unit ones; the kernel's sizes from the ONNX weight's
+    shape when they are not known statically)."""
     dilations = dilations or [1] * len(g.strides)
-    size = c.op("Shape", [x], start=2)
     s = c.i64(*g.strides)
     if g.kernel is not None:
         eff = c.i64(*[(k - 1) * dd + 1 for k, dd in zip(g.kernel, dilations)])
@@ -168,15 +174,44 @@ def _static_spatial(c, n, ref):
     return None if s is None else _spatial(c, n, s)
 
 
-def _known(c, n, i, what, spatial=False) -> list:
-    """A shape vector that conv gradients need statically (all of it, or its spatial part):
-    constant input i (input_sizes, filter_sizes), or else the node's own output shape."""
+def _known(c, n, i, what=None, spatial=False):
+    """A shape vector of a conv gradient known statically (all of it, or its spatial part):
+    constant input i (input_sizes, filter_sizes), or else the node's own output shape. Where it
+    is not: None, or (``what`` it is given) an error."""
     k = _shape_vector(c, n, i)
     part = None if k is None else (_spatial(c, n, k) if spatial else list(k))
     if part is None or None in part:
+        if what is None:
+            return None
         raise ConversionError(f"{n}: {what} must be known statically (export the graph with "
                               "add_shapes=True)")
     return [int(d) for d in part]
+
+
+def _run_sizes(c, n, r):
+    """The spatial sizes (int64, at run time) in the shape vector input 0 (input_sizes)."""
+    lo = 1 if _channels_last(c, n) else 2
+    return c.op("Slice", [as_i64(c, c.x(n, 0)), c.i64(lo), c.i64(lo + r - 2)])
+
+
+def _run_pads(c, n, g, size):
+    """The Pad pads of the forward window op (as :func:`_same_pads`) over the run-time spatial
+    sizes ``size``: TF's SAME computed from them, else the explicit (VALID: zero) pads."""
+    if g.padding == "SAME":
+        return _same_pads(c, n, g, size, g.dilations)
+    b, e = zip(*g.explicit) if g.explicit else ([0] * len(g.strides),) * 2
+    return c.i64(0, 0, *b, 0, 0, *e)
+
+
+def _crop(c, full, pads, size, r):
+    """The gradient of the forward op's input from the full transposed window op (no pads, no
+    output_padding, over the forward's padded input): cut from the begin pads to ``size``, and
+    zeros after its end where the forward's last rows were in no window (VALID, or a stride past
+    the window)."""
+    begin = c.op("Slice", [pads, c.i64(2), c.i64(r)])
+    y = c.op("Slice", [full, begin, c.op("Add", [begin, size]), c.i64(*range(2, r))])
+    short = c.op("Sub", [size, _sizes(c, y)])
+    return c.op("Pad", [y, c.op("Concat", [c.i64(*[0] * (r + 2)), short], axis=0)])
 
 
 def _shape_vector(c, n, i):
@@ -184,15 +219,6 @@ def _shape_vector(c, n, i):
     for unknown dims), or None."""
     k = c.const_input(n, i)
     return (c.attr(n, "_output_shapes") or [None])[0] if k is None else k
-
-
-def _input_sizes(c, n, ref) -> list[int]:
-    """The spatial sizes of the forward op's input ``ref``."""
-    s = static_shape(c, ref)
-    size = None if s is None else _spatial(c, n, s)
-    if size is None or None in size:
-        raise ConversionError(f"{n}: the spatial sizes of {ref} must be known statically")
-    return size
 
 
 def _filter_shape(c, n, ref) -> list[int]:
@@ -223,17 +249,16 @@ def _weight(c, n, ref, r, channels=None):
     Conv2D/Conv3D: the input's ``channels`` over the filter's, TF's grouped convolution)."""
     w = c.value(ref)
     if "Depthwise" not in n.op:
-        return _oihw(c, w, r), _groups(c, n, ref, r, channels)
+        fs = static_shape(c, ref)
+        return _oihw(c, w, r), _groups(n, channels, None if fs is None else fs[r - 2])
     kh, kw, cin, m = _filter_shape(c, n, ref)
     return _oihw(c, c.op("Reshape", [w, c.i64(kh, kw, 1, cin * m)]), r), cin
 
 
-def _groups(c, n, ref, r, channels) -> int:
-    """TF convolves in groups when the input has a multiple of the filter's input channels
-    (ONNX needs the count as an attribute: an input whose channels are not known statically
-    is taken as ungrouped, which onnxruntime checks when it runs)."""
-    fs = static_shape(c, ref)
-    per = None if fs is None else fs[r - 2]
+def _groups(n, channels, per) -> int:
+    """TF convolves in groups when the input has a multiple of the filter's ``per`` input
+    channels (ONNX needs the count as an attribute: an input whose channels are not known
+    statically is taken as ungrouped, which onnxruntime checks when it runs)."""
     if channels is None or per is None or channels == per:
         return 1
     if channels % per:
@@ -256,15 +281,26 @@ BACKPROP_INPUT = {"Conv2DBackpropInput": 4, "Conv3DBackpropInputV2": 5,
 
 @handler(*BACKPROP_INPUT)
 def _conv_backprop_input(c, n):
-    """(input_sizes, filter, dy) -> dx: the transposed convolution, padded like the forward."""
+    """(input_sizes, filter, dy) -> dx: the transposed convolution, padded like the forward
+    (ConvTranspose's pads and output_padding are attributes: where the input's spatial sizes
+    are the run time's, the full transposed convolution is cut to them, :func:`_crop`)."""
     r = BACKPROP_INPUT[n.op]
-    w, group = _weight(c, n, n.inputs[1], r, _channels(c, n, _shape_vector(c, n, 0), r))
-    kernel = _filter_shape(c, n, n.inputs[1])[:r - 2]
-    g = _Geom(c, n, r, kernel)
-    b, e, _, extra = g.pads(_known(c, n, 0, "the input's spatial sizes", spatial=True))
-    y = c.op("ConvTranspose", [_to_cf(c, n, c.x(n, 2), r), w], group=group, strides=g.strides,
-             dilations=g.dilations, pads=b + e, output_padding=extra)
-    return [_from_cf(c, n, y, r)]
+    channels = _channels(c, n, _shape_vector(c, n, 0), r)
+    w, group = _weight(c, n, n.inputs[1], r, channels)
+    g = _Geom(c, n, r, _filter_shape(c, n, n.inputs[1])[:r - 2])
+    dy, a = _to_cf(c, n, c.x(n, 2), r), {"group": group, "strides": g.strides,
+                                          "dilations": g.dilations}
+    size = _known(c, n, 0, spatial=True)
+    if size is not None:
+        b, e, _, extra = g.pads(size)
+        y = c.op("ConvTranspose", [dy, w], **a, pads=b + e, output_padding=extra)
+    else:
+        size = _run_sizes(c, n, r)
+        y = _crop(c, c.op("ConvTranspose", [dy, w], **a), _run_pads(c, n, g, size), size, r)
+    y = _from_cf(c, n, y, r)
+    # (channels unknown: taken as ungrouped; the Reshape to input_sizes makes a grouped one
+    # fail when it runs, rather than give a dx of the filter's input channels)
+    return [y if channels is not None else c.op("Reshape", [y, as_i64(c, c.x(n, 0))])]
 
 
 BACKPROP_FILTER = {"Conv2DBackpropFilter": 4, "Conv3DBackpropFilterV2": 5,
@@ -275,27 +311,37 @@ BACKPROP_FILTER = {"Conv2DBackpropFilter": 4, "Conv3DBackpropFilterV2": 5,
 def _conv_backprop_filter(c, n):
     """(x, filter_sizes, dy) -> dfilter: a convolution of x (channels as the batch) with dy
     (batch as the channels) whose stride is the forward dilation and dilation the forward
-    stride, cut to the kernel size."""
+    stride, cut to the kernel size. Grouped (TF's grouped Conv2D, with G * per input channels;
+    depthwise, a group per channel of M outputs each) it is a grouped Conv: x as [per, G * N,
+    *spatial], so that group k pairs x's channels k * per .. with dy's k-th block of outputs."""
     r = BACKPROP_FILTER[n.op]
     fshape = _known(c, n, 1, "the filter's shape")
     kernel, cin, cout = fshape[:r - 2], fshape[r - 2], fshape[r - 1]
+    depthwise = "Depthwise" in n.op
     channels = _channels(c, n, static_shape(c, n.inputs[0]), r)
-    if "Depthwise" not in n.op and channels is not None and channels != cin:
-        raise ConversionError(f"{n}: the filter gradient of a grouped convolution ({channels} "
-                              f"input channels, {cin} per group) has no converter yet")
+    group, per = (cin, 1) if depthwise else (_groups(n, channels, cin), cin)
     g = _Geom(c, n, r, kernel)
-    size = _input_sizes(c, n, n.inputs[0])
-    b, e, _, _ = g.pads(size)
     perm = [r - 1, 0, *range(1, r - 1)] if _channels_last(c, n) else [1, 0, *range(2, r)]
     x = c.op("Transpose", [c.x(n, 0)], perm=perm)  # [C, N, *spatial]
     dy = c.op("Transpose", [c.x(n, 2)], perm=perm)  # [O, N, *out]
-    group = 1
-    if "Depthwise" in n.op:  # channel c of x pairs with dy's channels c*M .. c*M+M-1
-        x = c.op("Reshape", [x, c.i64(1, -1, *size)])
-        group = cin
-    y = c.op("Conv", [x, dy], group=group, strides=g.dilations, dilations=g.strides, pads=b + e)
+    # (channels unknown: taken as ungrouped; the Reshape to [per, -1, ...] makes a grouped x
+    # fail in the Conv when it runs, rather than give a filter of the wrong shape)
+    if group > 1 or channels is None:
+        spatial = _sizes(c, x)
+        if group > 1 and per > 1:  # [G * per, N, ...] -> [per, G, N, ...]
+            x = c.op("Reshape", [x, c.op("Concat", [c.i64(group, per), c.op(
+                "Shape", [x], start=1)], axis=0)])
+            x = c.op("Transpose", [x], perm=[1, 0, *range(2, r + 1)])
+        x = c.op("Reshape", [x, c.op("Concat", [c.i64(per, -1), spatial], axis=0)])
+    size = _static_spatial(c, n, n.inputs[0])
+    if g.padding == "SAME" and (size is None or None in size):  # SAME from the run-time sizes
+        # (never SAME_UPPER: this Conv's windows are not the forward's)
+        x, pads = _pad(c, n, x, _same_pads(c, n, g, _sizes(c, x), g.dilations)), {}
+    else:
+        pads = _pad_attrs(g, size)
+    y = c.op("Conv", [x, dy], group=group, strides=g.dilations, dilations=g.strides, **pads)
     y = c.op("Slice", [y, c.i64(*[0] * (r - 2)), c.i64(*kernel), c.i64(*range(2, r))])
-    if "Depthwise" in n.op:
+    if depthwise:
         y = c.op("Reshape", [y, c.i64(cin, cout, *kernel)])
     return [c.op("Transpose", [y], perm=[*range(2, r), 0, 1])]
 
@@ -422,24 +468,35 @@ AVG_POOL_GRAD = {"AvgPoolGrad": 4, "AvgPool3DGrad": 5}
 @handler(*AVG_POOL_GRAD)
 def _avg_pool_grad(c, n):
     """(input_shape, dy) -> dx: dy over each window's count of real (unpadded) pixels, spread
-    back by a transposed convolution with a kernel of ones, one channel at a time."""
+    back by a transposed convolution with a kernel of ones, one channel at a time. Where the
+    input's spatial sizes are the run time's, so are the counts (a sum pool of ones padded with
+    zeros) and the cut of the full transposed convolution (:func:`_crop`)."""
     r = AVG_POOL_GRAD[n.op]
     kernel = _ksize(c, n)
     g = _Geom(c, n, r, kernel)
     g.dilations = [1] * (r - 2)
-    size = _known(c, n, 0, "the input's spatial sizes", spatial=True)
-    b, e, outs, extra = g.pads(size)
-    count = np.ones((), np.float64)
-    for ax, (o, k, s, bb, n_in) in enumerate(zip(outs, kernel, g.strides, b, size)):
-        lo = np.arange(o) * s - bb
-        cnt = np.minimum(lo + k, n_in) - np.maximum(lo, 0)
-        count = np.multiply.outer(count, cnt)
     dy = _to_cf(c, n, c.x(n, 1), r)
-    per = c.op("Div", [c.op("Reshape", [dy, c.i64(-1, 1, *[0] * (r - 2))]),
-                       c.const(count.astype(np_type(n)))])
     ones = c.const(np.ones([1, 1, *kernel], np_type(n)))
-    dx = c.op("ConvTranspose", [per, ones], strides=g.strides, pads=b + e, output_padding=extra)
-    shape = c.op("Concat", [c.op("Shape", [dy], end=2), c.i64(*size)], axis=0)
+
+    def per(count):  # dy of each channel apart, over the counts
+        return c.op("Div", [c.op("Reshape", [dy, c.i64(-1, 1, *[0] * (r - 2))]), count])
+    size = _known(c, n, 0, spatial=True)
+    if size is not None:
+        b, e, outs, extra = g.pads(size)
+        count = np.ones((), np.float64)
+        for o, k, s, bb, n_in in zip(outs, kernel, g.strides, b, size):
+            lo = np.arange(o) * s - bb
+            count = np.multiply.outer(count, np.minimum(lo + k, n_in) - np.maximum(lo, 0))
+        dx = c.op("ConvTranspose", [per(c.const(count.astype(np_type(n)))), ones],
+                  strides=g.strides, pads=b + e, output_padding=extra)
+        size = c.i64(*size)
+    else:
+        size = _run_sizes(c, n, r)
+        pads = _run_pads(c, n, g, size)
+        real = c.op("Expand", [scalar(c, n, 1), c.op("Concat", [c.i64(1, 1), size], axis=0)])
+        count = c.op("Conv", [_pad(c, n, real, pads), ones], strides=g.strides)
+        dx = _crop(c, c.op("ConvTranspose", [per(count), ones], strides=g.strides), pads, size, r)
+    shape = c.op("Concat", [c.op("Shape", [dy], end=2), size], axis=0)
     return [_from_cf(c, n, c.op("Reshape", [dx, shape]), r)]
 
 
@@ -649,7 +706,12 @@ def _selu_grad(c, n, dy, y):  # y < 0: dy * (y + scale * alpha), else dy * scale
 
 @_grad("SoftplusGrad")
 def _softplus_grad(c, n, dy, x):
-    return _mul(c, dy, c.op("Sigmoid", [x]))
+    """dy * sigmoid(x), sigmoid as exp(x - softplus(x)) below 0: onnxruntime's Sigmoid is exact
+    to ~1e-7 absolute only there (2e-4 relative at -8, 0 from -20 in float32), as onnxgrad's
+    own Softplus rule (rules/activations.py)."""
+    below = c.op("Exp", [c.op("Sub", [x, c.op("Softplus", [x])])])
+    neg = c.op("Less", [x, scalar(c, n, 0)])
+    return _mul(c, dy, c.op("Where", [neg, below, c.op("Sigmoid", [x])]))
 
 
 @_grad("SoftsignGrad")
@@ -694,3 +756,27 @@ def _lrn(c, n):
     y = c.op("LRN", [x], size=size, alpha=float(c.attr(n, "alpha", 1.0)) * size,
              beta=float(c.attr(n, "beta", 0.5)), bias=float(c.attr(n, "bias", 1.0)))
     return [c.op("Transpose", [y], perm=[0, 2, 3, 1])]
+
+
+@handler("LRNGrad")
+def _lrn_grad(c, n):
+    """(dy, x, y) -> dx as TF's kernel: with norm = bias + alpha * S(x^2), S the sum over the
+    channels within depth_radius, dx = dy * norm^-beta - 2 alpha beta x S(dy y / norm) (the
+    window is symmetric: the same S gathers each channel's terms back). S is a Conv of a row of
+    ones over the channels of every pixel at once: x [N, H, W, C] viewed as one image [1, 1,
+    N*H*W, C] (one large Conv; pixels as the batch would run N*H*W tiny ones)."""
+    dy, x, y = (c.x(n, i) for i in range(3))
+    rad = int(c.attr(n, "depth_radius", 5))
+    alpha, beta = float(c.attr(n, "alpha", 1.0)), float(c.attr(n, "beta", 0.5))
+    shape = c.op("Shape", [x])
+    image = c.op("Concat", [c.i64(1, 1, -1), c.op("Shape", [x], start=-1)], axis=0)
+    ones = c.const(np.ones([1, 1, 1, 2 * rad + 1], np_type(n)))
+
+    def window(v):
+        return c.op("Reshape", [c.op("Conv", [c.op("Reshape", [v, image]), ones],
+                                     pads=[0, rad, 0, rad]), shape])
+    norm = c.op("Add", [_mul(c, window(_mul(c, x, x)), scalar(c, n, alpha)),
+                        scalar(c, n, float(c.attr(n, "bias", 1.0)))])
+    back = window(c.op("Div", [_mul(c, dy, y), norm]))
+    return [c.op("Sub", [_mul(c, dy, c.op("Pow", [norm, scalar(c, n, -beta)])),
+                         _mul(c, x, back, scalar(c, n, 2 * alpha * beta))])]
