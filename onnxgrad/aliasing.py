@@ -27,7 +27,7 @@ from .inference import graphs_of, model_opset, node_subgraphs, unique_name
 _STATS = (3, 4)  # input_mean, input_var
 
 
-def _training_bn(n: onnx.NodeProto, opset: int) -> bool:
+def training_bn(n: onnx.NodeProto, opset: int) -> bool:
     if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx"):
         return False
     if opset >= 14:
@@ -48,7 +48,7 @@ class _Guard:
 
     def slots(self, n: onnx.NodeProto, opset: int) -> tuple:
         """The input indices of ``n`` at which onnxruntime may write the statistics."""
-        if _training_bn(n, opset):
+        if training_bn(n, opset):
             return _STATS
         key = (n.domain, n.op_type)
         if key not in self.funcs:

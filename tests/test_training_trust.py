@@ -186,6 +186,28 @@ def test_batchnorm_statistics_are_not_trained(tmp_path):
     assert tr.params == ["1.running_mean"] and tr.left_out == {}
 
 
+def test_training_mode_batchnorm_statistics_are_said_to_stay(tmp_path, caplog):
+    """A training-mode export's BatchNormalization normalizes with batch statistics, and the
+    Trainer does not update its running statistics (PyTorch would): it says so, naming them,
+    and they come back as given."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3),
+                              torch.nn.Linear(3, 2)).train()
+    path = str(tmp_path / "bn_train.onnx")
+    _quiet_export(net, path, dynamo=False, dynamic_axes={"x": {0: "N"}},
+                  training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+    given = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
+    with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
+        tr = Trainer(path, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False)
+    said = [r.getMessage() for r in caplog.records if "running statistics" in r.getMessage()]
+    assert len(said) == 1 and "1.running_mean, 1.running_var" in said[0], said
+    x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    tr.step({"x": x, "target": np.zeros((8, 2), np.float32)})
+    out = {t.name: numpy_helper.to_array(t) for t in tr.trained_model().graph.initializer}
+    for k in ("1.running_mean", "1.running_var"):
+        np.testing.assert_array_equal(out[k], given[k])
+
+
 def test_torch_export_constants_and_buffers_are_not_trained(tmp_path, caplog):
     pytest.importorskip("onnxscript")
 

@@ -33,6 +33,7 @@ import onnx
 import onnx.inliner
 from onnx import TensorProto, helper, numpy_helper
 
+from ..aliasing import training_bn
 from ..autodiff import gradients
 from ..inference import model_opset
 from ..registry import lookup, own_domain
@@ -209,6 +210,14 @@ def _bn_statistics(model: onnx.ModelProto) -> dict[str, str]:
                 walk(f.node, {fi: name(ai) for fi, ai in zip(f.input, n.input) if ai}, depth + 1)
     walk(model.graph.node, None, 0)
     return out
+
+
+def training_statistics(model: onnx.ModelProto) -> list[str]:
+    """The running statistics (inputs 3 and 4) of the main graph's training-mode
+    BatchNormalizations, which a step reads but does not update."""
+    opset = model_opset(model)
+    return list(dict.fromkeys(n.input[i] for n in model.graph.node if training_bn(n, opset)
+                              for i in (3, 4) if len(n.input) > i and n.input[i]))
 
 
 def _resolve_params(m: onnx.ModelProto, params, frozen):

@@ -63,8 +63,9 @@ from .nchwc import blocked_convs
 from .optimizers import check_number
 from .optimizers import AdamW, Optimizer
 from .grad_layout import stored_gradients
-from .step import (_params_to_inputs, _prune, build_accumulate_model,
-                   build_apply_model, build_gradient_model, build_train_step, with_defaults)
+from .step import (_log, _params_to_inputs, _prune, build_accumulate_model,
+                   build_apply_model, build_gradient_model, build_train_step,
+                   training_statistics, with_defaults)
 
 # -1: without a manifest; -1 and -2: Adam's state as torch's m and v (both still read)
 CHECKPOINT_FORMAT = "onnxgrad-checkpoint-3"
@@ -273,6 +274,13 @@ class Trainer:
         self.data_inputs = list((self.train_step or self._acc).data_inputs)
         #: the float initializers that params=None left out, {name: why} (step.default_params)
         self.left_out = dict(desc.left_out)
+        stale = [t for t in training_statistics(self.model) if t not in self.params]
+        if stale:
+            _log.warning(
+                "BatchNormalization running statistics are not updated by the Trainer: %s keep "
+                "their values (in training mode the model normalizes with each batch's "
+                "statistics; trained_model() and checkpoints hold the statistics as given)",
+                ", ".join(stale))
 
         # device buffers: two sets of params + state; scalars and the loss on the host
         init = dict(desc.initial_params)
