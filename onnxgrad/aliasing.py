@@ -22,7 +22,7 @@ from collections import Counter
 
 import onnx
 
-from .inference import graphs_of, model_opset, node_subgraphs, unique_name
+from .inference import graphs_of, model_opset, names_read, node_subgraphs, unique_name
 
 _STATS = (3, 4)  # input_mean, input_var
 
@@ -75,7 +75,7 @@ class _Guard:
         reads = Counter(i for n in nodes for i in n.input if i)
         for n in nodes:
             for body in node_subgraphs(n):
-                reads.update(_outer_reads(body))
+                reads.update(names_read(body))
         out, changed = [], False
         for n in nodes:
             for i in self.slots(n, opset):
@@ -89,16 +89,6 @@ class _Guard:
                     changed = True
             out.append(n)
         return out if changed else None
-
-
-def _outer_reads(body: onnx.GraphProto) -> set:
-    """Names a subgraph (and those in it) reads from the scopes around it."""
-    out = set()
-    for g in graphs_of(body):
-        made = {o for m in g.node for o in m.output} | {i.name for i in g.input} | \
-               {t.name for t in g.initializer}
-        out |= {i for m in g.node for i in m.input if i and i not in made}
-    return out
 
 
 def private_statistics(model: onnx.ModelProto) -> None:

@@ -117,6 +117,17 @@ def graphs_of(graph: onnx.GraphProto) -> list:
     return out
 
 
+def names_read(graph: onnx.GraphProto) -> set[str]:
+    """Every name the nodes of ``graph`` and of its subgraphs read (those from the scopes
+    around it among them: ONNX names are not shadowed)."""
+    reads = set()
+    for n in graph.node:
+        reads.update(i for i in n.input if i)
+        for sub in node_subgraphs(n):
+            reads |= names_read(sub)
+    return reads
+
+
 def bodies_of(model: onnx.ModelProto) -> list:
     """(nodes, ai.onnx opset) of every graph and subgraph of ``model`` and of every model-local
     function body and its subgraphs, in a fixed order (the same for a copy)."""

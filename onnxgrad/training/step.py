@@ -35,7 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..aliasing import training_bn
 from ..autodiff import gradients
-from ..inference import model_opset
+from ..inference import model_opset, names_read
 from ..registry import lookup, own_domain
 from .losses import _taken, load
 from ..errors import ArgumentTypeError, InvalidArgumentError
@@ -314,7 +314,7 @@ def _prune(m: onnx.ModelProto, outputs: list[str], keep_inputs: list[str]):
             needed.update(i for i in n.input if i)
             for a in n.attribute:  # subgraphs read outer names implicitly
                 for sub in ([a.g] if a.HasField("g") else list(a.graphs)):
-                    needed.update(_outer_reads(sub))
+                    needed.update(names_read(sub))
     live.reverse()
     del g.node[:]
     g.node.extend(live)
@@ -329,16 +329,6 @@ def _prune(m: onnx.ModelProto, outputs: list[str], keep_inputs: list[str]):
     vis = [v for v in g.value_info if v.name in needed]
     del g.value_info[:]
     g.value_info.extend(vis)
-
-
-def _outer_reads(graph: onnx.GraphProto) -> set[str]:
-    reads = set()
-    for n in graph.node:
-        reads.update(i for i in n.input if i)
-        for a in n.attribute:
-            for sub in ([a.g] if a.HasField("g") else list(a.graphs)):
-                reads |= _outer_reads(sub)
-    return reads
 
 
 def _dtype_of(m: onnx.ModelProto, name: str) -> int:
