@@ -607,9 +607,9 @@ def test_lstm_grads():
 
 # -- errors -----------------------------------------------------------------------------------
 def test_unknown_op_names_op_and_node():
-    g, y = tf1_graph(lambda: tf.math.lgamma(v1.placeholder(tf.float32, [2], name="x"),
-                                            name="my_lgamma"))
-    with pytest.raises(ConversionError, match=r"'Lgamma'.*'my_lgamma'"):
+    g, y = tf1_graph(lambda: tf.raw_ops.BesselJ0(x=v1.placeholder(tf.float32, [2], name="x"),
+                                                 name="my_j0"))
+    with pytest.raises(ConversionError, match=r"'BesselJ0'.*'my_j0'"):
         convert(g.as_graph_def(), inputs=["x:0"], outputs=[y.name])
 
 

@@ -23,7 +23,10 @@ SPECIAL = [0.0, -0.0, 1e-30, -1e-30, 1e-8, -1e-8, 1e-4, 0.25, 0.5, -0.5, 0.49999
            1e30, -1e30, np.inf, -np.inf]
 UNARY = {"Expm1": tf.math.expm1, "Log1p": tf.math.log1p, "Softplus": tf.nn.softplus,
          "Elu": tf.nn.elu, "Selu": tf.nn.selu, "Erfc": tf.math.erfc, "Softsign": tf.nn.softsign,
-         "Celu": lambda x: tf.maximum(x, 0.0) + tf.minimum(0.0, 0.7 * tf.math.expm1(x / 0.7))}
+         "Celu": lambda x: tf.maximum(x, 0.0) + tf.minimum(0.0, 0.7 * tf.math.expm1(x / 0.7)),
+         "Lgamma": tf.math.lgamma, "Digamma": tf.math.digamma, "Erfinv": tf.math.erfinv,
+         "Ndtri": tf.math.ndtri, "BesselI0e": tf.math.bessel_i0e, "BesselI1e": tf.math.bessel_i1e,
+         "Trigamma": lambda x: tf.math.polygamma(tf.constant(1.0), x)}
 BINARY = {"Xlogy": tf.math.xlogy, "Xdivy": tf.math.xdivy, "DivNoNan": tf.math.divide_no_nan,
           "MulNoNan": tf.math.multiply_no_nan}
 # TF's ClipByValue op (tf.clip_by_value itself builds Minimum and Maximum, whose ties onnxgrad
@@ -37,6 +40,21 @@ CLIPS = {"clip_by_value": lambda x: tf.raw_ops.ClipByValue(t=x, clip_value_min=-
 # Selu's kink at 0 takes the left derivative here (as torch), TF's SeluGrad the right one, and
 # TF reads the branch from the output, so x = -1e-30 (whose output rounds to 0) gets it too
 DOMAIN = {"Log1p": lambda x: x > -1, "Selu": lambda x: np.abs(x) > 1e-6}
+
+
+def _off_poles(x):
+    return (x > 0) | (x != np.floor(x))
+
+
+# lgamma and psi: off their poles (TF's gradient there is its formula's, NaN or inf);
+# TF's float32 erfinv is inf at 1 - 2^-24 (it rounds (x + 1) / 2), its float32 polygamma wrong
+# below about -7 (tests/test_tf_special_fns.py); TF's i1e gradient, i0e - y (1 + 1 / x), reads
+# its output y = x / 2, flushed to 0 where that is subnormal (1 at 1e-38, not 1/2)
+DOMAIN.update({"Lgamma": _off_poles, "Digamma": _off_poles,
+               "Trigamma": lambda x: _off_poles(x) & (x > -7),
+               "Erfinv": lambda x: (np.abs(x) < 0.9999) | (np.abs(x) == 1),
+               "Ndtri": lambda x: (x >= 0) & (x <= 1),
+               "BesselI1e": lambda x: (np.abs(x) > 1e-37) | (x == 0)})
 
 
 def _both(fn, values):

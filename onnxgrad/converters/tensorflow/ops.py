@@ -16,7 +16,8 @@ import re
 import numpy as np
 from onnx import TensorProto, helper
 
-from . import control_flow, resources, special  # noqa: F401  (the first two register handlers)
+from . import control_flow, resources  # noqa: F401  (they register handlers)
+from . import special, special_gamma
 from .core import Converter, handler, onnx_dtype
 from .errors import ConversionError
 from .graph import TFNode, split_ref
@@ -419,6 +420,49 @@ def _xdivy(c, n):
 def _atan2(c, n):
     """C's atan2(y, x) (:func:`.special.atan2`)."""
     return [special.atan2(c, n, c.x(n, 0), c.x(n, 1))]
+
+
+@handler(*special_gamma.UNARY)
+def _gamma_family(c, n):
+    """Lgamma, Digamma, Erfinv, Ndtri, BesselI0e, BesselI1e: computed in float64 from ops that
+    onnxruntime's CPU has (:mod:`.special_gamma`)."""
+    return [special_gamma.in_float64(c, n, special_gamma.UNARY[n.op], c.x(n))]
+
+
+def _folded(c: Converter, ref: str):
+    """The value of tensor ref when it is a constant, or arithmetic (NP_FOLD's ops) on constants
+    (TF's gradient of Polygamma asks for polygamma(a + 1, x): a float Add, which the converter
+    does not fold), else None."""
+    k = c.consts.get(c.value(ref)) if isinstance(c.value(ref), str) else None
+    p = c.g.nodes.get(split_ref(ref)[0])
+    if k is not None or p is None or p.op not in (*NP_FOLD, "Identity"):
+        return k
+    args = [_folded(c, r) for r in p.inputs]
+    if any(v is None for v in args):
+        return None
+    return args[0] if p.op == "Identity" else NP_FOLD[p.op](*args)
+
+
+@handler("Polygamma")
+def _polygamma(c, n):
+    """polygamma(a, x) for an order a known at conversion time (one value, broadcast with x):
+    digamma for a = 0, psi^(a) (:func:`.special_gamma.polygamma`) for an integer a >= 1, NaN
+    (TF's) for any other a."""
+    a = _folded(c, n.inputs[0])
+    if a is None:
+        raise ConversionError(f"{n}: the order a (input 0, {n.inputs[0]}) must be a constant, "
+                              "or arithmetic on constants")
+    values = np.unique(np.asarray(a, np.float64))
+    if values.size != 1:
+        raise ConversionError(f"{n}: the order a (input 0) must be one value, not {values}")
+    x = c.x(n, 1)
+    if np.ndim(a):  # (the output has a's shape too)
+        x = c.op("Add", [x, c.const(np.zeros(np.shape(a)), np_type(n))])
+    m = values[0]
+    if not (m >= 0 and m == np.floor(m)):
+        return [c.op("Mul", [x, scalar(c, n, np.nan)])]
+    return [special_gamma.in_float64(
+        c, n, lambda c, n, v: special_gamma.polygamma(c, n, v, int(m)), x)]
 
 
 @handler("FloorDiv")

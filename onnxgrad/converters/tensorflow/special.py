@@ -347,17 +347,18 @@ def _erf_pieces(c, n, x, top):
     return b1, b2, b3, x1, r1, pq, tail
 
 
-def erf(c, n, x):
-    """1 - erfc(|x|) from 1.25 (1 from 6, but its gradient is not 0 until 28)."""
-    b1, b2, b3, x1, r1, pq, tail = _erf_pieces(c, n, x, 28.0)
+def erf(c, n, x, pieces=None):
+    """1 - erfc(|x|) from 1.25 (1 from 6, but its gradient is not 0 until 28). ``pieces``:
+    :func:`_erf_pieces` of x, already made (erf and erfc of one x share them)."""
+    b1, b2, b3, x1, r1, pq, tail = pieces or _erf_pieces(c, n, x, 28.0)
     one = _k(c, n, 1)
     y = _where(c, b2, _where(c, b3, one, c.op("Sub", [one, tail])),
                c.op("Add", [_k(c, n, ERX), pq]))
     return _where(c, b1, _odd(c, n, x, y), c.op("Add", [x1, r1]))
 
 
-def erfc(c, n, x):
-    b1, b2, b3, x1, r1, pq, tail = _erf_pieces(c, n, x, 28.0)
+def erfc(c, n, x, pieces=None):
+    b1, b2, b3, x1, r1, pq, tail = pieces or _erf_pieces(c, n, x, 28.0)
     one, two, half = _k(c, n, 1), _k(c, n, 2), _k(c, n, 0.5)
     neg = c.op("Less", [x, _k(c, n, 0)])
     y1 = _where(c, c.op("Less", [x1, _k(c, n, 0.25)]), c.op("Sub", [one, c.op("Add", [x1, r1])]),
@@ -367,6 +368,12 @@ def erfc(c, n, x):
     y3 = _where(c, neg, c.op("Sub", [two, tail]), tail)
     y4 = _where(c, neg, two, _k(c, n, 0))
     return _where(c, b1, _where(c, b2, _where(c, b3, y4, y3), y2), y1)
+
+
+def erf_and_erfc(c, n, x):
+    """(erf(x), erfc(x)) from one set of pieces."""
+    pieces = _erf_pieces(c, n, x, 28.0)
+    return erf(c, n, x, pieces), erfc(c, n, x, pieces)
 
 
 FLOAT64 = {"Tan": tan, "Asin": asin, "Acos": acos, "Atan": atan, "Sinh": sinh, "Cosh": cosh,
