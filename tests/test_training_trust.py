@@ -186,26 +186,84 @@ def test_batchnorm_statistics_are_not_trained(tmp_path):
     assert tr.params == ["1.running_mean"] and tr.left_out == {}
 
 
-def test_training_mode_batchnorm_statistics_are_said_to_stay(tmp_path, caplog):
-    """A training-mode export's BatchNormalization normalizes with batch statistics, and the
-    Trainer does not update its running statistics (PyTorch would): it says so, naming them,
-    and they come back as given."""
+def _bn_net(momentum=0.3):
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3),
-                              torch.nn.Linear(3, 2)).train()
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=momentum),
+                               torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 2))
+
+
+@pytest.mark.parametrize("kw", [{}, {"fused_optimizer": False}, {"accumulation_steps": 2}],
+                         ids=["fused", "one-graph", "accumulated"])
+def test_training_mode_batchnorm_statistics_are_updated(tmp_path, kw):
+    """A training-mode export's BatchNormalization running statistics are updated by every
+    forward the step runs (each micro-batch's), as PyTorch's are, as the ONNX op defines them:
+    running = momentum * running + (1 - momentum) * the batch's mean and biased variance
+    (PyTorch's running_var takes the unbiased one). The oracle: that formula in numpy over the
+    BatchNorm inputs of a PyTorch run of the same steps; its running_mean equals PyTorch's.
+    trained_model() holds them; a checkpoint carries them."""
+    import copy
+    net = _bn_net().train()
     path = str(tmp_path / "bn_train.onnx")
-    _quiet_export(net, path, dynamo=False, dynamic_axes={"x": {0: "N"}},
-                  training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
-    given = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
-    with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
-        tr = Trainer(path, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False)
-    said = [r.getMessage() for r in caplog.records if "running statistics" in r.getMessage()]
-    assert len(said) == 1 and "1.running_mean, 1.running_var" in said[0], said
-    x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
-    tr.step({"x": x, "target": np.zeros((8, 2), np.float32)})
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        warnings.filterwarnings("ignore")
+        torch.onnx.export(net, (torch.randn(8, 3, 8, 8),), path, input_names=["x"],
+                          dynamic_axes={"x": {0: "N"}}, dynamo=False, do_constant_folding=False,
+                          training=torch.onnx.TrainingMode.TRAINING)
+    ref = copy.deepcopy(net)  # (the export ran a forward: its statistics are the model's)
+    seen = []
+    ref[1].register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().double().numpy()))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    tr = Trainer(path, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False, **kw)
+    assert tr.stat_names == ["1.running_mean", "1.running_var"] and tr.left_out
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((8, 3, 8, 8)).astype(np.float32),
+                rng.standard_normal((8, 2)).astype(np.float32)) for _ in range(3)]
+    parts = [slice(0, 4), slice(4, 8)] if kw.get("accumulation_steps") else [slice(0, 8)]
+    for k, (x, y) in enumerate(batches):
+        if k == 2:  # resume from a checkpoint: the statistics come back with it
+            tr.save_checkpoint(tmp_path / "c.npz")
+            tr = Trainer(path, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False,
+                         **kw)
+            tr.load_checkpoint(tmp_path / "c.npz")
+        tr.step({"x": x, "target": y})
+        opt.zero_grad()
+        for sl in parts:
+            (F.mse_loss(ref(torch.tensor(x[sl])), torch.tensor(y[sl])) / len(parts)).backward()
+        opt.step()
+    rm = numpy_helper.to_array(next(t for t in onnx.load(path).graph.initializer
+                                    if t.name == "1.running_mean")).astype(np.float64)
+    rv = numpy_helper.to_array(next(t for t in onnx.load(path).graph.initializer
+                                    if t.name == "1.running_var")).astype(np.float64)
+    for a in seen:
+        rm = 0.7 * rm + 0.3 * a.mean(axis=(0, 2, 3))
+        rv = 0.7 * rv + 0.3 * a.var(axis=(0, 2, 3))
+    got = tr.statistics()
+    np.testing.assert_allclose(got["1.running_mean"], rm, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["1.running_var"], rv, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["1.running_mean"], ref[1].running_mean.numpy(), atol=1e-6)
     out = {t.name: numpy_helper.to_array(t) for t in tr.trained_model().graph.initializer}
-    for k in ("1.running_mean", "1.running_var"):
-        np.testing.assert_array_equal(out[k], given[k])
+    for k in got:
+        np.testing.assert_array_equal(out[k], got[k])
+
+
+def test_shared_batchnorm_statistics_are_said_to_stay(caplog):
+    """Statistics read by two training-mode BatchNormalizations have no one update: the Trainer
+    leaves them as given and says so at WARNING level, naming them."""
+    nodes = [helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], [f"y{k}",
+                              f"rm{k}", f"rv{k}"], training_mode=1) for k in (0, 1)]
+    nodes += [helper.make_node("Add", ["y0", "y1"], ["y"])]
+    inits = {"s": np.ones(3, np.float32), "b": np.zeros(3, np.float32),
+             "m": np.zeros(3, np.float32), "v": np.ones(3, np.float32)}
+    m = make_model(nodes, {"x": (np.float32, ["N", 3, 4])}, ["y"], inits=inits, opset=15)
+    with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
+        tr = Trainer(m, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False)
+    said = [r.getMessage() for r in caplog.records if "running statistics" in r.getMessage()]
+    assert len(said) == 1 and "m, v" in said[0], said
+    assert tr.stat_names == []
+    x = np.random.default_rng(0).standard_normal((5, 3, 4)).astype(np.float32)
+    tr.step({"x": x, "target": np.zeros((5, 3, 4), np.float32)})
+    out = {t.name: numpy_helper.to_array(t) for t in tr.trained_model().graph.initializer}
+    np.testing.assert_array_equal(out["v"], inits["v"])
 
 
 def test_torch_export_constants_and_buffers_are_not_trained(tmp_path, caplog):

@@ -36,7 +36,7 @@ def _static(types: dict, name: str, size: int) -> list[int] | None:
 
 def stored_gradients(model: onnx.ModelProto, loss: str, grads: list[str], sizes: list[int]
                      ) -> tuple[onnx.ModelProto, list[tuple[str, list[int]] | None]]:
-    """``model`` (outputs loss, grads) with each gradient output moved back across the
+    """``model`` (outputs loss, grads, and any others, kept) with each gradient output moved back across the
     re-shaping nodes that end it, and where each is now: (output, shape), or None where it
     stays. The input model is not changed. A gradient stays where what is before those nodes is
     a graph input or initializer, is an output already, or has no static shape of ``sizes``'
@@ -76,5 +76,6 @@ def stored_gradients(model: onnx.ModelProto, loss: str, grads: list[str], sizes:
     m = onnx.ModelProto()
     m.CopyFrom(model)
     m.graph.value_info.extend(infos)
-    _prune(m, [loss, *outputs], [i.name for i in model.graph.input])
+    kept = [o.name for o in g.output if o.name != loss and o.name not in set(grads)]
+    _prune(m, [loss, *outputs, *kept], [i.name for i in model.graph.input])
     return m, where

@@ -68,6 +68,11 @@ class TrainStep:
     # float initializers the default (params=None) does not train: {name: why} (see
     # default_params); empty when params were given
     left_out: dict[str, str] = field(default_factory=dict)
+    # training-mode BatchNormalization running statistics: inputs, and outputs updated by the
+    # forward (aligned), as PyTorch's step updates them (see expose_statistics)
+    stats: list[str] = field(default_factory=list)
+    stat_outputs: list[str] = field(default_factory=list)
+    initial_stats: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def initial_state(self, params: dict | None = None) -> dict[str, np.ndarray]:
         """Zeros for every state tensor, shaped like its parameter."""
@@ -81,7 +86,8 @@ class TrainStep:
         from ..runtime import save_model
         m = self.model
         if with_values and self.initial_params:
-            m = with_defaults(m, {**self.initial_params, **self.initial_state()})
+            m = with_defaults(m, {**self.initial_params, **self.initial_state(),
+                                  **self.initial_stats})
         save_model(m, path)
 
 
@@ -220,6 +226,30 @@ def training_statistics(model: onnx.ModelProto) -> list[str]:
                               for i in (3, 4) if len(n.input) > i and n.input[i]))
 
 
+def expose_statistics(m: onnx.ModelProto, params) -> tuple[list[str], list[str], dict]:
+    """Make the running statistics of the main graph's training-mode BatchNormalizations that
+    are float initializers (not ``params``) graph inputs of ``m`` (in place), so that a step
+    reads them from buffers and writes the node's updated statistics back, as PyTorch's step
+    does. Returns (inputs, the node's outputs holding their new values, initial values). A
+    statistic read by two such nodes, or whose output is unnamed, stays as it is."""
+    opset = model_opset(m)
+    inits = {t.name: t for t in m.graph.initializer}
+    outs: dict[str, list[str]] = {}
+    for n in m.graph.node:
+        if training_bn(n, opset):
+            for i, k in ((3, 1), (4, 2)):
+                if len(n.input) > i and n.input[i]:
+                    outs.setdefault(n.input[i], []).append(n.output[k] if len(n.output) > k
+                                                           else "")
+    stats = [t for t, o in outs.items() if t in inits and t not in params and
+             inits[t].data_type in _FLOATS and len(o) == 1 and o[0]]
+    declared = {v.name for v in m.graph.value_info}
+    m.graph.value_info.extend(  # the new outputs' types: the statistics'
+        helper.make_tensor_value_info(outs[t][0], inits[t].data_type, list(inits[t].dims))
+        for t in stats if outs[t][0] not in declared)
+    return stats, [outs[t][0] for t in stats], _params_to_inputs(m, stats)
+
+
 def _resolve_params(m: onnx.ModelProto, params, frozen):
     inits = {t.name: t for t in m.graph.initializer}
     frozen = list(frozen or [])
@@ -355,6 +385,7 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
     # the parameters become graph inputs first: gradients() then sees a small model (no weight
     # data, whatever the model's size) and the step graph reads them as inputs
     values = _params_to_inputs(m, chosen)
+    stats, stat_outputs, stat_values = expose_statistics(m, set(chosen))
     _check_loss_is_scalar(m, loss)  # after the move: the model holds no weights to infer over
     m = _inline_functions(m)
     _expose_pool_indices(m)
@@ -373,14 +404,15 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
         gm.graph.input.extend(ins)
         gm.graph.initializer.extend(numpy_helper.from_array(values.pop(p), p)
                                     for p in unconnected)
-    _prune(gm, [loss, *grads], [])
+    _prune(gm, [loss, *grads, *stat_outputs], stats)
     # an initializer that is also an input (IR < 4 models, keep_initializers_as_inputs) and is
     # not trained is an input with a default, not data each batch must feed
-    defaults = {t.name for t in gm.graph.initializer}
+    defaults = {t.name for t in gm.graph.initializer} | set(stats)
     data = [v.name for v in gm.graph.input if v.name not in values and v.name not in defaults]
     return TrainStep(model=gm, loss=loss, data_inputs=data, params=params_ok, param_outputs=[],
                      grads=grads, lr=None, step=None, initial_params=values, frozen=frozen,
-                     unconnected=unconnected, left_out=left_out)
+                     unconnected=unconnected, left_out=left_out, stats=stats,
+                     stat_outputs=stat_outputs, initial_stats=stat_values)
 
 
 def _inline_functions(m: onnx.ModelProto) -> onnx.ModelProto:
@@ -549,9 +581,11 @@ def build_train_step(model, loss: str, params=None, optimizer: Optimizer | None 
     grads = desc.grads
     taken = _taken(gm.graph)
     _add_optimizer(gm, desc, grads, optimizer, clip_norm, taken, scalars, loss)
-    outs = [loss, *desc.param_outputs, *desc.state_outputs]
-    _prune(gm, outs, [desc.lr, desc.step])  # both stay inputs even when unread (plain SGD)
-    _reorder_inputs(gm, desc.data_inputs + desc.params + desc.state + [desc.lr, desc.step])
+    outs = [loss, *desc.param_outputs, *desc.state_outputs, *desc.stat_outputs]
+    # lr and step stay inputs even when unread (plain SGD)
+    _prune(gm, outs, [desc.lr, desc.step, *desc.stats])
+    _reorder_inputs(gm, desc.data_inputs + desc.params + desc.state + [desc.lr, desc.step] +
+                    desc.stats)
     desc.grads = []
     onnx.checker.check_model(gm)
     return desc
@@ -591,8 +625,8 @@ def build_accumulate_model(model, loss: str, params=None, frozen=None) -> TrainS
         sums.append(s)
         outs.append(o)
     g.node.extend(b.nodes)
-    _prune(gm, [loss, *outs], [])
-    _reorder_inputs(gm, desc.data_inputs + desc.params + sums + [w])
+    _prune(gm, [loss, *outs, *desc.stat_outputs], desc.stats)
+    _reorder_inputs(gm, desc.data_inputs + desc.params + sums + [w] + desc.stats)
     desc.grads, desc.param_outputs = sums, outs
     desc.lr, desc.step, desc.grad_weight = None, None, w
     onnx.checker.check_model(gm)

@@ -274,13 +274,20 @@ class Trainer:
         self.data_inputs = list((self.train_step or self._acc).data_inputs)
         #: the float initializers that params=None left out, {name: why} (step.default_params)
         self.left_out = dict(desc.left_out)
-        stale = [t for t in training_statistics(self.model) if t not in self.params]
+        # training-mode BatchNormalization running statistics: one buffer each, read and
+        # written by the forward's session (as PyTorch's step updates them)
+        fwd = self.train_step or self._acc
+        self.stat_names = list(fwd.stats)
+        self._stat_bufs = [self._new(fwd.initial_stats[n]) for n in self.stat_names]
+        fwd.initial_stats = {}
+        stale = [t for t in training_statistics(self.model)
+                 if t not in self.params and t not in self.stat_names]
         if stale:
             _log.warning(
-                "BatchNormalization running statistics are not updated by the Trainer: %s keep "
-                "their values (in training mode the model normalizes with each batch's "
-                "statistics; trained_model() and checkpoints hold the statistics as given)",
-                ", ".join(stale))
+                "BatchNormalization running statistics not updated by the Trainer: %s keep "
+                "their values (each is read by more than one training-mode BatchNormalization "
+                "or is no initializer; in training mode the model normalizes with each batch's "
+                "statistics)", ", ".join(stale))
 
         # device buffers: two sets of params + state; scalars and the loss on the host
         init = dict(desc.initial_params)
@@ -350,12 +357,20 @@ class Trainer:
             b.bind_ortvalue_output(name, ov)
         b.bind_ortvalue_input(d.lr, self._lr)
         b.bind_ortvalue_input(d.step, self._stepv)
+        self._bind_statistics(b, d)
         if self._split:
             for name, ov in zip(d.grads, self._grads):
                 b.bind_ortvalue_input(name, ov)
         else:
             b.bind_ortvalue_output(d.loss, self._loss)
         return b
+
+    def _bind_statistics(self, b, d) -> None:
+        """The running statistics of ``d``'s forward (none in an optimizer graph) in and out of
+        one buffer each: the step reads each before the BatchNormalization that updates it."""
+        for name, out, ov in zip(d.stats, d.stat_outputs, self._stat_bufs):
+            b.bind_ortvalue_input(name, ov)
+            b.bind_ortvalue_output(out, ov)
 
     def _fused_obstacle(self, wanted) -> str | None:
         """Why this Trainer cannot take the fused optimizer, before any graph is built."""
@@ -376,6 +391,7 @@ class Trainer:
         for name, ov in zip(a.params, self._sets[0][:k]):
             b.bind_ortvalue_input(name, ov)
         b.bind_ortvalue_output(a.loss, self._loss)
+        self._bind_statistics(b, a)
         for name, st, ov in zip(a.grads, self._stored, self._grads):
             b.bind_ortvalue_output(name if st is None else st[0], ov)
         self._bindings = [b, b]
@@ -405,6 +421,7 @@ class Trainer:
         b = self._acc_bind
         b.bind_ortvalue_input(a.grad_weight, self._weight)
         b.bind_ortvalue_output(a.loss, self._loss)
+        self._bind_statistics(b, a)
         if self._fused is None:
             self._bindings = [self._bind_step(k) for k in (0, 1)]
 
@@ -769,6 +786,11 @@ class Trainer:
         """The current parameters, copied to the host."""
         return {n: np.array(ov.numpy()) for n, ov in zip(self.params, self._sets[self._cur])}
 
+    def statistics(self) -> dict[str, np.ndarray]:
+        """The training-mode BatchNormalization running statistics the steps update ({name:
+        array}, copies; empty for a model without them)."""
+        return {n: ov.numpy() for n, ov in zip(self.stat_names, self._stat_bufs)}
+
     def optimizer_state(self) -> dict[str, np.ndarray]:
         """The current optimizer state, copied to the host."""
         k = len(self.params)
@@ -862,6 +884,11 @@ class Trainer:
             "history": np.asarray(self.history, np.float64),
             "batch_size": np.array(self._pos_batch_size or -1, np.int64),
         }
+        if self.stat_names:  # (absent from checkpoints of models without them, and older ones)
+            arrays["stat_names"] = np.array(self.stat_names, dtype=str)
+            for i, (name, a) in enumerate(self.statistics().items()):
+                _require_finite(a, name, f"not writing the checkpoint {path}")
+                arrays[f"stat_{i}"] = a
         for i, ov in enumerate(cur[:k]):
             arrays[f"param_{i}"] = ov.numpy()
         for j, ov in enumerate(cur[k:]):
@@ -995,14 +1022,42 @@ class Trainer:
         except (ValueError, TypeError, KeyError) as exc:
             raise CheckpointError(f"{path}: corrupt checkpoint ({exc})") from None
         pos_batch_size = pos_batch_size if pos_batch_size > 0 else None
+        stats = self._checked_statistics(path, arrays)
         if rows is not None:
             self._check_position((epoch, batch, order), pos_batch_size, rows, batch_size,
                                  f"{path}: the checkpoint", CheckpointError)
-        return values, step, history, rng_state, (epoch, batch, order), pos_batch_size
+        return values, step, history, rng_state, (epoch, batch, order), pos_batch_size, stats
+
+    def _checked_statistics(self, path: str, arrays: dict) -> list | None:
+        """The checkpoint's running statistics, checked as the parameters are; None where it
+        holds none (a checkpoint written before they were updated: they stay as they are)."""
+        if "stat_names" not in arrays:
+            return None
+        names = [str(x) for x in arrays["stat_names"]]
+        if names != self.stat_names:
+            raise CheckpointError(f"{path}: the checkpoint's BatchNormalization statistics "
+                                  f"{names} do not match this trainer's {self.stat_names}")
+        out = []
+        for i, (name, ov) in enumerate(zip(names, self._stat_bufs)):
+            a = arrays.get(f"stat_{i}")
+            if a is None:
+                raise CheckpointError(f"{path}: incomplete checkpoint (no value for {name!r})")
+            want = (_np_dtype(ov.data_type()), tuple(ov.shape()))
+            if (a.dtype, a.shape) != want:
+                raise CheckpointError(f"{path}: {name!r} is {a.dtype} {list(a.shape)} in the "
+                                      f"checkpoint but {want[0]} {list(want[1])} in this model")
+            try:
+                _require_finite(a, name, "")
+            except NonFiniteError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
+            out.append(a)
+        return out
 
     def _restore(self, checked: tuple) -> None:
-        values, step, history, rng_state, pos, pos_batch_size = checked
+        values, step, history, rng_state, pos, pos_batch_size, stats = checked
         for ov, a in zip(self._sets[self._cur], values):
+            ov.update_inplace(np.ascontiguousarray(a))
+        for ov, a in zip(self._stat_bufs, stats or []):
             ov.update_inplace(np.ascontiguousarray(a))
         self.step_count, self.history = step, history
         self.rng.bit_generator.state = rng_state
@@ -1013,7 +1068,7 @@ class Trainer:
         """The original model with the trained parameters as its initializers (a
         :class:`NonFiniteError` if one holds NaN or inf)."""
         m = load(self.model)
-        values = self.parameters()
+        values = {**self.parameters(), **self.statistics()}
         for name, v in values.items():
             _require_finite(v, name, "not exporting the model")
         for t in m.graph.initializer:
@@ -1033,11 +1088,12 @@ class Trainer:
                 self.loss_model, self.loss_name, self._params_spec, self.optimizer,
                 self._frozen, self.clip_norm)
             state = self.optimizer_state()  # the apply graph's state has the same names
-            runtime.save_model(with_defaults(step.model, {**values, **state}), train_step)
+            runtime.save_model(with_defaults(step.model, {**values, **state,
+                                                          **self.statistics()}), train_step)
         if gradient:
             g = build_gradient_model(self.loss_model, self.loss_name, self._params_spec,
                                      self._frozen)
-            runtime.save_model(with_defaults(g.model, values), gradient)
+            runtime.save_model(with_defaults(g.model, {**values, **self.statistics()}), gradient)
 
     def end_profiling(self) -> str | None:
         """Stop onnxruntime profiling (``profile=``) and return the trace file."""
