@@ -28,6 +28,7 @@ _STATS = (3, 4)  # input_mean, input_var
 
 
 def training_bn(n: onnx.NodeProto, opset: int) -> bool:
+    """Whether ``n`` is a BatchNormalization in training mode (the one that writes its inputs)."""
     if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx"):
         return False
     if opset >= 14:
