@@ -98,9 +98,7 @@ def _window(c, n, g, op, x, size, weight=None, dilations=True, **attrs):
     y = c.op(op, [_pad(c, n, x, pads), *ins[1:]], **a)
     if op != "AveragePool":
         return y
-    ones = c.op("Expand", [scalar(c, n, 1), c.op("Concat", [c.i64(1, 1), c.op(
-        "Shape", [x], start=2)], axis=0)])
-    return c.op("Div", [y, c.op(op, [_pad(c, n, ones, pads)], **a)])
+    return c.op("Div", [y, c.op(op, [_pad(c, n, _ones_image(c, n, _sizes(c, x)), pads)], **a)])
 
 
 def _max_pool(c, n, g, x, size):
@@ -145,6 +143,12 @@ def _pad(c, n, x, pads, low=False):
 def _sizes(c, x):
     """The run-time spatial sizes (int64) of the channels-first x."""
     return c.op("Shape", [x], start=2)
+
+
+def _ones_image(c, n, size):
+    """Ones of one image of one channel, of the spatial ``size`` (int64): padded and pooled,
+    each window's count of real pixels."""
+    return c.op("Expand", [scalar(c, n, 1), c.op("Concat", [c.i64(1, 1), size], axis=0)])
 
 
 def _same_pads(c, n, g, size, dilations=None, weight=None):
@@ -203,13 +207,20 @@ def _run_pads(c, n, g, size):
     return c.i64(0, 0, *b, 0, 0, *e)
 
 
+def _cut(c, t, pads, size, r):
+    """The part of the channels-first ``t`` (over an input padded by the Pad ``pads``) that
+    lies over the input's spatial ``size`` (int64): the begin pads cut off, and what is past
+    the size."""
+    begin = c.op("Slice", [pads, c.i64(2), c.i64(r)])
+    return c.op("Slice", [t, begin, c.op("Add", [begin, size]), c.i64(*range(2, r))])
+
+
 def _crop(c, full, pads, size, r):
     """The gradient of the forward op's input from the full transposed window op (no pads, no
     output_padding, over the forward's padded input): cut from the begin pads to ``size``, and
     zeros after its end where the forward's last rows were in no window (VALID, or a stride past
     the window)."""
-    begin = c.op("Slice", [pads, c.i64(2), c.i64(r)])
-    y = c.op("Slice", [full, begin, c.op("Add", [begin, size]), c.i64(*range(2, r))])
+    y = _cut(c, full, pads, size, r)
     short = c.op("Sub", [size, _sizes(c, y)])
     return c.op("Pad", [y, c.op("Concat", [c.i64(*[0] * (r + 2)), short], axis=0)])
 
@@ -388,9 +399,7 @@ def _max_pool_grad(c, n):
                                                  c.op("Slice", [pads, c.i64(r), c.i64(2 * r)])])])
     dx = _scatter_add(c, n, shape, idx, _to_cf(c, n, c.x(n, 2), r))
     if pads is not None:
-        begin = c.op("Slice", [pads, c.i64(2), c.i64(r)])
-        dx = c.op("Slice", [dx, begin, c.op("Add", [begin, c.op("Shape", [x], start=2)]),
-                            c.i64(*range(2, r))])
+        dx = _cut(c, dx, pads, _sizes(c, x), r)
     return [_from_cf(c, n, dx, r)]
 
 
@@ -415,10 +424,9 @@ def _max_pool_with_argmax(c, n):
         plane = c.op("Mod", [idx, c.op("Reshape", [hw, c.i64(1, 1, 1, 1)])])
     else:
         begin = c.op("Slice", [pads, c.i64(2), c.i64(4)])
-        hp, wp = (c.op("Gather", [c.op("Add", [c.op("Add", [c.op("Shape", [x_cf], start=2),
-                                                            begin]),
-                                               c.op("Slice", [pads, c.i64(6), c.i64(8)])]),
-                                  c.const(k, np.int64)]) for k in (0, 1))
+        padded = c.op("Add", [c.op("Add", [_sizes(c, x_cf), begin]),
+                              c.op("Slice", [pads, c.i64(6), c.i64(8)])])
+        hp, wp = (c.op("Gather", [padded, c.const(k, np.int64)]) for k in (0, 1))
         at = c.op("Mod", [idx, c.op("Mul", [hp, wp])])
         row = c.op("Sub", [c.op("Div", [at, wp]), c.op("Gather", [begin, c.const(0, np.int64)])])
         col = c.op("Sub", [c.op("Mod", [at, wp]), c.op("Gather", [begin, c.const(1, np.int64)])])
@@ -493,8 +501,8 @@ def _avg_pool_grad(c, n):
     else:
         size = _run_sizes(c, n, r)
         pads = _run_pads(c, n, g, size)
-        real = c.op("Expand", [scalar(c, n, 1), c.op("Concat", [c.i64(1, 1), size], axis=0)])
-        count = c.op("Conv", [_pad(c, n, real, pads), ones], strides=g.strides)
+        count = c.op("Conv", [_pad(c, n, _ones_image(c, n, size), pads), ones],
+                     strides=g.strides)
         dx = _crop(c, c.op("ConvTranspose", [per(count), ones], strides=g.strides), pads, size, r)
     shape = c.op("Concat", [c.op("Shape", [dy], end=2), size], axis=0)
     return [_from_cf(c, n, c.op("Reshape", [dx, shape]), r)]
