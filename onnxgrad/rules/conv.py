@@ -239,12 +239,11 @@ class _Geo:
         the flipped kernel (``flipped()``: w's adjoint kernel, or None) where the pads allow:
         onnxruntime's Conv is faster than its ConvTranspose."""
         e, zero = self.e, [0] * self.nsp
-        if self.mode == "static" and flipped is not None and self._flips():
+        pads = self._flip_pads() if self.mode == "static" and flipped is not None else None
+        if pads is not None:
             wf = flipped()
             if wf is not None:
-                pb = [k - 1 - b for k, b in zip(self.ek, self.b)]
-                pe = [k - 1 - x for k, x in zip(self.ek, self.end)]
-                return e.Conv(t, wf, group=group, **self._attrs(pb, pe))
+                return e.Conv(t, wf, group=group, **self._attrs(*pads))
         if self.mode == "static":
             pe = [max(x, 0) for x in self.end]
             op = [max(-x, 0) for x in self.end]
@@ -283,13 +282,16 @@ class _Geo:
                 and _static_dims(self.long, 2) is not None
                 and ws is not None and len(ws) == 4 and all(isinstance(i, int) for i in ws)):
             return False
-        return math.prod(self.short_dims) < BLOCKED_MIN or not self._flips()
+        return math.prod(self.short_dims) < BLOCKED_MIN or self._flip_pads() is None
 
-    def _flips(self) -> bool:
-        """Whether :meth:`long_from_short` takes the flipped kernel's Conv (static geometry)."""
-        return all(s == 1 for s in self.s) and min(
-            [k - 1 - b for k, b in zip(self.ek, self.b)]
-            + [k - 1 - x for k, x in zip(self.ek, self.end)]) >= 0
+    def _flip_pads(self) -> tuple[list, list] | None:
+        """The pads (begin, end) of the flipped kernel's Conv that :meth:`long_from_short` takes
+        (static geometry): unit strides, the forward's pads within the kernel; else None."""
+        if any(s != 1 for s in self.s):
+            return None
+        pb = [k - 1 - b for k, b in zip(self.ek, self.b)]
+        pe = [k - 1 - x for k, x in zip(self.ek, self.end)]
+        return (pb, pe) if min(pb + pe) >= 0 else None
 
     def long_from_cols(self, t, w):
         """long_from_short as one Gemm and a Col2Im: the im2col columns of every image at once,
