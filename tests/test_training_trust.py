@@ -136,10 +136,10 @@ def test_shards_of_a_weighted_cross_entropy_are_refused():
 
 
 # -- 2. the parameters trained by default -----------------------------------------------------
-def _quiet_export(net, path, **kw):
+def _quiet_export(net, path, args=None, **kw):
     warnings.filterwarnings("ignore")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        torch.onnx.export(net, (torch.randn(3, 4),), path, input_names=["x"],
+        torch.onnx.export(net, args or (torch.randn(3, 4),), path, input_names=["x"],
                           output_names=["y"], **kw)
     return onnx.load(path)
 
@@ -204,11 +204,9 @@ def test_training_mode_batchnorm_statistics_are_updated(tmp_path, kw):
     import copy
     net = _bn_net().train()
     path = str(tmp_path / "bn_train.onnx")
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        warnings.filterwarnings("ignore")
-        torch.onnx.export(net, (torch.randn(8, 3, 8, 8),), path, input_names=["x"],
-                          dynamic_axes={"x": {0: "N"}}, dynamo=False, do_constant_folding=False,
-                          training=torch.onnx.TrainingMode.TRAINING)
+    _quiet_export(net, path, (torch.randn(8, 3, 8, 8),), dynamo=False,
+                  dynamic_axes={"x": {0: "N"}}, do_constant_folding=False,
+                  training=torch.onnx.TrainingMode.TRAINING)
     ref = copy.deepcopy(net)  # (the export ran a forward: its statistics are the model's)
     seen = []
     ref[1].register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().double().numpy()))
@@ -244,6 +242,32 @@ def test_training_mode_batchnorm_statistics_are_updated(tmp_path, kw):
     out = {t.name: numpy_helper.to_array(t) for t in tr.trained_model().graph.initializer}
     for k in got:
         np.testing.assert_array_equal(out[k], got[k])
+
+
+def test_web_step_keeps_batchnorm_statistics_as_given(tmp_path):
+    """The browser step does not update running statistics: they stay initializers (no
+    inputs the page would have to feed, no outputs), and the step runs on onnxruntime."""
+    from onnxgrad.training.webstep import export_web_step
+    from onnxgrad.runtime import ort_module
+    net = _bn_net().train()
+    path = str(tmp_path / "bn_train.onnx")
+    _quiet_export(net, path, (torch.randn(8, 3, 8, 8),), dynamo=False,
+                  dynamic_axes={"x": {0: "N"}}, do_constant_folding=False,
+                  training=torch.onnx.TrainingMode.TRAINING)
+    man = export_web_step(path, "mse", str(tmp_path / "step.onnx"))
+    step = onnx.load(str(tmp_path / "step.onnx"))
+    stats = {"1.running_mean", "1.running_var"}
+    assert not stats & {i.name for i in step.graph.input}
+    assert stats <= {t.name for t in step.graph.initializer}
+    assert len(step.graph.output) == 1 + len(man["params"]) + len(man["state"])
+    sess = ort_module().InferenceSession(step.SerializeToString(),
+                                         providers=["CPUExecutionProvider"])
+    feeds = {}
+    for i in sess.get_inputs():
+        shape = [d if isinstance(d, int) else 8 for d in i.shape]
+        feeds[i.name] = (np.ones(shape, np.int64) if i.type == "tensor(int64)"
+                         else np.full(shape, 0.1, np.float32))
+    assert np.isfinite(sess.run(None, feeds)[0])
 
 
 def test_shared_batchnorm_statistics_are_said_to_stay(caplog):

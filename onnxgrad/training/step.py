@@ -218,12 +218,18 @@ def _bn_statistics(model: onnx.ModelProto) -> dict[str, str]:
     return out
 
 
-def training_statistics(model: onnx.ModelProto) -> list[str]:
-    """The running statistics (inputs 3 and 4) of the main graph's training-mode
-    BatchNormalizations, which a step reads but does not update."""
+def training_statistics(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """{running statistic: the outputs holding its new value, one per reader} of the main
+    graph's training-mode BatchNormalizations (inputs 3 and 4; outputs 1 and 2, "" unnamed)."""
     opset = model_opset(model)
-    return list(dict.fromkeys(n.input[i] for n in model.graph.node if training_bn(n, opset)
-                              for i in (3, 4) if len(n.input) > i and n.input[i]))
+    outs: dict[str, list[str]] = {}
+    for n in model.graph.node:
+        if training_bn(n, opset):
+            for i, k in ((3, 1), (4, 2)):
+                if len(n.input) > i and n.input[i]:
+                    outs.setdefault(n.input[i], []).append(n.output[k] if len(n.output) > k
+                                                           else "")
+    return outs
 
 
 def expose_statistics(m: onnx.ModelProto, params) -> tuple[list[str], list[str], dict]:
@@ -232,15 +238,8 @@ def expose_statistics(m: onnx.ModelProto, params) -> tuple[list[str], list[str],
     reads them from buffers and writes the node's updated statistics back, as PyTorch's step
     does. Returns (inputs, the node's outputs holding their new values, initial values). A
     statistic read by two such nodes, or whose output is unnamed, stays as it is."""
-    opset = model_opset(m)
     inits = {t.name: t for t in m.graph.initializer}
-    outs: dict[str, list[str]] = {}
-    for n in m.graph.node:
-        if training_bn(n, opset):
-            for i, k in ((3, 1), (4, 2)):
-                if len(n.input) > i and n.input[i]:
-                    outs.setdefault(n.input[i], []).append(n.output[k] if len(n.output) > k
-                                                           else "")
+    outs = training_statistics(m)
     stats = [t for t, o in outs.items() if t in inits and t not in params and
              inits[t].data_type in _FLOATS and len(o) == 1 and o[0]]
     declared = {v.name for v in m.graph.value_info}
@@ -368,12 +367,15 @@ def _dtype_of(m: onnx.ModelProto, name: str) -> int:
     raise KeyError(name)
 
 
-def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainStep:
+def build_gradient_model(model, loss: str, params=None, frozen=None, *,
+                         statistics: bool = True) -> TrainStep:
     """``gradients(model, loss, params)`` with the parameters as graph inputs.
 
     Returns a :class:`TrainStep` description whose ``model`` has inputs data + params and
     outputs [loss, gradients...] (``grads``, aligned with ``params``). Parameters the loss does
-    not depend on are left as initializers and listed in ``unconnected``."""
+    not depend on are left as initializers and listed in ``unconnected``. ``statistics``:
+    training-mode BatchNormalization running statistics as inputs and outputs too
+    (:func:`expose_statistics`; False: they stay initializers, not updated)."""
     m = load(model)
     _check_loss(m, loss)
     chosen, frozen, left_out = _resolve_params(m, params, frozen)
@@ -385,7 +387,8 @@ def build_gradient_model(model, loss: str, params=None, frozen=None) -> TrainSte
     # the parameters become graph inputs first: gradients() then sees a small model (no weight
     # data, whatever the model's size) and the step graph reads them as inputs
     values = _params_to_inputs(m, chosen)
-    stats, stat_outputs, stat_values = expose_statistics(m, set(chosen))
+    stats, stat_outputs, stat_values = (expose_statistics(m, set(chosen)) if statistics
+                                        else ([], [], {}))
     _check_loss_is_scalar(m, loss)  # after the move: the model holds no weights to infer over
     m = _inline_functions(m)
     _expose_pool_indices(m)
@@ -561,7 +564,7 @@ def _add_optimizer(gm: onnx.ModelProto, desc: TrainStep, grads: list[str],
 
 def build_train_step(model, loss: str, params=None, optimizer: Optimizer | None = None,
                      frozen=None, clip_norm: float | None = None,
-                     scalars: str = "float64") -> TrainStep:
+                     scalars: str = "float64", *, statistics: bool = True) -> TrainStep:
     """One ONNX model that takes a training step: see the module doc.
 
     ``model`` (a ModelProto or a path) must compute ``loss`` (a scalar, else an
@@ -574,9 +577,10 @@ def build_train_step(model, loss: str, params=None, optimizer: Optimizer | None 
     ``optimizer``: an :class:`Optimizer` (default
     AdamW()). ``clip_norm``: clip the gradients' global 2-norm first. ``scalars``: the type of
     lr and of the optimizer's scalar arithmetic, "float64" or "float32" (for runtimes without
-    float64 kernels, such as onnxruntime-web's WebGPU builds)."""
+    float64 kernels, such as onnxruntime-web's WebGPU builds). ``statistics``: as
+    :func:`build_gradient_model`'s."""
     optimizer = optimizer or AdamW()
-    desc = build_gradient_model(model, loss, params, frozen)
+    desc = build_gradient_model(model, loss, params, frozen, statistics=statistics)
     gm = desc.model
     grads = desc.grads
     taken = _taken(gm.graph)

@@ -296,15 +296,14 @@ class Trainer:
         for i in self._loss_sess.get_inputs():
             self._input_dtypes[i.name] = _np_dtype(i.type)
             self._input_shapes[i.name] = i.shape
-        self.data_inputs = list((self.train_step or self._acc).data_inputs)
+        fwd = self.train_step or self._acc  # the forward's graph
+        self.data_inputs = list(fwd.data_inputs)
         #: the float initializers that params=None left out, {name: why} (step.default_params)
         self.left_out = dict(desc.left_out)
         # training-mode BatchNormalization running statistics: one buffer each, read and
         # written by the forward's session (as PyTorch's step updates them)
-        fwd = self.train_step or self._acc
         self.stat_names = list(fwd.stats)
         self._stat_bufs = [self._new(fwd.initial_stats[n]) for n in self.stat_names]
-        fwd.initial_stats = {}
         stale = [t for t in training_statistics(self.model)
                  if t not in self.params and t not in self.stat_names]
         if stale:
@@ -318,7 +317,10 @@ class Trainer:
         init = dict(desc.initial_params)
         init.update(desc.initial_state(init))
         names = self.params + self.state_names
-        self._specs = {n: (init[n].dtype, init[n].shape) for n in names}  # what a checkpoint holds
+        init.update(fwd.initial_stats)
+        # what a checkpoint holds
+        self._specs = {n: (init[n].dtype, init[n].shape) for n in names + self.stat_names}
+        fwd.initial_stats = {}
         self._last_checkpoint = None  # (path, step) of the last checkpoint written
         self._sets = self._buffer_sets(names, init)
         self._cur = 0
@@ -1019,23 +1021,9 @@ class Trainer:
                                   f"not match this trainer's ({self.params}, "
                                   f"{self.state_names})")
         keys = [f"param_{i}" for i in range(len(pn))] + [f"state_{j}" for j in range(len(sn))]
-        values = []
-        for key, name, factor in zip(keys, self.params + self.state_names,
-                                     [1.0] * len(pn) + factors):
-            if key not in arrays:
-                raise CheckpointError(f"{path}: incomplete checkpoint (no value for {name!r})")
-            a, (dtype, shape) = arrays[key], self._specs[name]
-            if a.dtype != dtype or a.shape != shape:
-                raise CheckpointError(f"{path}: {name!r} is {a.dtype} {list(a.shape)} in the "
-                                      f"checkpoint but {np.dtype(dtype)} {list(shape)} in this "
-                                      "model (a checkpoint of another model?)")
-            if factor != 1.0:
-                a = (a * factor).astype(a.dtype)
-            try:
-                _require_finite(a, name, "")
-            except NonFiniteError as exc:
-                raise CheckpointError(f"{path}: {exc}") from None
-            values.append(a)
+        values = [self._checked_array(path, arrays, key, name, factor)
+                  for key, name, factor in zip(keys, self.params + self.state_names,
+                                               [1.0] * len(pn) + factors)]
         try:
             rng_state = json.loads(str(arrays["rng"]))
             step, epoch, batch = (int(arrays[k]) for k in ("step", "epoch", "batch"))
@@ -1053,6 +1041,25 @@ class Trainer:
                                  f"{path}: the checkpoint", CheckpointError)
         return values, step, history, rng_state, (epoch, batch, order), pos_batch_size, stats
 
+    def _checked_array(self, path: str, arrays: dict, key: str, name: str,
+                       factor: float = 1.0) -> np.ndarray:
+        """The checkpoint's value of ``name`` (times ``factor``), present, of this model's dtype
+        and shape, and finite; else a CheckpointError."""
+        if key not in arrays:
+            raise CheckpointError(f"{path}: incomplete checkpoint (no value for {name!r})")
+        a, (dtype, shape) = arrays[key], self._specs[name]
+        if a.dtype != dtype or a.shape != shape:
+            raise CheckpointError(f"{path}: {name!r} is {a.dtype} {list(a.shape)} in the "
+                                  f"checkpoint but {np.dtype(dtype)} {list(shape)} in this "
+                                  "model (a checkpoint of another model?)")
+        if factor != 1.0:
+            a = (a * factor).astype(a.dtype)
+        try:
+            _require_finite(a, name, "")
+        except NonFiniteError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+        return a
+
     def _checked_statistics(self, path: str, arrays: dict) -> list | None:
         """The checkpoint's running statistics, checked as the parameters are; None where it
         holds none (a checkpoint written before they were updated: they stay as they are)."""
@@ -1062,21 +1069,8 @@ class Trainer:
         if names != self.stat_names:
             raise CheckpointError(f"{path}: the checkpoint's BatchNormalization statistics "
                                   f"{names} do not match this trainer's {self.stat_names}")
-        out = []
-        for i, (name, ov) in enumerate(zip(names, self._stat_bufs)):
-            a = arrays.get(f"stat_{i}")
-            if a is None:
-                raise CheckpointError(f"{path}: incomplete checkpoint (no value for {name!r})")
-            want = (_np_dtype(ov.data_type()), tuple(ov.shape()))
-            if (a.dtype, a.shape) != want:
-                raise CheckpointError(f"{path}: {name!r} is {a.dtype} {list(a.shape)} in the "
-                                      f"checkpoint but {want[0]} {list(want[1])} in this model")
-            try:
-                _require_finite(a, name, "")
-            except NonFiniteError as exc:
-                raise CheckpointError(f"{path}: {exc}") from None
-            out.append(a)
-        return out
+        return [self._checked_array(path, arrays, f"stat_{i}", name)
+                for i, name in enumerate(names)]
 
     def _restore(self, checked: tuple) -> None:
         values, step, history, rng_state, pos, pos_batch_size, stats = checked
@@ -1107,18 +1101,17 @@ class Trainer:
         gradient graph there, with the current parameters (and optimizer state) as the defaults
         of their inputs, so each is one self-contained .onnx file."""
         runtime.save_model(self.trained_model(), path)
-        values = self.parameters()
+        values = {**self.parameters(), **self.statistics()}  # (defaults where they are inputs)
         if train_step:
             step = self.train_step or build_train_step(
                 self.loss_model, self.loss_name, self._params_spec, self.optimizer,
                 self._frozen, self.clip_norm)
             state = self.optimizer_state()  # the apply graph's state has the same names
-            runtime.save_model(with_defaults(step.model, {**values, **state,
-                                                          **self.statistics()}), train_step)
+            runtime.save_model(with_defaults(step.model, {**values, **state}), train_step)
         if gradient:
             g = build_gradient_model(self.loss_model, self.loss_name, self._params_spec,
                                      self._frozen)
-            runtime.save_model(with_defaults(g.model, {**values, **self.statistics()}), gradient)
+            runtime.save_model(with_defaults(g.model, values), gradient)
 
     def end_profiling(self) -> str | None:
         """Stop onnxruntime profiling (``profile=``) and return the trace file."""

@@ -64,17 +64,9 @@ def export_web_step(model, loss: str, path, *, output_name: str | None = None, o
             raise ValueError("output_name applies to loss kinds only "
                              f"({', '.join(LOSSES)}), not to the tensor {loss!r}")
         lm, loss_name, kind, target = m, loss, None, None
+    # (the browser step does not update BatchNormalization running statistics yet)
     step = build_train_step(lm, loss_name, params, optimizer, frozen, clip_norm,
-                            scalars="float32")
-    if step.stats:  # the browser step does not update BatchNormalization statistics yet: they
-        # are initializers again, their new values no outputs
-        g = step.model.graph
-        ins = [v for v in g.input if v.name not in step.initial_stats]
-        outs = [v for v in g.output if v.name not in set(step.stat_outputs)]
-        for field, kept in ((g.input, ins), (g.output, outs)):
-            del field[:]
-            field.extend(kept)
-        g.initializer.extend(numpy_helper.from_array(v, k) for k, v in step.initial_stats.items())
+                            scalars="float32", statistics=False)
     types = {v.name: v.type.tensor_type for v in step.model.graph.input}
     for name in step.data_inputs + step.params:
         if types[name].elem_type not in WEB_DTYPES:
