@@ -45,6 +45,7 @@ finite values, and class labels in range (see losses.check_labels).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -106,9 +107,7 @@ def session_options(threads: int | None = None, profile: str | None = None,
     return so
 
 
-_ARENA: list = []  # [registered or not], once per process
-
-
+@functools.cache
 def _cpu_arena(ort) -> bool:
     """onnxruntime's CPU arena for the steps' sessions, registered once in the process: chunks
     grow by powers of two only up to 16 MB, then by what is asked (the default doubles up to
@@ -117,16 +116,14 @@ def _cpu_arena(ort) -> bool:
     U-Net's 12 and 15 MB more (far below PyTorch's still); step times within noise (measured
     in alternated processes). False where it cannot be registered (the sessions keep their
     own arenas)."""
-    if not _ARENA:
-        try:
-            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
-                                     ort.OrtMemType.DEFAULT)
-            ort.create_and_register_allocator(info, ort.OrtArenaCfg(
-                {"arena_extend_strategy": 0, "max_power_of_two_extend_bytes": 16 << 20}))
-            _ARENA.append(True)
-        except Exception:  # noqa: BLE001  (one registered already, or an older onnxruntime)
-            _ARENA.append(False)
-    return _ARENA[0]
+    try:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                 ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(
+            {"arena_extend_strategy": 0, "max_power_of_two_extend_bytes": 16 << 20}))
+        return True
+    except Exception:  # noqa: BLE001  (one registered already, or an older onnxruntime)
+        return False
 
 
 def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int | None = None,
