@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxgrad import web
 from onnxgrad.runtime import save_model
-from onnxgrad.training import AdamW, SGD, attach_loss, build_train_step
+from onnxgrad.training import AdamW, SGD, Trainer, attach_loss, build_train_step
 from onnxgrad.training.trainer import make_session
 from onnxgrad.training.webstep import export_web_step, paths, raw_data_ranges
 
@@ -287,6 +287,77 @@ def test_page_sessions_keep_a_range_gather_reversal(tmp_path, n):
                           capture_output=True, text=True, timeout=120, cwd=WEB)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["y"] == x[::-1].tolist()
+
+
+def _bn_export(path, momentum):
+    """A Conv-BatchNorm-Relu-Linear net exported in training mode (its BatchNormalization
+    updates running statistics), with running statistics away from their defaults."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=momentum),
+                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 2))
+    with torch.no_grad():
+        net[1].running_mean.fill_(0.3)
+        net[1].running_var.fill_(2.0)
+    import contextlib
+    import io
+    import warnings
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net.train(), (torch.randn(8, 3, 8, 8),), path, input_names=["x"],
+                          output_names=["y"], dynamo=False, dynamic_axes={"x": {0: "N"}},
+                          do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING)
+    return onnx.load(path)
+
+
+def test_web_step_carries_batchnorm_statistics(tmp_path):
+    """A training-mode BatchNormalization's running statistics are part of the web export: its
+    manifest lists them with their bytes in the model file, and the page's Trainer (trainer.js on
+    onnxruntime-web in Node) carries them from step to step and writes them into the download, as
+    the Python Trainer does (the download then predicts in eval mode with the trained
+    statistics, not the initial ones). Before, the download kept the initial statistics."""
+    missing = _browser_ready()
+    if missing:
+        pytest.fail(f"this test needs {missing}; .ci/run installs it")
+    src = str(tmp_path / "bn.onnx")
+    original = _bn_export(src, momentum=0.3)
+    man = export_web_step(src, "mse", tmp_path / "s.onnx", optimizer=SGD(lr=0.1))
+    assert [t["name"] for t in man["stats"]] == ["1.running_mean", "1.running_var"]
+    assert "1.running_mean" not in [p["name"] for p in man["params"]]
+    data = (tmp_path / "s.model.onnx").read_bytes()
+    init = {t.name: numpy_helper.to_array(t) for t in original.graph.initializer}
+    for t in man["stats"]:
+        got = np.frombuffer(data[t["offset"]:t["offset"] + t["length"]], "<f4")
+        np.testing.assert_array_equal(got, init[t["name"]])
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((8, 3, 8, 8)).astype(np.float32),
+                rng.standard_normal((8, 2)).astype(np.float32)) for _ in range(4)]
+    (tmp_path / "batches.json").write_text(json.dumps(
+        [{"x": {"dtype": "float32", "dims": list(x.shape), "data": x.ravel().tolist()},
+          "target": {"dtype": "float32", "dims": list(y.shape), "data": y.ravel().tolist()}}
+         for x, y in batches]))
+    proc = subprocess.run(["node", os.path.join(WEB, "tools", "train_steps.mjs"),
+                           str(tmp_path / "s.json"), str(tmp_path / "batches.json"), "0.1",
+                           str(tmp_path / "trained.onnx")],
+                          capture_output=True, text=True, timeout=120, cwd=WEB)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = json.loads(proc.stdout.strip().splitlines()[-1])["losses"]
+    tr = Trainer(src, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False, threads=1)
+    want = [tr.step({"x": x, "target": y}) for x, y in batches]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    got = {t.name: numpy_helper.to_array(t)
+           for t in onnx.load(tmp_path / "trained.onnx").graph.initializer}
+    for name, v in {**tr.parameters(), **tr.statistics()}.items():
+        assert rel_diff(got[name], v) <= 1e-5, name
+    for name in ("1.running_mean", "1.running_var"):
+        assert rel_diff(init[name], got[name]) > 1e-2, name  # the steps moved them
+    # the download is what Trainer.export writes for these values
+    expected = tr.trained_model()
+    for t in expected.graph.initializer:
+        t.CopyFrom(numpy_helper.from_array(got[t.name], t.name))
+    save_model(expected, tmp_path / "expected.onnx")
+    assert (tmp_path / "expected.onnx").read_bytes() == (tmp_path / "trained.onnx").read_bytes()
 
 
 def test_page_in_chromium(tmp_path):

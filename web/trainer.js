@@ -1,9 +1,10 @@
 // onnxgrad's browser trainer: runs a train step exported by
 //   onnxgrad export-train-step MODEL --loss .. --target web -o S.onnx
-// on onnxruntime-web. Like the Python Trainer, it keeps the parameters and the optimizer state as
-// ort tensors and swaps them between steps: the step's outputs are the next step's inputs (on
-// WebGPU they stay GPU buffers). The trained model is S.model.onnx with the parameters' bytes
-// overwritten in place: the original graph with the trained weights, as Trainer.export writes it.
+// on onnxruntime-web. Like the Python Trainer, it keeps the parameters, the optimizer state and
+// the BatchNormalization running statistics as ort tensors and swaps them between steps: the
+// step's outputs are the next step's inputs (on WebGPU they stay GPU buffers). The trained model
+// is S.model.onnx with the parameters' and statistics' bytes overwritten in place: the original
+// graph with the trained weights, as Trainer.export writes it.
 // No DOM here: the module runs in a Web Worker (worker.js) and takes `ort` as an argument.
 
 export const FORMAT = 'onnxgrad-web-step';
@@ -35,7 +36,8 @@ export function checkManifest(m, what = 'the manifest') {
   for (const key of ['files', 'params', 'state', 'lr', 'step', 'loss', 'inputs', 'targets']) {
     if (!(key in m)) throw new InputError(`${what} has no "${key}"`);
   }
-  for (const t of [...m.params, ...m.state, ...m.inputs, ...m.targets]) {
+  m.stats = m.stats || [];  // older manifests: a step without running statistics
+  for (const t of [...m.params, ...m.stats, ...m.state, ...m.inputs, ...m.targets]) {
     if (!(t.dtype in ARRAYS)) throw new InputError(`${what}: ${t.name} is ${t.dtype}, which this page cannot hold`);
   }
   return m;
@@ -97,6 +99,9 @@ export async function pickExport(ort, files) {
 }
 
 const numel = shape => shape.reduce((a, d) => a * d, 1);
+// what the model file holds (read at reset, written by modelBytes), and what each step carries
+const stored = m => [...m.params, ...(m.stats || [])];
+const carried = m => [...stored(m), ...m.state];
 
 export function zeros(ort, t) {
   return new ort.Tensor(t.dtype, new ARRAYS[t.dtype](numel(t.shape)), t.shape);
@@ -116,7 +121,7 @@ export class Trainer {
   static async create(ort, manifest, step, model, options = {}) {
     const eps = options.executionProviders || ['wasm'];
     const gpu = eps[0] === 'webgpu';
-    const outputs = [...manifest.params, ...manifest.state].map(t => t.output);
+    const outputs = carried(manifest).map(t => t.output);
     const opts = sessionOptions(eps, {graphOptimizationLevel: 'all'});
     if (gpu) opts.preferredOutputLocation = Object.fromEntries(outputs.map(o => [o, 'gpu-buffer']));
     let session;
@@ -137,12 +142,12 @@ export class Trainer {
     this.reset();
   }
 
-  /** Back to the initial parameters (from the model file), zero state, step 1. */
+  /** Back to the initial parameters and statistics (from the model file), zero state, step 1. */
   reset() {
     const {ort, m} = this;
     this.dispose();
     this.values = {};
-    for (const p of m.params) {
+    for (const p of stored(m)) {
       this.values[p.name] = new ort.Tensor(p.dtype, readArray(this.model.buffer, p.offset, p.length, p.dtype), p.shape);
     }
     for (const s of m.state) this.values[s.name] = zeros(ort, s);
@@ -159,13 +164,13 @@ export class Trainer {
     const out = await this.session.run(feeds);
     const loss = Number(out[m.loss.name].data[0]);
     if (!Number.isFinite(loss)) {
-      for (const t of [...m.params, ...m.state]) out[t.output].dispose?.();
+      for (const t of carried(m)) out[t.output].dispose?.();
       throw new Error(`the loss is ${loss} at step ${n}: training stopped (the updates of step ${n} ` +
         `were not applied; lower the learning rate)`);
     }
     const old = this.values;
     this.values = {};
-    for (const t of [...m.params, ...m.state]) this.values[t.name] = out[t.output];
+    for (const t of carried(m)) this.values[t.name] = out[t.output];
     if (this.gpu) for (const t of Object.values(old)) if (t.location === 'gpu-buffer') t.dispose();
     this.stepCount = n;
     return loss;
@@ -173,20 +178,29 @@ export class Trainer {
 
   /** The current parameters as typed arrays (copied from the GPU where they live there). */
   async parameters() {
+    return this.arrays(this.m.params);
+  }
+
+  /** The current running statistics, as parameters() gives the parameters. */
+  async statistics() {
+    return this.arrays(this.m.stats || []);
+  }
+
+  async arrays(list) {
     const res = {};
-    for (const p of this.m.params) {
+    for (const p of list) {
       const t = this.values[p.name];
       res[p.name] = t.location === 'gpu-buffer' ? await t.getData() : t.data;
     }
     return res;
   }
 
-  /** The model file with the current parameters: what "download" gives. */
+  /** The model file with the current parameters and statistics: what "download" gives. */
   async modelBytes() {
     const bytes = this.model.slice();
-    const params = await this.parameters();
-    for (const p of this.m.params) {
-      const a = params[p.name];
+    const values = await this.arrays(stored(this.m));
+    for (const p of stored(this.m)) {
+      const a = values[p.name];
       if (a.byteLength !== p.length) throw new Error(`${p.name}: ${a.byteLength} bytes, expected ${p.length}`);
       bytes.set(new Uint8Array(a.buffer, a.byteOffset, a.byteLength), p.offset);
     }

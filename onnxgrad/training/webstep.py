@@ -5,16 +5,22 @@ included), but its WebGPU builds have none for float64, so the web step keeps ev
 float32 (lr is a float32 input; see :class:`~onnxgrad.training.optimizers.Scalars`). Three
 files, written side by side:
 
-    S.onnx        the step graph: data, params, state, lr (float32 []), step (int64 []) ->
-                  loss, updated params, updated state; no input defaults (the page feeds all)
+    S.onnx        the step graph: data, params, state, lr (float32 []), step (int64 []),
+                  statistics -> loss, updated params, updated state, updated statistics; no
+                  input defaults (the page feeds all)
     S.model.onnx  the original model (no loss) with its initial weights, each trained parameter
-                  stored as raw little-endian bytes: the same bytes ``Trainer.export`` writes
+                  and running statistic stored as raw little-endian bytes: the same bytes
+                  ``Trainer.export`` writes
     S.json        the manifest: roles, shapes and dtypes of the step's inputs and outputs, and
-                  where each parameter's bytes lie in S.model.onnx
+                  where each parameter's and statistic's bytes lie in S.model.onnx
 
-The page reads the initial parameters from those byte ranges and writes the trained model by
-overwriting them, so what it downloads is the original graph with the trained weights, byte for
-byte what ``Trainer.export`` writes for the same weights, and what it validates is that file.
+Statistics are the running mean and variance of training-mode BatchNormalizations (a
+``torch.onnx.export(training=TRAINING)`` model's): each step's forward updates them, as the
+Python Trainer's and PyTorch's do, and the page carries them from step to step like the
+parameters (a manifest without "stats" has none). The page reads the initial values from those
+byte ranges and writes the trained model by overwriting them, so what it downloads is the
+original graph with the trained weights and statistics, byte for byte what ``Trainer.export``
+writes for the same values, and what it validates is that file.
 """
 from __future__ import annotations
 
@@ -64,18 +70,18 @@ def export_web_step(model, loss: str, path, *, output_name: str | None = None, o
             raise ValueError("output_name applies to loss kinds only "
                              f"({', '.join(LOSSES)}), not to the tensor {loss!r}")
         lm, loss_name, kind, target = m, loss, None, None
-    # (the browser step does not update BatchNormalization running statistics yet)
     step = build_train_step(lm, loss_name, params, optimizer, frozen, clip_norm,
-                            scalars="float32", statistics=False)
+                            scalars="float32")
     types = {v.name: v.type.tensor_type for v in step.model.graph.input}
-    for name in step.data_inputs + step.params:
+    for name in step.data_inputs + step.params + step.stats:
         if types[name].elem_type not in WEB_DTYPES:
             dt = TensorProto.DataType.Name(types[name].elem_type)
             raise ValueError(f"input {name!r} is {dt}: onnxruntime-web has no tensors of that "
                              f"type (it has {', '.join(sorted(set(WEB_DTYPES.values())))})")
 
-    # the inference model with every trained parameter as raw bytes (Trainer.trained_model's form)
-    weights = {p: step.initial_params[p] for p in step.params}
+    # the inference model with every trained parameter and statistic as raw bytes
+    # (Trainer.trained_model's form)
+    weights = {**{p: step.initial_params[p] for p in step.params}, **step.initial_stats}
     for t in m.graph.initializer:
         if t.name in weights:
             t.CopyFrom(numpy_helper.from_array(weights[t.name], t.name))
@@ -91,7 +97,7 @@ def export_web_step(model, loss: str, path, *, output_name: str | None = None, o
     for p, w in weights.items():  # the page trusts these ranges: make sure of them
         off, n = ranges[p]
         if model_bytes[off:off + n] != numpy_helper.from_array(w).raw_data:
-            raise AssertionError(f"parameter {p!r}: its bytes are not where the ranges say")
+            raise AssertionError(f"initializer {p!r}: its bytes are not where the ranges say")
     save_model(step.model, files["step"])
     with open(files["step"], "rb") as f:
         step_bytes = f.read()
@@ -116,6 +122,8 @@ def export_web_step(model, loss: str, path, *, output_name: str | None = None, o
                    for p, o in zip(step.params, step.param_outputs)],
         "state": [{**tensor(s), "output": o, "param": p, "slot": slot, "init": "zeros"}
                   for s, o, (p, slot) in zip(step.state, step.state_outputs, step.state_of)],
+        "stats": [{**tensor(s), "output": o, "offset": ranges[s][0], "length": ranges[s][1]}
+                  for s, o in zip(step.stats, step.stat_outputs)],
         "lr": {"name": step.lr, "dtype": "float32", "default": float(optimizer.lr)},
         "step": {"name": step.step, "dtype": "int64", "first": 1},
         "optimizer": {"type": type(optimizer).__name__, **optimizer.config()},
