@@ -92,6 +92,14 @@ class _Guard:
         return out if changed else None
 
 
+def statistics_read(model: onnx.ModelProto) -> set[str]:
+    """The names in ``model``'s main graph that a training-mode BatchNormalization reads as
+    its running statistics: directly, in a subgraph, or inside a model function it is passed
+    to."""
+    gd = _Guard(model)
+    return gd.stat_reads(model.graph.node, gd.opset)
+
+
 def private_statistics(model: onnx.ModelProto) -> None:
     """Copies, in place in ``model``, where onnxruntime would write a training-mode
     BatchNormalization's statistics over a buffer something else reads (module docstring)."""

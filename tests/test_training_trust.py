@@ -244,9 +244,10 @@ def test_training_mode_batchnorm_statistics_are_updated(tmp_path, kw):
         np.testing.assert_array_equal(out[k], got[k])
 
 
-def test_web_step_keeps_batchnorm_statistics_as_given(tmp_path):
-    """The browser step does not update running statistics: they stay initializers (no
-    inputs the page would have to feed, no outputs), and the step runs on onnxruntime."""
+def test_web_step_carries_batchnorm_statistics(tmp_path):
+    """The browser step updates running statistics as the Trainer's does: they are step inputs
+    (no initializers), their updates step outputs, the manifest lists both, and the step runs on
+    onnxruntime (tests/test_web.py trains with it in onnxruntime-web against the Trainer)."""
     from onnxgrad.training.webstep import export_web_step
     from onnxgrad.runtime import ort_module
     net = _bn_net().train()
@@ -256,10 +257,11 @@ def test_web_step_keeps_batchnorm_statistics_as_given(tmp_path):
                   training=torch.onnx.TrainingMode.TRAINING)
     man = export_web_step(path, "mse", str(tmp_path / "step.onnx"))
     step = onnx.load(str(tmp_path / "step.onnx"))
-    stats = {"1.running_mean", "1.running_var"}
-    assert not stats & {i.name for i in step.graph.input}
-    assert stats <= {t.name for t in step.graph.initializer}
-    assert len(step.graph.output) == 1 + len(man["params"]) + len(man["state"])
+    stats = ["1.running_mean", "1.running_var"]
+    assert [t["name"] for t in man["stats"]] == stats
+    assert set(stats) <= {i.name for i in step.graph.input}
+    assert not set(stats) & {t.name for t in step.graph.initializer}
+    assert len(step.graph.output) == 1 + len(man["params"]) + len(man["state"]) + 2
     sess = ort_module().InferenceSession(step.SerializeToString(),
                                          providers=["CPUExecutionProvider"])
     feeds = {}
@@ -288,6 +290,38 @@ def test_shared_batchnorm_statistics_are_said_to_stay(caplog):
     tr.step({"x": x, "target": np.zeros((5, 3, 4), np.float32)})
     out = {t.name: numpy_helper.to_array(t) for t in tr.trained_model().graph.initializer}
     np.testing.assert_array_equal(out["v"], inits["v"])
+
+
+def test_function_batchnorm_statistics_are_said_to_stay(caplog):
+    """A training-mode BatchNormalization inside a model function updates a private copy of the
+    statistics it is passed (onnxgrad.aliasing): the Trainer cannot carry them, leaves them as
+    given and says so at WARNING level, naming them (it said nothing before)."""
+    body = [helper.make_node("BatchNormalization", ["t", "s", "b", "m", "v"], ["u", "um", "uv"],
+                             training_mode=1)]
+    fn = helper.make_function("lib", "BN", ["t", "s", "b", "m", "v"], ["u"], body,
+                              [helper.make_opsetid("", 15)])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("BN", ["h", "s", "b", "m", "v"], ["y"], domain="lib")]
+    inits = {"w": np.eye(3, dtype=np.float32), "s": np.ones(3, np.float32),
+             "b": np.zeros(3, np.float32), "m": np.full(3, 0.5, np.float32),
+             "v": np.full(3, 2.0, np.float32)}
+    g = helper.make_graph(nodes, "fn", [helper.make_tensor_value_info("x", 1, ["N", 3])],
+                          [helper.make_tensor_value_info("y", 1, ["N", 3])],
+                          [numpy_helper.from_array(a, n) for n, a in inits.items()])
+    m = helper.make_model(g, functions=[fn], ir_version=10,
+                          opset_imports=[helper.make_opsetid("", 15), helper.make_opsetid("lib", 1)])
+    with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
+        tr = Trainer(m, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False)
+    said = [r.getMessage() for r in caplog.records if "running statistics" in r.getMessage()]
+    assert len(said) == 1 and "m, v keep" in said[0] and "model function" in said[0], said
+    assert tr.stat_names == [] and tr.params == ["w", "s", "b"]
+    x = np.random.default_rng(0).standard_normal((6, 3)).astype(np.float32)
+    for _ in range(2):
+        assert np.isfinite(tr.step({"x": x, "target": np.zeros((6, 3), np.float32)}))
+    out = {t.name: numpy_helper.to_array(t) for t in tr.trained_model().graph.initializer}
+    np.testing.assert_array_equal(out["m"], inits["m"])
+    np.testing.assert_array_equal(out["v"], inits["v"])
+    assert not np.array_equal(out["w"], inits["w"])
 
 
 def test_torch_export_constants_and_buffers_are_not_trained(tmp_path, caplog):

@@ -55,6 +55,7 @@ import onnx
 from onnx import numpy_helper
 
 from .. import runtime
+from ..aliasing import statistics_read
 from ..errors import (CheckpointError, DataError, InvalidArgumentError, NonFiniteError,
                       NonFiniteLossError, WriteError)
 from ..inference import graphs_of, node_subgraphs
@@ -66,7 +67,7 @@ from .optimizers import AdamW, Optimizer
 from .grad_layout import stored_gradients
 from .step import (_log, _params_to_inputs, _prune, build_accumulate_model,
                    build_apply_model, build_gradient_model, build_train_step,
-                   training_statistics, with_defaults)
+                   with_defaults)
 
 # -1: without a manifest; -1 and -2: Adam's state as torch's m and v (both still read)
 CHECKPOINT_FORMAT = "onnxgrad-checkpoint-3"
@@ -301,14 +302,14 @@ class Trainer:
         # written by the forward's session (as PyTorch's step updates them)
         self.stat_names = list(fwd.stats)
         self._stat_bufs = [self._new(fwd.initial_stats[n]) for n in self.stat_names]
-        stale = [t for t in training_statistics(self.model)
-                 if t not in self.params and t not in self.stat_names]
+        stale = sorted(statistics_read(self.model) - set(self.params) - set(self.stat_names))
         if stale:
             _log.warning(
                 "BatchNormalization running statistics not updated by the Trainer: %s keep "
-                "their values (each is read by more than one training-mode BatchNormalization "
-                "or is no initializer; in training mode the model normalizes with each batch's "
-                "statistics)", ", ".join(stale))
+                "their values (each is read by more than one training-mode BatchNormalization, "
+                "is no initializer, or is read inside a model function or a subgraph; in "
+                "training mode the model normalizes with each batch's statistics)",
+                ", ".join(stale))
 
         # device buffers: two sets of params + state; scalars and the loss on the host
         init = dict(desc.initial_params)
