@@ -360,6 +360,33 @@ def test_web_step_carries_batchnorm_statistics(tmp_path):
     assert (tmp_path / "expected.onnx").read_bytes() == (tmp_path / "trained.onnx").read_bytes()
 
 
+def test_manifest_without_stats_still_trains(tmp_path):
+    """A web export written before manifests had "stats" (a step without statistics) trains on
+    the page's Trainer as before, to the same losses as its current export."""
+    missing = _browser_ready()
+    if missing:
+        pytest.fail(f"this test needs {missing}; .ci/run installs it")
+    man = export_web_step(DIGITS, "cross_entropy", tmp_path / "s.onnx", optimizer=SGD(lr=0.05))
+    assert man["stats"] == []
+    del man["stats"]
+    (tmp_path / "old.json").write_text(json.dumps(man))
+    x, y, _, _ = digits_split()
+    (tmp_path / "batches.json").write_text(json.dumps(
+        [{"x": {"dtype": "float32", "dims": [16, 64], "data": x[k:k + 16].ravel().tolist()},
+          "target": {"dtype": "int64", "dims": [16], "data": y[k:k + 16].tolist()}}
+         for k in (0, 16)]))
+    losses = []
+    for manifest in ("s.json", "old.json"):
+        proc = subprocess.run(["node", os.path.join(WEB, "tools", "train_steps.mjs"),
+                               str(tmp_path / manifest), str(tmp_path / "batches.json"), "0.05",
+                               str(tmp_path / f"{manifest}.onnx")],
+                              capture_output=True, text=True, timeout=120, cwd=WEB)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        losses.append(json.loads(proc.stdout.strip().splitlines()[-1])["losses"])
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+    assert (tmp_path / "s.json.onnx").read_bytes() == (tmp_path / "old.json.onnx").read_bytes()
+
+
 def test_page_in_chromium(tmp_path):
     """One browser session (web/tools/e2e.mjs; one test, so that pytest-xdist runs it once),
     then the checks below on what it saw."""

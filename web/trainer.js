@@ -36,8 +36,7 @@ export function checkManifest(m, what = 'the manifest') {
   for (const key of ['files', 'params', 'state', 'lr', 'step', 'loss', 'inputs', 'targets']) {
     if (!(key in m)) throw new InputError(`${what} has no "${key}"`);
   }
-  m.stats = m.stats || [];  // older manifests: a step without running statistics
-  for (const t of [...m.params, ...m.stats, ...m.state, ...m.inputs, ...m.targets]) {
+  for (const t of [...m.params, ...statsOf(m), ...m.state, ...m.inputs, ...m.targets]) {
     if (!(t.dtype in ARRAYS)) throw new InputError(`${what}: ${t.name} is ${t.dtype}, which this page cannot hold`);
   }
   return m;
@@ -99,8 +98,9 @@ export async function pickExport(ort, files) {
 }
 
 const numel = shape => shape.reduce((a, d) => a * d, 1);
+const statsOf = m => m.stats || [];  // a manifest without "stats": a step without statistics
 // what the model file holds (read at reset, written by modelBytes), and what each step carries
-const stored = m => [...m.params, ...(m.stats || [])];
+const stored = m => [...m.params, ...statsOf(m)];
 const carried = m => [...stored(m), ...m.state];
 
 export function zeros(ort, t) {
@@ -183,7 +183,7 @@ export class Trainer {
 
   /** The current running statistics, as parameters() gives the parameters. */
   async statistics() {
-    return this.arrays(this.m.stats || []);
+    return this.arrays(statsOf(this.m));
   }
 
   async arrays(list) {
