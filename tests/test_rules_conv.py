@@ -263,6 +263,9 @@ PER_TAP = {
     "small-image": ((1, 4, 2, 2), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], "stacked"),  # N*O < Co
     "small-image-stride": ((1, 3, 4, 3), (3, 2), [2, 2], [1, 0, 1, 1], [1, 1], "gather"),
     "7x8-fallback": ((1, 2, 9, 10), (7, 8), [1, 1], [0, 0, 0, 0], [1, 1], "conv"),
+    # windows that tile the image, on more than 256 output positions: SpaceToDepth's columns
+    "tiles-2x2": ((2, 3, 34, 34), (2, 2), [2, 2], [0, 0, 0, 0], [1, 1], "tiles"),
+    "tiles-3x3-crop": ((1, 3, 53, 52), (3, 3), [3, 3], [0, 0, 0, 0], [1, 1], "tiles"),
     # 3-D: per tap only with unit strides on at least 256 output positions per image
     "3d-3x3x3-pad": ((1, 3, 4, 8, 8), (3, 3, 3), [1, 1, 1], [1] * 6, [1, 1, 1], "taps"),
     "3d-dil-asym": ((1, 3, 5, 9, 9), (2, 3, 2), [1, 1, 1], [0, 1, 1, 1, 0, 2], [2, 1, 1],
@@ -305,7 +308,10 @@ def test_conv_weight_gradient_per_tap_versus_torch(case):
     res = onnxgrad.gradients(m, "y", ["w"])
     ops = [n.op_type for n in res.model.graph.node]
     assert ops.count("Gemm") == {"taps": int(np.prod(k)), "stacked": 1, "gather": 1,
-                                 "conv": 0, "batched": 0}[form]
+                                 "conv": 0, "batched": 0, "tiles": 1}[form]
+    assert ("SpaceToDepth" in ops) == (form == "tiles")
+    if form == "tiles":  # no strided Slice; one that crops what no window reads
+        assert ops.count("Slice") == int(any(n % ki for n, ki in zip(xs[2:], k)))
     assert ops.count("Gather") == {"gather": 1, "batched": int(np.prod(k))}.get(form, 0)
     assert ops.count("MatMul") == (int(np.prod(k)) if form == "batched" else 0)
     torch_pad = [v for i in reversed(range(nsp)) for v in (p[i], p[nsp + i])]
@@ -352,6 +358,34 @@ def test_conv_weight_gradient_forms_versus_torch_generated(geo, seed):
     torch_pad = [v for i in reversed(range(nsp)) for v in (p[i], p[nsp + i])]
     versus_torch(m, feeds, ["x", "w"], lambda x, w: tconv(nsp)(
         F.pad(x, torch_pad), w, stride=s, dilation=d), seed=seed + 2)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(op=st.sampled_from(["Conv", "ConvTranspose"]), k=st.integers(2, 4),
+       c=st.integers(1, 6), co=st.integers(1, 6), n=st.integers(1, 2),
+       o=st.tuples(st.integers(15, 20), st.integers(15, 20)),
+       rest=st.tuples(st.integers(0, 3), st.integers(0, 3)), symbolic=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_tiled_windows_weight_gradient_versus_torch_generated(op, k, c, co, n, o, rest,
+                                                              symbolic, seed):
+    """Windows that tile the long side (kernel = strides, no pads; a Conv's unread last rows
+    and columns cropped) on more than 256 output positions: dW from SpaceToDepth's columns,
+    against torch autograd, with a symbolic batch half the time."""
+    import torch.nn.functional as F
+    if op == "Conv":
+        xs, ws = (n, c, *[oi * k + min(r, k - 1) for oi, r in zip(o, rest)]), (co, c, k, k)
+        fn = lambda x, w: F.conv2d(x, w, stride=k)  # noqa: E731
+    else:
+        xs, ws = (n, c, *o), (c, co, k, k)
+        fn = lambda x, w: F.conv_transpose2d(x, w, stride=k)  # noqa: E731
+    feeds = {"x": rnd(xs, seed), "w": rnd(ws, seed + 1)}
+    m = model_of(op, feeds, symbolic=("batch",) if symbolic else (), strides=[k, k])
+    ops = [nd.op_type for nd in onnxgrad.gradients(m, "y", ["w"]).model.graph.node]
+    # a Conv with few input channels (a stem) stacks its taps, strided ones gathered
+    stacked = op == "Conv" and co * (k * k - 1) > 2 * k * k * c
+    assert ("SpaceToDepth" in ops) == (not stacked)
+    versus_torch(m, feeds, ["x", "w"], fn, seed=seed + 2)
 
 
 def test_conv_stacked_taps_inception_stem_versus_torch():
@@ -436,6 +470,21 @@ def test_conv_transpose_weight_gradient_per_tap(w_shape, gemms):
     versus_torch(m, feeds, ["x", "w"], lambda x, w: F.conv_transpose2d(
         x, w, stride=(2, 1), padding=0, output_padding=(1, 0), dilation=(1, 2))[..., 1:, :-1])
     fd(m, feeds)
+
+
+def test_conv_transpose_tiles_weight_gradient():
+    """A 2x2 / 2 ConvTranspose (a U-Net's upsampling): its output is tiled by the windows, so
+    dW is one Gemm over SpaceToDepth's columns of g, no strided Slice."""
+    import torch.nn.functional as F
+    feeds = {"x": rnd((2, 3, 16, 17)), "w": rnd((3, 4, 2, 2), 1), "b": rnd((4,), 2)}
+    m = model_of("ConvTranspose", feeds, strides=[2, 2])
+    ops = [n.op_type for n in onnxgrad.gradients(m, "y", ["w"]).model.graph.node]
+    assert "SpaceToDepth" in ops and "Slice" not in ops and ops.count("Gemm") == 1
+    versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: F.conv_transpose2d(
+        x, w, b, stride=2))
+    fd(m, feeds)
+    second_order_versus_torch(m, feeds, ["x", "w", "b"], lambda x, w, b: F.conv_transpose2d(
+        x, w, b, stride=2))
 
 
 def test_conv_transpose_3d_weight_gradient_per_tap():
