@@ -263,9 +263,12 @@ PER_TAP = {
     "small-image": ((1, 4, 2, 2), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], "stacked"),  # N*O < Co
     "small-image-stride": ((1, 3, 4, 3), (3, 2), [2, 2], [1, 0, 1, 1], [1, 1], "gather"),
     "7x8-fallback": ((1, 2, 9, 10), (7, 8), [1, 1], [0, 0, 0, 0], [1, 1], "conv"),
-    # windows that tile the image, on more than 256 output positions: SpaceToDepth's columns
-    "tiles-2x2": ((2, 3, 34, 34), (2, 2), [2, 2], [0, 0, 0, 0], [1, 1], "tiles"),
-    "tiles-3x3-crop": ((1, 3, 53, 52), (3, 3), [3, 3], [0, 0, 0, 0], [1, 1], "tiles"),
+    # strided, more than 256 output positions: the strided windows' rows gathered per tap
+    "stride-2-large": ((2, 3, 34, 34), (3, 3), [2, 2], [1, 1, 1, 1], [1, 1], "batched"),
+    "tiles-2x2-large": ((2, 3, 34, 34), (2, 2), [2, 2], [0, 0, 0, 0], [1, 1], "batched"),
+    # windows that tile the image, on fewer: SpaceToDepth's columns
+    "tiles-2x2": ((2, 3, 16, 18), (2, 2), [2, 2], [0, 0, 0, 0], [1, 1], "tiles"),
+    "tiles-3x3-crop": ((1, 3, 26, 25), (3, 3), [3, 3], [0, 0, 0, 0], [1, 1], "tiles"),
     # 3-D: per tap only with unit strides on at least 256 output positions per image
     "3d-3x3x3-pad": ((1, 3, 4, 8, 8), (3, 3, 3), [1, 1, 1], [1] * 6, [1, 1, 1], "taps"),
     "3d-dil-asym": ((1, 3, 5, 9, 9), (2, 3, 2), [1, 1, 1], [0, 1, 1, 1, 0, 2], [2, 1, 1],
@@ -285,12 +288,13 @@ PER_TAP = {
     "gather-1x1-stride": ((2, 16, 6, 5), (1, 1), [2, 2], [0, 0, 0, 0], [1, 1], "gather"),
     "gather-1d": ((2, 16, 11), (3,), [2], [2, 1], [2], "gather"),
     "1x1-whole": ((2, 16, 6, 5), (1, 1), [1, 1], [0, 0, 0, 0], [1, 1], "taps"),
-    # 1-D and 2-D with unit strides on images of > 256 output positions: per tap, one batched
-    # MatMul over the images of g and the tap's rows gathered from the channels-last image
+    # 1-D and 2-D on images of > 256 output positions: per tap, one batched MatMul over the
+    # images of g and the tap's (strided) rows gathered from the channels-last image
     "batched-3x3-pad": ((1, 16, 17, 16), (3, 3), [1, 1], [1, 1, 1, 1], [1, 1], "batched"),
     "batched-dil-asym": ((2, 3, 18, 17), (2, 3), [1, 1], [0, 2, 1, 0], [2, 1], "batched"),
     "batched-1d": ((2, 4, 300), (3,), [1], [1, 2], [1], "batched"),
-    "large-image-stride-taps": ((1, 16, 36, 34), (3, 3), [2, 2], [1, 1, 1, 1], [1, 1], "taps"),
+    "batched-stride": ((1, 16, 36, 34), (3, 3), [2, 2], [1, 1, 1, 1], [1, 1], "batched"),
+    "batched-stride-1d-dil": ((2, 4, 700), (3,), [2], [1, 0], [2], "batched"),
     "3d-taps-not-gather": ((1, 16, 4, 8, 8), (3, 3, 3), [1, 1, 1], [1] * 6, [1, 1, 1], "taps"),
 }
 
@@ -360,31 +364,48 @@ def test_conv_weight_gradient_forms_versus_torch_generated(geo, seed):
         F.pad(x, torch_pad), w, stride=s, dilation=d), seed=seed + 2)
 
 
+@st.composite
+def strided_geometries(draw):
+    """A strided Conv on images of more than 256 output positions (1-D or 2-D: kernel, stride,
+    dilation, pads, unread last elements), or a ConvTranspose whose windows tile its output."""
+    op = draw(st.sampled_from(["Conv", "Conv", "ConvTranspose"]))
+    nsp = 2 if op == "ConvTranspose" else draw(st.integers(1, 2))
+    c, co, n = draw(st.integers(1, 6)), draw(st.integers(1, 6)), draw(st.integers(1, 2))
+    if op == "ConvTranspose":
+        k = draw(st.integers(2, 4))
+        return op, (n, c, *[draw(st.integers(15, 20)) for _ in range(2)]), (c, co, k, k), \
+            {"strides": [k, k]}
+    k = [draw(st.integers(1, 4)) for _ in range(nsp)]
+    s = [draw(st.integers(2, 3)) for _ in range(nsp)]
+    d = [draw(st.integers(1, 2)) for _ in range(nsp)]
+    p = [draw(st.integers(0, 2)) for _ in range(2 * nsp)]
+    o = [draw(st.integers(260, 300))] if nsp == 1 else [draw(st.integers(17, 20)) for _ in k]
+    dims = [s[j] * (o[j] - 1) + d[j] * (k[j] - 1) + 1 - p[j] - p[nsp + j] +
+            draw(st.integers(0, s[j] - 1)) for j in range(nsp)]
+    return op, (n, c, *dims), (co, c, *k), {"strides": s, "dilations": d, "pads": p}
+
+
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
-@given(op=st.sampled_from(["Conv", "ConvTranspose"]), k=st.integers(2, 4),
-       c=st.integers(1, 6), co=st.integers(1, 6), n=st.integers(1, 2),
-       o=st.tuples(st.integers(15, 20), st.integers(15, 20)),
-       rest=st.tuples(st.integers(0, 3), st.integers(0, 3)), symbolic=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_tiled_windows_weight_gradient_versus_torch_generated(op, k, c, co, n, o, rest,
-                                                              symbolic, seed):
-    """Windows that tile the long side (kernel = strides, no pads; a Conv's unread last rows
-    and columns cropped) on more than 256 output positions: dW from SpaceToDepth's columns,
-    against torch autograd, with a symbolic batch half the time."""
+@given(geo=strided_geometries(), symbolic=st.booleans(), seed=st.integers(0, 2**16))
+def test_strided_weight_gradient_forms_versus_torch_generated(geo, symbolic, seed):
+    """Strided windows on large images take dW from Gathers of the strided window's rows (or,
+    for windows that tile the image, SpaceToDepth's columns), never from strided Slices (which
+    onnxruntime runs on one thread), against torch autograd, a symbolic batch half the time."""
     import torch.nn.functional as F
-    if op == "Conv":
-        xs, ws = (n, c, *[oi * k + min(r, k - 1) for oi, r in zip(o, rest)]), (co, c, k, k)
-        fn = lambda x, w: F.conv2d(x, w, stride=k)  # noqa: E731
-    else:
-        xs, ws = (n, c, *o), (c, co, k, k)
-        fn = lambda x, w: F.conv_transpose2d(x, w, stride=k)  # noqa: E731
+    op, xs, ws, attrs = geo
     feeds = {"x": rnd(xs, seed), "w": rnd(ws, seed + 1)}
-    m = model_of(op, feeds, symbolic=("batch",) if symbolic else (), strides=[k, k])
-    ops = [nd.op_type for nd in onnxgrad.gradients(m, "y", ["w"]).model.graph.node]
-    # a Conv with few input channels (a stem) stacks its taps, strided ones gathered
-    stacked = op == "Conv" and co * (k * k - 1) > 2 * k * k * c
-    assert ("SpaceToDepth" in ops) == (not stacked)
+    m = model_of(op, feeds, symbolic=("batch",) if symbolic else (), **attrs)
+    nodes = onnxgrad.gradients(m, "y", ["w"]).model.graph.node
+    assert not any(nd.op_type == "Slice" and len(nd.input) == 5 for nd in nodes)
+    if op == "ConvTranspose":
+        k = attrs["strides"][0]
+        fn = lambda x, w: F.conv_transpose2d(x, w, stride=k)  # noqa: E731
+    else:
+        nsp, p = len(xs) - 2, attrs["pads"]
+        pad = [v for i in reversed(range(nsp)) for v in (p[i], p[nsp + i])]
+        fn = lambda x, w: tconv(nsp)(F.pad(x, pad), w, stride=attrs["strides"],  # noqa: E731
+                                     dilation=attrs["dilations"])
     versus_torch(m, feeds, ["x", "w"], fn, seed=seed + 2)
 
 
