@@ -18,6 +18,8 @@ Runtime gaps worked around here:
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 import onnxgrad
@@ -92,6 +94,47 @@ def test_batch_norm_training(shape, eps):  # static shapes: the count is a numbe
     rep = check(m, "y0", ["x", "s", "b", "m", "v"], feeds=feeds)
     # the input statistics do not reach y in training mode
     assert not rep.results[3].grad.any() and not rep.results[4].grad.any()
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(rank=st.integers(2, 5), opset=st.sampled_from([13, 15]), double=st.booleans(),
+       eps=st.sampled_from([1e-5, 0.1]), seed=st.integers(0, 2**16))
+def test_batch_norm_training_versus_torch_generated(rank, opset, double, eps, seed):
+    """Training-mode BatchNormalization (opset 15's training_mode, BatchNormalization-9's
+    statistics outputs) against torch autograd in float64: dx, dscale, dB for a random
+    cotangent, at every rank. dx's last step (a per-channel t * a + b) is one inference-mode
+    BatchNormalization in float32 and float64 (mean 0, variance 1, epsilon 0)."""
+    torch = pytest.importorskip("torch")
+    r = np.random.default_rng(seed)
+    shape = [int(d) for d in r.integers(1, 5, rank)]
+    shape[0] = max(shape[0], 2)
+    c, dt = shape[1], np.float64 if double else np.float32
+    ins = bn_inputs(dt, tuple(["N"] + shape[1:]))
+    if opset >= 14:
+        m = op_model("BatchNormalization", ins, n_out=3, opset=opset, training_mode=1,
+                     epsilon=eps, momentum=0.9)
+        y = "y0"
+    else:
+        outs = {"y": ins["x"], **{k: (dt, [c]) for k in ("rm", "rv", "sm", "sv")}}
+        m = typed_model("BatchNormalization", ins, outs, opset, epsilon=eps, momentum=0.9)
+        y = "y"
+    feeds = {"x": r.standard_normal(shape).astype(dt) * 2 + 1, "s": r.standard_normal(c).astype(dt),
+             "b": r.standard_normal(c).astype(dt), "m": r.standard_normal(c).astype(dt),
+             "v": r.uniform(0.5, 2, c).astype(dt)}
+    cot = r.standard_normal(shape).astype(dt)
+    res = onnxgrad.gradients(m, y, ["x", "s", "b"], grad_ys=["cot"])
+    affine = [n for n in res.model.graph.node if n.op_type == "BatchNormalization"][1:]
+    assert len(affine) == 1 and not any(a.name == "training_mode" and a.i
+                                        for a in affine[0].attribute)
+    got = run(res.model, {**feeds, "cot": cot}, outputs=res.grads)
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=k in "xsb") for k, v in feeds.items()}
+    out = torch.nn.functional.batch_norm(t["x"], t["m"].detach(), t["v"].detach(), t["s"], t["b"],
+                                         training=True, momentum=0.1, eps=eps)
+    want = torch.autograd.grad(out, [t["x"], t["s"], t["b"]], torch.tensor(cot, dtype=torch.float64))
+    tol = 1e-9 if double else 2e-4
+    for g, w in zip(got, want):
+        w = w.numpy()
+        assert np.max(np.abs(g - w)) <= tol * (1 + np.max(np.abs(w))), (g, w)
 
 
 def test_batch_norm_9_with_statistics_outputs_is_training():

@@ -106,6 +106,17 @@ def _sum(e, t, axes):
     return e.reduce("ReduceSum", t, axes, keepdims=0)
 
 
+def _affine(e, t, a, b):
+    """t * a + b for per-channel a, b ([1, C, 1, ...]) and t [N, C, ...]: in float32 and
+    float64 one inference-mode BatchNormalization (mean 0, variance 1, epsilon 0: the same
+    products and sums, exactly), which onnxruntime runs in one pass where Mul and Add take two
+    (a [16, 16, 64, 64] tensor 0.36 against 0.68 ms, measured)."""
+    if t.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or e.opset < 9:
+        return t * a + b
+    a, b = e.Reshape(a, [-1]), e.Reshape(b, [-1])
+    return e.BatchNormalization(t, a, b, e.zeros_like(a), e.fill_like(a, 1), epsilon=0.0)
+
+
 # -- BatchNormalization ----------------------------------------------------------------------
 @register("BatchNormalization")
 def _batch_norm(n, g):
@@ -148,7 +159,8 @@ def _batch_norm(n, g):
         if g is not None:
             sg = e.reduce("ReduceSum", g, axes, keepdims=1)
             sgc = e.reduce("ReduceSum", g * c, axes, keepdims=1)
-            gx = (g + c * (r * r * sgc * -inv_m) + sg * -inv_m) * (_chan(e, s, rank) * r)
+            k = _chan(e, s, rank) * r
+            gx = g * k + _affine(e, c, r * r * sgc * -inv_m * k, sg * -inv_m * k)
             gs = _cast(e, e.Reshape(sgc * r, [-1]), scale.dtype)
             gb = _cast(e, e.Reshape(sg, [-1]), bias.dtype)
         if g_rm is not None or g_rv is not None:
