@@ -7,10 +7,7 @@ written by; a step checks its batch as fit checks its data. torch is the oracle 
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
-import warnings
 
 import numpy as np
 import onnx
@@ -21,7 +18,7 @@ from onnx import helper, numpy_helper
 
 from onnxgrad.errors import CheckpointError, DataError, InvalidArgumentError
 from onnxgrad.training import SGD, Adam, AdamW, Trainer, build_train_step
-from util import make_model
+from util import bn_train_export, make_model, quiet_export
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -136,14 +133,6 @@ def test_shards_of_a_weighted_cross_entropy_are_refused():
 
 
 # -- 2. the parameters trained by default -----------------------------------------------------
-def _quiet_export(net, path, args=None, **kw):
-    warnings.filterwarnings("ignore")
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        torch.onnx.export(net, args or (torch.randn(3, 4),), path, input_names=["x"],
-                          output_names=["y"], **kw)
-    return onnx.load(path)
-
-
 def _train_both(model_path, net, steps=3, lr=0.05, **kw):
     tr = Trainer(model_path, "mse", optimizer=SGD(lr=lr), device="cpu", progress=False,
                  threads=1, **kw)
@@ -169,7 +158,7 @@ def test_batchnorm_statistics_are_not_trained(tmp_path):
         net[1].running_var.fill_(0.05)
         net[1].running_mean.fill_(0.3)
     path = str(tmp_path / "bn.onnx")
-    _quiet_export(net, path, dynamo=False, dynamic_axes={"x": {0: "N"}})
+    quiet_export(net, path, dynamo=False, dynamic_axes={"x": {0: "N"}})
     tr = _train_both(path, net, steps=5)
     assert tr.params == [n for n, _ in net.named_parameters()]
     assert set(tr.left_out) == {"1.running_mean", "1.running_var"}
@@ -186,12 +175,6 @@ def test_batchnorm_statistics_are_not_trained(tmp_path):
     assert tr.params == ["1.running_mean"] and tr.left_out == {}
 
 
-def _bn_net(momentum=0.3):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=momentum),
-                               torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 2))
-
-
 @pytest.mark.parametrize("kw", [{}, {"fused_optimizer": False}, {"accumulation_steps": 2}],
                          ids=["fused", "one-graph", "accumulated"])
 def test_training_mode_batchnorm_statistics_are_updated(tmp_path, kw):
@@ -202,11 +185,8 @@ def test_training_mode_batchnorm_statistics_are_updated(tmp_path, kw):
     BatchNorm inputs of a PyTorch run of the same steps; its running_mean equals PyTorch's.
     trained_model() holds them; a checkpoint carries them."""
     import copy
-    net = _bn_net().train()
     path = str(tmp_path / "bn_train.onnx")
-    _quiet_export(net, path, (torch.randn(8, 3, 8, 8),), dynamo=False,
-                  dynamic_axes={"x": {0: "N"}}, do_constant_folding=False,
-                  training=torch.onnx.TrainingMode.TRAINING)
+    net = bn_train_export(path)
     ref = copy.deepcopy(net)  # (the export ran a forward: its statistics are the model's)
     seen = []
     ref[1].register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().double().numpy()))
@@ -250,11 +230,8 @@ def test_web_step_carries_batchnorm_statistics(tmp_path):
     onnxruntime (tests/test_web.py trains with it in onnxruntime-web against the Trainer)."""
     from onnxgrad.training.webstep import export_web_step
     from onnxgrad.runtime import ort_module
-    net = _bn_net().train()
     path = str(tmp_path / "bn_train.onnx")
-    _quiet_export(net, path, (torch.randn(8, 3, 8, 8),), dynamo=False,
-                  dynamic_axes={"x": {0: "N"}}, do_constant_folding=False,
-                  training=torch.onnx.TrainingMode.TRAINING)
+    bn_train_export(path)
     man = export_web_step(path, "mse", str(tmp_path / "step.onnx"))
     step = onnx.load(str(tmp_path / "step.onnx"))
     stats = ["1.running_mean", "1.running_var"]
@@ -340,7 +317,7 @@ def test_torch_export_constants_and_buffers_are_not_trained(tmp_path, caplog):
     torch.manual_seed(0)
     net = Net()
     path = str(tmp_path / "dyn.onnx")
-    _quiet_export(net, path, dynamo=True, dynamic_shapes=({0: torch.export.Dim("N")},))
+    quiet_export(net, path, dynamo=True, dynamic_shapes=({0: torch.export.Dim("N")},))
     with caplog.at_level(logging.DEBUG, logger="onnxgrad.training"):
         tr = _train_both(path, net)
     assert "not trained by default" in caplog.text

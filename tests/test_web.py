@@ -30,6 +30,7 @@ WEB = os.path.join(ROOT, "web")
 DIGITS = os.path.join(ROOT, "models", "digits_mlp.onnx")
 sys.path.insert(0, WEB)
 import make_assets  # noqa: E402  (web/make_assets.py)
+from util import bn_train_export  # noqa: E402
 
 
 def digits_split():
@@ -289,28 +290,6 @@ def test_page_sessions_keep_a_range_gather_reversal(tmp_path, n):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["y"] == x[::-1].tolist()
 
 
-def _bn_export(path, momentum):
-    """A Conv-BatchNorm-Relu-Linear net exported in training mode (its BatchNormalization
-    updates running statistics), with running statistics away from their defaults."""
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=momentum),
-                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 2))
-    with torch.no_grad():
-        net[1].running_mean.fill_(0.3)
-        net[1].running_var.fill_(2.0)
-    import contextlib
-    import io
-    import warnings
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
-        torch.onnx.export(net.train(), (torch.randn(8, 3, 8, 8),), path, input_names=["x"],
-                          output_names=["y"], dynamo=False, dynamic_axes={"x": {0: "N"}},
-                          do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING)
-    return onnx.load(path)
-
-
 def test_web_step_carries_batchnorm_statistics(tmp_path):
     """A training-mode BatchNormalization's running statistics are part of the web export: its
     manifest lists them with their bytes in the model file, and the page's Trainer (trainer.js on
@@ -321,7 +300,8 @@ def test_web_step_carries_batchnorm_statistics(tmp_path):
     if missing:
         pytest.fail(f"this test needs {missing}; .ci/run installs it")
     src = str(tmp_path / "bn.onnx")
-    original = _bn_export(src, momentum=0.3)
+    bn_train_export(src, running=(0.3, 2.0))
+    original = onnx.load(src)
     man = export_web_step(src, "mse", tmp_path / "s.onnx", optimizer=SGD(lr=0.1))
     assert [t["name"] for t in man["stats"]] == ["1.running_mean", "1.running_var"]
     assert "1.running_mean" not in [p["name"] for p in man["params"]]

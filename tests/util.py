@@ -1,6 +1,10 @@
 """Helpers the tests share: build small models, check gradients against finite differences."""
 from __future__ import annotations
 
+import contextlib
+import io
+import warnings
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -148,3 +152,32 @@ def made_up_dims(model, skip=()) -> list:
     return [(vi.name, d.dim_param) for vi in [*model.graph.value_info, *model.graph.output]
             if vi.name not in skip for d in vi.type.tensor_type.shape.dim
             if d.dim_param.startswith("unk__")]
+
+
+def quiet_export(net, path, args=None, **kw):
+    """torch.onnx.export of ``net`` (input "x", output "y") without the exporter's chatter;
+    returns the written model."""
+    import torch
+    warnings.filterwarnings("ignore")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        torch.onnx.export(net, args or (torch.randn(3, 4),), path, input_names=["x"],
+                          output_names=["y"], **kw)
+    return onnx.load(path)
+
+
+def bn_train_export(path, momentum=0.3, running=None):
+    """A Conv-BatchNorm-ReLU-Linear net on 3x8x8 images, exported to ``path`` in training mode
+    (its BatchNormalization updates running statistics, symbolic batch); ``running``: (mean,
+    var) to start the statistics from. Returns the torch net (the export ran one forward)."""
+    import torch
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=momentum),
+                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 2))
+    if running is not None:
+        with torch.no_grad():
+            net[1].running_mean.fill_(running[0])
+            net[1].running_var.fill_(running[1])
+    quiet_export(net.train(), path, (torch.randn(8, 3, 8, 8),), dynamo=False,
+                 dynamic_axes={"x": {0: "N"}}, do_constant_folding=False,
+                 training=torch.onnx.TrainingMode.TRAINING)
+    return net

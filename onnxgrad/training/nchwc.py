@@ -118,6 +118,7 @@ def _rewrite(node, shapes, b, taken):
         return None  # SAME_*: the blocked Conv refuses it with dilations
     if kh * kw == 1:
         return None  # a 1x1 Conv is one GEMM already: blocked, it ran 1.0x-2.3x slower
+    nb = _Nodes(node.name or node.output[0], taken)  # (names are taken as nodes are made)
     if group == 1 and c % b == 0:
         hw = shapes[x][1][2:] if x in shapes and len(shapes[x][1]) == 4 else (None, None)
         if _positions(hw, (kh, kw), a) < MIN_POSITIONS:
@@ -127,12 +128,10 @@ def _rewrite(node, shapes, b, taken):
         # transposes as 2-D tiles; its general 6-D Transpose (one permutation of
         # [Co/B, Bo, C/B, Bi, kh, kw]) copies element by element, single-threaded: a
         # [128, 128, 3, 3] kernel 0.58 -> 0.11 ms, [512, 512, 3, 3] 10.4 -> 2.5 (measured)
-        nb = _Nodes(node.name or node.output[0], taken)
         blocked = nb.op("Reshape", nb.op("ReorderInput", w, domain=DOMAIN),
                         nb.const([co // b, b, cg * kh * kw]))
     elif group == c == co and cg == 1:
         # depthwise: [Co/B, Bo, 1, kh, kw] -> OIHWBo [Co/B, 1, kh, kw, Bo]
-        nb = _Nodes(node.name or node.output[0], taken)
         blocked = nb.op("Reshape", w, nb.const([co // b, b, kh * kw]))
     else:
         return None  # grouped, or input channels off the block (fewer than a block, read as
