@@ -573,6 +573,34 @@ class Emitter:
         c.pieces, c._frozen_dims = self.pieces, self._frozen_dims
         return c
 
+    # -- a forward node replaced in place (the RNN and BatchNormalization rules) ----------------
+    def scratch(self, tag: str = "_fwd") -> Emitter:
+        """An emitter into a new, empty graph whose nodes :meth:`replace` moves in front of a
+        forward node; its constants are its own (those made so far may sit after the node)."""
+        prefix = self.prefix[:-5] if self.prefix.endswith("_grad") else self.prefix
+        return self.child(ir.Graph([], [], nodes=[], name="scratch"), prefix + tag,
+                          outer_consts=False)
+
+    def replace(self, node: ir.Node, f: Emitter, new) -> None:
+        """Put ``node`` out of the graph in favour of what :meth:`scratch` emitter ``f`` built:
+        those nodes go in front of it, and ``new`` (V or None, aligned with its outputs) takes
+        over each named output's uses, graph outputs, name and type."""
+        for old, v in zip(node.outputs, new):
+            if not old.name:  # an output the node does not have
+                continue
+            name = old.name
+            old.name = self.unique(f"{name}__replaced")
+            old.replace_all_uses_with(v.value, replace_graph_outputs=True)
+            v.value.name, v.value.type, v.value.shape = name, old.type, old.shape
+        nodes = list(f.graph)
+        f.graph.remove(nodes)
+        node.graph.insert_before(node, nodes)
+        node.graph.remove(node, safe=True)
+
+    def adopt(self, v: V) -> V:
+        """``v`` (made by another emitter, e.g. a :meth:`scratch` one) with arithmetic here."""
+        return V(v.value, self, v.dtype, v.shape)
+
 
 def _rank(x) -> int | None:
     return None if x is None or x.shape is None else len(x.shape)

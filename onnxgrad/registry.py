@@ -164,6 +164,17 @@ class Grads:
         self.inputs = tuple(inputs)
         self.captured = dict(captured or {})
 
+    @classmethod
+    def by_value(cls, e, inputs, grads) -> "Grads":
+        """The gradients of a node that the rule replaced (``Emitter.replace``), keyed by its
+        former ``inputs`` (aligned with ``grads``): a value that was several inputs gets the
+        sum."""
+        out: dict = {}
+        for v, gv in zip(inputs, grads):
+            if v is not None and gv is not None:
+                out[v] = e.Add(out[v], gv) if v in out else gv
+        return cls((), out)
+
 
 # ir type class (ir.SequenceType, ...) -> add(e, a, b) -> V: how gradients of that type add up
 _ADDERS: dict[type, Callable] = {}

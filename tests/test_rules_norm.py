@@ -103,7 +103,10 @@ def test_batch_norm_training_versus_torch_generated(rank, opset, double, eps, se
     """Training-mode BatchNormalization (opset 15's training_mode, BatchNormalization-9's
     statistics outputs) against torch autograd in float64: dx, dscale, dB for a random
     cotangent, at every rank. dx's last step (a per-channel t * a + b) is one inference-mode
-    BatchNormalization in float32 and float64 (mean 0, variance 1, epsilon 0)."""
+    BatchNormalization in float32 and float64 (mean 0, variance 1 - 2^-16, epsilon 2^-16).
+    From opset 14 the node itself is replaced by its definition (batch statistics the backward
+    reads): no training-mode node is left, and the forward's y and running statistics are
+    torch's y and the spec's (biased variance)."""
     torch = pytest.importorskip("torch")
     r = np.random.default_rng(seed)
     shape = [int(d) for d in r.integers(1, 5, rank)]
@@ -113,27 +116,31 @@ def test_batch_norm_training_versus_torch_generated(rank, opset, double, eps, se
     if opset >= 14:
         m = op_model("BatchNormalization", ins, n_out=3, opset=opset, training_mode=1,
                      epsilon=eps, momentum=0.9)
-        y = "y0"
+        y, stats = "y0", ["y1", "y2"]
     else:
         outs = {"y": ins["x"], **{k: (dt, [c]) for k in ("rm", "rv", "sm", "sv")}}
         m = typed_model("BatchNormalization", ins, outs, opset, epsilon=eps, momentum=0.9)
-        y = "y"
+        y, stats = "y", ["rm", "rv"]
     feeds = {"x": r.standard_normal(shape).astype(dt) * 2 + 1, "s": r.standard_normal(c).astype(dt),
              "b": r.standard_normal(c).astype(dt), "m": r.standard_normal(c).astype(dt),
              "v": r.uniform(0.5, 2, c).astype(dt)}
     cot = r.standard_normal(shape).astype(dt)
     res = onnxgrad.gradients(m, y, ["x", "s", "b"], grad_ys=["cot"])
-    affine = [n for n in res.model.graph.node if n.op_type == "BatchNormalization"][1:]
-    assert len(affine) == 1 and not any(a.name == "training_mode" and a.i
-                                        for a in affine[0].attribute)
-    got = run(res.model, {**feeds, "cot": cot}, outputs=res.grads)
+    bns = [n for n in res.model.graph.node if n.op_type == "BatchNormalization"]
+    training = [n for n in bns if any(a.name == "training_mode" and a.i for a in n.attribute)]
+    assert len(bns) == 2 and not (opset >= 14 and training)  # (BN-9 has no training_mode)
+    got = run(res.model, {**feeds, "cot": cot}, outputs=[y, *stats, *res.grads])
     t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=k in "xsb") for k, v in feeds.items()}
     out = torch.nn.functional.batch_norm(t["x"], t["m"].detach(), t["v"].detach(), t["s"], t["b"],
                                          training=True, momentum=0.1, eps=eps)
     want = torch.autograd.grad(out, [t["x"], t["s"], t["b"]], torch.tensor(cot, dtype=torch.float64))
+    x64, axes = feeds["x"].astype(np.float64), tuple(i for i in range(rank) if i != 1)
+    mom = float(np.float32(0.9))  # a float attribute
+    want_stats = [feeds[k] * mom + f(x64, axis=axes) * (1 - mom)
+                  for k, f in (("m", np.mean), ("v", np.var))]
     tol = 1e-9 if double else 2e-4
-    for g, w in zip(got, want):
-        w = w.numpy()
+    for g, w in zip(got, [out.detach(), *want_stats, *want]):
+        w = np.asarray(w)
         assert np.max(np.abs(g - w)) <= tol * (1 + np.max(np.abs(w))), (g, w)
 
 

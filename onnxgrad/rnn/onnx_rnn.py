@@ -100,11 +100,10 @@ def _zeros(e, shape, dtype):
                 _dtype=dtype)
 
 
-def _replace_node(e, f, scratch, node, fwd, lstm, nd, layout, direction, flip):
-    """Put the family's forward op (built by ``f`` in ``scratch``) in place of the ONNX node:
-    its outputs in ONNX's form (Y [T, nd, B, H] or layout 1's [B, T, nd, H]; Y_h, Y_c
-    [nd, B, H] or [B, nd, H]) take over the node's outputs (uses, graph outputs, names, types),
-    the scratch nodes move in front of the node, and the node goes."""
+def _replace_node(e, f, node, fwd, lstm, nd, layout, direction, flip):
+    """Put the family's forward op (built by the scratch emitter ``f``) in place of the ONNX
+    node: its outputs in ONNX's form (Y [T, nd, B, H] or layout 1's [B, T, nd, H]; Y_h, Y_c
+    [nd, B, H] or [B, nd, H]) take over the node's outputs (:meth:`Emitter.replace`)."""
     y = fwd[0]
     if direction == "reverse":
         y = flip(f, y)
@@ -113,18 +112,7 @@ def _replace_node(e, f, scratch, node, fwd, lstm, nd, layout, direction, flip):
            f.Transpose(fwd[1], perm=[1, 0, 2]) if layout else fwd[1]]
     if lstm:
         new.append(f.Transpose(fwd[2], perm=[1, 0, 2]) if layout else fwd[2])
-    graph = node.graph
-    for old, v in zip(node.outputs, new):
-        if not old.name:  # an output the node does not have (an xs entry may name any other)
-            continue
-        name = old.name
-        old.name = e.unique(f"{name}__replaced")
-        old.replace_all_uses_with(v.value, replace_graph_outputs=True)
-        v.value.name, v.value.type, v.value.shape = name, old.type, old.shape
-    nodes = list(scratch)
-    scratch.remove(nodes)
-    graph.insert_before(node, nodes)
-    graph.remove(node, safe=True)
+    e.replace(node, f, new)
 
 
 def _weight_grads(e, op, dp, W, R, Bias, nd, G):
@@ -181,12 +169,7 @@ def _onnx_rnn(n, g):
         bool(n.outs) and n.outs[0] is not None and bool(n.outs[0].name)  # (Y may be omitted)
     node = n.node
     replace = not reuse_y and node.graph is not None
-    if replace:
-        scratch = ir.Graph([], [], nodes=[], name="scratch")
-        f = e.child(scratch, (e.prefix[:-5] if e.prefix.endswith("_grad") else e.prefix) + "_fwd")
-        f._consts = {}  # the cached constants may sit after the node
-    else:
-        f = e
+    f = e.scratch() if replace else e
 
     # -- inputs in cuDNN's time-major form -------------------------------------------------
     x = f.Transpose(X, perm=[1, 0, 2]) if layout else X
@@ -246,7 +229,7 @@ def _onnx_rnn(n, g):
         reserve = fwd[3]
         if replace:
             node_inputs = list(node.inputs)  # the node goes: its gradients go by value
-            _replace_node(e, f, scratch, node, fwd, lstm, nd, layout, direction, flip)
+            _replace_node(e, f, node, fwd, lstm, nd, layout, direction, flip)
 
     # -- cotangents in cuDNN's form --------------------------------------------------------
     gY, gYh = n.gs[0], n.gs[1] if len(n.gs) > 1 else None
@@ -298,8 +281,4 @@ def _onnx_rnn(n, g):
     grads = tuple(grads[:len(n.ins)])
     if not replace:
         return grads
-    by_value: dict = {}
-    for v, gv in zip(node_inputs, grads):
-        if v is not None and gv is not None:
-            by_value[v] = e.Add(by_value[v], gv) if v in by_value else gv
-    return Grads((), by_value)
+    return Grads.by_value(e, node_inputs, grads)
