@@ -275,6 +275,48 @@ def test_layer_norm_float64_with_float32_statistics(outs):
     assert not read & {"mean", "inv"}
 
 
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(rank=st.integers(2, 4), axis_from_end=st.integers(1, 4),
+       kind=st.sampled_from(["f32", "f16", "f64"]), stats=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_layer_norm_versus_torch_generated(rank, axis_from_end, kind, stats, seed):
+    """LayerNormalization against torch autograd in float64: y, dx, dscale, dB for a random
+    cotangent, over rank, axis and dtype, with and without the Mean / InvStdDev outputs. A node
+    without them whose statistics (float32, the stash type) are as wide as the gradient's
+    dtype (float32, float16) is replaced by the same node with them: the backward reads them
+    and nothing recomputes the statistics; a float64 node keeps its form and recomputes them in
+    float64."""
+    torch = pytest.importorskip("torch")
+    r = np.random.default_rng(seed)
+    axis = rank - min(axis_from_end, rank)
+    shape = [int(d) for d in r.integers(1, 5, rank)]
+    dt = {"f32": np.float32, "f16": np.float16, "f64": np.float64}[kind]
+    m = op_model("LayerNormalization", {"x": (dt, shape), "s": (dt, shape[axis:]),
+                                        "b": (dt, shape[axis:])}, n_out=3 if stats else 1,
+                 axis=axis, epsilon=1e-3)
+    y = "y0" if stats else "y"
+    feeds = {"x": (r.standard_normal(shape) * 2 + 1).astype(dt),
+             "s": r.standard_normal(shape[axis:]).astype(dt),
+             "b": r.standard_normal(shape[axis:]).astype(dt)}
+    cot = r.standard_normal(shape).astype(dt)
+    res = onnxgrad.gradients(m, y, ["x", "s", "b"], grad_ys=["cot"])
+    lns = [n for n in res.model.graph.node if n.op_type == "LayerNormalization"]
+    assert len(lns) == 1
+    assert (len([o for o in lns[0].output if o]) == 3) == (kind != "f64" or stats)
+    # the backward's two means of ĝ terms, and two more where it recomputes mean and variance
+    means = [n for n in res.model.graph.node if n.op_type == "ReduceMean"]
+    assert len(means) == (4 if kind == "f64" else 2)
+    got = run(res.model, {**feeds, "cot": cot}, outputs=[y, *res.grads])
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in feeds.items()}
+    out = torch.nn.functional.layer_norm(t["x"], shape[axis:], t["s"], t["b"], eps=1e-3)
+    want = [out.detach()] + list(torch.autograd.grad(out, [t["x"], t["s"], t["b"]],
+                                                      torch.tensor(cot, dtype=torch.float64)))
+    tol = {"f32": 2e-4, "f16": 2e-2, "f64": 1e-6}[kind]  # (f64: float32 forward statistics)
+    for g, w in zip(got, want):
+        w = w.numpy()
+        assert np.max(np.abs(g - w)) <= tol * (1 + np.max(np.abs(w))), (kind, g, w)
+
+
 @pytest.mark.parametrize("groups", [1, 2, 4])
 def test_group_norm_21(groups):
     m = group_norm(21, groups=groups, stash_type=TensorProto.DOUBLE, epsilon=1e-3)

@@ -7,7 +7,8 @@ over the axes A, and ĝ = dL/dx̂,
 
 Means are ReduceMean (so symbolic dims need no static count, and float16 counts cannot overflow).
 Forward outputs are reused where the node has them (LayerNormalization's Mean and InvStdDev,
-unless they are narrower than the computation, Dropout's mask, the normalized output of
+unless they are narrower than the computation; a node without them gets them; Dropout's mask,
+the normalized output of
 LpNormalization, MeanVarianceNormalization and LRN);
 the batch statistics that BatchNormalization, InstanceNormalization and GroupNormalization never
 output are recomputed, except a training-mode BatchNormalization's from opset 14 on, whose node
@@ -255,12 +256,25 @@ def _instance_norm(n, g):
 
 
 # -- LayerNormalization ----------------------------------------------------------------------
+def _with_statistics(n, e, stash):
+    """A node without its Mean and InvStdDev outputs replaced by the same node with them, for
+    the backward to read (onnxruntime's kernel computes them anyway; recomputing them took
+    three passes over x). Returns (Mean, InvStdDev) as values of ``e``."""
+    f = e.scratch()
+    y, mean, inv = f.op("LayerNormalization", *(f.adopt(v) if v is not None else None
+                                                 for v in n.ins), _outputs=3,
+                        _dtype=[n.x.dtype, stash, stash], **dict(n.node.attributes))
+    e.replace(n.node, f, [y])
+    return e.adopt(mean), e.adopt(inv)
+
+
 @register("LayerNormalization", since=17)
 def _layer_norm(n, g):
-    """Reuses the node's Mean / InvStdDev outputs when it has them and they are as precise as
-    the gradient's dtype (a float64 node with the default float32 stash_type keeps float32
-    statistics: recomputed in float64 then); differentiates those outputs too (they are live in
-    a second-order gradient that reuses them)."""
+    """Reuses the node's Mean / InvStdDev outputs when they are as precise as the gradient's
+    dtype (a float64 node with the default float32 stash_type keeps float32 statistics:
+    recomputed in float64 then); a node without them is given them (:func:`_with_statistics`;
+    the transformer-ts row's step 1.04x at one thread, 1.01x at two, measured). Differentiates
+    those outputs too (they are live in a second-order gradient that reuses them)."""
     e, x = n.e, n.x
     scale, bias = n.ins[1], n.input(2)
     rank = _rank(n, x)
@@ -270,6 +284,12 @@ def _layer_norm(n, g):
     dt = _compute_dtype(n, x)
     xc = _cast(e, x, dt)
     mean_out, inv_out = (_precise(_out(n, i), dt) for i in (1, 2))
+    stash = ir.DataType(attr(n, "stash_type"))
+    replaced = None  # the node's inputs, when the rule replaced it
+    if g is not None and mean_out is None and inv_out is None and n.node.graph is e.graph \
+            and _BITS.get(stash, 0) >= _BITS.get(dt, 0):
+        replaced = list(n.node.inputs)
+        mean_out, inv_out = _with_statistics(n, e, stash)
     mu = _cast(e, mean_out, dt) if mean_out is not None else _mean(e, xc, axes)
     c = xc - mu
     r = (_cast(e, inv_out, dt) if inv_out is not None
@@ -293,7 +313,8 @@ def _layer_norm(n, g):
         if g_inv is None and gx is None:
             extra = e.broadcast_to(extra, xc)
         gx = extra if gx is None else gx + extra
-    return _cast(e, gx, x.dtype), gscale, gb
+    grads = (_cast(e, gx, x.dtype), gscale, gb)
+    return grads if replaced is None else Grads.by_value(e, replaced, grads)
 
 
 # -- GroupNormalization ----------------------------------------------------------------------
