@@ -483,11 +483,23 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
             probes = [d / np.linalg.norm(d) for d in
                       (rng.standard_normal(x0.shape) for _ in range(directions))]
         abs_err = rel_err = 0.0
-        ok = True
+        ok, note = True, "" if x0.size else \
+            "x has no elements: nothing to compare beyond the gradient's shape"
         for d in probes:
             step = (eps * d).astype(x0.dtype)
-            num = (f({**feeds, x: x0 + step}) - f({**feeds, x: x0 - step})) / (2 * eps)
-            ana = float(np.sum(analytic * d))
+            hi, lo = x0 + step, x0 - step
+            finite = np.isfinite(x0)  # (an infinite x, a -inf mask, takes no step at all)
+            if np.any((hi == lo) & (step != 0) & finite):  # the step is below x's spacing
+                big = float(np.max(np.abs(x0[finite & (step != 0)])))
+                ok, note = False, (f"eps={eps:g} vanishes against x's values there (|x| up to "
+                                   f"{big:g}): nothing was compared; pass a larger eps")
+                continue
+            num = (f({**feeds, x: hi}) - f({**feeds, x: lo})) / (2 * eps)
+            # the analytic slope along the step x actually took: on large values x + step
+            # rounds (5.9e8 + 1e-6 is off by 6 %), which made correct gradients FAIL
+            with np.errstate(invalid="ignore"):  # (inf - inf where x is infinite: not taken)
+                taken = np.where(finite, hi.astype(np.float64) - lo, 2 * step)
+            ana = float(np.sum(analytic * taken)) / (2 * eps)
             err = abs(num - ana)
             if not np.isfinite(err):  # (max() would keep 0 over a NaN: a FAIL with error 0)
                 abs_err = rel_err = float("nan")
@@ -497,7 +509,6 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
             rel_err = max(rel_err, err / max(abs(num), abs(ana), 1e-12))
             ok &= err <= atol + rtol * max(abs(num), abs(ana))
         report.results.append(XReport(x, abs_err, rel_err, len(probes), bool(ok), analytic,
-                                      "" if x0.size else "x has no elements: nothing to compare "
-                                      "beyond the gradient's shape"))
+                                      note))
     report.feeds, report.cotangents = feeds, cots
     return report

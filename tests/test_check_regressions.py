@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto as TP
 from onnx import helper as H
 from onnx import numpy_helper as NH
@@ -215,3 +217,35 @@ def test_check_fails_a_gradient_of_another_shape(monkeypatch):
     report = check_gradients(m, "y", "x", {"x": np.array([[1.0, 2.0, 3.0]])})
     assert not report.ok
     assert "the gradient has shape [3, 1], x has [1, 3]" in str(report)
+
+
+# -- the step on large values ----------------------------------------------------------------
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(exponent=st.integers(-3, 15), sign=st.sampled_from([1.0, -1.0]),
+       wrong=st.sampled_from([None, 0.9, 1.1]), seed=st.integers(0, 2**16))
+def test_check_judges_the_step_x_actually_took(exponent, sign, wrong, seed):
+    """x + eps rounds on large values (5.9e8 + 1e-6 is off by 6 %, the spacing there being
+    1.2e-7): central differences over 2 eps then made the correct gradient of sin(x) a FAIL.
+    The analytic slope is taken along the step x took; a gradient off by 10 % still fails; a
+    step that vanishes against x fails with a note, having compared nothing."""
+    import onnxgrad.check as check
+    x = sign * np.random.default_rng(seed).uniform(1, 10, 3) * 10.0 ** exponent
+    m = _model([H.make_node("Sin", ["x"], ["y"])], [("x", [3])], [("y", [3])])
+    real = check.gradients
+
+    def scaled(*a, **k):  # a faulty rule: the gradient times ``wrong``
+        res = real(*a, **k)
+        g = res.model.graph
+        (out,) = [o for o in g.output if o.name == res.grads[0]]
+        g.node.append(H.make_node("Mul", [out.name + "_", "__k"], [out.name]))
+        for n in g.node[:-1]:
+            n.output[:] = [o + "_" if o == out.name else o for o in n.output]
+        g.initializer.append(NH.from_array(np.array(wrong), "__k"))
+        return res
+    with pytest.MonkeyPatch.context() as mp:
+        if wrong is not None:
+            mp.setattr(check, "gradients", scaled)
+        report = check_gradients(m, "y", "x", {"x": x})
+    vanishes = np.any(x + 1e-6 == x - 1e-6)
+    assert report.ok == (wrong is None and not vanishes), str(report)
+    assert ("vanishes" in str(report)) == bool(vanishes)

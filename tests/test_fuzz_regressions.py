@@ -449,3 +449,30 @@ def test_ceil_pool_in_a_function_refused_with_its_pads():
     with pytest.raises(onnxgrad.NotDifferentiableError,
                        match=r"model-local function.*\[0, 0, 0, 0\]"):
         onnxgrad.gradients(m, "y", "x")
+
+
+def test_fuzzer_steps_an_intermediate_x_by_the_magnitude_of_its_value():
+    """Fuzzer seed 4801 (session 30) reported a correct gradient as wrong: its x was an
+    intermediate (a ReduceProd, 5.9e8), fed as the value plus a zero delta, and the step was
+    sized by the delta (1e-6), which 5.9e8 + 1e-6 rounds 6 % off. The step is now sized by the
+    value (the same graph: ok or, where sin's curvature over that step is too large, skipped;
+    onnxgrad's -3.39502 is right: differences at 1e-2 give -3.39496)."""
+    import sys
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import fuzz_check
+    import fuzz_graphs
+    spec = fuzz_graphs.Spec(
+        opset=1, dtype=1, batch=False, symbolic=False, value_info=False,
+        inputs=((3, (4, 1, 1)), (3, (4, 1, 1))),
+        steps=((1, (8141, 215098, 3876, 600350, 32229, 130, 74761, 127)),
+               (0, (1158, 1048575, 91, 17327, 258, 43014, 9793, 12456)),
+               (0, (399875, 3018, 49658, 237267, 242, 4470, 2896, 865)),
+               (0, (587, 13009, 226069, 8104, 34843, 8323, 4778, 63076)),
+               (0, (399875, 3018, 49658, 237267, 242, 4470, 2896, 865))),
+        ys=(295,), xs=(262,), stops=(), grad_ys=(), unconnected=False, scope=0, aggregation=0,
+        second=(), seed=75, function=103932)
+    p = fuzz_graphs.build(spec)
+    assert [n.op_type for n in p.model(np.float64, functions=False).graph.node
+            if n.output[0] == p.xs[0]] == ["ReduceProd"]  # (the same graph as found)
+    assert fuzz_check.evaluate(p).verdict in ("ok", "skipped-tie")
