@@ -14,9 +14,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from .aliasing import private_statistics, training_bn
 from .autodiff import STOP_GRADIENTS_KEY, gradients
 from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
-from .inference import graphs_of, node_subgraphs, unique_name
+from .inference import graphs_of, model_opset, node_subgraphs, unique_name
 from .runtime import runner
 from .storage import dense_copy, load_model
 
@@ -187,6 +188,26 @@ def _promote(model, xs):
                 m.graph.input.append(onnx.helper.make_tensor_value_info(
                     t.name, t.data_type, list(t.dims)))
     return m, values
+
+
+def _statistics(model) -> set:
+    """The tensors a training-mode BatchNormalization of any graph reads as running mean or
+    variance."""
+    opset = model_opset(model)
+    return {n.input[i] for g in graphs_of(model.graph) for n in g.node
+            if training_bn(n, opset) for i in (3, 4) if len(n.input) > i and n.input[i]}
+
+
+def _private_statistics(model):
+    """A copy of ``model`` in which each training-mode BatchNormalization has statistics of its
+    own (:func:`onnxgrad.aliasing.private_statistics`): onnxruntime writes the updated ones over
+    the inputs, so each run of the model itself read the last run's; ys through running_var
+    drifted from run to run, and differences made correct gradients FAIL. The statistics are
+    graph inputs here (:func:`_statistics`): onnxruntime folds a copy of an initializer into
+    one, whose buffer it would then write over just the same."""
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    private_statistics(m)
+    return m
 
 
 # -- arguments -----------------------------------------------------------------------------------
@@ -435,7 +456,9 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     rng = np.random.default_rng(seed)
     base = to_float64(model) if wide else model
     fed = set(feeds) if isinstance(feeds, Mapping) else set()
-    base, init_values = _promote(base, set(xs) | fed)  # (a fed initializer is an input too)
+    # (a fed initializer is an input too; so is a BatchNormalization's running statistic, see
+    # _private_statistics)
+    base, init_values = _promote(base, set(xs) | fed | _statistics(base))
     feeds = _input_feeds(base, _user_feeds(base, feeds, wide, set(xs)), rng, dim)
     feeds = {k: (v.astype(np.float64) if wide and v.dtype.kind == "f" else v)
              for k, v in feeds.items()}
@@ -450,6 +473,7 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     res = gradients(base, ys, xs, grad_ys=cot_names, **grad_kwargs)
     # the finite differences run a copy in which the stopped tensors are inputs fed their values
     # at the feeds: varying x then moves y only along the paths the gradient follows
+    base = _private_statistics(base)
     held = _values(base, feeds, stopped, runtime)
     if set(stopped) - set(held):
         raise UnsupportedError(f"check_gradients: stop_gradients tensors "
