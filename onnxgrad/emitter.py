@@ -597,6 +597,11 @@ class Emitter:
         node.graph.insert_before(node, nodes)
         node.graph.remove(node, safe=True)
 
+    def made(self, node: ir.Node) -> bool:
+        """Whether this gradients call made ``node`` (an emitted node, or a clone such as a
+        model function's body recomputed beside its call)."""
+        return node.name in self._issued
+
     def adopt(self, v: V) -> V:
         """``v`` (made by another emitter, e.g. a :meth:`scratch` one) with arithmetic here."""
         return V(v.value, self, v.dtype, v.shape)

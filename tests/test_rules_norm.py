@@ -317,6 +317,28 @@ def test_layer_norm_versus_torch_generated(rank, axis_from_end, kind, stats, see
         assert np.max(np.abs(g - w)) <= tol * (1 + np.max(np.abs(w))), (kind, g, w)
 
 
+@pytest.mark.parametrize("second", [["z"], ["z", "", ""], ["z", "zm", "zi"]])
+def test_layer_norms_on_one_x_load_at_every_level(second):
+    """Two LayerNormalizations on the same x, the first off the loss's path, with one output,
+    empty optional outputs or all three: onnxruntime's common subexpression elimination merges
+    such nodes whatever outputs each has, and failed to load a gradient model in which the rule
+    had given one of them Mean and InvStdDev while the other kept empty output slots (a model
+    function's body recomputed beside its call: test_function_bodies_with_unnamed_outputs in
+    test_fuzz_regressions.py). The rule gives them none where another LayerNormalization or a
+    function call reads x; the gradient loads at ORT_ENABLE_ALL and matches finite
+    differences."""
+    vi = helper.make_tensor_value_info
+    nodes = [helper.make_node("LayerNormalization", ["x", "s", "b"], second, axis=-1),
+             helper.make_node("LayerNormalization", ["x", "s", "b"], ["y"], axis=-1),
+             helper.make_node("Tanh", ["y"], ["p"])]
+    m = helper.make_model(helper.make_graph(
+        nodes, "g", [vi("x", TensorProto.FLOAT, ["N", 3, 4]), vi("s", TensorProto.FLOAT, [4]),
+                     vi("b", TensorProto.FLOAT, [4])],
+        [vi("p", TensorProto.FLOAT, None), vi("z", TensorProto.FLOAT, None)]),
+        opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    assert_gradients(m, "p", ["x", "s", "b"])
+
+
 @pytest.mark.parametrize("groups", [1, 2, 4])
 def test_group_norm_21(groups):
     m = group_norm(21, groups=groups, stash_type=TensorProto.DOUBLE, epsilon=1e-3)

@@ -256,6 +256,24 @@ def _instance_norm(n, g):
 
 
 # -- LayerNormalization ----------------------------------------------------------------------
+def _sole_layer_norm(n, e) -> bool:
+    """Whether nothing else may compute this LayerNormalization: onnxruntime's common
+    subexpression elimination merges two on the same inputs whatever outputs each has, and
+    failed to load the model ("Argument type mismatch when adding edge") where the one it kept
+    had empty output slots for the other's Mean and InvStdDev (a model function's body,
+    recomputed beside its call, given them; the call, inlined, still had the original). So not
+    a node this gradients call made, nor, as a precaution, one whose x another
+    LayerNormalization or a call of a model function also reads."""
+    node = n.node
+    if e.made(node):
+        return False
+    for user, _ in n.x.value.uses():
+        if user is not node and (user.op_type == "LayerNormalization" or
+                                 user.domain not in ("", "ai.onnx")):
+            return False
+    return True
+
+
 def _with_statistics(n, e, stash):
     """A node without its Mean and InvStdDev outputs replaced by the same node with them, for
     the backward to read (onnxruntime's kernel computes them anyway; recomputing them took
@@ -287,7 +305,7 @@ def _layer_norm(n, g):
     stash = ir.DataType(attr(n, "stash_type"))
     replaced = None  # the node's inputs, when the rule replaced it
     if g is not None and mean_out is None and inv_out is None and n.node.graph is e.graph \
-            and _BITS.get(stash, 0) >= _BITS.get(dt, 0):
+            and _BITS.get(stash, 0) >= _BITS.get(dt, 0) and _sole_layer_norm(n, e):
         replaced = list(n.node.inputs)
         mean_out, inv_out = _with_statistics(n, e, stash)
     mu = _cast(e, mean_out, dt) if mean_out is not None else _mean(e, xc, axes)
