@@ -573,7 +573,7 @@ class Emitter:
         c.pieces, c._frozen_dims = self.pieces, self._frozen_dims
         return c
 
-    # -- a forward node replaced in place (the RNN and BatchNormalization rules) ----------------
+    # -- a forward node replaced in place (the RNN and normalization rules) ----------------------
     def scratch(self, tag: str = "_fwd") -> Emitter:
         """An emitter into a new, empty graph whose nodes :meth:`replace` moves in front of a
         forward node; its constants are its own (those made so far may sit after the node)."""

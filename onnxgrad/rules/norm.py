@@ -7,9 +7,8 @@ over the axes A, and ĝ = dL/dx̂,
 
 Means are ReduceMean (so symbolic dims need no static count, and float16 counts cannot overflow).
 Forward outputs are reused where the node has them (LayerNormalization's Mean and InvStdDev,
-unless they are narrower than the computation; a node without them gets them; Dropout's mask,
-the normalized output of
-LpNormalization, MeanVarianceNormalization and LRN);
+unless they are narrower than the computation, and a node without them is given them; Dropout's
+mask; the normalized output of LpNormalization, MeanVarianceNormalization and LRN);
 the batch statistics that BatchNormalization, InstanceNormalization and GroupNormalization never
 output are recomputed, except a training-mode BatchNormalization's from opset 14 on, whose node
 the rule replaces by its definition in standard ops (the statistics then come from its forward).
