@@ -194,25 +194,28 @@ def test_check_says_an_empty_x_checked_nothing_but_its_gradient_shape():
     assert "x has no elements" in str(report)
 
 
+def _tampered(real, op, operand):
+    """``real`` (gradients()) with its first gradient passed through ``op`` with the constant
+    ``operand``, as a faulty rule would give it."""
+    def tampered(*a, **k):
+        res = real(*a, **k)
+        g = res.model.graph
+        (out,) = [o for o in g.output if o.name == res.grads[0]]
+        g.node.append(H.make_node(op, [out.name + "_", "__operand"], [out.name]))
+        for n in g.node[:-1]:
+            n.output[:] = [o + "_" if o == out.name else o for o in n.output]
+        g.initializer.append(NH.from_array(operand, "__operand"))
+        del out.type.tensor_type.shape.dim[:]
+        return res
+    return tampered
+
+
 def test_check_fails_a_gradient_of_another_shape(monkeypatch):
     """A gradient of x's size but another shape ([3, 1] for x [1, 3]) broadcast against the probes
     and was compared with numbers it does not hold."""
     import onnxgrad.check as check
-
-    real = check.gradients
-
-    def wrong_shape(*a, **k):  # the result's gradient reshaped, as a faulty rule would give it
-        res = real(*a, **k)
-        g = res.model.graph
-        (out,) = [o for o in g.output if o.name == res.grads[0]]
-        g.node.append(H.make_node("Reshape", [out.name + "_", "__shape"], [out.name]))
-        for n in g.node[:-1]:
-            n.output[:] = [o + "_" if o == out.name else o for o in n.output]
-        g.initializer.append(NH.from_array(np.array([3, 1], np.int64), "__shape"))
-        del out.type.tensor_type.shape.dim[:]
-        return res
-
-    monkeypatch.setattr(check, "gradients", wrong_shape)
+    monkeypatch.setattr(check, "gradients",
+                        _tampered(check.gradients, "Reshape", np.array([3, 1], np.int64)))
     m = _model([H.make_node("Mul", ["x", "x"], ["y"])], [("x", [1, 3])], [("y", [1, 3])])
     report = check_gradients(m, "y", "x", {"x": np.array([[1.0, 2.0, 3.0]])})
     assert not report.ok
@@ -231,20 +234,9 @@ def test_check_judges_the_step_x_actually_took(exponent, sign, wrong, seed):
     import onnxgrad.check as check
     x = sign * np.random.default_rng(seed).uniform(1, 10, 3) * 10.0 ** exponent
     m = _model([H.make_node("Sin", ["x"], ["y"])], [("x", [3])], [("y", [3])])
-    real = check.gradients
-
-    def scaled(*a, **k):  # a faulty rule: the gradient times ``wrong``
-        res = real(*a, **k)
-        g = res.model.graph
-        (out,) = [o for o in g.output if o.name == res.grads[0]]
-        g.node.append(H.make_node("Mul", [out.name + "_", "__k"], [out.name]))
-        for n in g.node[:-1]:
-            n.output[:] = [o + "_" if o == out.name else o for o in n.output]
-        g.initializer.append(NH.from_array(np.array(wrong), "__k"))
-        return res
     with pytest.MonkeyPatch.context() as mp:
-        if wrong is not None:
-            mp.setattr(check, "gradients", scaled)
+        if wrong is not None:  # a faulty rule: the gradient times ``wrong``
+            mp.setattr(check, "gradients", _tampered(check.gradients, "Mul", np.array(wrong)))
         report = check_gradients(m, "y", "x", {"x": x})
     vanishes = np.any(x + 1e-6 == x - 1e-6)
     assert report.ok == (wrong is None and not vanishes), str(report)
