@@ -14,10 +14,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from .aliasing import private_statistics, training_bn
+from .aliasing import private_statistics, statistics_read
 from .autodiff import STOP_GRADIENTS_KEY, gradients
 from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
-from .inference import graphs_of, model_opset, node_subgraphs, unique_name
+from .inference import graphs_of, node_subgraphs, unique_name
 from .runtime import runner
 from .storage import dense_copy, load_model
 
@@ -190,21 +190,13 @@ def _promote(model, xs):
     return m, values
 
 
-def _statistics(model) -> set:
-    """The tensors a training-mode BatchNormalization of any graph reads as running mean or
-    variance."""
-    opset = model_opset(model)
-    return {n.input[i] for g in graphs_of(model.graph) for n in g.node
-            if training_bn(n, opset) for i in (3, 4) if len(n.input) > i and n.input[i]}
-
-
 def _private_statistics(model):
     """A copy of ``model`` in which each training-mode BatchNormalization has statistics of its
     own (:func:`onnxgrad.aliasing.private_statistics`): onnxruntime writes the updated ones over
     the inputs, so each run of the model itself read the last run's; ys through running_var
     drifted from run to run, and differences made correct gradients FAIL. The statistics are
-    graph inputs here (:func:`_statistics`): onnxruntime folds a copy of an initializer into
-    one, whose buffer it would then write over just the same."""
+    graph inputs here (:func:`onnxgrad.aliasing.statistics_read`): onnxruntime folds a copy of
+    an initializer into one, whose buffer it would then write over just the same."""
     m = onnx.ModelProto.FromString(model.SerializeToString())
     private_statistics(m)
     return m
@@ -458,7 +450,7 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     fed = set(feeds) if isinstance(feeds, Mapping) else set()
     # (a fed initializer is an input too; so is a BatchNormalization's running statistic, see
     # _private_statistics)
-    base, init_values = _promote(base, set(xs) | fed | _statistics(base))
+    base, init_values = _promote(base, set(xs) | fed | statistics_read(base))
     feeds = _input_feeds(base, _user_feeds(base, feeds, wide, set(xs)), rng, dim)
     feeds = {k: (v.astype(np.float64) if wide and v.dtype.kind == "f" else v)
              for k, v in feeds.items()}
@@ -509,10 +501,10 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
         abs_err = rel_err = 0.0
         ok, note = True, "" if x0.size else \
             "x has no elements: nothing to compare beyond the gradient's shape"
+        finite = np.isfinite(x0)  # (an infinite x, a -inf mask, takes no step at all)
         for d in probes:
             step = (eps * d).astype(x0.dtype)
             hi, lo = x0 + step, x0 - step
-            finite = np.isfinite(x0)  # (an infinite x, a -inf mask, takes no step at all)
             if np.any((hi == lo) & (step != 0) & finite):  # the step is below x's spacing
                 big = float(np.max(np.abs(x0[finite & (step != 0)])))
                 ok, note = False, (f"eps={eps:g} vanishes against x's values there (|x| up to "
