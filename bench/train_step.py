@@ -1,5 +1,5 @@
-"""Training-step throughput: onnxgrad's Trainer on onnxruntime against a PyTorch eager loop and
-onnxruntime-training 1.19.2, in one run.
+"""Training-step throughput: onnxgrad's Trainer on onnxruntime against a PyTorch eager loop,
+onnxruntime-training 1.19.2 and, for Keras models, TensorFlow, in one run.
 
     python bench/train_step.py                   # the default rows, CPU, markdown table
     python bench/train_step.py --rows cnn-ts --threads 1 2 --steps 20
@@ -21,14 +21,21 @@ batches on every side, random data made once):
                        batch 16, cross-entropy over 4 classes per pixel
     mlp, cnn, lstm   hand-built ONNX graphs (Gemm; unpadded Conv; ONNX LSTM, hidden 128, 32
           steps, batch 64, against torch.nn.LSTM with the same weights, gates reordered)
+    <model>-keras    the Keras model of bench/keras_models.py (cnn: the CNN above, channels
+          last; lstm: keras.layers.LSTM 128 over 32 steps of 64, Dense 10), saved with
+          ``model.export()`` and converted by onnxgrad.converters.tensorflow.convert; the
+          baseline side is TensorFlow training the Keras model itself (a tf.function step:
+          GradientTape, keras.optimizers.AdamW with torch's defaults, weight decay 1e-2 and eps
+          1e-8), from the same initial weights (saved by Keras, loaded by both sides) and batches
 The dynamo exporter writes a training-mode BatchNorm as an inference BatchNormalization (running
 statistics), which its optimizer then folds into the Conv: for the models with BatchNorm the bench
 exports unoptimised, marks those nodes training_mode=1 and then runs the exporter's optimizer, so
 that every side trains the same function.
 
 Sides: onnxgrad (Trainer: one step graph, parameters and AdamW state kept as OrtValues and swapped
-by IOBinding), torch (torch.optim.AdamW with fused=True, its fastest CPU path; loss.item() per
-step), and onnxruntime-training 1.19.2 (``generate_artifacts`` + its training API, see
+by IOBinding), the baseline: torch (torch.optim.AdamW with fused=True, its fastest CPU path;
+loss.item() per step) or, for the Keras rows, TensorFlow (the loss copied to the host per step),
+and onnxruntime-training 1.19.2 (``generate_artifacts`` + its training API, see
 bench/ort_training_side.py) for the rows named by ``--ort-training`` (default: the exported MLP
 and CNN rows). onnxruntime-training has wheels for Python <= 3.11 only and needs onnx 1.16 (and
 imports torch): the bench makes its own virtual environment for it once, under
@@ -49,6 +56,7 @@ mean onnxgrad is faster.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -68,7 +76,9 @@ from rss import rss_mb  # noqa: E402
 BUILT = ("mlp", "cnn", "lstm")
 EXPORTED = ("mlp", "cnn", "resnet18", "mobilenetv3", "transformer", "unet")
 EXPORTERS = {"ts": "torchscript", "dynamo": "dynamo"}
-ROWS = BUILT + tuple(f"{m}-{x}" for m in EXPORTED for x in EXPORTERS)
+KERAS = ("cnn", "lstm")  # bench/keras_models.py, trained against TensorFlow
+ROWS = BUILT + tuple(f"{m}-{x}" for m in EXPORTED for x in EXPORTERS) + tuple(
+    f"{m}-keras" for m in KERAS)
 DEFAULT_ROWS = tuple(r for r in ROWS if "-" in r) + ("lstm",)
 ORT_TRAINING_ROWS = ("mlp-ts", "mlp-dynamo", "cnn-ts", "cnn-dynamo")
 ORT_TRAINING_VENV = os.path.join(os.path.expanduser("~"), ".cache", "onnxgrad-bench",
@@ -200,6 +210,19 @@ def prepare(row, workdir, ort_saved=False):
         model, data = onnx_model(spec), batches(spec)
         onnx.save(model, out["onnx"])
         out["params"] = [k for k, v in spec["inits"].items() if v.dtype == np.float32]
+    elif row.endswith("-keras"):
+        import keras_models
+        from onnxgrad.converters.tensorflow import convert
+        name = row.rsplit("-", 1)[0]
+        module, shape, batch = keras_models.make(name)
+        out["state"] = os.path.join(workdir, f"{row}.weights.h5")
+        module.save_weights(out["state"])
+        onnx.save(convert(keras_models.export(module, os.path.join(workdir, f"{row}.tf"))),
+                  out["onnx"])
+        out["params"] = keras_models.parameter_names(module)
+        rng = np.random.default_rng(1)
+        data = [(rng.standard_normal((batch, *shape)).astype(np.float32),
+                 rng.integers(0, 10, batch)) for _ in range(8)]
     else:
         import torch
         import torch_models
@@ -280,6 +303,55 @@ def _torch_step(prep, device, threads):
     return step, base
 
 
+def _tf_step(prep, threads):
+    """The TensorFlow side's step function for a Keras row (and the RSS after its imports)."""
+    import keras
+    import keras_models
+    import tensorflow as tf
+    base = rss_mb()
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    model = keras_models.make(prep["row"].rsplit("-", 1)[0])[0]
+    model.load_weights(prep["state"])
+    opt = keras.optimizers.AdamW(learning_rate=1e-3, weight_decay=1e-2, epsilon=1e-8)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def train(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    # batches start on the host, as the Trainer's do
+    data = load_batches(prep["batches"])
+
+    def step(i):
+        x, y = data[i % len(data)]
+        return float(train(x, y))
+    return step, base
+
+
+def _tf_version() -> str:
+    import tensorflow as tf
+    return tf.__version__
+
+
+def _keras_rows_runnable(rows, device, log=print) -> list:
+    """``rows`` without the Keras rows where they cannot run: no TensorFlow installed, or a CUDA
+    run (the TensorFlow side is tensorflow-cpu), each said in a note."""
+    keras_rows = [r for r in rows if r.endswith("-keras")]
+    why = None
+    if keras_rows and device == "cuda":
+        why = "the TensorFlow side runs on the CPU only (tensorflow-cpu)"
+    elif keras_rows and importlib.util.find_spec("tensorflow") is None:
+        why = "TensorFlow is not installed (pip install 'onnxgrad[tensorflow]')"
+    if why:
+        log(f"note: rows {keras_rows} left out: {why}")
+        return [r for r in rows if r not in keras_rows]
+    return rows
+
+
 def run_side(prep, side, steps, warmup, repeat, device, threads, profile=None):
     if side == "onnxgrad":
         from onnxgrad.training import AdamW, Trainer
@@ -295,6 +367,9 @@ def run_side(prep, side, steps, warmup, repeat, device, threads, profile=None):
         def step(i):
             return tr.step(feeds[i % len(feeds)])
         sync = None
+    elif side == "tf":
+        step, base = _tf_step(prep, threads)
+        build_s, sync = None, None
     else:
         step, base = _torch_step(prep, device, threads)
         build_s = None
@@ -412,28 +487,32 @@ def gemm_peak(threads, device="cpu", n=1024, reps=20):
 
 
 def summarize_profile(path, top=12):
-    """Total time per node and per op type from an onnxruntime profile (kernel events)."""
+    """Time per node and per op type from an onnxruntime profile (kernel events): each node's
+    median event times its events per run, so that a run the machine preempted (one event of
+    tens of milliseconds among ones of a few, seen on this shared machine) does not count."""
     with open(path) as f:
         events = json.load(f)
-    by_node, by_op, runs = {}, {}, 0
+    durs, runs = {}, 0
     for e in events:
         if e.get("cat") == "Session" and e.get("name") == "model_run":
             runs += 1
         if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
             continue
-        name = e["name"][:-len("_kernel_time")]
-        op = e.get("args", {}).get("op_name", "?")
-        by_node[(name, op)] = by_node.get((name, op), 0) + e["dur"]
-        by_op[op] = by_op.get(op, 0) + e["dur"]
-    total = sum(by_op.values()) or 1
+        key = (e["name"][:-len("_kernel_time")], e.get("args", {}).get("op_name", "?"))
+        durs.setdefault(key, []).append(e["dur"])
     runs = max(runs, 1)
-    lines = [f"onnxruntime profile ({runs} runs, {total / runs / 1000:.2f} ms of kernels per "
-             "run):", "", "| op type | ms/run | share |", "| --- | ---: | ---: |"]
+    by_node = {k: statistics.median(d) * len(d) / runs for k, d in durs.items()}
+    by_op = {}
+    for (_, op), t in by_node.items():
+        by_op[op] = by_op.get(op, 0) + t
+    total = sum(by_op.values()) or 1
+    lines = [f"onnxruntime profile ({runs} runs, {total / 1000:.2f} ms of kernels per run, "
+             "medians):", "", "| op type | ms/run | share |", "| --- | ---: | ---: |"]
     for op, t in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"| {op} | {t / runs / 1000:.3f} | {t / total:.1%} |")
+        lines.append(f"| {op} | {t / 1000:.3f} | {t / total:.1%} |")
     lines += ["", "| node | op | ms/run | share |", "| --- | --- | ---: | ---: |"]
     for (name, op), t in sorted(by_node.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"| {name} | {op} | {t / runs / 1000:.3f} | {t / total:.1%} |")
+        lines.append(f"| {name} | {op} | {t / 1000:.3f} | {t / total:.1%} |")
     return "\n".join(lines)
 
 
@@ -527,6 +606,7 @@ def main(argv=None):
         args.ort_training = []
     import onnxruntime
     import torch
+    args.rows = _keras_rows_runnable(args.rows, args.device)
     ortt = [r for r in args.rows if r in args.ort_training]
     ortt_py = ort_training_python() if ortt else None
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -541,9 +621,9 @@ def main(argv=None):
         results["gemm_peak_gflops"][t] = peak[t]
         print(f"\npeak GEMM (onnxruntime MatMul 1024^3 float32), {t} threads: "
               f"{peak[t]:.1f} GFLOP/s")
-    print("\n| row | threads | onnxgrad steps/s | torch steps/s | vs torch | ORT-training "
-          "steps/s | vs ORT-training | peak RSS MB (+ over imports): onnxgrad | torch | "
-          "ORT-training | note |")
+    print("\n| row | threads | onnxgrad steps/s | torch (TF) steps/s | vs torch (TF) | "
+          "ORT-training steps/s | vs ORT-training | peak RSS MB (+ over imports): onnxgrad | "
+          "torch (TF) | ORT-training | note |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     work = tempfile.mkdtemp(prefix="train_step-")
     try:
@@ -555,8 +635,9 @@ def main(argv=None):
             for t in args.threads:
                 # alternate the sides over --rounds subprocess runs (this machine is shared:
                 # load drifts), then take each side's median rate and its largest peak RSS
-                sides = ["onnxgrad", "torch"] + (["ort-training"] if row in ortt and ortt_py
-                                                 else [])
+                baseline = "tf" if row.endswith("-keras") else "torch"
+                sides = ["onnxgrad", baseline] + (["ort-training"] if row in ortt and ortt_py
+                                                  else [])
                 runs = {s: [] for s in sides}
                 for _ in range(args.rounds):
                     for side in sides:
@@ -564,16 +645,16 @@ def main(argv=None):
                                           if side == "ort-training" else
                                           spawn(prep_path, side, args, t))
                 res = {s: _combine(rs) for s, rs in runs.items()}
-                ours, ref, ot = res["onnxgrad"], res["torch"], res.get("ort-training")
+                ours, ref, ot = res["onnxgrad"], res[baseline], res.get("ort-training")
                 shown, ratio, cpu_ratio = _ratio(ours, ref)
                 shown_ot, ratio_ot, cpu_ratio_ot = _ratio(ours, ot)
-                note = []
+                note = [f"vs TensorFlow {_tf_version()}"] if baseline == "tf" else []
                 if row.startswith("mlp"):
                     flops = SPECS["mlp"]()["flops"]
                     note.append(f"GEMM peak fraction: ours "
                                 f"{flops * ours['steps_per_s'] / 1e9 / peak[t]:.0%}, torch "
                                 f"{flops * ref['steps_per_s'] / 1e9 / peak[t]:.0%}")
-                for name, side in (("torch", ref), ("ORT-training", ot)):
+                for name, side in ((baseline, ref), ("ORT-training", ot)):
                     if side and "error" not in side and abs(side["first_loss"] - ours[
                             "first_loss"]) > 1e-4 * max(1.0, abs(ours["first_loss"])):
                         note.append(f"first loss differs: ours {ours['first_loss']:.6g}, "
