@@ -7,12 +7,15 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tf_util import check_conversion, ort_run, tf, tf1_graph  # (skips the module without TF)
 
 from onnxgrad import cli  # noqa: E402
 from onnxgrad.converters.tensorflow import ConversionError, convert  # noqa: E402
 from onnxgrad.converters.tensorflow import functions, savedmodel  # noqa: E402
+from util import assert_gradients  # noqa: E402
 
 RNG = np.random.default_rng(0)
 
@@ -236,6 +239,42 @@ def test_tensorarray_ops_in_tf_function():
           [_f32(4, 3), np.array([3, 0, 2], np.int32)])
 
 
+@settings(max_examples=16, deadline=None, derandomize=True)
+@given(st.sampled_from(["iteration", "constant"]), st.booleans(), st.booleans(), st.data())
+def test_while_writing_its_list_once_per_iteration(at, shaped, read_back, data):
+    """A While that writes its list once per iteration, at the iteration number or at one
+    constant index (a Keras RNN without return_sequences writes its output at 0 every time),
+    and reads it only after the loop becomes a Loop with a scan output, no list carried or copied
+    per write; one that reads the written list back in the body keeps it carried (the form read
+    the list from before the loop there: wrong values, no error). Either way the stacked list
+    and the last state equal TF's for trip counts from 0 (from 1 for a list of unknown element
+    shape, which TF cannot stack unwritten), and the gradient matches float64 finite
+    differences."""
+    size = 3 if at == "iteration" else data.draw(st.integers(1, 3), label="size")
+    k = data.draw(st.integers(0, size - 1), label="index")
+
+    def f(x, steps):  # x [3, 2]
+        ta = tf.TensorArray(tf.float32, size=size, element_shape=[3, 2] if shaped else None)
+
+        def body(i, h, ta):
+            at_ = i if at == "iteration" else k
+            h = tf.tanh(h * 1.5 + x)
+            ta = ta.write(at_, h * 2.0)
+            return i + 1, (h + ta.read(at_) * 0.5 if read_back else h), ta
+        _, h, ta = tf.while_loop(lambda i, h, ta: i < steps, body, [0, x, ta])
+        return ta.stack(), h
+
+    specs = [tf.TensorSpec([3, 2], tf.float32), tf.TensorSpec([], tf.int32)]
+    model, run, _ = check(f, specs, [_f32(3, 2), np.int32(0 if shaped else 1)])
+    ops = _ops(model)
+    assert "Loop" in ops and bool({"SequenceInsert", "SequenceErase"} & ops) == read_back
+    for n in (1, 3):
+        run(_f32(3, 2), np.int32(n))
+    x = model.graph.input[0].name
+    feeds = {x: _f32(3, 2), model.graph.input[1].name: np.array(2, np.int32)}
+    assert_gradients(model, [o.name for o in model.graph.output], [x], feeds)
+
+
 def test_tensorlist_push_pop_and_element_shape():
     def f(x):
         lst = tf.raw_ops.EmptyTensorList(element_shape=tf.constant([3], tf.int32),
@@ -301,6 +340,8 @@ def test_keras_rnn_saved_model_matches_predict(keras_models, name):
     onnx_model = convert(d / name)
     (inp,), (out,) = onnx_model.graph.input, onnx_model.graph.output
     assert "Loop" in _ops(onnx_model)
+    # the last output, written at 0 every iteration, is a scan output: no list in the loop
+    assert not {"SequenceInsert", "SequenceErase"} & _ops(onnx_model)
     got = ort_run(onnx_model, {inp.name: ref["x"]}, [out.name])[0]
     np.testing.assert_allclose(got, ref[name], rtol=1e-5, atol=1e-5)
     if name == "LSTM":  # inputs/outputs may be named by the signature's keys

@@ -203,18 +203,47 @@ class Function:
         return len(one) == 1 and len(arg) == 1 and arg[0].name == self.args[j] and np.array_equal(
             np.reshape(_const_value(one[0]), -1), [1])
 
-    def writes_at_counter(self, i: int):
-        """(item ref, counter var j) when list loop var i's only use is a TensorListSetItem at
-        the index of a counter loop var j whose result the body returns as var i; else None."""
-        p = self._through(self.rets[i])
+    def _only_write(self, i: int) -> TFNode | None:
+        """The TensorListSetItem when it is list loop var i's only use and its result (maybe
+        through Identity ops) is read by nothing but the body's return as var i: a read of the
+        written list in the body (the list made after the loop cannot serve it) rules it out."""
+        ref = self.rets[i]
+        if self.graph.uses(ref) or self.rets.count(ref) != 1:
+            return None
+        p = self.graph.producer(ref)
+        while p.op in ("Identity", "Snapshot") and len(p.inputs) == 1:
+            ref = p.inputs[0]
+            if self.graph.uses(ref) != 1:
+                return None
+            p = self.graph.producer(ref)
         arg = f"{self.args[i]}:0"
         if p.op != "TensorListSetItem" or self.graph.uses(arg) != 1 or p.inputs[0] != arg:
             return None
-        idx = self._through(p.inputs[1])
-        if idx.op != "_Arg" or idx.name not in self.args:
+        return p
+
+    def writes_at_counter(self, i: int):
+        """(item ref, counter var j) when list loop var i's only use is a TensorListSetItem at
+        the index of a counter loop var j whose result the body returns as var i; else None."""
+        p = self._only_write(i)
+        idx = None if p is None else self._through(p.inputs[1])
+        if idx is None or idx.op != "_Arg" or idx.name not in self.args:
             return None
         j = self.args.index(idx.name)
         return (p.inputs[2], j) if self.counter(j) else None
+
+    def writes_at_constant(self, i: int) -> int | None:
+        """k when list loop var i's only use is a TensorListSetItem at the constant index k >= 0
+        (a Keras RNN without return_sequences writes its output at 0 every iteration) that
+        does not grow the list, and the body returns its result as var i; else None."""
+        p = self._only_write(i)
+        idx = None if p is None else self._through(p.inputs[1])
+        if idx is None or idx.op != "Const":
+            return None
+        grow = p.attr.get("resize_if_index_out_of_bounds")
+        k = np.reshape(_const_value(idx), -1)
+        if (grow is not None and grow.b) or k.size != 1 or k[0] < 0:
+            return None
+        return int(k[0])
 
     def passthrough(self, i: int) -> bool:
         """Output i is input arg i itself, maybe through Identity ops (a While body's unchanged
@@ -486,28 +515,34 @@ def _while(c, n):
         else:
             out[i] = _rank_hint(c, r, shapes[i])
     for i, r in zip(scans, res[len(carried):]):
-        out[i] = tensor_list.written_by_scan(c, init[i], r)
+        out[i] = tensor_list.written_by_scan(c, init[i], r) if scans[i] is None else \
+            tensor_list.written_last_by_scan(c, init[i], r, scans[i])
     return out
 
 
 def _scanned_lists(c: Converter, body: Function, cond: Function, init: list, types: list,
-                   carried: list) -> list[int]:
-    """The list loop vars a While writes once per iteration at its iteration number (a Keras
-    RNN's outputs) and reads nowhere else: the Loop emits the items as scan outputs and the list
-    is made after it (tensor_list.written_by_scan), instead of a list copied on every write (and
-    carried, and rebuilt by the gradient)."""
-    out = []
+                   carried: list) -> dict[int, int | None]:
+    """The list loop vars a While writes once per iteration and reads nowhere else, at its
+    iteration number (a Keras RNN's outputs) or at one constant index of a reserved list (a
+    Keras RNN's last output: {i: that index}, else {i: None}): the Loop emits the items as scan
+    outputs and the list is made after it (tensor_list.written_by_scan, written_last_by_scan),
+    instead of a list copied on every write (and carried, and rebuilt by the gradient)."""
+    out = {}
     for i in carried:
-        if types[i] != VARIANT or tensor_list.elem_type(c, init[i]) not in SPLITTABLE:
-            continue
-        w = body.writes_at_counter(i)
-        if w is None or (i < len(cond.args) and cond.graph.uses(f"{cond.args[i]}:0")):
-            continue
-        start = c.consts.get(init[w[1]]) if isinstance(init[w[1]], str) else None
-        if start is None or int(np.reshape(start, -1)[0]) != 0 or init[i] in (
+        if types[i] != VARIANT or tensor_list.elem_type(c, init[i]) not in SPLITTABLE or (
+                i < len(cond.args) and cond.graph.uses(f"{cond.args[i]}:0")) or init[i] in (
                 init[k] for k in out):
             continue
-        out.append(i)
+        k = body.writes_at_constant(i)
+        if k is not None and (tensor_list.reserved(c, init[i]) is not None or
+                              not tensor_list.is_lazy(c, init[i])):
+            out[i] = k
+            continue
+        w = body.writes_at_counter(i)
+        start = c.consts.get(init[w[1]]) if w is not None and isinstance(init[w[1]], str) \
+            else None
+        if start is not None and int(np.reshape(start, -1)[0]) == 0:
+            out[i] = None
     return out
 
 

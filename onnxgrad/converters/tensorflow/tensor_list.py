@@ -72,7 +72,7 @@ def is_lazy(c: Converter, value) -> bool:
     return r is not None and r.kind == "tensor_list" and not r.fixed_size
 
 
-def _reserved(c: Converter, value) -> str | None:
+def reserved(c: Converter, value) -> str | None:
     """A lazy list's reserved length (int64 scalar value), when TensorListReserve gave one."""
     return c.seq_of[value].reserved if is_lazy(c, value) else None
 
@@ -130,9 +130,9 @@ def _pad(c: Converter, seq: str, idx: str, value: str) -> str:
     length from the start, which TensorListLength must say)."""
     elem = elem_type(c, seq)
     size = c.op("Add", [idx, c.const(1, np.int64)])
-    reserved = _reserved(c, seq)
-    if reserved is not None:
-        size = c.op("Max", [size, reserved])
+    length = reserved(c, seq)
+    if length is not None:
+        size = c.op("Max", [size, length])
     count = c.op("Max", [c.op("Sub", [size, c.op("SequenceLength", [seq])]),
                          c.const(0, np.int64)])
     zero = c.op("ConstantOfShape", [c.op("Shape", [value])],
@@ -287,8 +287,8 @@ def _concat(c, n):  # -> (tensor, lengths)
 def _length(c, n):
     seq = _seq(c, n)
     length = c.op("SequenceLength", [seq])
-    if _reserved(c, seq) is not None:  # a lazy list not grown yet has its reserved length
-        length = c.op("Max", [length, _reserved(c, seq)])
+    if reserved(c, seq) is not None:  # a lazy list not grown yet has its reserved length
+        length = c.op("Max", [length, reserved(c, seq)])
     out = c.op("Cast", [length], to=TensorProto.INT32)
     c.list_length_of[out] = c.list_length_of[f"{n.name}:0"] = seq  # (renamed to TF's name)
     return [out]
@@ -387,7 +387,7 @@ def written_by_scan(c: Converter, init: str, stacked: str) -> str:
     them to its reserved length), as a new list whose stacked form reads use directly."""
     n = c.op("Shape", [stacked], end=1)
     if is_lazy(c, init):
-        rest = c.op("Max", [c.op("Sub", [c.op("Reshape", [_reserved(c, init) or c.const(
+        rest = c.op("Max", [c.op("Sub", [c.op("Reshape", [reserved(c, init) or c.const(
             0, np.int64), c.i64(1)]), n]), c.i64(0)])
         zeros = c.op("ConstantOfShape", [c.op("Concat", [rest, c.op("Shape", [stacked], start=1)],
                                               axis=0)],
@@ -398,6 +398,30 @@ def written_by_scan(c: Converter, init: str, stacked: str) -> str:
         iota = c.op("Range", [c.const(0, np.int64), c.op("Squeeze", [n, c.i64(0)]),
                               c.const(1, np.int64)])
         dense = c.op("ScatterND", [old, c.op("Unsqueeze", [iota, c.i64(1)]), stacked])
+    seq = mark(c, c.op("SplitToSequence", [dense], axis=0, keepdims=0), elem_type(c, init),
+               lazy=False)
+    c.stacked[seq] = dense
+    return seq
+
+
+def written_last_by_scan(c: Converter, init: str, stacked: str, k: int) -> str:
+    """The list ``init`` after a Loop wrote its element ``k`` at every iteration: ``stacked``
+    [n, *elem] the values written (scan outputs); element k is the last of them (none when n is
+    0), every other element as it was (a lazy list's: zeros shaped like them, to its reserved
+    length)."""
+    n = c.op("Shape", [stacked], end=1)
+    m = c.op("Min", [n, c.i64(1)])  # 0 or 1 element written
+    last = c.op("Slice", [stacked, c.op("Sub", [n, m]), n, c.i64(0)])
+    if is_lazy(c, init):
+        dims = c.op("Concat", [c.op("Reshape", [reserved(c, init), c.i64(1)]),
+                               c.op("Shape", [stacked], start=1)], axis=0)
+        old = c.op("ConstantOfShape", [dims],
+                   value=helper.make_tensor("zero", elem_type(c, init), [1], [0]))
+    else:
+        old = c.stacked.get(init) or _stack(c, init)
+    at = c.op("Expand", [c.const(np.array([[k]], np.int64)), c.op("Concat", [m, c.i64(1)],
+                                                                  axis=0)])
+    dense = c.op("ScatterND", [old, at, last])
     seq = mark(c, c.op("SplitToSequence", [dense], axis=0, keepdims=0), elem_type(c, init),
                lazy=False)
     c.stacked[seq] = dense
