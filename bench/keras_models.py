@@ -4,6 +4,7 @@ TensorFlow training the Keras model itself.
 
     make(name, seed) -> (keras.Model, input shape without the batch axis, default batch size)
     export(model, directory)  -> the SavedModel directory (``model.export``)
+    parameter_names(model)    -> the converted model's initializer names of its trainable weights
 
 The architectures are the ones of the PyTorch rows, in Keras's layouts:
     cnn   Conv2D 16 3x3 same, ReLU, MaxPooling2D 2, Conv2D 32, ReLU, MaxPooling2D 2, Flatten,
