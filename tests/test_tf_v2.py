@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from tf_util import check_conversion, ort_run, tf, tf1_graph  # (skips the module without TF)
@@ -273,6 +273,67 @@ def test_while_writing_its_list_once_per_iteration(at, shaped, read_back, data):
     x = model.graph.input[0].name
     feeds = {x: _f32(3, 2), model.graph.input[1].name: np.array(2, np.int32)}
     assert_gradients(model, [o.name for o in model.graph.output], [x], feeds)
+
+
+# one op of a random loop program: (kind, list, index) with kind "write" or "read" and index
+# "i" (the iteration number), "i+1", or a constant
+_PROGRAM_OP = st.tuples(st.sampled_from(["write", "read"]), st.integers(0, 1),
+                        st.sampled_from(["i", "i+1", 0, 1, 2]))
+_LIST_KIND = st.sampled_from(["reserved", "tensor", "dynamic"])
+
+
+@settings(max_examples=24, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.filter_too_much])
+@given(st.lists(_PROGRAM_OP, min_size=1, max_size=4), st.lists(_LIST_KIND, min_size=2,
+                                                               max_size=2),
+       st.sampled_from([0, 1, 3]))
+@example([("write", 1, "i"), ("read", 1, "i")], ["reserved", "reserved"], 3)  # (found, fixed)
+@example([("write", 0, "i")], ["dynamic", "reserved"], 1)  # (found, fixed)
+def test_random_while_programs_on_lists(program, kinds, steps):
+    """Random TF2 while loops over two TensorArrays (reserved with a known element shape, made
+    from a tensor, or growing from empty), whose bodies write and read them at the iteration
+    number, the next one or a constant index, in any order, around a state h = tanh(1.5 h + x):
+    the converted model's stacked lists and final state equal TF's (every loop form: lists
+    carried, written as scan outputs, read back, grown), and their gradients match float64
+    finite differences. Programs TF itself refuses (a read past a grown list's end) are
+    skipped."""
+    size = 5  # every index the programs use (up to 3 trips, "i+1") is inside fixed lists
+
+    def idx(i, at):
+        return i if at == "i" else i + 1 if at == "i+1" else at
+
+    def make(kind, x):
+        if kind == "dynamic":
+            return tf.TensorArray(tf.float32, size=0, dynamic_size=True, element_shape=[3, 2])
+        ta = tf.TensorArray(tf.float32, size=size, element_shape=[3, 2])
+        return ta.unstack(tf.stack([x * (j + 1.0) for j in range(size)])) if kind == "tensor" \
+            else ta
+
+    def f(x, steps_):  # x [3, 2]
+        def body(i, h, ta0, ta1):
+            tas_ = [ta0, ta1]
+            h = tf.tanh(h * 1.5 + x)
+            for kind, which, at in program:
+                if kind == "write":
+                    tas_[which] = tas_[which].write(idx(i, at), h * (2.0 + which))
+                else:
+                    h = h + 0.5 * tas_[which].read(idx(i, at))
+            return (i + 1, h, *tas_)
+        _, h, ta0, ta1 = tf.while_loop(lambda i, *_: i < steps_, body,
+                                       [0, x, *(make(k, x) for k in kinds)])
+        return ta0.stack(), ta1.stack(), h
+
+    specs = [tf.TensorSpec([3, 2], tf.float32), tf.TensorSpec([], tf.int32)]
+    x0 = _f32(3, 2)
+    try:
+        tf.function(f).get_concrete_function(*specs)(tf.constant(x0), tf.constant(steps))
+    except tf.errors.OpError:
+        assume(False)
+    model, run, _ = check(f, specs, [x0, np.int32(steps)])
+    if steps:
+        x = model.graph.input[0].name
+        feeds = {x: x0, model.graph.input[1].name: np.array(steps, np.int32)}
+        assert_gradients(model, [o.name for o in model.graph.output], [x], feeds)
 
 
 def test_tensorlist_push_pop_and_element_shape():

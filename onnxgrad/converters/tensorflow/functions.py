@@ -231,6 +231,11 @@ class Function:
         j = self.args.index(idx.name)
         return (p.inputs[2], j) if self.counter(j) else None
 
+    def write_grows(self, i: int) -> bool:
+        """List loop var i's one write may grow the list (resize_if_index_out_of_bounds)."""
+        a = self._only_write(i).attr.get("resize_if_index_out_of_bounds")
+        return a is not None and a.b
+
     def writes_at_constant(self, i: int) -> int | None:
         """k when list loop var i's only use is a TensorListSetItem at the constant index k >= 0
         (a Keras RNN without return_sequences writes its output at 0 every iteration) that
@@ -239,9 +244,8 @@ class Function:
         idx = None if p is None else self._through(p.inputs[1])
         if idx is None or idx.op != "Const":
             return None
-        grow = p.attr.get("resize_if_index_out_of_bounds")
         k = np.reshape(_const_value(idx), -1)
-        if (grow is not None and grow.b) or k.size != 1 or k[0] < 0:
+        if self.write_grows(i) or k.size != 1 or k[0] < 0:
             return None
         return int(k[0])
 
@@ -541,7 +545,10 @@ def _scanned_lists(c: Converter, body: Function, cond: Function, init: list, typ
         w = body.writes_at_counter(i)
         start = c.consts.get(init[w[1]]) if w is not None and isinstance(init[w[1]], str) \
             else None
-        if start is not None and int(np.reshape(start, -1)[0]) == 0:
+        # a list that is not lazy takes the items over its own elements: writes that grow it
+        # (a dynamic_size TensorArray, from empty) stay carried
+        if start is not None and int(np.reshape(start, -1)[0]) == 0 and (
+                tensor_list.is_lazy(c, init[i]) or not body.write_grows(i)):
             out[i] = None
     return out
 
