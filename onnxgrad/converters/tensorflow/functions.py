@@ -233,8 +233,7 @@ class Function:
 
     def write_grows(self, i: int) -> bool:
         """List loop var i's one write may grow the list (resize_if_index_out_of_bounds)."""
-        a = self._only_write(i).attr.get("resize_if_index_out_of_bounds")
-        return a is not None and a.b
+        return _grows(self._only_write(i))
 
     def writes_at_constant(self, i: int) -> int | None:
         """k when list loop var i's only use is a TensorListSetItem at the constant index k >= 0
@@ -245,7 +244,7 @@ class Function:
         if idx is None or idx.op != "Const":
             return None
         k = np.reshape(_const_value(idx), -1)
-        if self.write_grows(i) or k.size != 1 or k[0] < 0:
+        if _grows(p) or k.size != 1 or k[0] < 0:
             return None
         return int(k[0])
 
@@ -262,6 +261,11 @@ class Function:
             if p.op not in ("Identity", "Snapshot") or len(p.inputs) != 1:
                 return False
             ref = p.inputs[0]
+
+
+def _grows(set_item: TFNode) -> bool:
+    a = set_item.attr.get("resize_if_index_out_of_bounds")
+    return a is not None and a.b
 
 
 def _const_value(nd):

@@ -381,6 +381,21 @@ def _resize(c, n):  # (handle, size): drop elements past size, or append zeros (
     return [mark(c, c.op("Loop", [pad, "", kept], body=graph), None, like=seq)]
 
 
+def _zero_rows(c: Converter, init: str, rows: str, stacked: str) -> str:
+    """``rows`` (int64 [1]) zeros of list ``init``'s type, each shaped like ``stacked``'s rows."""
+    dims = c.op("Concat", [rows, c.op("Shape", [stacked], start=1)], axis=0)
+    return c.op("ConstantOfShape", [dims],
+                value=helper.make_tensor("zero", elem_type(c, init), [1], [0]))
+
+
+def _dense_list(c: Converter, init: str, dense: str) -> str:
+    """A new list of ``init``'s type holding ``dense``'s rows, whose stacked form reads use."""
+    seq = mark(c, c.op("SplitToSequence", [dense], axis=0, keepdims=0), elem_type(c, init),
+               lazy=False)
+    c.stacked[seq] = dense
+    return seq
+
+
 def written_by_scan(c: Converter, init: str, stacked: str) -> str:
     """The list ``init`` after a Loop wrote element k at iteration k: ``stacked`` [n, *elem],
     the values written (scan outputs), over the list's first n elements (a lazy list: zeros past
@@ -389,19 +404,13 @@ def written_by_scan(c: Converter, init: str, stacked: str) -> str:
     if is_lazy(c, init):
         rest = c.op("Max", [c.op("Sub", [c.op("Reshape", [reserved(c, init) or c.const(
             0, np.int64), c.i64(1)]), n]), c.i64(0)])
-        zeros = c.op("ConstantOfShape", [c.op("Concat", [rest, c.op("Shape", [stacked], start=1)],
-                                              axis=0)],
-                     value=helper.make_tensor("zero", elem_type(c, init), [1], [0]))
-        dense = c.op("Concat", [stacked, zeros], axis=0)
+        dense = c.op("Concat", [stacked, _zero_rows(c, init, rest, stacked)], axis=0)
     else:
         old = c.stacked.get(init) or _stack(c, init)
         iota = c.op("Range", [c.const(0, np.int64), c.op("Squeeze", [n, c.i64(0)]),
                               c.const(1, np.int64)])
         dense = c.op("ScatterND", [old, c.op("Unsqueeze", [iota, c.i64(1)]), stacked])
-    seq = mark(c, c.op("SplitToSequence", [dense], axis=0, keepdims=0), elem_type(c, init),
-               lazy=False)
-    c.stacked[seq] = dense
-    return seq
+    return _dense_list(c, init, dense)
 
 
 def written_last_by_scan(c: Converter, init: str, stacked: str, k: int) -> str:
@@ -413,19 +422,12 @@ def written_last_by_scan(c: Converter, init: str, stacked: str, k: int) -> str:
     m = c.op("Min", [n, c.i64(1)])  # 0 or 1 element written
     last = c.op("Slice", [stacked, c.op("Sub", [n, m]), n, c.i64(0)])
     if is_lazy(c, init):
-        dims = c.op("Concat", [c.op("Reshape", [reserved(c, init), c.i64(1)]),
-                               c.op("Shape", [stacked], start=1)], axis=0)
-        old = c.op("ConstantOfShape", [dims],
-                   value=helper.make_tensor("zero", elem_type(c, init), [1], [0]))
+        old = _zero_rows(c, init, c.op("Reshape", [reserved(c, init), c.i64(1)]), stacked)
     else:
         old = c.stacked.get(init) or _stack(c, init)
     at = c.op("Expand", [c.const(np.array([[k]], np.int64)), c.op("Concat", [m, c.i64(1)],
                                                                   axis=0)])
-    dense = c.op("ScatterND", [old, at, last])
-    seq = mark(c, c.op("SplitToSequence", [dense], axis=0, keepdims=0), elem_type(c, init),
-               lazy=False)
-    c.stacked[seq] = dense
-    return seq
+    return _dense_list(c, init, c.op("ScatterND", [old, at, last]))
 
 
 # -- arithmetic on lists (TF2 gradients: ZerosLike of a list, AddN of gradient lists) -----------
