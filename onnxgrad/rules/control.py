@@ -30,6 +30,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir._cloner import Cloner
 
+from ..dim_classes import unify
 from ..emitter import V, compatible_dims, dims
 from ..errors import NotDifferentiableError
 from ..registry import Grads, register, subgraphs
@@ -181,6 +182,16 @@ def _loop(n, g):
     ph = [_typed(e.unique(f"{e.prefix}/state_{v.name}"), v) for v in b_vin]
     vmap = clone_into(be, body, {b_iter: ph_t, b_cond: be.const(np.array(True)).value,
                                  **dict(zip(b_vin, ph))})
+    clones = set(bb)
+    # a carried tensor of one shape every iteration (guarded) gives the recomputed iteration's
+    # dims their sizes: no sums over axes at run time where they are one size
+    axes = {j: _guardable(node.inputs[2 + j], b_vout[j]) for j in carried
+            if b_vout[j] is not b_vin[j]}
+    axes = {j: k for j, k in axes.items() if k is not None}
+    same = [(ph[j], v) for j in axes for v in (vmap.get(b_vout[j], b_vout[j]), node.inputs[2 + j])]
+    invariant = unify(bb, same, mutable=[*ph, *(o for nd in bb for o in nd.outputs)],
+                      prefix=f"{e.prefix}/dim")
+    _guard(e, node, body, axes)
     seeds = {}
     for j, gv in zip(carried, g_in):
         seeds.setdefault(vmap.get(b_vout[j], b_vout[j]), []).append(V(gv, be))
@@ -196,6 +207,7 @@ def _loop(n, g):
         a = V(a, be)
         outs.append(a if r is None else _add(be, a, r))
     finish_body(be, bb, outs, [b_c] + [ph[j] for j in carried] + acc_in)
+    _keep(e, be, node, body, bb, clones, invariant, {c: o for o, c in vmap.items()}, ph_t)
 
     # save what the backward body reads of the state at the start of each iteration: tensors
     # as scan outputs; a carried sequence is rebuilt instead, iteration by iteration in reverse
@@ -244,6 +256,90 @@ def _loop(n, g):
     for k, j in enumerate(carried):
         per_input[2 + j] = outs[k]
     return Grads(per_input, dict(zip(caps, outs[len(carried):])))
+
+
+# ops whose outputs the backward body recomputes rather than saves: they move or index data
+_RECOMPUTED = frozenset({
+    "Constant", "Shape", "Size", "Identity", "Gather", "Reshape", "Squeeze", "Unsqueeze",
+    "Slice", "Cast", "Transpose", "Flatten", "Expand", "ConstantOfShape", "Range", "Split",
+    "Concat"})
+
+
+def _keep(e, be, node, body, bb, clones, invariant, originals, ph_t) -> None:
+    """Save, as scan outputs of the forward Loop, the values of the recomputed iteration that the
+    backward body's gradient nodes read, where each is computed (not moved) and has the same
+    shape in every iteration (its dims ints or ``invariant``: an outer value's); the gradient
+    nodes read them back instead, and the recompute they needed goes. (An output a nested rule
+    added to a recomputed node, such as an inner Loop's saved states, has no forward value.)"""
+    kept = []
+    for nd in bb:  # (a value only a Shape reads is recomputed: saving it would copy it all)
+        for v in () if nd in clones or nd.op_type in ("Shape", "Size") else nd.inputs:
+            p = None if v is None else v.producer()
+            if p is None or p not in clones or v not in originals or v in kept or \
+                    p.op_type in _RECOMPUTED or p.domain not in ("", "ai.onnx") or \
+                    not isinstance(v.type, ir.TensorType):
+                continue
+            ds = dims(v)
+            if ds is not None and all(isinstance(d, int) or d in invariant for d in ds):
+                kept.append(v)
+    if not kept:
+        return
+    stacks = _augment(e, node, body, [originals[v] for v in kept], "kept")
+    for v, s in zip(kept, stacks):
+        got = be.Gather(V(s.value, be, s.dtype, None), V(ph_t, be), axis=0)
+        got.value.shape = v.shape
+        for user, i in list(v.uses()):
+            if user not in clones and user.graph is bb:
+                user.replace_input_with(i, got.value)
+    dce(bb)
+
+
+def _guardable(init: ir.Value, out: ir.Value) -> int | None:
+    """The axis of the one unknown dim of body output ``out`` (a carried tensor whose initial
+    value is ``init``) when out's other dims are positive ints and init's are the same, or init
+    has rank 2 or less: then one element count means one shape, which :func:`_guard` checks."""
+    if init is None or not all(isinstance(v.type, ir.TensorType) for v in (init, out)):
+        return None
+    a, b = dims(init), dims(out)
+    if a is None or b is None or len(a) != len(b):
+        return None
+    unknown = [i for i, d in enumerate(b) if not isinstance(d, int)]
+    if len(unknown) != 1 or any(isinstance(d, int) and d <= 0 for d in b):
+        return None
+    k = unknown[0]
+    same = all(x == y for i, (x, y) in enumerate(zip(a, b)) if i != k)
+    return k if (same or len(b) <= 2) and not isinstance(a[k], int) else None
+
+
+def _guard(e, node: ir.Node, body: ir.Graph, axes: dict[int, int]) -> None:
+    """Hold each of these carried tensors (j -> its unknown axis) to its initial value's shape,
+    which must have the body output's ints on the other axes (checked once, before the Loop,
+    where they are not known: a tensor as long as the other axis, reshaped to its int): each
+    iteration's output is reshaped to that shape, which fails on another element count, the
+    unknown dim's only other value. Every iteration's shape is then the initial value's, as the
+    backward body's dims (:func:`unify`) assume; the forward's values do not change."""
+    f, fe = e.scratch("_guard"), e.child(body, f"{e.scope}/{node.name or node.op_type}_fwd")
+    for j, k in axes.items():
+        init, b_in, b_out = node.inputs[2 + j], body.inputs[2 + j], body.outputs[1 + j]
+        want, have = dims(b_out), dims(init)
+        shape = f.op("Shape", V(init, f))
+        names = [f"{e.prefix}/loop_carried_{b_in.name}_keeps_its_shape_each_iteration"]
+        if any(have[i] != want[i] for i in range(len(want)) if i != k):  # rank 2
+            o = 1 - k
+            width = f.op("Reshape", f.op("ConstantOfShape", f.op("Slice", shape, [o], [o + 1])),
+                         [want[o]])
+            names.append(f"{e.prefix}/loop_carried_{b_in.name}_has_{want[o]}_on_axis_{o}")
+            width.value.producer().name = e.unique(names[-1])
+            rows = f.op("Slice", shape, [k], [k + 1])
+            parts = [rows, f.op("Shape", width)]
+            shape = f.op("Concat", *(parts if k == 0 else parts[::-1]), axis=0)
+        kept = fe.op("Reshape", V(b_out, fe), shape)
+        kept.value.producer().name = e.unique(names[0])  # onnxruntime's error names it
+        kept.value.type, kept.value.shape = b_out.type, b_out.shape
+        body.outputs[1 + j] = kept.value
+    nodes = list(f.graph)
+    f.graph.remove(nodes)
+    node.graph.insert_before(node, nodes)
 
 
 def _same_shape_each_iteration(n, values) -> None:

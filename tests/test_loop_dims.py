@@ -1,0 +1,193 @@
+"""A Loop's gradient reads dims proven one size as one (onnxgrad.dim_classes): no sums over
+axes at run time inside the backward body. Held to float64 finite differences over LSTM-like
+bodies whose states, inputs and initial values may each have batch 1 (broadcast) or not, with
+dims declared as ints, names or unknown; a state whose shape changes between iterations must
+fail at run time, never give a gradient."""
+import collections
+import re
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto as TP
+from onnx import helper as h
+
+import onnxgrad
+from onnxgrad.dim_classes import unify
+from util import assert_gradients, vi_model
+
+N = h.make_node
+H, D = 2, 3
+
+
+def vi(name, shape, t=TP.FLOAT):
+    return h.make_tensor_value_info(name, t, shape)
+
+
+def lstm_loop(decl_batch, decl_state, decl_out, decl_width=H):
+    """h, c <- one LSTM step of xs[i] for M iterations; decl_*: how the batch dim is declared
+    (an int, a name, or None) on the model's inputs, the body's state inputs and outputs, and
+    the initial states' width."""
+    body = h.make_graph(
+        [N("Gather", ["xs", "i"], ["xi"], axis=0), N("MatMul", ["xi", "W"], ["zx"]),
+         N("MatMul", ["h_in", "R"], ["zh"]), N("Add", ["zx", "zh"], ["z0"]),
+         N("Add", ["z0", "b"], ["z"]), N("Split", ["z"], ["zi", "zf", "zg", "zo"], axis=1,
+                                          num_outputs=4),
+         N("Sigmoid", ["zi"], ["gi"]), N("Sigmoid", ["zf"], ["gf"]), N("Tanh", ["zg"], ["gg"]),
+         N("Sigmoid", ["zo"], ["go"]), N("Mul", ["gf", "c_in"], ["fc"]),
+         N("Mul", ["gi", "gg"], ["ig"]), N("Add", ["fc", "ig"], ["c_out"]),
+         N("Tanh", ["c_out"], ["tc"]), N("Mul", ["go", "tc"], ["h_out"]),
+         N("Identity", ["cond_in"], ["cond_out"])],
+        "body", [vi("i", [], TP.INT64), vi("cond_in", [], TP.BOOL), vi("h_in", decl_state),
+                 vi("c_in", decl_state)],
+        [vi("cond_out", [], TP.BOOL), vi("h_out", decl_out), vi("c_out", decl_out)])
+    b = decl_batch
+    return vi_model([N("Loop", ["M", "", "h0", "c0"], ["hT", "cT"], body=body)],
+                    [vi("M", [], TP.INT64), vi("xs", ["T", b[0], D]), vi("h0", [b[1], decl_width]),
+                     vi("c0", [b[2], decl_width]), vi("W", [D, 4 * H]), vi("R", [H, 4 * H]),
+                     vi("b", [4 * H])],
+                    [vi("hT", [None, None]), vi("cT", [None, None])], infer=False)
+
+
+def _decl(kind, size):
+    return {"int": size, "name": "B", "none": None}[kind]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(batches=st.tuples(*[st.sampled_from([1, 3])] * 3), trips=st.integers(0, 3),
+       kinds=st.tuples(*[st.sampled_from(["int", "name", "none"])] * 3),
+       state_kind=st.sampled_from(["unknown", "hidden"]),
+       widths=st.sampled_from([(H, H), (H, None), (1, None)]))
+@example(batches=(3, 3, 3), trips=2, kinds=("none", "none", "none"), state_kind="hidden",
+         widths=(H, H))
+@example(batches=(3, 1, 1), trips=1, kinds=("none", "none", "none"), state_kind="hidden",
+         widths=(H, H))
+@example(batches=(1, 3, 3), trips=2, kinds=("none", "none", "none"), state_kind="hidden",
+         widths=(H, H))
+@example(batches=(3, 3, 3), trips=2, kinds=("none", "none", "none"), state_kind="hidden",
+         widths=(1, None))
+def test_lstm_like_loop_gradients(batches, trips, kinds, state_kind, widths):
+    bx, bh, bc = batches
+    decl = [_decl(k, s) for k, s in zip(kinds, batches)]
+    if "name" in kinds and len({s for k, s in zip(kinds, batches) if k == "name"}) > 1:
+        decl = [d if d != "B" else None for d in decl]  # one name means one size
+    state = {"unknown": [None, None], "hidden": [None, H]}[state_kind]
+    width, decl_width = widths  # the initial states' width (1: broadcast up to H), declared
+    m = lstm_loop(decl, state, state, decl_width)
+    rng = np.random.default_rng(sum(batches) + trips)
+    feeds = {"M": np.array(trips, np.int64),
+             "xs": rng.standard_normal((max(trips, 1), bx, D)),
+             "h0": rng.standard_normal((bh, width)), "c0": rng.standard_normal((bc, width)),
+             "W": rng.standard_normal((D, 4 * H)), "R": rng.standard_normal((H, 4 * H)),
+             "b": rng.standard_normal(4 * H)}
+    may_grow = bh != max(batches) or bc != max(batches) or width != H
+    try:  # checked against finite differences: never a wrong gradient
+        assert_gradients(m, ["hT", "cT"], ["h0", "c0", "xs", "W", "R", "b"], feeds)
+    except AssertionError:
+        raise
+    except Exception as err:  # refused: only a state whose shape changes, and saying so
+        assert may_grow, err
+        assert re.search("shape|dimension", str(err), re.I), err
+
+
+@pytest.mark.parametrize("xs_batch, sums", [(None, 1), ("B", 0)])
+def test_the_backward_body_sums_only_where_a_dim_may_be_1(xs_batch, sums):
+    """The LSTM-like body with the states' batch unknown: its backward body computes axes at
+    run time (NonZero) only for the input row's sum, whose batch may be 1 where the states'
+    is not, and not even that where the input and the states share a batch name."""
+    m = lstm_loop([xs_batch, "B", "B"], [None, H], [None, H])
+    res = onnxgrad.gradients(m, ["hT", "cT"], ["h0", "c0", "W", "R", "b"])
+    onnx.checker.check_model(res.model, full_check=True)
+    bodies = [a.g for n in res.model.graph.node if n.op_type == "Loop" for a in n.attribute
+              if "_grad" in n.name]
+    ops = collections.Counter(n.op_type for g in bodies for n in g.node)
+    assert ops["NonZero"] == sums, ops
+
+
+def _value(name, dims):
+    import onnx_ir as ir
+    return ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(dims))
+
+
+def _node(op, ins, outs, **attrs):
+    import onnx_ir as ir
+    return ir.Node("", op, ins, attributes=[ir.AttrInt64(k, v) for k, v in attrs.items()],
+                   outputs=outs)
+
+
+def test_unify_joins_only_a_cycle_of_the_broadcast_order():
+    """a <= out and b <= out for a broadcasting op: a and b stay apart (either may be 1);
+    with out == a (a carried state), a, out and b's class is still two: b <= a only."""
+    a, b, out = _value("a", [None, 4]), _value("b", [None, 4]), _value("out", [None, 4])
+    add = _node("Add", [a, b], [out])
+    assert unify([add], mutable=[a, b, out]) == set()
+    assert [a.shape[0].value, b.shape[0].value, out.shape[0].value] == [None] * 3
+    unify([add], equal=[(a, out)], mutable=[a, b, out])
+    assert a.shape[0] == out.shape[0] and b.shape[0] != a.shape[0]
+    # a Split keeps the other axes: its outputs are its input's rows
+    x, p, q = _value("x", [None, 8]), _value("p", [None, 4]), _value("q", [None, 4])
+    split = _node("Split", [x], [p, q], axis=1)
+    unify([split], mutable=[x, p, q])
+    assert x.shape[0] == p.shape[0] == q.shape[0] and str(x.shape[0]) != "None"
+
+
+@st.composite
+def random_bodies(draw):
+    """A Loop body of random elementwise ops (broadcasting), MatMuls with an outer weight and
+    rows of an outer input, over one or two carried states [batch, H]."""
+    k = draw(st.integers(1, 2))
+    pool, nodes = [f"s{j}_in" for j in range(k)] + ["xi"], [
+        N("Gather", ["xs", "i"], ["xi"], axis=0), N("Identity", ["cond_in"], ["cond_out"])]
+    for n in range(draw(st.integers(2, 6))):
+        op = draw(st.sampled_from(["Tanh", "Sigmoid", "Sin", "Add", "Mul", "Sub", "MatMul"]))
+        a = draw(st.sampled_from(pool))
+        out = f"v{n}"
+        if op in ("Add", "Mul", "Sub"):
+            nodes.append(N(op, [a, draw(st.sampled_from(pool + ["u"]))], [out]))
+        elif op == "MatMul":
+            nodes.append(N(op, [a, "W"], [out]))
+        else:
+            nodes.append(N(op, [a], [out]))
+        pool.append(out)
+    made = pool[k + 1:]
+    outs = [draw(st.sampled_from(made)) for _ in range(k)]
+    nodes += [N("Identity", [o], [f"s{j}_out"]) for j, o in enumerate(outs)]
+    return k, nodes
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(body=random_bodies(), batches=st.tuples(*[st.sampled_from([1, 3])] * 4),
+       trips=st.integers(0, 3), state_decl=st.sampled_from([[None, H], [None, None]]))
+def test_random_loop_bodies(body, batches, trips, state_decl):
+    """Random bodies, batches 1 or 3 for the input rows, the states and u: where every batch
+    is one size the gradient must run and match finite differences; elsewhere it may also be
+    refused at run time, by an error about a shape."""
+    k, nodes = body
+    bx, b0, b1, bu = batches
+    states = [b0, b1][:k]
+    g = h.make_graph(nodes, "body",
+                     [vi("i", [], TP.INT64), vi("cond_in", [], TP.BOOL)] +
+                     [vi(f"s{j}_in", state_decl) for j in range(k)],
+                     [vi("cond_out", [], TP.BOOL)] + [vi(f"s{j}_out", state_decl)
+                                                      for j in range(k)])
+    inits = [f"s{j}_0" for j in range(k)]
+    m = vi_model([N("Loop", ["M", "", *inits], [f"s{j}_T" for j in range(k)], body=g)],
+                 [vi("M", [], TP.INT64), vi("xs", ["T", None, H]), vi("W", [H, H]),
+                  vi("u", [None, H])] + [vi(s, [None, H]) for s in inits],
+                 [vi(f"s{j}_T", [None, None]) for j in range(k)], infer=False)
+    rng = np.random.default_rng(trips + 7 * sum(batches))
+    feeds = {"M": np.array(trips, np.int64), "xs": rng.uniform(-1, 1, (max(trips, 1), bx, H)),
+             "W": rng.uniform(-1, 1, (H, H)), "u": rng.uniform(-1, 1, (bu, H)),
+             **{s: rng.uniform(-1, 1, (b, H)) for s, b in zip(inits, states)}}
+    ys, xs = [f"s{j}_T" for j in range(k)], ["xs", "W", "u", *inits]
+    try:
+        assert_gradients(m, ys, xs, feeds)
+    except AssertionError:
+        raise
+    except Exception as err:
+        assert len({bx, bu, *states}) > 1, err
+        assert re.search("shape|dimension", str(err), re.I), err
