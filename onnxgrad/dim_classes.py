@@ -3,7 +3,7 @@
 A dim ``a`` broadcasts to ``b`` (a <= b) when a is 1 or a == b. A broadcasting op puts each
 input's dim <= the output's along the same (right-aligned) axis; ops that keep a dim (unary
 elementwise ops, a MatMul's rows, a Concat's other axes, a Gather's other axes, a Transpose's
-permuted axes), and the
+permuted axes, a Reshape's copied ones), and the
 pairs a caller knows equal, put it both ways. The order is antisymmetric (a <= b <= a means
 a == b), so the dims on one cycle of these edges are one size: each strongly connected
 component is a class. :func:`unify` names each class's dims alike (its int when it has one),
@@ -91,11 +91,101 @@ def _edges(node: ir.Node):
         axis = node.attributes.get_int("axis", 0) % len(sd)
         yield from (((ins[0], i), (out, i if i < axis else i - 1 + len(si)), True)
                     for i in range(len(sd)) if i != axis)
+    elif op == "Reshape" and len(ins) == 2 and ins[0] is not None:
+        sx, want = _shape(ins[0]), _ints(ins[1])
+        if sx is None or want is None or len(want) != len(so):
+            return
+        zero_copies = not node.attributes.get_int("allowzero", 0)
+        kept = [i for i, w in enumerate(want) if w == 0 and zero_copies and i < len(sx)]
+        yield from (((ins[0], i), (out, i), True) for i in kept)
+        # the one -1 is the input's dim there when every other dim is the input's own int
+        rest = [i for i, w in enumerate(want) if w == -1]
+        if len(rest) == 1 and len(sx) == len(want) and all(
+                i == rest[0] or isinstance(sx[i], int) and sx[i] == w > 0
+                for i, w in enumerate(want)):
+            yield (ins[0], rest[0]), (out, rest[0]), True
     elif op == "Transpose" and ins[0] is not None:
         sx = _shape(ins[0])
         perm = node.attributes.get_ints("perm", list(reversed(range(len(so)))))
         if sx is not None and len(sx) == len(so) == len(perm):
             yield from (((ins[0], p), (out, i), True) for i, p in enumerate(perm))
+
+
+def _ints(v) -> list | None:
+    """The values of a constant int tensor (an initializer or a Constant's), flat, or None."""
+    t = None if v is None else v.const_value
+    p = None if v is None else v.producer()
+    if t is None and p is not None and p.op_type == "Constant" and "value" in p.attributes:
+        t = p.attributes["value"].value
+    if t is None:
+        return None
+    arr = t.numpy()
+    return [int(x) for x in arr.reshape(-1)] if arr.dtype.kind in "iu" else None
+
+
+_INT_TYPES = frozenset({6, 7, 12, 13})  # int32, int64, uint32, uint64: a dim's value kept
+
+
+def _rank(v):
+    s = _shape(v)
+    return None if s is None else len(s)
+
+
+def shape_elements(v, depth=0) -> list | None:
+    """What each element of the 1-D int tensor ``v`` (a shape being built) is: an int, a dim
+    (value, axis) that Shape read, or None (not known); None when even its length is not.
+    Follows Shape, Cast, Slice (step 1), Gather, Squeeze, Unsqueeze, Reshape, Concat and
+    constants: how converters build the shape of a loop's initial zeros from the input's."""
+    ints = _ints(v)
+    if ints is not None:
+        return ints
+    p = None if v is None or depth > 16 else v.producer()
+    if p is None:
+        return None
+    op, ins = p.op_type, p.inputs
+    if op == "Shape":
+        sx = _shape(ins[0])
+        if sx is None:
+            return None
+        start = p.attributes.get_int("start", 0)
+        end = p.attributes.get_int("end", len(sx))
+        return [(ins[0], i) for i in range(len(sx))][start:end]
+    if op == "Cast" and p.attributes.get_int("to", 0) not in _INT_TYPES:
+        return None
+    if op in ("Cast", "Squeeze", "Unsqueeze", "Reshape", "Identity"):  # (the same elements)
+        return shape_elements(ins[0], depth + 1)
+    if op == "Concat":  # of 1-D parts
+        parts = [shape_elements(x, depth + 1) if _rank(x) in (0, 1) else None for x in ins]
+        return None if any(q is None for q in parts) else [e for q in parts for e in q]
+    if _rank(ins[0]) != 1:
+        return None
+    if op == "Slice":
+        el, args = shape_elements(ins[0], depth + 1), [_ints(x) for x in ins[1:]]
+        if el is None or any(a is None for a in args[:2]) or \
+                any(a not in (None, [0]) for a in args[2:3]) or \
+                any(a not in (None, [1]) for a in args[3:4]):
+            return None
+        return el[args[0][0]:args[1][0]] if len(args[0]) == len(args[1]) == 1 else None
+    if op == "Gather":
+        el, idx = shape_elements(ins[0], depth + 1), _ints(ins[1])
+        if el is None or idx is None or any(not -len(el) <= i < len(el) for i in idx):
+            return None
+        return [el[i] for i in idx]
+    return None
+
+
+def made_dims(v) -> list:
+    """(axis of v, dim it equals) pairs for a value an Expand of a scalar or a ConstantOfShape
+    makes from a shape that :func:`shape_elements` follows: dims (value, axis) or ints."""
+    p = None if v is None else v.producer()
+    if p is None or p.domain not in ("", "ai.onnx"):
+        return []
+    if p.op_type == "ConstantOfShape" or p.op_type == "Expand" and _shape(p.inputs[0]) == ():
+        el = shape_elements(p.inputs[-1])
+        sv = _shape(v)
+        if el is not None and sv is not None and len(el) == len(sv):
+            return [(i, d) for i, d in enumerate(el) if d is not None]
+    return []
 
 
 def _components(succ: dict) -> list[list]:
@@ -138,9 +228,10 @@ def _components(succ: dict) -> list[list]:
     return comps
 
 
-def unify(nodes, equal=(), mutable=(), prefix="dim") -> set:
+def unify(nodes, equal=(), mutable=(), prefix="dim", dims_equal=()) -> set:
     """Name alike the dims of ``mutable`` values that the edges of ``nodes``, and the pairs of
-    values in ``equal`` (same shape, dim by dim), prove one size: a class's int where it has
+    values in ``equal`` (same shape, dim by dim) and of dims in ``dims_equal`` (an int for a
+    dim of that size), prove one size: a class's int where it has
     one, else a name it has (one that values outside ``mutable`` carry first), else
     ``{prefix}{k}``. Dims with one name are one size (onnx's inference names them so), so a
     name joins its dims' classes, and every mutable dim of a renamed name follows. Returns the
@@ -162,15 +253,17 @@ def unify(nodes, equal=(), mutable=(), prefix="dim") -> set:
         if sx is not None and sy is not None and len(sx) == len(sy):
             for i in range(len(sx)):
                 link((x, i), (y, i), True)
+    for a, b in dims_equal:
+        link(a, ("int", b) if isinstance(b, int) else b, True)
     mutable = [v for v in dict.fromkeys(mutable) if _shape(v) is not None]
     fixed = {v for v, _ in succ if not isinstance(v, str)} - set(mutable)
-    for v in [*{v for v, _ in succ if not isinstance(v, str)}, *mutable]:
+    for v in [*fixed, *mutable]:
         for i, d in enumerate(_shape(v)):
             if isinstance(d, str):
                 link((v, i), ("name", d), True)
     renames, fresh, invariant = {}, 0, set()  # (value, axis) or ("name", name) -> its dim
     for comp in _components(succ):
-        ds = [c[1] if c[0] == "name" else _shape(c[0])[c[1]] for c in comp]
+        ds = [c[1] if c[0] in ("name", "int") else _shape(c[0])[c[1]] for c in comp]
         if len(comp) < 2 or None not in ds and len(set(ds)) == 1:
             continue
         ints = {d for d in ds if isinstance(d, int)}

@@ -26,12 +26,15 @@ def vi(name, shape, t=TP.FLOAT):
     return h.make_tensor_value_info(name, t, shape)
 
 
-def lstm_loop(decl_batch, decl_state, decl_out, decl_width=H):
+def lstm_loop(decl_batch, decl_state, decl_out, decl_width=H, zeros=False, reshape=False):
     """h, c <- one LSTM step of xs[i] for M iterations; decl_*: how the batch dim is declared
     (an int, a name, or None) on the model's inputs, the body's state inputs and outputs, and
-    the initial states' width."""
+    the initial states' width; ``zeros``: the initial states made in the graph from xs's
+    shape; ``reshape``: the row read through a Reshape to [-1, D], as TF's list reads are."""
+    row = [N("Reshape", ["xr", "rows_shape"], ["xi"])] if reshape else []
     body = h.make_graph(
-        [N("Gather", ["xs", "i"], ["xi"], axis=0), N("MatMul", ["xi", "W"], ["zx"]),
+        [N("Gather", ["xs", "i"], ["xr" if reshape else "xi"], axis=0), *row,
+         N("MatMul", ["xi", "W"], ["zx"]),
          N("MatMul", ["h_in", "R"], ["zh"]), N("Add", ["zx", "zh"], ["z0"]),
          N("Add", ["z0", "b"], ["z"]), N("Split", ["z"], ["zi", "zf", "zg", "zo"], axis=1,
                                           num_outputs=4),
@@ -42,13 +45,28 @@ def lstm_loop(decl_batch, decl_state, decl_out, decl_width=H):
          N("Identity", ["cond_in"], ["cond_out"])],
         "body", [vi("i", [], TP.INT64), vi("cond_in", [], TP.BOOL), vi("h_in", decl_state),
                  vi("c_in", decl_state)],
-        [vi("cond_out", [], TP.BOOL), vi("h_out", decl_out), vi("c_out", decl_out)])
+        [vi("cond_out", [], TP.BOOL), vi("h_out", decl_out), vi("c_out", decl_out)],
+        [h.make_tensor("rows_shape", TP.INT64, [2], [-1, D])] if reshape else [])
     b = decl_batch
-    return vi_model([N("Loop", ["M", "", "h0", "c0"], ["hT", "cT"], body=body)],
-                    [vi("M", [], TP.INT64), vi("xs", ["T", b[0], D]), vi("h0", [b[1], decl_width]),
-                     vi("c0", [b[2], decl_width]), vi("W", [D, 4 * H]), vi("R", [H, 4 * H]),
-                     vi("b", [4 * H])],
-                    [vi("hT", [None, None]), vi("cT", [None, None])], infer=False)
+    inputs = [vi("M", [], TP.INT64), vi("xs", ["T", b[0], D]), vi("h0", [b[1], decl_width]),
+              vi("c0", [b[2], decl_width]), vi("W", [D, 4 * H]), vi("R", [H, 4 * H]),
+              vi("b", [4 * H])]
+    outer = [N("Loop", ["M", "", "h0", "c0"], ["hT", "cT"], body=body)]
+    if zeros:  # the initial states are zeros as wide as xs's rows, as converters build them
+        i64 = TP.INT64
+        outer[:0] = [
+            N("Shape", ["xs"], ["xs_shape"]), N("Cast", ["xs_shape"], ["shape32"], to=TP.INT32),
+            N("Constant", [], ["one"], value=h.make_tensor("one", i64, [1], [1])),
+            N("Constant", [], ["two"], value=h.make_tensor("two", i64, [1], [2])),
+            N("Slice", ["shape32", "one", "two"], ["rows"]),
+            N("Constant", [], ["width"], value=h.make_tensor("width", TP.INT32, [1], [H])),
+            N("Concat", ["rows", "width"], ["packed"], axis=0),
+            N("Cast", ["packed"], ["packed64"], to=i64),
+            N("Constant", [], ["zero"], value=h.make_tensor("zero", TP.FLOAT, [], [0.0])),
+            N("Expand", ["zero", "packed64"], ["h0"]), N("Expand", ["zero", "packed64"], ["c0"])]
+        inputs = [x for x in inputs if x.name not in ("h0", "c0")]
+    return vi_model(outer, inputs, [vi("hT", [None, None]), vi("cT", [None, None])],
+                    infer=False)
 
 
 def _decl(kind, size):
@@ -105,6 +123,28 @@ def test_the_backward_body_sums_only_where_a_dim_may_be_1(xs_batch, sums):
               if "_grad" in n.name]
     ops = collections.Counter(n.op_type for g in bodies for n in g.node)
     assert ops["NonZero"] == sums, ops
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(bx=st.sampled_from([1, 3]), trips=st.integers(0, 3), reshape=st.booleans(),
+       decl=st.sampled_from([None, "B", 3]))
+def test_loop_from_zeros_made_from_the_input_shape(bx, trips, reshape, decl):
+    """Initial states made as zeros [rows of xs, H] (Shape, Cast, Slice, Concat, Expand, as
+    converters write them): the states' batch is xs's, proven, so the backward body sums nothing
+    at run time and recomputes no product, and the gradients match finite differences."""
+    if isinstance(decl, int) and decl != bx:
+        decl = None
+    m = lstm_loop([decl, None, None], [None, H], [None, H], zeros=True, reshape=reshape)
+    rng = np.random.default_rng(bx + trips)
+    feeds = {"M": np.array(trips, np.int64), "xs": rng.standard_normal((max(trips, 1), bx, D)),
+             "W": rng.standard_normal((D, 4 * H)), "R": rng.standard_normal((H, 4 * H)),
+             "b": rng.standard_normal(4 * H)}
+    assert_gradients(m, ["hT", "cT"], ["xs", "W", "R", "b"], feeds)
+    res = onnxgrad.gradients(m, ["hT", "cT"], ["W", "R", "b"])  # (what training asks)
+    ops = collections.Counter(n.op_type for n in res.model.graph.node if n.op_type == "Loop"
+                              for a in n.attribute if "_grad" in n.name for n in a.g.node)
+    # products: x^T dz, h^T dz, dz R^T; the forward's two are saved, not recomputed
+    assert ops["NonZero"] == 0 and ops["MatMul"] + ops["Gemm"] == 3, ops
 
 
 def _value(name, dims):

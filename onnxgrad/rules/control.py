@@ -30,7 +30,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir._cloner import Cloner
 
-from ..dim_classes import unify
+from ..dim_classes import made_dims, unify
 from ..emitter import V, compatible_dims, dims
 from ..errors import NotDifferentiableError
 from ..registry import Grads, register, subgraphs
@@ -189,8 +189,9 @@ def _loop(n, g):
             if b_vout[j] is not b_vin[j]}
     axes = {j: k for j, k in axes.items() if k is not None}
     same = [(ph[j], v) for j in axes for v in (vmap.get(b_vout[j], b_vout[j]), node.inputs[2 + j])]
+    made = [((node.inputs[2 + j], i), d) for j in axes for i, d in made_dims(node.inputs[2 + j])]
     invariant = unify(bb, same, mutable=[*ph, *(o for nd in bb for o in nd.outputs)],
-                      prefix=f"{e.prefix}/dim")
+                      prefix=f"{e.prefix}/dim", dims_equal=made)
     _guard(e, node, body, axes)
     seeds = {}
     for j, gv in zip(carried, g_in):
@@ -297,18 +298,21 @@ def _keep(e, be, node, body, bb, clones, invariant, originals, ph_t) -> None:
 def _guardable(init: ir.Value, out: ir.Value) -> int | None:
     """The axis of the one unknown dim of body output ``out`` (a carried tensor whose initial
     value is ``init``) when out's other dims are positive ints and init's are the same, or init
-    has rank 2 or less: then one element count means one shape, which :func:`_guard` checks."""
+    has rank 2 or less: then one element count means one shape, which :func:`_guard` checks.
+    -1 when both shapes are the same ints (nothing to check); None otherwise."""
     if init is None or not all(isinstance(v.type, ir.TensorType) for v in (init, out)):
         return None
     a, b = dims(init), dims(out)
     if a is None or b is None or len(a) != len(b):
         return None
     unknown = [i for i, d in enumerate(b) if not isinstance(d, int)]
+    if not unknown and a == b:
+        return -1
     if len(unknown) != 1 or any(isinstance(d, int) and d <= 0 for d in b):
         return None
     k = unknown[0]
     same = all(x == y for i, (x, y) in enumerate(zip(a, b)) if i != k)
-    return k if (same or len(b) <= 2) and not isinstance(a[k], int) else None
+    return k if same or len(b) <= 2 else None
 
 
 def _guard(e, node: ir.Node, body: ir.Graph, axes: dict[int, int]) -> None:
@@ -320,6 +324,8 @@ def _guard(e, node: ir.Node, body: ir.Graph, axes: dict[int, int]) -> None:
     backward body's dims (:func:`unify`) assume; the forward's values do not change."""
     f, fe = e.scratch("_guard"), e.child(body, f"{e.scope}/{node.name or node.op_type}_fwd")
     for j, k in axes.items():
+        if k < 0:
+            continue
         init, b_in, b_out = node.inputs[2 + j], body.inputs[2 + j], body.outputs[1 + j]
         want, have = dims(b_out), dims(init)
         shape = f.op("Shape", V(init, f))
