@@ -176,16 +176,27 @@ def test_unify_joins_only_a_cycle_of_the_broadcast_order():
 
 @st.composite
 def random_bodies(draw):
-    """A Loop body of random elementwise ops (broadcasting), MatMuls with an outer weight and
-    rows of an outer input, over one or two carried states [batch, H]."""
+    """A Loop body of random elementwise ops (broadcasting), MatMuls with an outer weight,
+    rows of an outer input and inner Loops, over one or two carried states [batch, H]."""
     k = draw(st.integers(1, 2))
     pool, nodes = [f"s{j}_in" for j in range(k)] + ["xi"], [
         N("Gather", ["xs", "i"], ["xi"], axis=0), N("Identity", ["cond_in"], ["cond_out"])]
     for n in range(draw(st.integers(2, 6))):
-        op = draw(st.sampled_from(["Tanh", "Sigmoid", "Sin", "Add", "Mul", "Sub", "MatMul"]))
+        op = draw(st.sampled_from(["Tanh", "Sigmoid", "Sin", "Add", "Mul", "Sub", "MatMul",
+                                   "Loop"]))
         a = draw(st.sampled_from(pool))
         out = f"v{n}"
-        if op in ("Add", "Mul", "Sub"):
+        if op == "Loop":  # nested: two iterations of tanh(v + u * a), u and a from outside
+            inner = h.make_graph(
+                [N("Mul", ["u", a], [f"ua{n}"]), N("Add", [f"w{n}_in", f"ua{n}"], [f"p{n}"]),
+                 N("Tanh", [f"p{n}"], [f"w{n}_out"]), N("Identity", [f"c{n}"], [f"co{n}"])],
+                f"inner{n}", [vi(f"j{n}", [], TP.INT64), vi(f"c{n}", [], TP.BOOL),
+                              vi(f"w{n}_in", [None, H])],
+                [vi(f"co{n}", [], TP.BOOL), vi(f"w{n}_out", [None, H])])
+            nodes += [N("Constant", [], [f"two{n}"],
+                        value=h.make_tensor(f"two{n}", TP.INT64, [], [2])),
+                      N("Loop", [f"two{n}", "", a], [out], body=inner)]
+        elif op in ("Add", "Mul", "Sub"):
             nodes.append(N(op, [a, draw(st.sampled_from(pool + ["u"]))], [out]))
         elif op == "MatMul":
             nodes.append(N(op, [a, "W"], [out]))
