@@ -242,3 +242,46 @@ def test_random_loop_bodies(body, batches, trips, state_decl):
     except Exception as err:
         assert len({bx, bu, *states}) > 1, err
         assert re.search("shape|dimension", str(err), re.I), err
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(index=st.sampled_from(["i", "counter", "negative", "constant"]),
+       second=st.sampled_from([None, "gather", "mul"]), trips=st.integers(0, 4),
+       opset=st.sampled_from([15, 18]))
+def test_rows_read_per_iteration(index, second, trips, opset):
+    """An outer tensor read one row per iteration (a TensorArray's elements): its gradient is
+    the rows' gradients scattered after the loop (opset 16 on), also where an index repeats,
+    counts from the end or is a carried counter; a second read of another kind keeps the sum
+    in the loop. Against finite differences, and no tensor of its shape made per iteration."""
+    t_max = 4
+    idx = {"i": "i", "counter": "k_in", "negative": "neg", "constant": "one"}[index]
+    nodes = [N("Constant", [], ["one"], value=h.make_tensor("one", TP.INT64, [], [1])),
+             N("Sub", ["i", "four"], ["neg"]), N("Add", ["k_in", "one"], ["k_out"]),
+             N("Gather", ["xs", idx], ["xi"], axis=0), N("Add", ["h_in", "xi"], ["p"]),
+             N("Tanh", ["p"], ["h_out"]), N("Identity", ["cond_in"], ["cond_out"])]
+    if second == "gather":  # a second row, one iteration behind (index 0 where i is 0)
+        nodes += [N("Sub", ["i", "one"], ["im1"]), N("Max", ["im1", "zero"], ["prev"]),
+                  N("Gather", ["xs", "prev"], ["xp"], axis=0), N("Mul", ["h_out", "xp"], ["q"])]
+    elif second == "mul":  # the whole tensor read: its gradient stays a sum in the loop
+        nodes += [N("ReduceSum", ["xs", "ax0"], ["xsum"], keepdims=0),
+                  N("Mul", ["h_out", "xsum"], ["q"])]
+    else:
+        nodes += [N("Identity", ["h_out"], ["q"])]
+    body = h.make_graph(
+        nodes, "body", [vi("i", [], TP.INT64), vi("cond_in", [], TP.BOOL), vi("k_in", [], TP.INT64),
+                        vi("h_in", [None, 3])],
+        [vi("cond_out", [], TP.BOOL), vi("k_out", [], TP.INT64), vi("q", [None, 3])])
+    inits = {"four": np.array(t_max, np.int64), "zero": np.array(0, np.int64),
+             "ax0": np.array([0], np.int64), "k0": np.array(0, np.int64)}
+    m = vi_model([N("Loop", ["M", "", "k0", "h0"], ["kT", "hT"], body=body)],
+                 [vi("M", [], TP.INT64), vi("xs", [t_max, None, 3]), vi("h0", [None, 3])],
+                 [vi("hT", [None, 3])], inits=inits, opset=opset, infer=False)
+    rng = np.random.default_rng(trips)
+    feeds = {"M": np.array(trips, np.int64), "xs": rng.uniform(-1, 1, (t_max, 2, 3)),
+             "h0": rng.uniform(-1, 1, (2, 3))}
+    assert_gradients(m, "hT", ["xs", "h0"], feeds)
+    res = onnxgrad.gradients(m, "hT", ["xs", "h0"])
+    after = collections.Counter(nd.op_type for nd in res.model.graph.node)
+    if opset >= 16:  # (ScatterND's reduction: opset 16; before it the sum stays in the loop)
+        assert (after["ScatterND"] > 0) == (second != "mul"), after

@@ -35,6 +35,7 @@ from ..emitter import V, compatible_dims, dims
 from ..errors import NotDifferentiableError
 from ..registry import Grads, register, subgraphs
 from .sequence import captures, float_value, is_seq, norm_position, position, sop, zeros_for
+from .shape import _scatter_add
 
 _INT64_MIN = np.iinfo(np.int64).min
 
@@ -160,6 +161,10 @@ def _loop(n, g):
     n_scan = len(b_scan)
     gs_final, gs_scan = n.gs[:nv], n.gs[nv:nv + n_scan]
     caps = captures(n)
+    # outer tensors the body reads one row of per iteration (a TensorArray's elements): their
+    # rows' gradients are scan outputs, scattered into place once after the loop
+    rows = _row_reads(e, body, caps)
+    caps = [c for c in caps if c not in rows]
     carried = [j for j in range(nv) if float_value(node.inputs[2 + j])]
     for j in range(nv):
         _same_shape_each_iteration(n, [node.inputs[2 + j], b_vin[j], b_vout[j], node.outputs[j]])
@@ -200,14 +205,20 @@ def _loop(n, g):
         if gi is not None and float_value(o):
             gt = be.Gather(V(gi.value, be, gi.dtype, None), V(ph_t, be), axis=0)
             seeds.setdefault(vmap.get(o, o), []).append(gt)
-    xs = [ph[j] for j in carried] + caps
+    reads = [(c, vmap[gn.outputs[0]], vmap.get(gn.inputs[1], gn.inputs[1]))
+             for c, gns in rows.items() for gn in gns]
+    xs = [ph[j] for j in carried] + caps + [r for _, r, _ in reads]
     res = n.differentiate(bb, seeds, xs, be)
     outs = [be.const(np.array(True))]
     outs += [r if r is not None else zeros_for(be, V(ph[j], be)) for r, j in zip(res, carried)]
-    for a, r in zip(acc_in, res[len(carried):]):
+    for a, r in zip(acc_in, res[len(carried):len(carried) + len(caps)]):
         a = V(a, be)
         outs.append(a if r is None else _add(be, a, r))
-    finish_body(be, bb, outs, [b_c] + [ph[j] for j in carried] + acc_in)
+    reads = [(c, g, V(i, be)) for (c, _, i), g in zip(reads, res[len(carried) + len(caps):])
+             if g is not None]
+    n_loop = len(outs)
+    outs += [x for _, g, i in reads for x in (g, i)]
+    finish_body(be, bb, outs, [b_c] + [ph[j] for j in carried] + acc_in + [None] * len(reads) * 2)
     _keep(e, be, node, body, bb, clones, invariant, {c: o for o, c in vmap.items()}, ph_t)
 
     # save what the backward body reads of the state at the start of each iteration: tensors
@@ -238,6 +249,9 @@ def _loop(n, g):
         if start.value is end:
             start = sop(be, "Identity", start)
         bb.outputs.append(start.value)
+    # the rows' gradients and indices are scan outputs: after every carried value
+    per_row = list(bb.outputs)[n_loop:n_loop + 2 * len(reads)]
+    bb.outputs[n_loop:] = list(bb.outputs)[n_loop + len(per_row):] + per_row
     if ph_t.uses():
         t = V(last.value, be, last.dtype, ()) - V(b_k, be)
         ph_t.replace_all_uses_with(t.value)
@@ -248,15 +262,50 @@ def _loop(n, g):
         inits.append(gj if gj is not None else zeros_for(e, n.outs[j]))
     inits += [zeros_for(e, V(c, e)) for c in caps]
     inits += [n.outs[j] for j in seqs]  # rebuilt backwards from the final state
-    outs = e.op("Loop", trips, None, *inits, body=bb, _outputs=len(inits),
-                _dtype=[v.dtype for v in inits])
+    outs = e.op("Loop", trips, None, *inits, body=bb, _outputs=len(inits) + len(per_row),
+                _dtype=[v.dtype for v in inits] + [v.dtype for v in per_row])
     outs = outs if isinstance(outs, tuple) else (outs,)
     for o, v in zip(outs, inits):
         o.value.type = v.value.type
     per_input = [None] * len(node.inputs)
     for k, j in enumerate(carried):
         per_input[2 + j] = outs[k]
-    return Grads(per_input, dict(zip(caps, outs[len(carried):])))
+    grads = dict(zip(caps, outs[len(carried):len(inits)]))
+    stacks = outs[len(inits):]
+    for (c, _, _), g, i in zip(reads, stacks[0::2], stacks[1::2]):
+        c = V(c, e)
+        g = e.Reshape(g, e.Concat([-1], e.Slice(e.Shape(c), [1], [np.iinfo(np.int64).max]),
+                                  axis=0))  # (no iterations: a [0] stack)
+        i = i if i.dtype == ir.DataType.INT64 else e.Cast(i, to=ir.DataType.INT64)
+        got = _scatter_add(n, "ScatterND", c, e.Unsqueeze(i, [-1]), g)
+        grads[c.value] = got if c.value not in grads else _add(e, grads[c.value], got)
+    return Grads(per_input, grads)
+
+
+def _row_reads(e, body: ir.Graph, caps: list) -> dict:
+    """The captured float32/64 tensors whose only reads in ``body`` are Gathers of one row
+    (axis 0, a scalar index): capture -> those Gathers. Their gradient summed in the backward
+    loop would add a tensor of their whole shape per iteration (quadratic in the trip count);
+    the rows' gradients scattered after it (ScatterND's reduction, opset 16) are linear."""
+    if e.opset < 16:
+        return {}
+    inside = set(ir.traversal.RecursiveGraphIterator(body))
+    out = {}
+    for c in caps:
+        if c.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or not isinstance(
+                c.type, ir.TensorType):
+            continue
+        uses = [u for u, _ in c.uses() if u in inside]
+        if uses and all(u.graph is body and u.op_type == "Gather" and u.domain in ("", "ai.onnx")
+                        and u.inputs[0] is c and u.inputs[1] is not c
+                        and _axis0(u, c) and dims(u.inputs[1]) == () for u in uses):
+            out[c] = uses
+    return out
+
+
+def _axis0(node: ir.Node, x: ir.Value) -> bool:
+    a = node.attributes.get_int("axis", 0)
+    return a == 0 or x.shape is not None and a == -len(x.shape)
 
 
 # ops whose outputs the backward body recomputes rather than saves: they move or index data
