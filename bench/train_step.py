@@ -22,7 +22,8 @@ batches on every side, random data made once):
     mlp, cnn, lstm   hand-built ONNX graphs (Gemm; unpadded Conv; ONNX LSTM, hidden 128, 32
           steps, batch 64, against torch.nn.LSTM with the same weights, gates reordered)
     <model>-keras    the Keras model of bench/keras_models.py (cnn: the CNN above, channels
-          last; lstm: keras.layers.LSTM 128 over 32 steps of 64, Dense 10), saved with
+          last; lstm: keras.layers.LSTM 128 over 32 steps of 64, Dense 10; textlstm: an
+          Embedding of 32 tokens before that LSTM), saved with
           ``model.export()`` and converted by onnxgrad.converters.tensorflow.convert; the
           baseline side is TensorFlow training the Keras model itself (a tf.function step:
           GradientTape, keras.optimizers.AdamW with torch's defaults, weight decay 1e-2 and eps
@@ -76,7 +77,7 @@ from rss import rss_mb  # noqa: E402
 BUILT = ("mlp", "cnn", "lstm")
 EXPORTED = ("mlp", "cnn", "resnet18", "mobilenetv3", "transformer", "unet")
 EXPORTERS = {"ts": "torchscript", "dynamo": "dynamo"}
-KERAS = ("cnn", "lstm")  # bench/keras_models.py, trained against TensorFlow
+KERAS = ("cnn", "lstm", "textlstm")  # bench/keras_models.py, trained against TensorFlow
 ROWS = BUILT + tuple(f"{m}-{x}" for m in EXPORTED for x in EXPORTERS) + tuple(
     f"{m}-keras" for m in KERAS)
 DEFAULT_ROWS = tuple(r for r in ROWS if "-" in r) + ("lstm",)
@@ -221,8 +222,8 @@ def prepare(row, workdir, ort_saved=False):
                   out["onnx"])
         out["params"] = keras_models.parameter_names(module)
         rng = np.random.default_rng(1)
-        data = [(rng.standard_normal((batch, *shape)).astype(np.float32),
-                 rng.integers(0, 10, batch)) for _ in range(8)]
+        data = [(keras_models.inputs(name, batch, rng), rng.integers(0, 10, batch))
+                for _ in range(8)]
     else:
         import torch
         import torch_models
