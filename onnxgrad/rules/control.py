@@ -279,6 +279,8 @@ def _loop(n, g):
         i = i if i.dtype == ir.DataType.INT64 else e.Cast(i, to=ir.DataType.INT64)
         got = _scatter_add(n, "ScatterND", c, e.Unsqueeze(i, [-1]), g)
         grads[c.value] = got if c.value not in grads else _add(e, grads[c.value], got)
+    for c in rows:  # read, but no row reaches ys: zeros, as the sum in the loop would be
+        grads.setdefault(c, zeros_for(e, V(c, e)))
     return Grads(per_input, grads)
 
 
