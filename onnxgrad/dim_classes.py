@@ -264,7 +264,10 @@ def unify(nodes, equal=(), mutable=(), prefix="dim", dims_equal=()) -> set:
     renames, fresh, invariant = {}, 0, set()  # (value, axis) or ("name", name) -> its dim
     for comp in _components(succ):
         ds = [c[1] if c[0] in ("name", "int") else _shape(c[0])[c[1]] for c in comp]
-        if len(comp) < 2 or None not in ds and len(set(ds)) == 1:
+        outer = any(c[0] in fixed for c in comp)
+        if len(comp) < 2 or None not in ds and len(set(ds)) == 1:  # (nothing to rename)
+            if outer and isinstance(ds[0], str):
+                invariant.add(ds[0])
             continue
         ints = {d for d in ds if isinstance(d, int)}
         if len(ints) > 1:  # a graph that cannot run (two sizes proven one): leave it be
@@ -278,7 +281,7 @@ def unify(nodes, equal=(), mutable=(), prefix="dim", dims_equal=()) -> set:
         else:
             new, fresh = f"{prefix}{fresh}", fresh + 1
         renames.update((c, new) for c in comp)
-        if isinstance(new, str) and any(c[0] in fixed for c in comp):
+        if isinstance(new, str) and outer:
             invariant.add(new)
     for v in mutable:
         old = _shape(v)

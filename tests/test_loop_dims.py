@@ -285,3 +285,17 @@ def test_rows_read_per_iteration(index, second, trips, opset):
     after = collections.Counter(nd.op_type for nd in res.model.graph.node)
     if opset >= 16:  # (ScatterND's reduction: opset 16; before it the sum stays in the loop)
         assert (after["ScatterND"] > 0) == (second != "mul"), after
+
+
+def test_a_named_batch_is_the_same_every_iteration():
+    """States and input rows all declared with the batch name of the model's input: the class
+    needs no renaming, and its values are still saved (their shape is the same every
+    iteration), not recomputed."""
+    m = lstm_loop(["B", "B", "B"], ["B", H], ["B", H])
+    res = onnxgrad.gradients(m, ["hT", "cT"], ["h0", "c0", "W", "R", "b"])
+    fwd = next(nd for nd in res.model.graph.node if nd.op_type == "Loop")
+    assert any(o.endswith("_kept") for o in fwd.output), list(fwd.output)
+    bwd = [a.g for nd in res.model.graph.node if nd.op_type == "Loop" and "_grad" in nd.name
+           for a in nd.attribute]
+    ops = collections.Counter(x.op_type for g in bwd for x in g.node)
+    assert ops["MatMul"] + ops["Gemm"] == 3 and ops["NonZero"] == 0, ops
