@@ -17,6 +17,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from .emitter import dims
+from .registry import constant_value
 
 _BROADCAST = frozenset({
     "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Where", "PRelu", "Mod",
@@ -112,15 +113,11 @@ def _edges(node: ir.Node):
 
 
 def _ints(v) -> list | None:
-    """The values of a constant int tensor (an initializer or a Constant's), flat, or None."""
-    t = None if v is None else v.const_value
-    p = None if v is None else v.producer()
-    if t is None and p is not None and p.op_type == "Constant" and "value" in p.attributes:
-        t = p.attributes["value"].value
-    if t is None:
-        return None
-    arr = t.numpy()
-    return [int(x) for x in arr.reshape(-1)] if arr.dtype.kind in "iu" else None
+    """The values of a constant int tensor (:func:`~onnxgrad.registry.constant_value`), flat,
+    or None."""
+    arr = constant_value(v)
+    return [int(x) for x in arr.reshape(-1)] if arr is not None and arr.dtype.kind in "iu" \
+        else None
 
 
 _INT_TYPES = frozenset({6, 7, 12, 13})  # int32, int64, uint32, uint64: a dim's value kept

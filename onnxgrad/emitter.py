@@ -592,10 +592,15 @@ class Emitter:
             old.name = self.unique(f"{name}__replaced")
             old.replace_all_uses_with(v.value, replace_graph_outputs=True)
             v.value.name, v.value.type, v.value.shape = name, old.type, old.shape
+        self.put_before(node, f)
+        node.graph.remove(node, safe=True)
+
+    @staticmethod
+    def put_before(node: ir.Node, f: Emitter) -> None:
+        """Move what :meth:`scratch` emitter ``f`` built in front of ``node``."""
         nodes = list(f.graph)
         f.graph.remove(nodes)
         node.graph.insert_before(node, nodes)
-        node.graph.remove(node, safe=True)
 
     def made(self, node: ir.Node) -> bool:
         """Whether this gradients call made ``node`` (an emitted node, or a clone such as a

@@ -40,6 +40,20 @@ import onnx_ir as ir
 from .emitter import Emitter, V
 from .inference import WITH_SUBGRAPHS
 
+
+def constant_value(v: ir.Value | None) -> np.ndarray | None:
+    """v's value when it is a constant: a Constant node's, or an initializer's that is not also
+    a graph input (a caller may feed another value there); else None."""
+    if v is None:
+        return None
+    tensor = v.const_value
+    if tensor is None and v.producer() is not None and v.producer().op_type == "Constant":
+        attr = v.producer().attributes.get("value")
+        tensor = attr.value if attr is not None else None
+    if tensor is None or v.is_graph_input():
+        return None
+    return tensor.numpy()
+
 Rule = Callable[["Node", "V | None"], object]
 
 # (domain, op_type) -> sorted list of (since_version, until_version_inclusive, rule)
@@ -270,16 +284,7 @@ class Node:
 
     def const(self, i: int) -> np.ndarray | None:
         """Input i's value when it is a constant (initializer or Constant node), else None."""
-        if i >= len(self.node.inputs) or self.node.inputs[i] is None:
-            return None
-        v = self.node.inputs[i]
-        tensor = v.const_value
-        if tensor is None and v.producer() is not None and v.producer().op_type == "Constant":
-            attr = v.producer().attributes.get("value")
-            tensor = attr.value if attr is not None else None
-        if tensor is None or v.is_graph_input():
-            return None
-        return tensor.numpy()
+        return constant_value(self.node.inputs[i]) if i < len(self.node.inputs) else None
 
     def sum_to(self, t: V, x: V) -> V:
         return self.e.sum_to(t, x)

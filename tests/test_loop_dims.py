@@ -299,3 +299,20 @@ def test_a_named_batch_is_the_same_every_iteration():
            for a in nd.attribute]
     ops = collections.Counter(x.op_type for g in bwd for x in g.node)
     assert ops["MatMul"] + ops["Gemm"] == 3 and ops["NonZero"] == 0, ops
+
+
+def test_a_fed_initializer_is_no_constant_shape():
+    """An initializer that is also a graph input may be fed another value: a shape built from
+    it says nothing about the zeros' dims (it would join a dim to a size it may not have)."""
+    import onnx_ir as ir
+    from onnxgrad.dim_classes import made_dims
+    shape = ir.Value(name="shape", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([2]),
+                     const_value=ir.tensor(np.array([3, H], np.int64)))
+    zero = ir.Value(name="zero", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]),
+                    const_value=ir.tensor(np.array(0.0, np.float32)))
+    out = ir.Value(name="z", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([None, None]))
+    node = ir.Node("", "Expand", [zero, shape], outputs=[out])
+    graph = ir.Graph([], [out], nodes=[node], initializers=[shape, zero])
+    assert made_dims(out) == [(0, 3), (1, H)]
+    graph.inputs.append(shape)  # now a caller may feed it
+    assert made_dims(out) == []

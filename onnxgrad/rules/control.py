@@ -35,7 +35,8 @@ from ..emitter import V, compatible_dims, dims
 from ..errors import NotDifferentiableError
 from ..registry import Grads, register, subgraphs
 from .sequence import captures, float_value, is_seq, norm_position, position, sop, zeros_for
-from .shape import _scatter_add
+from .shape import END, _scatter_add
+from .shape import _i64 as _as_i64  # (this module's _i64 makes constants)
 
 _INT64_MIN = np.iinfo(np.int64).min
 
@@ -274,10 +275,8 @@ def _loop(n, g):
     stacks = outs[len(inits):]
     for (c, _, _), g, i in zip(reads, stacks[0::2], stacks[1::2]):
         c = V(c, e)
-        g = e.Reshape(g, e.Concat([-1], e.Slice(e.Shape(c), [1], [np.iinfo(np.int64).max]),
-                                  axis=0))  # (no iterations: a [0] stack)
-        i = i if i.dtype == ir.DataType.INT64 else e.Cast(i, to=ir.DataType.INT64)
-        got = _scatter_add(n, "ScatterND", c, e.Unsqueeze(i, [-1]), g)
+        g = e.Reshape(g, e.Concat([-1], e.Slice(e.Shape(c), [1], [END]), axis=0))  # ([0]: none)
+        got = _scatter_add(n, "ScatterND", c, e.Unsqueeze(_as_i64(n, i), [-1]), g)
         grads[c.value] = got if c.value not in grads else _add(e, grads[c.value], got)
     for c in rows:  # read, but no row reaches ys: zeros, as the sum in the loop would be
         grads.setdefault(c, zeros_for(e, V(c, e)))
@@ -380,23 +379,19 @@ def _guard(e, node: ir.Node, body: ir.Graph, axes: dict[int, int]) -> None:
         init, b_in, b_out = node.inputs[2 + j], body.inputs[2 + j], body.outputs[1 + j]
         want, have = dims(b_out), dims(init)
         shape = f.op("Shape", V(init, f))
-        names = [f"{e.prefix}/loop_carried_{b_in.name}_keeps_its_shape_each_iteration"]
+        named = f"{e.prefix}/loop_carried_{b_in.name}"  # (onnxruntime's errors name the nodes)
         if any(have[i] != want[i] for i in range(len(want)) if i != k):  # rank 2
             o = 1 - k
             width = f.op("Reshape", f.op("ConstantOfShape", f.op("Slice", shape, [o], [o + 1])),
                          [want[o]])
-            names.append(f"{e.prefix}/loop_carried_{b_in.name}_has_{want[o]}_on_axis_{o}")
-            width.value.producer().name = e.unique(names[-1])
-            rows = f.op("Slice", shape, [k], [k + 1])
-            parts = [rows, f.op("Shape", width)]
+            width.value.producer().name = e.unique(f"{named}_has_{want[o]}_on_axis_{o}")
+            parts = [f.op("Slice", shape, [k], [k + 1]), f.op("Shape", width)]
             shape = f.op("Concat", *(parts if k == 0 else parts[::-1]), axis=0)
         kept = fe.op("Reshape", V(b_out, fe), shape)
-        kept.value.producer().name = e.unique(names[0])  # onnxruntime's error names it
+        kept.value.producer().name = e.unique(f"{named}_keeps_its_shape_each_iteration")
         kept.value.type, kept.value.shape = b_out.type, b_out.shape
         body.outputs[1 + j] = kept.value
-    nodes = list(f.graph)
-    f.graph.remove(nodes)
-    node.graph.insert_before(node, nodes)
+    e.put_before(node, f)
 
 
 def _same_shape_each_iteration(n, values) -> None:
