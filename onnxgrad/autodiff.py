@@ -20,6 +20,7 @@ import onnx_ir as ir
 
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .aliasing import private_statistics
+from .empty import empty_as_constants, has_empty
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, compatible_dims, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError, UnsupportedError)
@@ -144,6 +145,8 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     results = engine.run(plan, e, seeds)
     names = _outputs(e, graph, xs, x_vals, results, unconnected)
     _drop_dead(graph, e.nodes)
+    empties = has_empty(graph, forward) and {v.name for node in e.nodes if node.graph is graph
+                                    for v in node.outputs}
     out = attach_functions(_to_proto(proto, irm, forward, declared, kept))
     if _may_hold_batch_norm(irm, forward):
         private_statistics(out)
@@ -153,6 +156,8 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
                 d.Clear()
     _add_ranks(out, {v.name for node in e.unranked if node.graph is not None
                      for v in node.outputs if v.shape is None and v.name})
+    if empties:
+        out = empty_as_constants(out, empties)
     for t in out.graph.initializer:
         if t.name in weights:
             t.CopyFrom(weights[t.name])

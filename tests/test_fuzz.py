@@ -119,8 +119,8 @@ def test_planted_nan_rule_is_wrong(monkeypatch):
 
 def test_nan_from_an_infinite_value_inside_the_forward_is_a_domain_skip():
     """Seed 1203's one 'wrong' (8,717 graphs): ReduceLogSum of an empty axis is -inf, Tanh
-    makes it -1, so every output is finite; the first-order graph then holds 0 / 0 (hidden by
-    an empty Expand) and its second order 0 * inf = NaN where differences give 0. The chain rule
+    makes it -1, so every output is finite; the first-order graph then holds 0 / 0 (under an
+    empty value) and its second order 0 * inf = NaN where differences give 0. The chain rule
     meets 0 * inf there in any framework: the oracle skips it as outside the domain."""
     spec = fuzz_graphs.Spec(
         opset=3, dtype=1, batch=False, symbolic=False, value_info=False,

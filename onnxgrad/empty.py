@@ -1,0 +1,106 @@
+"""Gradient values with no elements, written as constants.
+
+onnxruntime's graph optimizers treat a broadcast to a zero-size dim as no broadcast: its
+ExpandElimination drops an Expand whose constant target has 0 where the input has 1, and its
+NoopElimination drops an Add/Sub/Mul/Div whose constant operand has no elements. A gradient
+that meets a statically empty tensor (a Slice that selects nothing: the sum it feeds is 0,
+its gradient an empty Expand) then comes out with a 1 where the dim is 0 (found by
+bench/fuzz.py: x of shape [20, 10, 5] got a gradient of shape [20, 11, 5]). An empty tensor is
+known by its type alone, so each added node whose results onnx's inference proves empty
+becomes a Constant: nothing is left for the optimizers to broadcast."""
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+
+from .inference import infer_shapes
+
+
+def has_empty(graph: ir.Graph, nodes) -> bool:
+    """Whether an input, initializer or result of ``nodes`` in ``graph`` has a static 0 dim."""
+    for values in (graph.inputs, graph.initializers.values(),
+                   (v for node in nodes for v in node.outputs)):
+        for v in values:
+            s = v.shape
+            if s is not None and any(d == 0 for d in s.dims if type(d) is int):
+                return True
+    return False
+
+
+def _empty_type(t: onnx.TypeProto | None):
+    """(elem_type, dims) of a tensor type with static dims, one of them 0; else None."""
+    if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
+        return None
+    dims = t.tensor_type.shape.dim
+    if not all(d.HasField("dim_value") for d in dims) or all(d.dim_value for d in dims):
+        return None
+    return t.tensor_type.elem_type, [d.dim_value for d in dims]
+
+
+def empty_as_constants(model: onnx.ModelProto, added: set[str]) -> onnx.ModelProto:
+    """``model`` with each added node (main graph; ``added``: the names of their results)
+    whose results are all statically empty replaced by constants, and the added nodes this
+    leaves unused removed."""
+    typed = infer_shapes(model, data_prop=True)
+    g = model.graph
+    types = {v.name: v.type for v in (*typed.graph.value_info, *g.input, *typed.graph.output)}
+    elems = {t.name: t.data_type for t in g.initializer}
+    elems.update((k, t.tensor_type.elem_type) for k, t in types.items()
+                 if t.HasField("tensor_type"))
+    nodes = []
+    for n in g.node:
+        empty = [_empty_type(types.get(o)) for o in n.output] if n.output and \
+            n.output[0] in added and n.op_type != "Constant" else [None]
+        if None in empty:
+            nodes.append(n)
+            continue
+        for o, (elem, shape) in zip(n.output, empty):
+            nodes += _empty(n, o, elem, shape, elems)
+    read = {o.name for o in g.output}
+    kept = []
+    for n in reversed(nodes):  # consumers before producers: a chain goes at once
+        if n.output and n.output[0] in added and not read.intersection(n.output):
+            continue
+        kept.append(n)
+        read.update(_reads(n))
+    del g.node[:]
+    g.node.extend(reversed(kept))
+    return model
+
+
+def _empty(n: onnx.NodeProto, o: str, elem: int, shape: list, elems: dict) -> list:
+    """Nodes that make ``o``, a result of ``n`` of type (elem, shape), empty. Where ``n`` reads
+    float tensors, the constant is multiplied by the sum of their sums (a scalar: no broadcast
+    for onnxruntime to drop), so that a later gradients() call on the result still finds the
+    paths through it and gives zeros, as TF does, not None."""
+    mk = onnx.helper.make_node
+    const = mk("Constant", [], [f"{o}/empty"], name=f"{o}/empty",
+               value=onnx.helper.make_tensor(o, elem, shape, []))
+    srcs = [x for x in dict.fromkeys(n.input) if x and elems.get(x) in _FLOATS]
+    if not srcs or elem not in _FLOATS:
+        const.output[0] = const.name = o
+        return [const]
+    out, sums = [const], []
+    for i, x in enumerate(srcs):
+        out.append(mk("ReduceSum", [x], [f"{o}/sum_{i}"], name=f"{o}/sum_{i}", keepdims=0))
+        if elems[x] != elem:
+            out.append(mk("Cast", [f"{o}/sum_{i}"], [f"{o}/sum_{i}_cast"],
+                          name=f"{o}/sum_{i}_cast", to=elem))
+        sums.append(out[-1].output[0])
+    if len(sums) > 1:
+        out.append(mk("Sum", sums, [f"{o}/sum"], name=f"{o}/sum"))
+    return out + [mk("Mul", [const.output[0], out[-1].output[0]], [o], name=n.name)]
+
+
+_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+           onnx.TensorProto.BFLOAT16}
+
+
+def _reads(n: onnx.NodeProto) -> set[str]:
+    """Names ``n`` reads, its subgraphs' outer-scope reads included."""
+    names = set(n.input)
+    for a in n.attribute:
+        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            for m in sub.node:
+                names |= _reads(m)
+    return names
