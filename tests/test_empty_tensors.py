@@ -5,7 +5,8 @@ NoopElimination): the gradient of a sum over a Slice that selects nothing came o
 long (bench/fuzz.py). Generated graphs: an empty Slice or Gather of x along one axis, maybe
 broadcast against a one-wide slice of x, reduced over that axis, then through a nonlinearity and
 broadcast back against x; first- and second-order gradients are checked against float64
-finite differences and run at ORT_ENABLE_ALL."""
+finite differences and run at ORT_ENABLE_ALL. Besides reductions, the empty tensor goes into
+a Concat beside x, a Pad that makes it whole again, or a MatMul that contracts the empty axis."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,7 +23,7 @@ from util import assert_gradients
 REDUCE = ("ReduceSum", "ReduceSumSquare", "ReduceProd", "ReduceL2", "ReduceL1")
 
 
-def _model(shape, axis, how, broadcast, reduce, keepdims, act):
+def _model(shape, axis, how, broadcast, reduce, keepdims, act, consumer="reduce"):
     n = shape[axis]
     inits = {"axes": np.array([axis]), "one": np.array([1]), "zero": np.array([0])}
     nodes = []
@@ -39,12 +40,29 @@ def _model(shape, axis, how, broadcast, reduce, keepdims, act):
                   h.make_node("Mul", ["e", "w"], ["e2"])]
     else:
         nodes.append(h.make_node("Identity", ["e"], ["e2"]))
-    nodes.append(h.make_node(reduce, ["e2", "axes"], ["r"], keepdims=keepdims))
-    nodes.append(h.make_node(act, ["r"], ["a"]))
-    if not keepdims:
-        nodes.append(h.make_node("Unsqueeze", ["a", "axes"], ["a1"]))
-    nodes += [h.make_node("Mul", ["a1" if not keepdims else "a", "x"], ["m"]),
-              h.make_node("Mul", ["x", "x"], ["q"]), h.make_node("Add", ["m", "q"], ["y"])]
+    if consumer == "concat":  # [e, x, e] along the axis: x's shape again
+        nodes += [h.make_node("Concat", ["e2", "x", "e2"], ["c"], axis=axis),
+                  h.make_node(act, ["c"], ["m"])]
+    elif consumer == "pad":  # two of Pad's zeros along the axis, summed: [.., 1, ..]
+        pads = [0] * (2 * len(shape))
+        pads[axis] = 2
+        inits["pads"] = np.array(pads)
+        nodes += [h.make_node("Pad", ["e2", "pads"], ["c"]), h.make_node(act, ["c"], ["c2"]),
+                  h.make_node("ReduceSum", ["c2", "axes"], ["c3"], keepdims=1),
+                  h.make_node("Mul", ["c3", "x"], ["m"])]
+    elif consumer == "matmul":  # [.., a, 0] @ [.., 0, a]: zeros [.., a, a], then summed
+        perm = list(range(len(shape)))
+        perm[-2:] = perm[-1], perm[-2]
+        nodes += [h.make_node("Transpose", ["e2"], ["t2"], perm=perm),
+                  h.make_node("MatMul", ["e2", "t2"], ["p"]), h.make_node(act, ["p"], ["p2"]),
+                  h.make_node("ReduceSum", ["p2"], ["m"], keepdims=0)]
+    else:
+        nodes.append(h.make_node(reduce, ["e2", "axes"], ["r"], keepdims=keepdims))
+        nodes.append(h.make_node(act, ["r"], ["a"]))
+        if not keepdims:
+            nodes.append(h.make_node("Unsqueeze", ["a", "axes"], ["a1"]))
+        nodes.append(h.make_node("Mul", ["a1" if not keepdims else "a", "x"], ["m"]))
+    nodes += [h.make_node("Mul", ["x", "x"], ["q"]), h.make_node("Add", ["m", "q"], ["y"])]
     g = h.make_graph(nodes, "empty", [h.make_tensor_value_info("x", TP.DOUBLE, list(shape))],
                      [h.make_tensor_value_info("y", TP.DOUBLE, None)],
                      initializer=[nh.from_array(v, k) for k, v in inits.items()])
@@ -60,17 +78,21 @@ def cases(draw):
     return dict(shape=shape, axis=draw(st.integers(0, rank - 1)),
                 how=draw(st.sampled_from(["past", "far", "before", "reversed", "gather"])),
                 broadcast=draw(st.booleans()), reduce=draw(st.sampled_from(REDUCE)),
-                keepdims=draw(st.sampled_from([0, 1])), act=draw(st.sampled_from(["Sin", "Exp"])))
+                keepdims=draw(st.sampled_from([0, 1])), act=draw(st.sampled_from(["Sin", "Exp"])),
+                consumer=draw(st.sampled_from(["reduce", "reduce", "concat", "pad"] + (
+                    ["matmul"] if rank >= 2 else []))))
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=80, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 @example(dict(shape=(2, 10, 3), axis=1, how="far", broadcast=False, reduce="ReduceSum",
-              keepdims=1, act="Sin"))  # the fuzzer's case, in small
+              keepdims=1, act="Sin", consumer="reduce"))  # the fuzzer's case, in small
 def test_gradient_through_an_empty_tensor(case):
     if case["how"] == "reversed" and case["shape"][case["axis"]] == 1:
         case["how"] = "past"  # (a one-long axis has no reversed empty range here)
+    if case["consumer"] == "matmul":
+        case["axis"] = len(case["shape"]) - 1  # the contracted axis is the empty one
     m = _model(**case)
     x = np.random.default_rng(0).uniform(0.5, 1.5, case["shape"])
     assert_gradients(m, "y", "x", {"x": x})
