@@ -14,6 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from .inference import infer_shapes
+from .validation import node_reads
 
 
 def has_empty(graph: ir.Graph, nodes) -> bool:
@@ -62,7 +63,7 @@ def empty_as_constants(model: onnx.ModelProto, added: set[str]) -> onnx.ModelPro
         if n.output and n.output[0] in added and not read.intersection(n.output):
             continue
         kept.append(n)
-        read.update(_reads(n))
+        read.update(node_reads(n))
     del g.node[:]
     g.node.extend(reversed(kept))
     return model
@@ -94,13 +95,3 @@ def _empty(n: onnx.NodeProto, o: str, elem: int, shape: list, elems: dict) -> li
 
 _FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
            onnx.TensorProto.BFLOAT16}
-
-
-def _reads(n: onnx.NodeProto) -> set[str]:
-    """Names ``n`` reads, its subgraphs' outer-scope reads included."""
-    names = set(n.input)
-    for a in n.attribute:
-        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-            for m in sub.node:
-                names |= _reads(m)
-    return names

@@ -121,13 +121,13 @@ def _produced(graph: onnx.GraphProto, name: str) -> bool:
                or any(name in n.output for n in g.node) for g in graphs_of(graph))
 
 
-def _reads(node: onnx.NodeProto) -> set[str]:
+def node_reads(node: onnx.NodeProto) -> set[str]:
     """What a node reads: its inputs and the outer names its subgraphs read."""
     reads = {i for i in node.input if i}
     for g in node_subgraphs(node):
         made = {o for n in g.node for o in n.output} | {v.name for v in g.input}
         made |= {t.name for t in g.initializer}
-        reads |= {r for n in g.node for r in _reads(n)} - made
+        reads |= {r for n in g.node for r in node_reads(n)} - made
     return reads
 
 
@@ -136,7 +136,7 @@ def sort_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     m = onnx.ModelProto.FromString(model.SerializeToString())
     nodes = list(m.graph.node)
     maker = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    deps = [{maker[r] for r in _reads(n) if r in maker} for n in nodes]
+    deps = [{maker[r] for r in node_reads(n) if r in maker} for n in nodes]
     order, state = [], [0] * len(nodes)  # 0 new, 1 on the stack, 2 placed
     for start in range(len(nodes)):
         stack = [start]
