@@ -1,4 +1,4 @@
-"""Gradient values with no elements, written as constants.
+"""Gradient values with no elements, made from constants.
 
 onnxruntime's graph optimizers treat a broadcast to a zero-size dim as no broadcast: its
 ExpandElimination drops an Expand whose constant target has 0 where the input has 1, and its
@@ -7,7 +7,8 @@ that meets a statically empty tensor (a Slice that selects nothing: the sum it f
 its gradient an empty Expand) then comes out with a 1 where the dim is 0 (found by
 bench/fuzz.py: x of shape [20, 10, 5] got a gradient of shape [20, 11, 5]). An empty tensor is
 known by its type alone, so each added node whose results onnx's inference proves empty
-becomes a Constant: nothing is left for the optimizers to broadcast."""
+makes them as an empty constant times a scalar: nothing is left for the optimizers to
+broadcast, and the scalar (the sum of the node's float inputs) keeps the paths through it."""
 from __future__ import annotations
 
 import onnx
