@@ -959,6 +959,20 @@ def test_max_pool_tiles_forms_keep_ties(dtype, opset, form):
     np.testing.assert_array_equal(tiles, tx.grad.numpy().astype(dtype))
 
 
+@pytest.mark.parametrize("opset", [18, 17])
+def test_max_pool_tiles_non_finite_g(opset):
+    """The tiles form spreads g by a 0/1 product (as ReLU's gradient does): a tile whose g is
+    inf sends inf to its first maximum and 0 * inf = NaN to its other elements (torch sends 0
+    there); finite tiles beside it are exact."""
+    x = np.array([[[[1, 3, 0, 0], [2, 3, 5, 4]]]], F32)  # tiles: max 3 (first at (0, 1)), 5
+    m = model_of("MaxPool", {"x": x}, opset=opset, kernel_shape=[2, 2], strides=[2, 2])
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["cot"])
+    cot = np.array([[[[np.inf, 2]]]], F32)
+    (dx,) = session(res.model).run(res.grads, {"x": x, "cot": cot})
+    nan = np.nan
+    np.testing.assert_array_equal(dx, [[[[nan, np.inf, 0, 0], [nan, nan, 2, 0]]]])
+
+
 def test_average_and_lp_pool_second_order_versus_torch():
     import torch.nn.functional as F
     feeds = {"x": rnd((2, 2, 7, 6))}
