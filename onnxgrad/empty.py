@@ -49,6 +49,8 @@ def empty_as_constants(model: onnx.ModelProto, added: set[str]) -> onnx.ModelPro
     elems = {t.name: t.data_type for t in g.initializer}
     elems.update((k, t.tensor_type.elem_type) for k, t in types.items()
                  if t.HasField("tensor_type"))
+    taken = {o for n in g.node for o in n.output} | {n.name for n in g.node} | set(types)
+    taken |= {t.name for t in g.initializer}
     nodes = []
     for n in g.node:
         empty = [_empty_type(types.get(o)) for o in n.output] if n.output and \
@@ -57,7 +59,7 @@ def empty_as_constants(model: onnx.ModelProto, added: set[str]) -> onnx.ModelPro
             nodes.append(n)
             continue
         for o, (elem, shape) in zip(n.output, empty):
-            nodes += _empty(n, o, elem, shape, elems)
+            nodes += _empty(n, o, elem, shape, elems, taken)
     read = {o.name for o in g.output}
     kept = []
     for n in reversed(nodes):  # consumers before producers: a chain goes at once
@@ -70,28 +72,36 @@ def empty_as_constants(model: onnx.ModelProto, added: set[str]) -> onnx.ModelPro
     return model
 
 
-def _empty(n: onnx.NodeProto, o: str, elem: int, shape: list, elems: dict) -> list:
+def _empty(n: onnx.NodeProto, o: str, elem: int, shape: list, elems: dict, taken: set) -> list:
     """Nodes that make ``o``, a result of ``n`` of type (elem, shape), empty. Where ``n`` reads
     float tensors, the constant is multiplied by the sum of their sums (a scalar: no broadcast
     for onnxruntime to drop), so that a later gradients() call on the result still finds the
-    paths through it and gives zeros, as TF does, not None."""
-    mk = onnx.helper.make_node
-    const = mk("Constant", [], [f"{o}/empty"], name=f"{o}/empty",
-               value=onnx.helper.make_tensor(o, elem, shape, []))
+    paths through it and gives zeros, as TF does, not None. New names avoid ``taken``."""
+    def fresh(base):
+        name, k = base, 0
+        while name in taken:
+            k += 1
+            name = f"{base}_{k}"
+        taken.add(name)
+        return name
+
+    def node(op, ins, out=None, **attrs):
+        out = out or fresh(f"{o}/{op}")
+        return onnx.helper.make_node(op, ins, [out], name=out, **attrs)
+
     srcs = [x for x in dict.fromkeys(n.input) if x and elems.get(x) in _FLOATS]
+    value = onnx.helper.make_tensor(o, elem, shape, [])
     if not srcs or elem not in _FLOATS:
-        const.output[0] = const.name = o
-        return [const]
-    out, sums = [const], []
-    for i, x in enumerate(srcs):
-        out.append(mk("ReduceSum", [x], [f"{o}/sum_{i}"], name=f"{o}/sum_{i}", keepdims=0))
+        return [node("Constant", [], o, value=value)]
+    out, sums = [node("Constant", [], value=value)], []
+    for x in srcs:
+        out.append(node("ReduceSum", [x], keepdims=0))
         if elems[x] != elem:
-            out.append(mk("Cast", [f"{o}/sum_{i}"], [f"{o}/sum_{i}_cast"],
-                          name=f"{o}/sum_{i}_cast", to=elem))
+            out.append(node("Cast", [out[-1].output[0]], to=elem))
         sums.append(out[-1].output[0])
     if len(sums) > 1:
-        out.append(mk("Sum", sums, [f"{o}/sum"], name=f"{o}/sum"))
-    return out + [mk("Mul", [const.output[0], out[-1].output[0]], [o], name=n.name)]
+        out.append(node("Sum", sums))
+    return out + [node("Mul", [out[0].output[0], out[-1].output[0]], o)]
 
 
 _FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,

@@ -43,8 +43,9 @@ onnxruntime's own Conv/ConvTranspose kernels (MLAS) and has a gradient itself:
   the node has one (made row-major for storage_order=1). Windows that are k x k tiles of the image
   (:func:`pool_tiles`: the usual MaxPool 2) need none: SpaceToDepth makes each tile a channel
   block, the first tap equal to the forward's y in row-major order is its first maximum (the
-  element Indices names), g goes there and Col2Im (DepthToSpace in float64 or below opset 18) puts the tiles back
-  (onnxruntime's MaxPool with Indices costs about 5x the one without; measured). Otherwise
+  element Indices names), g goes there and Col2Im (DepthToSpace in float64 or below opset 18)
+  puts the tiles back (onnxruntime's MaxPool with Indices costs about 5x the one without;
+  measured). Otherwise
   a second MaxPool with Indices recomputes the argmax on x. That is exact wherever a window sits
   (pads, dilations, ceil_mode) and breaks ties as the runtime's forward does, which comparing an
   upsampled y with x cannot do once windows overlap. Windows that cannot overlap (kernel extent
