@@ -34,6 +34,8 @@ ACTS = {
     "Relu": ("Relu", {}, [13, 18], -2, 2, (0,), {}),
     "LeakyRelu": ("LeakyRelu", {}, [13, 18], -2, 2, (0,), {}),
     "LeakyRelu_alpha": ("LeakyRelu", {"alpha": 0.3}, [13, 18], -2, 2, (0,), {}),
+    "LeakyRelu_steep": ("LeakyRelu", {"alpha": 1.5}, [13, 18], -2, 2, (0,), {}),
+    "LeakyRelu_negative": ("LeakyRelu", {"alpha": -0.2}, [13, 18], -2, 2, (0,), {}),
     "Elu": ("Elu", {}, [13, 18], -2, 2, (0,), {}),
     "Elu_alpha": ("Elu", {"alpha": 0.6}, [13, 18], -2, 2, (0,), {}),
     "Selu": ("Selu", {}, [13, 18], -2, 2, (0,), {}),
@@ -101,6 +103,37 @@ def test_relu_gradient_is_zero_below():
     x = np.array([-2, -0.5, -1e-3, 1e-3, 0.5, 2], F32)
     (gx,), _ = grads_of(m, "y", ["x"], {"x": x})
     np.testing.assert_array_equal(gx, [0, 0, 0, 1, 1, 1])
+
+
+@pytest.mark.parametrize("dtype", [F32, np.float64, np.float16])
+def test_hard_swish_gradient_at_its_kinks_and_infinities(dtype):
+    """torch's hardswish_backward at the kinks (0 at -3, 1 at 3: x / 3 + 1/2 only strictly
+    between; before session 33 onnxgrad gave -0.5 and 1.5 there), beyond them and at +-inf (0
+    and 1, not the NaN of inf * 0)."""
+    torch = pytest.importorskip("torch")
+    x = np.array([-np.inf, -4, -3, -1.5, 0, 1.5, 3, 4, np.inf], dtype)
+    m = act_model("HardSwish", {}, 18, shape=x.shape, dtype=dtype)
+    (gx,), _ = grads_of(m, "y", ["x"], {"x": x})
+    tx = torch.tensor(x.astype(np.float64), requires_grad=True)
+    torch.nn.functional.hardswish(tx).sum().backward()
+    got, want = gx.astype(np.float64), tx.grad.numpy()
+    edge = np.abs(x) >= 3  # exactly 0 or 1 there; inside, within rounding of x / 3 + 1/2
+    np.testing.assert_array_equal(got[edge], want[edge])
+    np.testing.assert_allclose(got[~edge], want[~edge], rtol=0, atol=2e-3 if dtype == np.float16
+                               else 1e-6)
+
+
+@pytest.mark.parametrize("alpha", [0.01, 0.0, 1.0, 1.5, -0.2])
+def test_leaky_relu_gradient_is_g_or_g_alpha(alpha):
+    """Exactly g above 0 and g * alpha at and below it, for non-finite g too (the product form
+    for 0 <= alpha <= 1, Where otherwise)."""
+    x = np.array([-2, -1e-30, 0, 1e-30, 2, -1, 1, -3], F32)
+    g = np.array([1.5, -2, 3, np.inf, -np.inf, np.inf, np.nan, np.nan], F32)
+    m = act_model("LeakyRelu", {"alpha": alpha}, 18, shape=x.shape)
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["g"])
+    (gx,) = run(res.model, {"x": x, "g": g}, outputs=res.grads)
+    want = np.where(x > 0, g, g * F32(alpha))
+    np.testing.assert_array_equal(gx, want)
 
 
 _EDGES = [0.0, -0.0, 1e-30, -1e-30, np.inf, -np.inf, np.nan, 3.5, -2.25]

@@ -24,6 +24,16 @@ def _relu(n, g):
     return g * n.e.Cast(_pos(n), to=g.dtype)
 
 
+def _leaky_relu(n, g):
+    """g where x > 0, g * alpha elsewhere. For 0 <= alpha <= 1 as g * Max(Cast(x > 0), alpha),
+    the same numbers (inf and NaN too) without a Where, which onnxruntime runs on one thread
+    ([32, 64, 64, 64]: 25.4 -> 15.9 ms at 1 thread, 18.5 -> 8.1 at 2; measured)."""
+    alpha = attr(n, "alpha")
+    if not 0 <= alpha <= 1:
+        return _where(n, _pos(n), g, g * alpha)
+    return g * n.e.Max(n.e.Cast(_pos(n), to=g.dtype), n.e.const(alpha, g.dtype))
+
+
 def _gelu(n, g):
     e, x = n.e, n.x
     if attr(n, "approximate") == "tanh":
@@ -35,11 +45,15 @@ def _gelu(n, g):
 
 
 def _hard_swish(n, g):
+    """d/dx x * hardsigmoid(x) = hardsigmoid(x) + x / 6 inside (-3, 3): 0 up to -3, x / 3 + 1/2
+    between, 1 from 3 (torch's hardswish_backward, and TF's through Relu6Grad, at the kinks
+    too), with x / 6 clipped so that an infinite x times the 0 of the mask stays 0. Arithmetic,
+    not nested Wheres, which onnxruntime runs on one thread (a [32, 16, 32, 32] gradient: 1.59
+    -> 1.16 ms at 1 thread, 1.21 -> 0.53 at 2; measured)."""
     e, x = n.e, n.x
-    slope = _where(n, e.Less(x, e.const(-3, x.dtype)), e.const(0, x.dtype),
-                   _where(n, e.Greater(x, e.const(3, x.dtype)), e.const(1, x.dtype),
-                          x * (1 / 3) + 0.5))
-    return g * slope
+    inside = e.Cast(e.Less(e.Abs(x), e.const(3, x.dtype)), to=x.dtype)
+    part = e.Clip(x * (1 / 6), e.const(-0.5, x.dtype), e.const(0.5, x.dtype))
+    return g * (e.HardSigmoid(x, alpha=1 / 6, beta=0.5) + part * inside)
 
 
 def _sigmoid_by_softplus(n, x, sp):
@@ -92,7 +106,7 @@ def _prelu(n, g):
 
 table({
     "Relu": _relu,
-    "LeakyRelu": lambda n, g: _where(n, _pos(n), g, g * attr(n, "alpha")),
+    "LeakyRelu": _leaky_relu,
     "PRelu": _prelu,
     "Elu": lambda n, g: _where(n, _pos(n), g, g * (n.y + attr(n, "alpha"))),
     "Selu": lambda n, g: _where(n, _pos(n), g * attr(n, "gamma"),
