@@ -14,7 +14,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from .inference import infer_shapes
+from .inference import infer_shapes, unique_name
 from .validation import node_reads
 
 
@@ -77,16 +77,8 @@ def _empty(n: onnx.NodeProto, o: str, elem: int, shape: list, elems: dict, taken
     float tensors, the constant is multiplied by the sum of their sums (a scalar: no broadcast
     for onnxruntime to drop), so that a later gradients() call on the result still finds the
     paths through it and gives zeros, as TF does, not None. New names avoid ``taken``."""
-    def fresh(base):
-        name, k = base, 0
-        while name in taken:
-            k += 1
-            name = f"{base}_{k}"
-        taken.add(name)
-        return name
-
     def node(op, ins, out=None, **attrs):
-        out = out or fresh(f"{o}/{op}")
+        out = out or unique_name(f"{o}/{op}", taken)
         return onnx.helper.make_node(op, ins, [out], name=out, **attrs)
 
     srcs = [x for x in dict.fromkeys(n.input) if x and elems.get(x) in _FLOATS]
