@@ -145,8 +145,9 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     results = engine.run(plan, e, seeds)
     names = _outputs(e, graph, xs, x_vals, results, unconnected)
     _drop_dead(graph, e.nodes)
-    empties = has_empty(graph, forward) and {v.name for node in e.nodes if node.graph is graph
-                                    for v in node.outputs}
+    # (the names of the added results, where the forward has a tensor of no elements)
+    empties = {v.name for node in e.nodes if node.graph is graph for v in node.outputs} \
+        if has_empty(graph, forward) else None
     out = attach_functions(_to_proto(proto, irm, forward, declared, kept))
     if _may_hold_batch_norm(irm, forward):
         private_statistics(out)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from .inference import infer_shapes, unique_name
+from .inference import _dims, infer_shapes, unique_name
 from .validation import node_reads
 
 
@@ -31,12 +31,12 @@ def has_empty(graph: ir.Graph, nodes) -> bool:
 
 def _empty_type(t: onnx.TypeProto | None):
     """(elem_type, dims) of a tensor type with static dims, one of them 0; else None."""
-    if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
+    if t is None or not t.HasField("tensor_type"):
         return None
-    dims = t.tensor_type.shape.dim
-    if not all(d.HasField("dim_value") for d in dims) or all(d.dim_value for d in dims):
+    elem, ds = _dims(t)
+    if ds is None or not all(isinstance(d, int) for d in ds) or all(ds):
         return None
-    return t.tensor_type.elem_type, [d.dim_value for d in dims]
+    return elem, ds
 
 
 def empty_as_constants(model: onnx.ModelProto, added: set[str]) -> onnx.ModelProto:
