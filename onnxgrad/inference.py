@@ -711,20 +711,31 @@ def _forget_dims(graph: onnx.GraphProto, tainted: set) -> set:
     return late
 
 
-def _rewrite_ceil_pools(inferred: onnx.GraphProto, graphs: list) -> set:
+def _rewrite_ceil_pools(inferred: onnx.GraphProto, graph: onnx.GraphProto) -> set:
     """Give each pool with a window that onnx's inference keeps and the runtimes drop the
-    equivalent pads without ceil_mode (in ``graphs``, the uninferred copies of ``inferred``'s
-    graphs), so that onnx, onnxruntime's own static shapes and the runtimes agree. Returns the
-    outputs of the pools changed."""
+    equivalent pads without ceil_mode (in ``graph``, the uninferred copy of ``inferred``), so
+    that onnx, onnxruntime's own static shapes and the runtimes agree. Only pools whose input
+    dims are right: none computed from a pool rewritten in this pass, whose onnx dims are the
+    wrong ones (a second pool sized from them computed other windows; the caller infers again
+    and calls once more). Returns the outputs of the pools changed."""
     types = {}
-    done = set()
     for g in graphs_of(inferred):
         for vi in [*g.input, *g.value_info, *g.output]:
             types[vi.name] = vi.type
         for t in g.initializer:
             types[t.name] = onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims))
-    for g, target in zip(graphs_of(inferred), graphs):
-        for j, n in enumerate(g.node):
+    done, tainted = set(), set()  # tainted: dims that onnx got wrong, as far as this pass sees
+
+    def walk(g: onnx.GraphProto, target: onnx.GraphProto) -> bool:
+        changed = False
+        for n, node in zip(g.node, target.node):
+            subs = list(zip(node_subgraphs(n), node_subgraphs(node))) if n.attribute else []
+            inner = [walk(sub, tsub) for sub, tsub in subs]  # every one, in order
+            if any(inner) or tainted.intersection(n.input) or (tainted and any(
+                    tainted.intersection(names_read(sub)) for sub, _ in subs)):
+                tainted.update(n.output)
+                changed |= any(inner)
+                continue
             if not _has_ceil(n) or n.domain not in ("", "ai.onnx") or n.input[0] not in types:
                 continue
             _, shape = _dims(types[n.input[0]])
@@ -736,12 +747,16 @@ def _rewrite_ceil_pools(inferred: onnx.GraphProto, graphs: list) -> set:
             pads = floor_pads(n.op_type, attrs, shape[2:])
             if not pads:
                 continue
-            node = target.node[j]
             keep = [a for a in node.attribute if a.name not in ("ceil_mode", "pads", "auto_pad")]
             del node.attribute[:]
             node.attribute.extend(keep)
             node.attribute.append(onnx.helper.make_attribute("pads", pads))
             done.update(node.output)
+            tainted.update(n.output)
+            changed = True
+        return changed
+
+    walk(inferred, graph)
     return done
 
 
@@ -780,8 +795,9 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
         if not ops.isdisjoint(_RANKED) else 0
     dropped = set()  # outputs of ceil_mode pools whose dims onnx got wrong (and declared so)
     late = [set() for _ in graphs]  # per graph: dropped and what is computed from it
-    for _ in range(min(pools + same_rank, 8) + 1):  # each may type inputs of further ones
-        changed = _rewrite_ceil_pools(out.graph, graphs) if pools else set()
+    # each pass may type inputs of further ones; a chain of ceil_mode pools takes a pass each
+    for _ in range(max(min(pools + same_rank, 8), pools) + 1):
+        changed = _rewrite_ceil_pools(out.graph, graphs[0]) if pools else set()
         if changed:  # what was declared from onnx's dims is forgotten too (as for STFT)
             dropped |= changed
             late = [_forget_dims(g, dropped) for g in graphs]

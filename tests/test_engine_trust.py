@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
@@ -297,6 +297,50 @@ def test_any_ceil_mode_pool_matches_torch(n, k, s, p, op, incl):
                                                                 "cot": cot.astype(F)})
     np.testing.assert_allclose(got_y, y, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+# (op, kernel, stride, pad, count_include_pad): strides and pads with which ceil_mode drops
+# a last window often
+_POOL = st.tuples(st.sampled_from(["AveragePool", "MaxPool"]), st.integers(1, 3),
+                  st.integers(2, 3), st.sampled_from([1, 1, 0]), st.integers(0, 1))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(st.integers(3, 12), st.lists(_POOL, min_size=2, max_size=3), st.booleans())
+@example(7, [("MaxPool", 2, 2, 1, 0)] * 2, False)
+def test_chained_ceil_mode_pools_match_torch(n, pools, symbolic):
+    """Pools in a chain, each with ceil_mode: where one drops a last window that onnx's
+    inference keeps, the dims onnx gives the next pool's input are wrong too, and sizing that
+    pool's rewrite from them computed other windows: the model's forward itself changed
+    (bench/fuzz_torch.py, two 2x2 / 2 MaxPools with pads 1 on 4x7: [2, 2] instead of [2, 3])."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as tf
+    t = torch.tensor(np.random.default_rng(n).standard_normal((1, 2, n)), requires_grad=True)
+    y, nodes, name = t, [], "x"
+    for i, (op, k, s, p, incl) in enumerate(pools):
+        p = min(p, k // 2)
+        assume(y.shape[-1] + 2 * p >= k)  # torch's limits, and a window
+        if op == "MaxPool":
+            y = tf.max_pool1d(y, k, s, p, ceil_mode=True)
+            attrs = {}
+        else:
+            y = tf.avg_pool1d(y, k, s, p, ceil_mode=True, count_include_pad=bool(incl))
+            attrs = {"count_include_pad": incl}
+        out = "y" if i == len(pools) - 1 else f"p{i}"
+        nodes.append(helper.make_node(op, [name], [out], kernel_shape=[k], strides=[s],
+                                      pads=[p, p], ceil_mode=1, **attrs))
+        name = out
+    cot = np.random.default_rng(1).standard_normal(tuple(y.shape))
+    (y * torch.tensor(cot)).sum().backward()
+    ins = [helper.make_tensor_value_info("x", T, [1, 2, "n" if symbolic else n])]
+    m = graph_model(nodes, ins, [helper.make_tensor_value_info("y", T, None)], opset=19)
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["cot"])
+    onnx.checker.check_model(res.model, full_check=True)
+    x = t.detach().numpy().astype(F)
+    got_y, got = ort_all(res.model).run(["y", res.grads[0]], {"x": x, "cot": cot.astype(F)})
+    np.testing.assert_allclose(got_y, y.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("op", ["AveragePool", "MaxPool", "LpPool"])

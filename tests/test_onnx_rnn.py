@@ -202,6 +202,7 @@ FD_CASES = [
     ("LSTM", dict(direction="reverse", layout=1), dict(init=False)),
     ("LSTM", dict(direction="bidirectional", clip=0.9), dict(peep=True)),
     ("LSTM", dict(direction="forward"), dict(peep=True, bias=False)),
+    ("LSTM", dict(direction="bidirectional", clip=0.7), dict(init=False)),
     ("GRU", dict(linear_before_reset=1), dict()),
     ("GRU", dict(linear_before_reset=0, direction="bidirectional"), dict()),
     ("GRU", dict(linear_before_reset=0, direction="reverse", clip=0.7, layout=1), dict()),

@@ -1,0 +1,59 @@
+"""Random PyTorch modules exported by torch.onnx against torch autograd (tests/torch_gen.py),
+not derandomized: ``python bench/fuzz_torch.py --runs 10 --examples 50 --seed 1``. Each run is
+one hypothesis search of ``--examples`` modules; a failure is shrunk and printed (the module,
+its opset and mode), and the next run goes on."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
+import torch_gen  # noqa: E402
+from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--examples", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", help="write each case to this file before it runs")
+    ap.add_argument("--exporters", nargs="+", default=["torchscript"],
+                    choices=["torchscript", "dynamo", "dynamo-optimized"])
+    args = ap.parse_args(argv)
+    failed = 0
+    t0 = time.time()
+    for r in range(args.runs):
+        @seed(args.seed * 1000 + r)
+        @settings(max_examples=args.examples, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(torch_gen.models(tuple(args.exporters)))
+        def run(case):
+            if args.trace:  # the case about to run, for a crash of the process
+                with open(args.trace, "w") as f:
+                    f.write(f"{case[0]}\ninput {case[1]}, opset {case[2]}, training {case[3]}, "
+                            f"exporter {case[4]}\n")
+            torch_gen.check(*case)
+
+        try:
+            run()
+        except Exception:
+            failed += 1
+            print(f"=== run {r} (seed {args.seed * 1000 + r}) failed")
+            traceback.print_exc(limit=2)
+        sys.stdout.flush()
+    for d in torch_gen.DIFFERS[:5]:
+        print(f"--- exported forward differs from torch's:\n{d}")
+    for d in torch_gen.UNRUNNABLE[:3]:
+        print(f"--- onnxruntime cannot run the exported forward (the gradient model ran):\n{d}")
+    print(f"{len(torch_gen.UNRUNNABLE)} exported forwards onnxruntime could not run")
+    print(f"{args.runs} runs of {args.examples} examples: {failed} failed, "
+          f"{time.time() - t0:.0f} s; rejected: {torch_gen.REJECTED}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,644 @@
+"""Random PyTorch modules, exported by torch.onnx, against torch autograd in float64.
+
+A generator of the models users bring (``tests/test_torch_export_fuzz.py``; more examples with
+``python bench/fuzz_torch.py``): a stack of 1 to 5 layers drawn from a catalogue of image layers
+(convolutions with every padding mode, strides, dilations, groups; transposed convolutions;
+batch, group, instance and layer norms; max, average, LP and adaptive pools with padding and
+ceil_mode; upsampling; pixel shuffles; 23 activations; residual, concatenating and
+squeeze-excite blocks; pads, slices, permutes) or sequence layers (Linear, LayerNorm,
+attention, TransformerEncoderLayer, LSTM / GRU / RNN, Conv1d, softmax, cumsum), then a head.
+The module is exported (the TorchScript exporter at a drawn opset, training or eval mode, or
+the dynamo exporter; symbolic batch), ``onnxgrad.gradients`` differentiates ``sum(y * cot)``
+wrt the input and every parameter the export holds as it is, and the gradients, run on
+onnxruntime in float32, are compared with torch autograd on the same module in float64
+(:func:`check`; the tolerance is explained at :func:`_close` and in the README).
+
+Kinks: where a float32 forward and a float64 one may take different sides of a ReLU, a clamp,
+a shrink or a max (a value within KINK_MARGIN of the kink, or two window values that close),
+either gradient is right. Each such layer records, in the float64 run, how far its input came
+from its kinks, and the example is rejected when closer than KINK_MARGIN x its scale: the
+decision is made in float64, so it is the same on every machine.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+
+import numpy as np
+import onnx
+import torch
+from hypothesis import assume
+from hypothesis import strategies as st
+
+import onnxgrad
+from onnxgrad.runtime import session
+
+nn, F = torch.nn, torch.nn.functional
+
+KINK_MARGIN = 1e-5
+TOL = 1e-3  # max |ours - torch64| / max |torch64| per tensor, ours in float32
+FLOOR = 1e-5  # and an absolute floor: this times the largest gradient of any tensor checked
+_record: list | None = None  # margins of the float64 run, while it records
+
+
+def _note(margin, scale):
+    if _record is not None:
+        _record.append(float(margin) / max(float(scale), 1.0))
+
+
+class Kinked(nn.Module):
+    """``inner`` (an activation) with kinks at ``points``: records the input's distance to them."""
+
+    def __init__(self, inner, points):
+        super().__init__()
+        self.inner, self.points = inner, tuple(points)
+
+    def forward(self, x):
+        if _record is not None and x.numel():
+            with torch.no_grad():
+                _note(min(float((x - p).abs().min()) for p in self.points), x.abs().max())
+        return self.inner(x)
+
+
+def _window_gap(x, k, s, p, d, ceil):
+    """The smallest gap between the two largest values of any 2-D max-pool window (-inf pads)."""
+    kh, kw = k
+    ph, pw = p
+    ex = [(kk - 1) * dd + 1 for kk, dd in zip(k, d)]
+    extra = [(ss - 1 if ceil else 0) for ss in s]
+    xp = F.pad(x, (pw, pw + extra[1], ph, ph + extra[0]), value=-float("inf"))
+    if xp.shape[2] < ex[0] or xp.shape[3] < ex[1]:
+        return None
+    u = F.unfold(xp.reshape(-1, 1, *xp.shape[2:]), k, dilation=d, stride=s)  # [B, kh*kw, L]
+    if u.shape[1] < 2:
+        return None
+    top = u.topk(2, dim=1).values
+    gap = top[:, 0] - top[:, 1]
+    gap = gap[torch.isfinite(gap)]
+    return float(gap.min()) if gap.numel() else None
+
+
+class Pool(nn.Module):
+    """F.max_pool2d that records its windows' smallest top-2 gap."""
+
+    def __init__(self, k, s, p, d, ceil):
+        super().__init__()
+        self.a = (k, s, p, d, ceil)
+
+    def forward(self, x):
+        k, s, p, d, ceil = self.a
+        if _record is not None:
+            with torch.no_grad():
+                gap = _window_gap(x, k, s, p, d, ceil)
+                if gap is not None:
+                    _note(gap, x.abs().max())
+        return F.max_pool2d(x, k, s, p, d, ceil_mode=ceil)
+
+    def extra_repr(self):
+        return "kernel {}, stride {}, padding {}, dilation {}, ceil_mode {}".format(*self.a)
+
+
+class Fn(nn.Module):
+    """``f(self, x)`` with submodules: one catalogue layer or block, shown as ``desc``."""
+
+    def __init__(self, desc, f, **mods):
+        super().__init__()
+        self.desc, self.f = desc, f
+        for k, v in mods.items():
+            setattr(self, k, v)
+
+    def forward(self, x):
+        return self.f(self, x)
+
+    def extra_repr(self):
+        return self.desc
+
+
+# -- the catalogue: each draws a layer for an input shape and returns (module, new shape) -------
+def _act(draw):
+    """An activation layer and whether it has kinks."""
+    name = draw(st.sampled_from([
+        "relu", "leaky", "elu", "selu", "celu", "gelu", "gelu_tanh", "silu", "mish",
+        "hardswish", "hardsigmoid", "hardtanh", "relu6", "softplus", "sigmoid", "tanh",
+        "softsign", "logsigmoid", "tanhshrink", "softshrink", "hardshrink", "prelu", "abs"]))
+    if name == "relu":
+        return Kinked(nn.ReLU(), [0])
+    if name == "leaky":
+        return Kinked(nn.LeakyReLU(draw(st.sampled_from([0.01, 0.2, 1.5]))), [0])
+    if name == "elu":
+        return Kinked(nn.ELU(draw(st.sampled_from([1.0, 0.5]))), [0])
+    if name == "selu":
+        return Kinked(nn.SELU(), [0])
+    if name == "celu":
+        return Kinked(nn.CELU(draw(st.sampled_from([1.0, 2.0]))), [0])
+    if name == "hardswish":
+        return Kinked(nn.Hardswish(), [-3, 3])
+    if name == "hardsigmoid":
+        return Kinked(nn.Hardsigmoid(), [-3, 3])
+    if name == "hardtanh":
+        lo = draw(st.sampled_from([-1.0, -0.5]))
+        return Kinked(nn.Hardtanh(lo, 1.0), [lo, 1.0])
+    if name == "relu6":
+        return Kinked(nn.ReLU6(), [0, 6])
+    if name == "softplus":
+        return nn.Softplus(draw(st.sampled_from([1.0, 2.0])))
+    if name in ("softshrink", "hardshrink"):
+        lam = draw(st.sampled_from([0.1, 0.5]))
+        return Kinked(nn.Softshrink(lam) if name == "softshrink" else nn.Hardshrink(lam),
+                      [-lam, lam])
+    if name == "prelu":
+        return Kinked(nn.PReLU(), [0])
+    if name == "abs":
+        return Kinked(Fn("abs", lambda m, x: x.abs()), [0])
+    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU("tanh"), "silu": nn.SiLU(),
+            "mish": nn.Mish(), "sigmoid": nn.Sigmoid(), "tanh": nn.Tanh(),
+            "softsign": nn.Softsign(), "logsigmoid": nn.LogSigmoid(),
+            "tanhshrink": nn.Tanhshrink()}[name]
+
+
+def _conv_out(n, k, s, p, d):
+    return (n + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _pool_out(n, k, s, p, d, ceil):
+    num = n + 2 * p - d * (k - 1) - 1
+    o = (-(-num // s) if ceil else num // s) + 1
+    if ceil and (o - 1) * s >= n + p:  # the last window may not start in the end padding
+        o -= 1
+    return o
+
+
+@st.composite
+def conv(draw, c, h, w):
+    k = draw(st.sampled_from([1, 2, 3, 5]))
+    s = draw(st.sampled_from([1, 1, 2]))
+    d = draw(st.sampled_from([1, 1, 2]))
+    p = draw(st.integers(0, (d * (k - 1)) // 2 + 1))
+    mode = draw(st.sampled_from(["zeros", "zeros", "reflect", "replicate", "circular"]))
+    if mode != "zeros":
+        p = min(p, h - 1, w - 1)
+    co = draw(st.integers(1, 8))
+    groups = draw(st.sampled_from([1, 1, c])) if co % c == 0 else 1
+    ho, wo = _conv_out(h, k, s, p, d), _conv_out(w, k, s, p, d)
+    assume(ho >= 1 and wo >= 1)
+    m = nn.Conv2d(c, co, k, s, p, d, groups=groups, bias=draw(st.booleans()), padding_mode=mode)
+    return m, (co, ho, wo)
+
+
+@st.composite
+def conv_transpose(draw, c, h, w):
+    k = draw(st.sampled_from([1, 2, 3, 4]))
+    s = draw(st.sampled_from([1, 2, 2]))
+    d = draw(st.sampled_from([1, 1, 2]))
+    p = draw(st.integers(0, (d * (k - 1)) // 2))
+    op = draw(st.integers(0, s - 1))  # onnxruntime: output_padding < stride (torch: or dilation)
+    co = draw(st.integers(1, 6))
+    groups = draw(st.sampled_from([1, c])) if co % c == 0 else 1
+    ho, wo = [(n - 1) * s - 2 * p + d * (k - 1) + op + 1 for n in (h, w)]
+    assume(1 <= ho <= 24 and 1 <= wo <= 24)
+    m = nn.ConvTranspose2d(c, co, k, s, p, op, groups=groups, bias=draw(st.booleans()),
+                           dilation=d)
+    return m, (co, ho, wo)
+
+
+@st.composite
+def norm(draw, c, h, w):
+    kind = draw(st.sampled_from(["batch", "batch", "group", "instance", "layer"]))
+    # each normalized set of at least 4 values: over 2 the outputs are +-1 whatever x is, and
+    # every gradient through them is float32 noise, nothing to compare
+    if kind == "batch":
+        assume(h * w >= 2)  # the batch is 2
+        m = nn.BatchNorm2d(c, momentum=draw(st.sampled_from([0.1, 0.5])))
+    elif kind == "group":
+        g = draw(st.sampled_from([d for d in range(1, c + 1) if c % d == 0]))
+        assume(c // g * h * w >= 4)
+        m = nn.GroupNorm(g, c, affine=draw(st.booleans()))
+    elif kind == "instance":
+        assume(h * w >= 4)
+        m = nn.InstanceNorm2d(c, affine=draw(st.booleans()))
+    else:
+        whole = draw(st.booleans())
+        assume(whole or w >= 4)
+        m = nn.LayerNorm([c, h, w] if whole else [w], elementwise_affine=draw(st.booleans()))
+    return m, (c, h, w)
+
+
+@st.composite
+def pool(draw, c, h, w):
+    kind = draw(st.sampled_from(["max", "max", "avg", "adaptive_avg", "adaptive_max", "lp"]))
+    if kind.startswith("adaptive"):
+        oh, ow = draw(st.integers(1, h)), draw(st.integers(1, w))
+        assume(h % oh == 0 and w % ow == 0)  # the exporter's pools need whole tiles
+        if kind == "adaptive_avg":
+            return nn.AdaptiveAvgPool2d((oh, ow)), (c, oh, ow)
+        return Pool((h // oh, w // ow), (h // oh, w // ow), (0, 0), (1, 1), False), (c, oh, ow)
+    k = draw(st.sampled_from([2, 2, 3]))
+    s = draw(st.sampled_from([1, 2, k]))
+    p = draw(st.integers(0, k // 2))
+    ceil = draw(st.booleans())
+    if kind == "max":
+        d = draw(st.sampled_from([1, 1, 2]))
+        ho, wo = _pool_out(h, k, s, p, d, ceil), _pool_out(w, k, s, p, d, ceil)
+        assume(ho >= 1 and wo >= 1)
+        # torch 2.13's max_pool2d backward corrupts its heap where a window lies wholly in the
+        # padding (onnxruntime's forward gives -FLT_MAX there, torch's -inf)
+        assume(all(any(0 <= i * s - p + j * d < n for j in range(k))
+                   for n, o in ((h, ho), (w, wo)) for i in range(o)))
+        return Pool((k, k), (s, s), (p, p), (d, d), ceil), (c, ho, wo)
+    if kind == "lp":
+        ho, wo = _pool_out(h, k, s, 0, 1, False), _pool_out(w, k, s, 0, 1, False)
+        assume(ho >= 1 and wo >= 1)
+        return nn.LPPool2d(2, k, s), (c, ho, wo)
+    incl = draw(st.booleans())
+    ho, wo = _pool_out(h, k, s, p, 1, ceil), _pool_out(w, k, s, p, 1, ceil)
+    assume(ho >= 1 and wo >= 1)
+    return nn.AvgPool2d(k, s, p, ceil_mode=ceil, count_include_pad=incl), (c, ho, wo)
+
+
+@st.composite
+def resample(draw, c, h, w):
+    kind = draw(st.sampled_from(["nearest", "bilinear", "bilinear_ac", "bicubic", "shuffle",
+                                 "unshuffle"]))
+    if kind == "shuffle":
+        assume(c % 4 == 0)
+        return nn.PixelShuffle(2), (c // 4, 2 * h, 2 * w)
+    if kind == "unshuffle":
+        assume(h % 2 == 0 and w % 2 == 0)
+        return nn.PixelUnshuffle(2), (4 * c, h // 2, w // 2)
+    assume(h <= 12 and w <= 12)
+    mode = {"nearest": "nearest", "bicubic": "bicubic"}.get(kind, "bilinear")
+    ac = True if kind == "bilinear_ac" else None
+    scale = draw(st.sampled_from([2.0, 2.0, 1.5, 0.5]))
+    ho, wo = int(h * scale), int(w * scale)
+    assume(ho >= 1 and wo >= 1)
+    return Fn(f"interpolate x{scale} {mode} align_corners={ac}",
+              lambda m, x: F.interpolate(x, scale_factor=scale, mode=mode, align_corners=ac)), \
+        (c, ho, wo)
+
+
+@st.composite
+def reshape(draw, c, h, w):
+    kind = draw(st.sampled_from(["slice", "pad", "permute", "softmax", "mean", "amax", "cumsum",
+                                 "chunk_mul", "flip", "normalize", "std", "logsumexp", "maxdim",
+                                 "gram", "clamp", "square", "roll"]))
+    if kind == "normalize":
+        return Fn("normalize dim 1", lambda m, x: F.normalize(x, dim=1)), (c, h, w)
+    if kind == "std":
+        assume(h * w >= 2)
+        return Fn("x / std(x, (2, 3))",
+                  lambda m, x: x / (x.std(dim=(2, 3), keepdim=True) + 1.0)), (c, h, w)
+    if kind == "logsumexp":
+        return Fn("x - logsumexp(x, 3)",
+                  lambda m, x: x - torch.logsumexp(x, dim=3, keepdim=True)), (c, h, w)
+    if kind == "maxdim":
+        def f(m, x):
+            if _record is not None and x.shape[3] > 1:
+                with torch.no_grad():
+                    top = x.topk(2, dim=3).values
+                    _note((top[..., 0] - top[..., 1]).min(), x.abs().max())
+            return x.max(dim=3, keepdim=True).values * x
+        return Fn("max(x, 3) * x", f), (c, h, w)
+    if kind == "gram":
+        return Fn("x @ x^T / w", lambda m, x: x @ x.transpose(2, 3) / x.shape[3]), (c, h, h)
+    if kind == "clamp":
+        return Kinked(Fn("clamp(-0.5, 1)", lambda m, x: x.clamp(-0.5, 1.0)), [-0.5, 1.0]), \
+            (c, h, w)
+    if kind == "square":
+        return Fn("x * x.abs() / 2", lambda m, x: x * x.abs() / 2), (c, h, w)
+    if kind == "roll":
+        return Fn("roll 1 dim 2", lambda m, x: torch.roll(x, 1, dims=2)), (c, h, w)
+    if kind == "slice":
+        assume(h >= 3 and w >= 2)
+        return Fn("x[:, :, 1:, ::2]", lambda m, x: x[:, :, 1:, ::2]), (c, h - 1, (w + 1) // 2)
+    if kind == "pad":
+        mode = draw(st.sampled_from(["constant", "reflect", "replicate"]))
+        assume(mode == "constant" or (h > 2 and w > 2))
+        return Fn(f"pad (1, 2, 2, 0) {mode}",
+                  lambda m, x: F.pad(x, (1, 2, 2, 0), mode=mode)), (c, h + 2, w + 3)
+    if kind == "permute":
+        return Fn("permute 0 1 3 2",
+                  lambda m, x: x.permute(0, 1, 3, 2).contiguous()), (c, w, h)
+    if kind == "softmax":
+        dim = draw(st.sampled_from([1, 3]))
+        f = F.log_softmax if draw(st.booleans()) else F.softmax
+        return Fn(f"{f.__name__} dim {dim}", lambda m, x: f(x, dim=dim)), (c, h, w)
+    if kind == "mean":
+        return Fn("x - mean(x, (2, 3))",
+                  lambda m, x: x - x.mean(dim=(2, 3), keepdim=True)), (c, h, w)
+    if kind == "amax":
+        def f(m, x):
+            if _record is not None and x.shape[1] > 1:
+                with torch.no_grad():
+                    top = x.topk(2, dim=1).values
+                    _note((top[:, 0] - top[:, 1]).min(), x.abs().max())
+            return x * x.amax(dim=1, keepdim=True)
+        return Fn("x * amax(x, 1)", f), (c, h, w)
+    if kind == "cumsum":
+        return Fn("cumsum dim 3", lambda m, x: torch.cumsum(x, dim=3)), (c, h, w)
+    if kind == "flip":
+        return Fn("flip dim 2", lambda m, x: torch.flip(x, dims=[2])), (c, h, w)
+    assume(c % 2 == 0)
+    return Fn("a * sigmoid(b), a, b = chunk(x, 2, 1)",
+              lambda m, x: (lambda a, b: a * torch.sigmoid(b))(*x.chunk(2, dim=1))), \
+        (c // 2, h, w)
+
+
+@st.composite
+def block(draw, c, h, w, depth):
+    kind = draw(st.sampled_from(["residual", "concat", "se"]))
+    if kind == "se":
+        r = max(1, c // 2)
+        mods = dict(a=nn.Conv2d(c, r, 1), b=nn.Conv2d(r, c, 1), act=Kinked(nn.ReLU(), [0]))
+        return Fn("squeeze-excite",
+                  lambda m, x: x * torch.sigmoid(m.b(m.act(m.a(x.mean((2, 3), keepdim=True))))),
+                  **mods), (c, h, w)
+    inner, shape = draw(stack(c, h, w, depth + 1, min_layers=1, max_layers=2))
+    if kind == "residual":
+        assume(shape == (c, h, w))
+        return Fn("x + inner(x)", lambda m, x: x + m.inner(x), inner=inner), (c, h, w)
+    assume(shape[1:] == (h, w))
+    return Fn("cat(x, inner(x))", lambda m, x: torch.cat([x, m.inner(x)], 1),
+              inner=inner), (c + shape[0], h, w)
+
+
+@st.composite
+def layer(draw, c, h, w, depth):
+    kinds = ["conv", "conv", "act", "act", "norm", "pool", "convt", "resample", "reshape"]
+    if depth < 1:
+        kinds.append("block")
+    kind = draw(st.sampled_from(kinds))
+    if kind == "act":
+        return _act(draw), (c, h, w)
+    make = {"conv": conv, "convt": conv_transpose, "norm": norm, "pool": pool,
+            "resample": resample, "reshape": reshape}.get(kind)
+    if make is not None:
+        return draw(make(c, h, w))
+    return draw(block(c, h, w, depth))
+
+
+@st.composite
+def stack(draw, c, h, w, depth=0, min_layers=1, max_layers=5):
+    layers = []
+    for _ in range(draw(st.integers(min_layers, max_layers))):
+        m, (c, h, w) = draw(layer(c, h, w, depth))
+        assume(c * h * w <= 4096 and h <= 32 and w <= 32)
+        layers.append(m)
+    return nn.Sequential(*layers), (c, h, w)
+
+
+@st.composite
+def image_model(draw):
+    c, h, w = draw(st.integers(1, 4)), draw(st.integers(4, 10)), draw(st.integers(4, 10))
+    body, (co, ho, wo) = draw(stack(c, h, w))
+    head = draw(st.sampled_from(["none", "linear", "gap"]))
+    if head == "linear":
+        lin = nn.Linear(co * ho * wo, draw(st.integers(1, 5)))
+        body = nn.Sequential(body, nn.Flatten(), lin)
+    elif head == "gap":
+        body = nn.Sequential(body, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(co, draw(st.integers(1, 5))))
+    return body, (c, h, w)
+
+
+@st.composite
+def seq_layer(draw, s, d):
+    kind = draw(st.sampled_from(["linear", "norm", "act", "attn", "encoder", "rnn", "conv1d",
+                                 "softmax", "cumsum"]))
+    if kind == "linear":
+        do = draw(st.integers(1, 12))
+        return nn.Linear(d, do, bias=draw(st.booleans())), (s, do)
+    if kind == "norm":
+        assume(d >= 4)  # as in norm() above
+        return nn.LayerNorm(d, elementwise_affine=draw(st.booleans())), (s, d)
+    if kind == "act":
+        return _act(draw), (s, d)
+    if kind in ("attn", "encoder"):
+        heads = draw(st.sampled_from([h for h in (1, 2, 4) if d % h == 0]))
+        if kind == "attn":
+            mha = nn.MultiheadAttention(d, heads, batch_first=True, bias=draw(st.booleans()))
+            causal = draw(st.booleans())
+
+            def f(m, x):
+                mask = None
+                if causal:
+                    n = x.shape[1]
+                    mask = torch.triu(torch.full((n, n), float("-inf"), dtype=x.dtype), 1)
+                # need_weights: torch's fused inference path has no ONNX export
+                return m.mha(x, x, x, need_weights=True, attn_mask=mask)[0]
+            return Fn(f"self-attention causal={causal}", f, mha=mha), (s, d)
+        assume(d >= 4)  # its LayerNorms, as in norm() above
+        enc = nn.TransformerEncoderLayer(d, heads, draw(st.sampled_from([8, 16])), dropout=0.0,
+                                         batch_first=True, norm_first=draw(st.booleans()),
+                                         activation=draw(st.sampled_from(["relu", "gelu"])))
+        if enc.activation_relu_or_gelu == 1:
+            enc.activation = Kinked(nn.ReLU(), [0])
+        return enc, (s, d)
+    if kind == "rnn":
+        cls = draw(st.sampled_from([nn.LSTM, nn.GRU, nn.RNN]))
+        hdim, bi = draw(st.integers(1, 8)), draw(st.booleans())
+        r = cls(d, hdim, num_layers=draw(st.sampled_from([1, 2])), batch_first=True,
+                bidirectional=bi, bias=draw(st.booleans()))
+        return Fn("r(x)[0]", lambda m, x: m.r(x)[0], r=r), (s, hdim * (2 if bi else 1))
+    if kind == "conv1d":
+        k = draw(st.sampled_from([1, 2, 3]))
+        co = draw(st.integers(1, 8))
+        c1 = nn.Conv1d(d, co, k, padding=k // 2)
+        so = s + 2 * (k // 2) - k + 1
+        return Fn("conv over the steps",
+                  lambda m, x: m.c(x.transpose(1, 2)).transpose(1, 2), c=c1), (so, co)
+    if kind == "softmax":
+        dim = draw(st.sampled_from([1, 2]))
+        return Fn(f"softmax dim {dim}", lambda m, x: F.softmax(x, dim=dim)), (s, d)
+    return Fn("cumsum dim 1", lambda m, x: torch.cumsum(x, dim=1)), (s, d)
+
+
+@st.composite
+def seq_model(draw):
+    s, d = draw(st.integers(1, 7)), draw(st.sampled_from([2, 4, 8]))
+    layers, shape = [], (s, d)
+    for _ in range(draw(st.integers(1, 4))):
+        m, shape = draw(seq_layer(*shape))
+        layers.append(m)
+    return nn.Sequential(*layers), (s, d)
+
+
+@st.composite
+def models(draw, exporters=("torchscript",)):
+    """(module, input shape without the batch, opset, training, exporter): exporter
+    "torchscript" (dynamo=False) or "dynamo" / "dynamo-optimized" (dynamo=True, optimize
+    off / on)."""
+    module, shape = draw(st.one_of(image_model(), seq_model()))
+    exporter = draw(st.sampled_from(exporters))
+    opset = draw(st.sampled_from([14, 16, 17, 18] if exporter == "torchscript" else [18, 20]))
+    return module, shape, opset, draw(st.booleans()), exporter
+
+
+# -- the check ---------------------------------------------------------------------------------
+def randomize(module, seed):
+    """Distinct random parameters (the exporter merges equal initializers), N(0, 1 / fan-in)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, t in module.named_parameters():
+            fan_in = t[0].numel() if t.dim() > 1 else 1
+            t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype) / fan_in ** 0.5)
+    return module
+
+
+def export(module, x, opset, training, exporter="torchscript"):
+    """The module exported with input "x" (symbolic batch) and output "y"."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        if exporter != "torchscript":  # exports the module in its own mode
+            prog = torch.onnx.export(module, (torch.tensor(x),), dynamo=True,
+                                     opset_version=opset, input_names=["x"],
+                                     output_names=["y"], optimize=exporter.endswith("optimized"),
+                                     dynamic_shapes=({0: torch.export.Dim("N")},))
+            return prog.model_proto
+        f = io.BytesIO()
+        mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+        torch.onnx.export(module, (torch.tensor(x),), f, dynamo=False, opset_version=opset,
+                          training=mode, do_constant_folding=False, input_names=["x"],
+                          output_names=["y"], dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    return onnx.load_from_string(f.getvalue())
+
+
+def _watch_backward(loss):
+    """A list that torch's backward of ``loss`` appends True to where one of its steps makes an
+    infinite or NaN gradient: the point is singular (sqrt of 0 inside torch's LPPool2d after a
+    ReLU), where frameworks differ by design: torch's ReLU backward selects 0 where x <= 0, TF's
+    ReluGrad (and onnxgrad's, as documented) multiplies by 0 and gives NaN for an infinite g.
+    Such an example counts as a kink."""
+    found, seen, todo = [], set(), [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        fn.register_hook(lambda gi, go: found.append(any(
+            t is not None and not bool(torch.isfinite(t).all()) for t in gi)))
+        todo.extend(f for f, _ in fn.next_functions)
+    return found
+
+
+def _torch_grads(module, x, cot, dtype):
+    """torch autograd of sum(module(x) * cot) in ``dtype``: (y, dx, {parameter: grad}), and the
+    smallest kink margin the forward saw (None: no kinks)."""
+    global _record
+    m = module.to(dtype)
+    params = dict(m.named_parameters())
+    xt = torch.tensor(x, dtype=dtype, requires_grad=True)
+    _record = []
+    try:
+        y = m(xt)
+    finally:
+        margins, _record = _record, None
+    loss = (y * torch.tensor(cot, dtype=dtype)).sum()
+    infinite = _watch_backward(loss)
+    gs = torch.autograd.grad(loss, [xt, *params.values()], allow_unused=True)
+    if any(infinite):  # a singular point: see _watch_backward
+        margins = [0.0]
+    named = {k: (None if g is None else g.double().numpy()) for k, g in zip(params, gs[1:])}
+    return (y.detach().double().numpy(), gs[0].double().numpy(), named,
+            min(margins) if margins else None)
+
+
+def _close(ours, want, noise, floor=0.0, tol=TOL):
+    """Whether ours is within tol x max|want|, plus 10x torch's own float32 error (``noise``)
+    and ``floor``: where the exact gradient is nearly 0 by cancellation (a norm of a norm's
+    output), float32 leaves noise at the scale of the terms that cancel, not of the result."""
+    return float(np.abs(ours - want).max(initial=0)) <= \
+        tol * float(np.abs(want).max(initial=0)) + 10 * noise + floor + 1e-30
+
+
+#: why examples were rejected (the exporter or onnxruntime failed on the forward, a kink)
+REJECTED: dict = {}
+DIFFERS: list = []  # the modules whose exported forward differs from torch's
+UNRUNNABLE: list = []  # the modules whose exported forward onnxruntime cannot run
+
+
+def _reject(why):
+    REJECTED[why] = REJECTED.get(why, 0) + 1
+    assume(False)
+
+
+def check(module, shape, opset, training, exporter="torchscript", seed=0, batch=2):
+    """Export, differentiate, compare with torch autograd in float64; returns the names checked.
+    Rejects (hypothesis.assume) an example whose export fails or whose exported forward differs
+    from torch's: those are the exporter's or onnxruntime's, not the gradient's."""
+    rng = np.random.default_rng(seed)
+    randomize(module, seed)
+    module.train(training)
+    x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    try:  # with gradients on: torch's fused inference paths (attention) have no export
+        model = export(module.float(), x, opset, training, exporter)
+    except Exception as e:  # noqa: BLE001  the exporter's failure
+        _reject(f"export: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+    case = f"{module}\ninput {shape}, opset {opset}, training {training}, exporter {exporter}"
+    try:
+        y_ort = session(model).run(["y"], {"x": x})[0]
+    except Exception as e:  # noqa: BLE001
+        # onnxruntime cannot run the model as exported (the dims that onnx's inference gives
+        # a ceil_mode pool, for one): the gradient model's y is then held to torch's alone
+        y_ort = None
+        UNRUNNABLE.append(f"{case}: {e}")
+    with torch.no_grad():
+        cot = rng.standard_normal(tuple(module(torch.tensor(x)).shape)).astype(np.float32)
+    y64, gx64, gw64, margin = _torch_grads(module, x, cot, torch.float64)
+    if margin is not None and margin <= KINK_MARGIN:
+        _reject("kink")
+    y32, gx32, gw32, _ = _torch_grads(module, x, cot, torch.float32)
+    noise_y = float(np.abs(y32 - y64).max())
+    if y_ort is not None and (y_ort.shape != y64.shape or not _close(y_ort, y64, noise_y)):
+        DIFFERS.append(case)
+        _reject("exported forward differs from torch")
+    # the parameters the export holds as they are (an exporter may fold, transpose or split
+    # others into initializers of other values)
+    params = dict(module.float().named_parameters())
+    inits = {t.name: t for t in model.graph.initializer}
+    wrt = ["x"] + [k for k in gw64 if k in inits and np.array_equal(
+        onnx.numpy_helper.to_array(inits[k]), params[k].detach().numpy())]
+    res = onnxgrad.gradients(model, ["y"], wrt, grad_ys=["cot"])
+    onnx.checker.check_model(res.model, full_check=True)
+    names = [g for g in res.grads if g is not None]
+    try:
+        sess = session(res.model)
+    except Exception:  # noqa: BLE001
+        if y_ort is not None:
+            raise
+        # neither loads: onnxruntime folds constants that onnx's inference does not (the
+        # TorchScript exporter's reflect-pad arithmetic before a ceil_mode pool), and its
+        # static dims keep the window its kernel drops; onnx saw no dims to rewrite the pool by
+        _reject("onnxruntime loads neither the model nor its gradient model")
+    y_grad, *outs = sess.run(["y", *names], {"x": x, "cot": cot})
+    # the gradient model computes the model's own y (a rewrite of the forward must not change it)
+    if y_ort is not None:
+        assert y_grad.shape == y_ort.shape and _close(y_grad, y_ort, 0.0, tol=1e-5), \
+            "the gradient model's y differs from the model's"
+    else:
+        assert y_grad.shape == y64.shape and _close(y_grad, y64, noise_y), \
+            "the gradient model's y differs from torch's (onnxruntime cannot run the model)"
+    got = dict(zip(names, outs))
+    bad = {}
+    # gradients as accurate as onnxruntime's forward allows: its Sigmoid, for one, is off by
+    # 1e-4 relative at -11, where torch's float32 one is exact
+    rel_y = float(np.abs(y_grad - y64).max(initial=0)) / max(float(np.abs(y64).max(initial=0)),
+                                                              1e-30)
+    tol = max(TOL, 10 * rel_y)
+    # the terms' scale: the largest gradient of any checked tensor
+    floor = FLOOR * max([float(np.abs(gx64).max(initial=0))] +
+                        [float(np.abs(v).max(initial=0)) for v in gw64.values() if v is not None])
+    for name, g in zip(wrt, res.grads):
+        want, t32 = (gx64, gx32) if name == "x" else (gw64[name], gw32[name])
+        if g is None:
+            assert want is None or not np.any(want), f"{name}: no gradient, torch's is nonzero"
+            continue
+        ours = got[g]
+        want = np.zeros(ours.shape) if want is None else want
+        t32 = np.zeros(ours.shape) if t32 is None else t32
+        assert ours.shape == want.shape, f"{name}: shape {ours.shape}, torch {want.shape}"
+        if not _close(ours, want, float(np.abs(t32 - want).max(initial=0)), floor, tol):
+            bad[name] = (float(np.abs(ours - want).max()), float(np.abs(want).max()))
+    assert not bad, f"(max |ours - torch64|, max |torch64|) beyond the tolerance: {bad}"
+    return wrt
