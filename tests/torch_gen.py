@@ -63,7 +63,6 @@ class Kinked(nn.Module):
 
 def _window_gap(x, k, s, p, d, ceil):
     """The smallest gap between the two largest values of any 2-D max-pool window (-inf pads)."""
-    kh, kw = k
     ph, pw = p
     ex = [(kk - 1) * dd + 1 for kk, dd in zip(k, d)]
     extra = [(ss - 1 if ceil else 0) for ss in s]
@@ -117,7 +116,7 @@ class Fn(nn.Module):
 
 # -- the catalogue: each draws a layer for an input shape and returns (module, new shape) -------
 def _act(draw):
-    """An activation layer and whether it has kinks."""
+    """An activation layer (those with kinks wrapped in :class:`Kinked`)."""
     name = draw(st.sampled_from([
         "relu", "leaky", "elu", "selu", "celu", "gelu", "gelu_tanh", "silu", "mish",
         "hardswish", "hardsigmoid", "hardtanh", "relu6", "softplus", "sigmoid", "tanh",
