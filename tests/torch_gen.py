@@ -38,7 +38,7 @@ nn, F = torch.nn, torch.nn.functional
 
 KINK_MARGIN = 1e-5
 TOL = 1e-3  # max |ours - torch64| / max |torch64| per tensor, ours in float32
-FLOOR = 1e-5  # and an absolute floor: this times the largest gradient of any tensor checked
+FLOOR = 1e-5  # and an absolute floor: this times the largest gradient of any backward step
 _record: list | None = None  # margins of the float64 run, while it records
 
 
@@ -504,26 +504,37 @@ def export(module, x, opset, training, exporter="torchscript"):
 
 
 def _watch_backward(loss):
-    """A list that torch's backward of ``loss`` appends True to where one of its steps makes an
-    infinite or NaN gradient: the point is singular (sqrt of 0 inside torch's LPPool2d after a
-    ReLU), where frameworks differ by design: torch's ReLU backward selects 0 where x <= 0, TF's
-    ReluGrad (and onnxgrad's, as documented) multiplies by 0 and gives NaN for an infinite g.
-    Such an example counts as a kink."""
-    found, seen, todo = [], set(), [loss.grad_fn]
+    """What torch's backward of ``loss`` makes on the way, filled in as it runs: "scale", the
+    largest gradient any step makes (the terms that cancel into a small or zero result: the
+    scale of float32's noise there), and "singular", whether a step made an infinite or NaN
+    gradient: the point is singular (sqrt of 0 inside torch's LPPool2d after a ReLU), where
+    frameworks differ by design: torch's ReLU backward selects 0 where x <= 0, TF's ReluGrad
+    (and onnxgrad's, as documented) multiplies by 0 and gives NaN for an infinite g. Such an
+    example counts as a kink."""
+    seen_out = {"scale": 0.0, "singular": False}
+
+    def hook(grads_in, _):
+        for t in grads_in:
+            if t is not None and t.numel():
+                finite = torch.isfinite(t)
+                seen_out["singular"] |= not bool(finite.all())
+                seen_out["scale"] = max(seen_out["scale"], float(t[finite].abs().max(
+                    ) if finite.any() else 0.0))
+    seen, todo = set(), [loss.grad_fn]
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        fn.register_hook(lambda gi, go: found.append(any(
-            t is not None and not bool(torch.isfinite(t).all()) for t in gi)))
+        fn.register_hook(hook)
         todo.extend(f for f, _ in fn.next_functions)
-    return found
+    return seen_out
 
 
 def _torch_grads(module, x, cot, dtype):
-    """torch autograd of sum(module(x) * cot) in ``dtype``: (y, dx, {parameter: grad}), and the
-    smallest kink margin the forward saw (None: no kinks)."""
+    """torch autograd of sum(module(x) * cot) in ``dtype``: (y, dx, {parameter: grad}, the
+    smallest kink margin the forward saw (None: no kinks), the largest gradient of any step of
+    the backward)."""
     global _record
     m = module.to(dtype)
     params = dict(m.named_parameters())
@@ -534,13 +545,13 @@ def _torch_grads(module, x, cot, dtype):
     finally:
         margins, _record = _record, None
     loss = (y * torch.tensor(cot, dtype=dtype)).sum()
-    infinite = _watch_backward(loss)
+    watch = _watch_backward(loss)
     gs = torch.autograd.grad(loss, [xt, *params.values()], allow_unused=True)
-    if any(infinite):  # a singular point: see _watch_backward
+    if watch["singular"]:  # see _watch_backward
         margins = [0.0]
     named = {k: (None if g is None else g.double().numpy()) for k, g in zip(params, gs[1:])}
     return (y.detach().double().numpy(), gs[0].double().numpy(), named,
-            min(margins) if margins else None)
+            min(margins) if margins else None, watch["scale"])
 
 
 def _close(ours, want, noise, floor=0.0, tol=TOL):
@@ -584,10 +595,10 @@ def check(module, shape, opset, training, exporter="torchscript", seed=0, batch=
         UNRUNNABLE.append(f"{case}: {e}")
     with torch.no_grad():
         cot = rng.standard_normal(tuple(module(torch.tensor(x)).shape)).astype(np.float32)
-    y64, gx64, gw64, margin = _torch_grads(module, x, cot, torch.float64)
+    y64, gx64, gw64, margin, terms = _torch_grads(module, x, cot, torch.float64)
     if margin is not None and margin <= KINK_MARGIN:
         _reject("kink")
-    y32, gx32, gw32, _ = _torch_grads(module, x, cot, torch.float32)
+    y32, gx32, gw32, _, _ = _torch_grads(module, x, cot, torch.float32)
     noise_y = float(np.abs(y32 - y64).max())
     if y_ort is not None and (y_ort.shape != y64.shape or not _close(y_ort, y64, noise_y)):
         DIFFERS.append(case)
@@ -625,9 +636,8 @@ def check(module, shape, opset, training, exporter="torchscript", seed=0, batch=
     rel_y = float(np.abs(y_grad - y64).max(initial=0)) / max(float(np.abs(y64).max(initial=0)),
                                                               1e-30)
     tol = max(TOL, 10 * rel_y)
-    # the terms' scale: the largest gradient of any checked tensor
-    floor = FLOOR * max([float(np.abs(gx64).max(initial=0))] +
-                        [float(np.abs(v).max(initial=0)) for v in gw64.values() if v is not None])
+    # the terms' scale: the largest gradient any step of torch's backward made
+    floor = FLOOR * terms
     for name, g in zip(wrt, res.grads):
         want, t32 = (gx64, gx32) if name == "x" else (gw64[name], gw32[name])
         if g is None:
