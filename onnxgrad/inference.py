@@ -726,15 +726,15 @@ def _rewrite_ceil_pools(inferred: onnx.GraphProto, graph: onnx.GraphProto) -> se
             types[t.name] = onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims))
     done, tainted = set(), set()  # tainted: dims that onnx got wrong, as far as this pass sees
 
-    def walk(g: onnx.GraphProto, target: onnx.GraphProto) -> bool:
-        changed = False
+    def walk(g: onnx.GraphProto, target: onnx.GraphProto) -> None:
         for n, node in zip(g.node, target.node):
             subs = list(zip(node_subgraphs(n), node_subgraphs(node))) if n.attribute else []
-            inner = [walk(sub, tsub) for sub, tsub in subs]  # every one, in order
-            if any(inner) or tainted.intersection(n.input) or (tainted and any(
+            before = len(done)
+            for sub, tsub in subs:
+                walk(sub, tsub)
+            if len(done) > before or tainted.intersection(n.input) or (tainted and any(
                     tainted.intersection(names_read(sub)) for sub, _ in subs)):
                 tainted.update(n.output)
-                changed |= any(inner)
                 continue
             if not _has_ceil(n) or n.domain not in ("", "ai.onnx") or n.input[0] not in types:
                 continue
@@ -753,8 +753,6 @@ def _rewrite_ceil_pools(inferred: onnx.GraphProto, graph: onnx.GraphProto) -> se
             node.attribute.append(onnx.helper.make_attribute("pads", pads))
             done.update(node.output)
             tainted.update(n.output)
-            changed = True
-        return changed
 
     walk(inferred, graph)
     return done

@@ -21,9 +21,7 @@ decision is made in float64, so it is the same on every machine.
 """
 from __future__ import annotations
 
-import contextlib
 import io
-import warnings
 
 import numpy as np
 import onnx
@@ -33,6 +31,7 @@ from hypothesis import strategies as st
 
 import onnxgrad
 from onnxgrad.runtime import session
+from util import quiet
 
 nn, F = torch.nn, torch.nn.functional
 
@@ -486,9 +485,7 @@ def randomize(module, seed):
 
 def export(module, x, opset, training, exporter="torchscript"):
     """The module exported with input "x" (symbolic batch) and output "y"."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
+    with quiet():
         if exporter != "torchscript":  # exports the module in its own mode
             prog = torch.onnx.export(module, (torch.tensor(x),), dynamo=True,
                                      opset_version=opset, input_names=["x"],

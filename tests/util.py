@@ -154,12 +154,20 @@ def made_up_dims(model, skip=()) -> list:
             if d.dim_param.startswith("unk__")]
 
 
+@contextlib.contextmanager
+def quiet():
+    """No warnings, stdout or stderr inside (the torch.onnx exporters' chatter)."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
 def quiet_export(net, path, args=None, **kw):
     """torch.onnx.export of ``net`` (input "x", output "y") without the exporter's chatter;
     returns the written model."""
     import torch
-    warnings.filterwarnings("ignore")
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with quiet():
         torch.onnx.export(net, args or (torch.randn(3, 4),), path, input_names=["x"],
                           output_names=["y"], **kw)
     return onnx.load(path)

@@ -1002,8 +1002,7 @@ def _tiles_grad(e, x, y, g, k):
 def _first_max(e, taps, y, count):
     """0/1 in taps' dtype, 1 at the first of ``count`` taps along axis 1 that equals y (the
     max over them; the last tap where none does, as when y is NaN)."""
-    parts = e.op("Split", taps, axis=1, num_outputs=count, _outputs=count) \
-        if e.opset >= 18 else e.op("Split", taps, axis=1, _outputs=count)
+    parts = e.Split(taps, axis=1, num_outputs=count if e.opset >= 18 else None, _outputs=count)
     found = e.Equal(parts[0], y)
     masks = [found]
     for t in parts[1:-1]:
