@@ -24,6 +24,8 @@ def main(argv=None):
     ap.add_argument("--trace", help="write each case to this file before it runs")
     ap.add_argument("--exporters", nargs="+", default=["torchscript"],
                     choices=["torchscript", "dynamo", "dynamo-optimized"])
+    ap.add_argument("--families", nargs="+", default=["image", "seq", "nd"],
+                    choices=["image", "seq", "nd"])
     args = ap.parse_args(argv)
     failed = 0
     t0 = time.time()
@@ -31,7 +33,7 @@ def main(argv=None):
         @seed(args.seed * 1000 + r)
         @settings(max_examples=args.examples, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
-        @given(torch_gen.models(tuple(args.exporters)))
+        @given(torch_gen.models(tuple(args.exporters), tuple(args.families)))
         def run(case):
             if args.trace:  # the case about to run, for a crash of the process
                 with open(args.trace, "w") as f:

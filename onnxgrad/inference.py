@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import onnx
 import onnx.defs
 from onnx import TensorShapeProto, TypeProto
@@ -511,7 +512,22 @@ def floor_pads(op_type: str, attrs: dict, spatial: list):
     onnx.reference and PyTorch drop it): the pads under which the same pool without ceil_mode
     computes the same windows with the same divisors. None when no window is dropped, False
     when no such pads exist (an AveragePool with count_include_pad=1 whose other axis has a
-    partial last window). ``attrs``: the node's attributes by name (auto_pad a str)."""
+    partial last window: :func:`rescaled_floor_pads`). ``attrs``: the node's attributes by
+    name (auto_pad a str)."""
+    geo = _ceil_geometry(attrs, spatial)
+    if geo is None:
+        return None
+    pads, ends, _ = geo
+    nsp = len(ends)
+    counts_pads = op_type == "AveragePool" and attrs.get("count_include_pad", 0)
+    if counts_pads and any(e > p for e, p in zip(ends, pads[nsp:])):
+        return False  # a partial window's divisor would count the extra padding
+    return pads[:nsp] + ends
+
+
+def _ceil_geometry(attrs: dict, spatial: list):
+    """(pads, the end pads that floor mode needs for the same windows, per axis the windows'
+    starts) of a ceil_mode pool that drops a window (see :func:`floor_pads`), else None."""
     if not attrs.get("ceil_mode", 0) or attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
         return None
     k = [int(i) for i in attrs["kernel_shape"]]
@@ -521,18 +537,38 @@ def floor_pads(op_type: str, attrs: dict, spatial: list):
     pads = [int(i) for i in attrs.get("pads") or [0] * 2 * nsp]
     if attrs.get("auto_pad", "NOTSET") == "VALID":
         pads = [0] * 2 * nsp
-    ends, dropped = [], False
+    ends, starts, dropped = [], [], False
     for i in range(nsp):
         dim, pb, pe, ek = spatial[i], pads[i], pads[nsp + i], d[i] * (k[i] - 1) + 1
         o = pool_out_len(dim, pb, pe, ek, s[i], True)
         dropped |= o != -(-(dim + pb + pe - ek) // s[i]) + 1
         ends.append(max(0, (o - 1) * s[i] + ek - dim - pb))  # floor mode then gives o windows
-    if not dropped:
+        starts.append([j * s[i] - pb for j in range(o)])
+    return (pads, ends, starts) if dropped else None
+
+
+def rescaled_floor_pads(attrs: dict, spatial: list):
+    """Where :func:`floor_pads` finds no pads (an AveragePool with count_include_pad=1): the
+    pads under which the same pool without ceil_mode and with count_include_pad=0 sums the
+    same windows, and the factors [1, 1, *out] (a window's elements of x over its divisor
+    with ceil_mode: the padding it covers up to the end pad, not beyond, as onnxruntime and
+    PyTorch count it) that turn its averages into the pool's. None with dilations, or where a
+    window holds no element of x."""
+    geo = _ceil_geometry(attrs, spatial)
+    if geo is None or any(int(i) != 1 for i in attrs.get("dilations") or []):
         return None
-    counts_pads = op_type == "AveragePool" and attrs.get("count_include_pad", 0)
-    if counts_pads and any(e > p for e, p in zip(ends, pads[nsp:])):
-        return False  # a partial window's divisor would count the extra padding
-    return pads[:nsp] + ends
+    pads, ends, starts = geo
+    k = [int(i) for i in attrs["kernel_shape"]]
+    nsp = len(k)
+    factor = np.ones([1, 1] + [len(st) for st in starts])
+    for i, st in enumerate(starts):
+        st = np.array(st)
+        real = np.minimum(st + k[i], spatial[i]) - np.maximum(st, 0)
+        if real.min() <= 0:
+            return None
+        div = np.minimum(st + k[i], spatial[i] + pads[nsp + i]) - st
+        factor = factor * (real / div).reshape([-1 if j == i + 2 else 1 for j in range(nsp + 2)])
+    return pads[:nsp] + ends, factor
 
 
 # ops whose outputs have the rank of input 0, but that onnx's shape inference leaves untyped
@@ -700,6 +736,23 @@ def _downstream(graph: onnx.GraphProto, names: set) -> set:
     return out
 
 
+def _blind_ceil_pools(inferred: onnx.GraphProto) -> set:
+    """The outputs of the ceil_mode pools (every graph) whose input's spatial dims onnx's
+    inference leaves unknown, so that whether they drop a last window cannot be told."""
+    types = {vi.name: vi.type for g in graphs_of(inferred)
+             for vi in [*g.input, *g.value_info, *g.output]}
+    types.update((t.name, onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)))
+                 for g in graphs_of(inferred) for t in g.initializer)
+    out = set()
+    for g in graphs_of(inferred):
+        for n in g.node:
+            if _has_ceil(n) and n.domain in ("", "ai.onnx") and n.input:
+                _, shape = _dims(types[n.input[0]]) if n.input[0] in types else (None, None)
+                if shape is None or not all(isinstance(x, int) for x in shape[2:]):
+                    out.update(o for o in n.output if o)
+    return out
+
+
 def _forget_dims(graph: onnx.GraphProto, tainted: set) -> set:
     """Make the declared dims of ``tainted`` tensors, and of everything computed from them in
     ``graph``, unknown (the rank stays); returns those tensors' names."""
@@ -745,17 +798,47 @@ def _rewrite_ceil_pools(inferred: onnx.GraphProto, graph: onnx.GraphProto) -> se
             if isinstance(attrs.get("auto_pad"), bytes):
                 attrs["auto_pad"] = attrs["auto_pad"].decode()
             pads = floor_pads(n.op_type, attrs, shape[2:])
+            factor = None
+            if pads is False:  # count_include_pad=1: averages over x alone, rescaled
+                pads, factor = rescaled_floor_pads(attrs, shape[2:]) or (None, None)
             if not pads:
                 continue
-            keep = [a for a in node.attribute if a.name not in ("ceil_mode", "pads", "auto_pad")]
+            drop = ("ceil_mode", "pads", "auto_pad") + (("count_include_pad",) if factor is
+                                                         not None else ())
+            keep = [a for a in node.attribute if a.name not in drop]
             del node.attribute[:]
             node.attribute.extend(keep)
             node.attribute.append(onnx.helper.make_attribute("pads", pads))
+            if factor is not None:
+                rescale.append((target, node, factor, types[n.input[0]].tensor_type.elem_type))
             done.update(node.output)
             tainted.update(n.output)
 
+    rescale = []
     walk(inferred, graph)
+    if rescale:  # after the walk, which pairs the graphs' nodes by position
+        taken = set().union(*(_names(g) for g in graphs_of(graph)))
+        for target, node, factor, elem in rescale:
+            y = node.output[0]
+            avg, scale, mul = (unique_name(f"{y}_{tag}", taken)
+                               for tag in ("over_x", "divisors", "rescaled"))
+            node.output[0] = avg
+            const = onnx.helper.make_node("Constant", [], [scale], name=scale,
+                                          value=onnx.numpy_helper.from_array(factor.astype(
+                                              onnx.helper.tensor_dtype_to_np_dtype(elem))))
+            mul = onnx.helper.make_node("Mul", [avg, scale], [y], name=mul)
+            nodes = list(target.node)
+            at = nodes.index(node) + 1
+            del target.node[:]
+            target.node.extend(nodes[:at] + [const, mul] + nodes[at:])
     return done
+
+
+def _names(g: onnx.GraphProto) -> set:
+    """Every tensor and node name ``g`` itself uses."""
+    return ({v.name for v in [*g.input, *g.output, *g.value_info]}
+            | {t.name for t in g.initializer}
+            | {o for n in g.node for o in [*n.output, n.name]})
 
 
 def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
@@ -791,8 +874,13 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
         else 0
     same_rank = sum(n.op_type in _RANKED for g in graphs for n in g.node) \
         if not ops.isdisjoint(_RANKED) else 0
-    dropped = set()  # outputs of ceil_mode pools whose dims onnx got wrong (and declared so)
-    late = [set() for _ in graphs]  # per graph: dropped and what is computed from it
+    # outputs of ceil_mode pools whose dims onnx got wrong (and declared so), and of those whose
+    # input dims onnx cannot see: what a model declares downstream of them may be an
+    # exporter's copy of onnx's dims (torch.onnx after a Resize whose scales it folded: the
+    # output declared 5x5 where the runtimes compute 4x4), which no rewrite can check
+    dropped = _blind_ceil_pools(out.graph) if pools else set()
+    late = [_forget_dims(g, dropped) for g in graphs] if dropped else [set() for _ in graphs]
+    adopted = [(gi, vi) for gi, vi in adopted if vi.name not in late[gi]]
     # each pass may type inputs of further ones; a chain of ceil_mode pools takes a pass each
     for _ in range(max(min(pools + same_rank, 8), pools) + 1):
         changed = _rewrite_ceil_pools(out.graph, graphs[0]) if pools else set()

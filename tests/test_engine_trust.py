@@ -354,11 +354,58 @@ def test_ceil_mode_pool_finite_differences(op):
     assert report.ok, str(report)
 
 
+@settings(max_examples=80, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(st.lists(st.integers(2, 8), min_size=1, max_size=3), st.data())
+@example([3, 5], None)
+def test_ceil_mode_average_pools_counting_pads_match_torch(dims, data):
+    """AveragePool with ceil_mode and count_include_pad=1, 1-D to 3-D, one or two in a chain,
+    static or symbolic dims. Where one axis drops a last window (onnx's inference keeps it)
+    and another has a partial last window, no explicit pads give the same divisors: such a
+    pool was refused (bench/fuzz_torch.py: torch's AvgPool3d(3, 3, 1, ceil_mode=True) on
+    3x3x5); it now averages over x alone and is rescaled by the divisors the runtimes use."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as tf
+    nd = len(dims)
+    draw = (lambda s_: s_.example()) if data is None else data.draw
+    # (kernel, stride, pad, count_include_pad), drawn where windows are dropped often
+    pools = [(3, 3, 1, 1)] if data is None else draw(st.lists(st.tuples(
+        st.integers(1, 3), st.sampled_from([2, 3, 1]), st.sampled_from([1, 1, 0]),
+        st.sampled_from([1, 1, 0])), min_size=1, max_size=2))
+    symbolic = False if data is None else draw(st.booleans())
+    fn = (tf.avg_pool1d, tf.avg_pool2d, tf.avg_pool3d)[nd - 1]
+    t = torch.tensor(np.random.default_rng(sum(dims)).standard_normal((2, 2, *dims)),
+                     requires_grad=True)
+    y, nodes, name = t, [], "x"
+    for i, (k, s, p, incl) in enumerate(pools):
+        p = min(p, k // 2)
+        # torch's limits (its 3-D pools want the image as large as the kernel), and a window
+        assume(min(y.shape[2:]) + (2 * p if nd < 3 else 0) >= k)
+        y = fn(y, k, s, p, ceil_mode=True, count_include_pad=bool(incl))
+        out = "y" if i == len(pools) - 1 else f"p{i}"
+        nodes.append(helper.make_node("AveragePool", [name], [out], kernel_shape=[k] * nd,
+                                      strides=[s] * nd, pads=[p] * 2 * nd, ceil_mode=1,
+                                      count_include_pad=incl))
+        name = out
+    cot = np.random.default_rng(1).standard_normal(tuple(y.shape))
+    (y * torch.tensor(cot)).sum().backward()
+    ins = [helper.make_tensor_value_info(
+        "x", T, ["N", 2, *(f"d{i}" if symbolic else n for i, n in enumerate(dims))])]
+    m = graph_model(nodes, ins, [helper.make_tensor_value_info("y", T, None)], opset=19)
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["cot"])
+    onnx.checker.check_model(res.model, full_check=True)
+    x = t.detach().numpy().astype(F)
+    got_y, got = ort_all(res.model).run(["y", res.grads[0]], {"x": x, "cot": cot.astype(F)})
+    np.testing.assert_allclose(got_y, y.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
 def test_ceil_mode_pool_without_equivalent_pads_is_refused(capsys, tmp_path):
-    """count_include_pad=1: one axis drops a window, the other has a partial last one, whose
-    divisor no explicit pad would keep."""
-    m = pool_model("AveragePool", (1, 1, 7, 5), kernel_shape=[2, 2], strides=[2, 2],
-                   pads=[1, 0, 1, 0], ceil_mode=1, count_include_pad=1)
+    """count_include_pad=1 with dilations: one axis drops a window, the other has a partial
+    last one, whose divisor no explicit pad would keep (without dilations such a pool is
+    rescaled, above)."""
+    m = pool_model("AveragePool", (1, 1, 3, 5), kernel_shape=[2, 2], strides=[3, 3],
+                   pads=[1, 1, 1, 1], ceil_mode=1, count_include_pad=1, dilations=[2, 2])
     assert_refused(capsys, tmp_path, m, NotDifferentiableError, "no equivalent pads",
                    "ceil_mode drops")
 

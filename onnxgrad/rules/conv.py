@@ -73,8 +73,10 @@ SAME with dilations > 1 (output size: those are refused) or a stride larger than
 would start in the end padding is dropped, as onnxruntime and onnx.reference do
 (:func:`onnxgrad.inference.pool_out_len`). onnx's shape inference keeps that window, and
 onnxruntime's static shapes with it, so such a pool is rewritten before any rule runs with the
-equivalent pads and no ceil_mode (:func:`onnxgrad.inference.floor_pads`); one with no such
-pads (AveragePool, count_include_pad=1, another axis with a partial last window) is refused.
+equivalent pads and no ceil_mode (:func:`onnxgrad.inference.floor_pads`). Where no such pads
+exist (AveragePool, count_include_pad=1, another axis with a partial last window) it averages
+over x alone (count_include_pad=0) times constant factors, the divisors the runtimes use
+(:func:`onnxgrad.inference.rescaled_floor_pads`); with dilations as well it is refused.
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import NotDifferentiableError
-from ..inference import floor_pads, pool_out_len
+from ..inference import floor_pads, pool_out_len, rescaled_floor_pads
 from ..registry import register
 from .spec import attr
 
@@ -748,8 +750,8 @@ def _pool_attrs(n):
     dims = _static_dims(n.x, nsp)
     attrs = {a: n.attr(a) for a in ("ceil_mode", "kernel_shape", "strides", "dilations", "pads",
                                     "count_include_pad")}
-    pads = None if dims is None else floor_pads(n.node.op_type,
-                                                {**attrs, "auto_pad": _auto_pad(n)}, dims)
+    attrs["auto_pad"] = _auto_pad(n)
+    pads = None if dims is None else floor_pads(n.node.op_type, attrs, dims)
     if pads is not None:  # (the graphs' other such pools were rewritten without ceil_mode)
         raise NotDifferentiableError(
             n.node.op_type, n.node.domain, n.opset, n.node.name, [],
