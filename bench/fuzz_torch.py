@@ -25,7 +25,10 @@ def main(argv=None):
     ap.add_argument("--exporters", nargs="+", default=["torchscript"],
                     choices=["torchscript", "dynamo", "dynamo-optimized"])
     ap.add_argument("--families", nargs="+", default=["image", "seq", "nd"],
-                    choices=["image", "seq", "nd"])
+                    choices=["image", "seq", "nd", "wide"])
+    ap.add_argument("--via", default="gradients", choices=["gradients", "trainer"],
+                    help="onnxgrad.gradients, or the training step's path (its forward "
+                         "rewrites and blocked convolutions; parameters' gradients only)")
     args = ap.parse_args(argv)
     failed = 0
     t0 = time.time()
@@ -39,7 +42,7 @@ def main(argv=None):
                 with open(args.trace, "w") as f:
                     f.write(f"{case[0]}\ninput {case[1]}, opset {case[2]}, training {case[3]}, "
                             f"exporter {case[4]}\n")
-            torch_gen.check(*case)
+            torch_gen.check(*case, via=args.via)
 
         try:
             run()

@@ -331,9 +331,16 @@ def test_chained_ceil_mode_pools_match_torch(n, pools, symbolic):
         nodes.append(helper.make_node(op, [name], [out], kernel_shape=[k], strides=[s],
                                       pads=[p, p], ceil_mode=1, **attrs))
         name = out
+    _pools_match_torch(t, y, nodes, [1, 2, "n" if symbolic else n])
+
+
+def _pools_match_torch(t, y, nodes, x_dims):
+    """The pools ``nodes`` (x -> y, x declared ``x_dims``) against torch's y computed from the
+    leaf t beside them: the returned model's y and its gradient of sum(y * cot)."""
+    torch = pytest.importorskip("torch")
     cot = np.random.default_rng(1).standard_normal(tuple(y.shape))
     (y * torch.tensor(cot)).sum().backward()
-    ins = [helper.make_tensor_value_info("x", T, [1, 2, "n" if symbolic else n])]
+    ins = [helper.make_tensor_value_info("x", T, x_dims)]
     m = graph_model(nodes, ins, [helper.make_tensor_value_info("y", T, None)], opset=19)
     res = onnxgrad.gradients(m, "y", "x", grad_ys=["cot"])
     onnx.checker.check_model(res.model, full_check=True)
@@ -387,17 +394,8 @@ def test_ceil_mode_average_pools_counting_pads_match_torch(dims, data):
                                       strides=[s] * nd, pads=[p] * 2 * nd, ceil_mode=1,
                                       count_include_pad=incl))
         name = out
-    cot = np.random.default_rng(1).standard_normal(tuple(y.shape))
-    (y * torch.tensor(cot)).sum().backward()
-    ins = [helper.make_tensor_value_info(
-        "x", T, ["N", 2, *(f"d{i}" if symbolic else n for i, n in enumerate(dims))])]
-    m = graph_model(nodes, ins, [helper.make_tensor_value_info("y", T, None)], opset=19)
-    res = onnxgrad.gradients(m, "y", "x", grad_ys=["cot"])
-    onnx.checker.check_model(res.model, full_check=True)
-    x = t.detach().numpy().astype(F)
-    got_y, got = ort_all(res.model).run(["y", res.grads[0]], {"x": x, "cot": cot.astype(F)})
-    np.testing.assert_allclose(got_y, y.detach().numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-4, atol=1e-5)
+    _pools_match_torch(t, y, nodes,
+                       ["N", 2, *(f"d{i}" if symbolic else n for i, n in enumerate(dims))])
 
 
 def test_ceil_mode_pool_without_equivalent_pads_is_refused(capsys, tmp_path):

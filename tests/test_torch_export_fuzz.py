@@ -48,6 +48,16 @@ def test_torchscript_exported_signal_and_volume_modules_match_torch(case):
     assert torch_gen.check(*case)[0] == "x"
 
 
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(torch_gen.models(families=("wide", "image", "seq")))
+def test_training_step_of_exported_modules_matches_torch(case):
+    """The training step's own path (its forward rewrites: small-image convolutions as Gemms,
+    pools' Indices, inlined functions; convolutions in onnxruntime's blocked layout): the
+    parameters' gradients against torch's."""
+    assert torch_gen.check(*case, via="trainer")
+
+
 @settings(max_examples=8, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(torch_gen.models(("dynamo", "dynamo-optimized")))
@@ -96,6 +106,28 @@ def test_the_oracle_sees_a_wrong_gradient(monkeypatch):
     monkeypatch.setattr(torch_gen, "session", Off)
     with pytest.raises(AssertionError, match="beyond the tolerance"):
         torch_gen.check(module, (2, 5, 5), 17, False)
+
+
+def test_the_trainer_oracle_sees_a_wrong_gradient(monkeypatch):
+    """The training step's path too: gradients 0.5 % off fail it."""
+    import onnxgrad.training.trainer as trainer
+    real = trainer.make_session
+
+    class Off:
+        def __init__(self, *a, **kw):
+            self.s = real(*a, **kw)
+
+        def run(self, names, feeds):  # every gradient 0.5 % off, the loss as it is
+            out = self.s.run(names, feeds)
+            return [out[0]] + [o * np.float32(1.005) for o in out[1:]]
+
+    module = nn.Sequential(nn.Conv2d(2, 16, 3, padding=1), nn.Tanh(),
+                           nn.Conv2d(16, 16, 3, padding=1), nn.Flatten(),
+                           nn.Linear(16 * 8 * 8, 2))
+    torch_gen.check(module, (2, 8, 8), 17, False, via="trainer")
+    monkeypatch.setattr(trainer, "make_session", Off)
+    with pytest.raises(AssertionError, match="beyond the tolerance"):
+        torch_gen.check(module, (2, 8, 8), 17, False, via="trainer")
 
 
 def test_max_pool_windows_gap():
