@@ -1,7 +1,9 @@
 """Random PyTorch modules exported by torch.onnx against torch autograd (tests/torch_gen.py),
 not derandomized: ``python bench/fuzz_torch.py --runs 10 --examples 50 --seed 1``. Each run is
 one hypothesis search of ``--examples`` modules; a failure is shrunk and printed (the module,
-its opset and mode), and the next run goes on."""
+its opset and mode), and the next run goes on. ``--families`` picks the kinds of modules (image,
+seq, nd for 1-D and 3-D, wide for a 16-channel stem), ``--via trainer`` checks the training
+step's own path instead of ``onnxgrad.gradients`` (tests/torch_gen.py, ``check``)."""
 from __future__ import annotations
 
 import argparse

@@ -398,6 +398,34 @@ def test_ceil_mode_average_pools_counting_pads_match_torch(dims, data):
                        ["N", 2, *(f"d{i}" if symbolic else n for i, n in enumerate(dims))])
 
 
+def test_rescaled_ceil_mode_average_pool_inside_an_if_branch():
+    """The rescaled form of the test above in a subgraph: its Constant and Mul go into the
+    branch, after the pool."""
+    torch = pytest.importorskip("torch")
+    attrs = dict(kernel_shape=[3, 3], strides=[3, 3], pads=[1] * 4, ceil_mode=1,
+                 count_include_pad=1)
+    then = helper.make_graph([helper.make_node("AveragePool", ["x"], ["p"], **attrs),
+                              helper.make_node("Tanh", ["p"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", T, None)])
+    other = helper.make_graph([helper.make_node("AveragePool", ["x"], ["q"], **attrs)], "else",
+                              [], [helper.make_tensor_value_info("q", T, None)])
+    m = graph_model([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+                    [helper.make_tensor_value_info("x", T, [2, 1, 3, 5]),
+                     helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                    [helper.make_tensor_value_info("y", T, None)], opset=19)
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["cot"])
+    onnx.checker.check_model(res.model, full_check=True)
+    rng = np.random.default_rng(0)
+    x, cot = rng.standard_normal((2, 1, 3, 5)), rng.standard_normal((2, 1, 2, 2))
+    t = torch.tensor(x, requires_grad=True)
+    y = torch.tanh(torch.nn.functional.avg_pool2d(t, 3, 3, 1, ceil_mode=True))
+    (y * torch.tensor(cot)).sum().backward()
+    got_y, got = ort_all(res.model).run(["y", res.grads[0]], {
+        "x": x.astype(F), "c": np.array(True), "cot": cot.astype(F)})
+    np.testing.assert_allclose(got_y, y.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
 def test_ceil_mode_pool_without_equivalent_pads_is_refused(capsys, tmp_path):
     """count_include_pad=1 with dilations: one axis drops a window, the other has a partial
     last one, whose divisor no explicit pad would keep (without dilations such a pool is
