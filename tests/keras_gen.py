@@ -14,7 +14,8 @@ weights, whose ``tf.GradientTape`` is the reference (:func:`check`).
 Kinks: no margins are recorded here; where TF's own float32 gradient is more than 1 % of the
 largest reference gradient off the float64 one, the float32 point sits at a kink or is
 ill-conditioned, and the example is rejected (a decision on TF's numbers alone, the same on
-every machine).
+every machine). Biases are drawn, not Keras's zeros, which put a dead ReLU's next layer
+exactly on an activation's kink, where onnxgrad's subgradient may be another than TF's.
 """
 from __future__ import annotations
 
@@ -152,6 +153,12 @@ def models(draw):
     return layers, shape, head, draw(st.integers(1, 4))
 
 
+# Keras's zero biases put a dead ReLU's next layer exactly on an activation's kink (selu at 0:
+# onnxgrad takes the left derivative, as torch; TF's SeluGrad the right one: README,
+# Guarantees); drawn biases keep every example off the kinks that no margin here records
+_BIASED = {"Conv2D", "DepthwiseConv2D", "SeparableConv2D", "Conv2DTranspose", "Conv1D", "Dense"}
+
+
 def build(layers, shape, head, units, dtype):
     """The Keras functional model of ``layers`` in ``dtype`` (weights as Keras draws them)."""
     import keras
@@ -167,6 +174,8 @@ def build(layers, shape, head, units, dtype):
             inner, ikw = kw["layer"]
             y = L.Bidirectional(getattr(L, inner)(dtype=dtype, **ikw), dtype=dtype)(y)
         else:
+            if cls in _BIASED and kw.get("use_bias", True):
+                kw = dict(kw, bias_initializer="random_normal")
             y = getattr(L, cls)(dtype=dtype, **kw)(y)
     if head == "dense":
         y = L.Dense(units, dtype=dtype)(L.Flatten(dtype=dtype)(y))

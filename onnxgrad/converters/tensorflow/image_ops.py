@@ -37,13 +37,18 @@ def _flags(c, n) -> tuple[bool, bool]:
 
 @handler("ResizeBilinear")
 def _resize_bilinear(c, n):
-    """(images [B, H, W, C], size [2]) -> Resize (linear) over axes 1, 2 to ``size``."""
+    """(images [B, H, W, C], size [2]) -> Resize (linear) to [B, *size, C]. The sizes of every
+    axis, not ``axes=[1, 2]``: onnxruntime's layout optimizer (ORT_ENABLE_EXTENDED and above)
+    moves a Transpose through a Resize with axes and leaves it empty sizes, and the model failed
+    to load (a Keras Conv2D, ReLU, UpSampling2D(bilinear), Conv2D; bench/fuzz_keras.py)."""
     align, half = _flags(c, n)
     x = c.x(n, 0)
     if np_type(n) != np.float32:
         x = c.op("Cast", [x], to=TensorProto.FLOAT)  # TF's bilinear output is float32
     mode = "align_corners" if align else "half_pixel" if half else "asymmetric"
-    return [c.op("Resize", [x, "", "", as_i64(c, c.x(n, 1))], axes=[1, 2], mode="linear",
+    sizes = c.op("Concat", [c.op("Shape", [x], start=0, end=1), as_i64(c, c.x(n, 1)),
+                            c.op("Shape", [x], start=3, end=4)], axis=0)
+    return [c.op("Resize", [x, "", "", sizes], mode="linear",
                  coordinate_transformation_mode=mode)]
 
 
