@@ -8,13 +8,12 @@ import argparse
 import os
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras_gen  # noqa: E402
-from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
+from fuzz_runs import search  # noqa: E402
 
 
 def main(argv=None):
@@ -23,22 +22,9 @@ def main(argv=None):
     ap.add_argument("--examples", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    failed, t0 = 0, time.time()
-    for r in range(args.runs):
-        @seed(args.seed * 1000 + r)
-        @settings(max_examples=args.examples, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(keras_gen.models())
-        def run(case):
-            keras_gen.check(*case)
-
-        try:
-            run()
-        except Exception:
-            failed += 1
-            print(f"=== run {r} (seed {args.seed * 1000 + r}) failed")
-            traceback.print_exc(limit=2)
-        sys.stdout.flush()
+    t0 = time.time()
+    failed = search(keras_gen.models(), lambda case: keras_gen.check(*case), args.runs,
+                    args.examples, args.seed)
     from collections import Counter
     print("layers checked:", dict(Counter(c for layers in keras_gen.CHECKED for c in layers)))
     print(f"{args.runs} runs of {args.examples} examples: {failed} failed, "

@@ -10,12 +10,11 @@ import argparse
 import os
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))
 import torch_gen  # noqa: E402
-from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
+from fuzz_runs import search  # noqa: E402
 
 
 def main(argv=None):
@@ -32,27 +31,17 @@ def main(argv=None):
                     help="onnxgrad.gradients, or the training step's path (its forward "
                          "rewrites and blocked convolutions; parameters' gradients only)")
     args = ap.parse_args(argv)
-    failed = 0
     t0 = time.time()
-    for r in range(args.runs):
-        @seed(args.seed * 1000 + r)
-        @settings(max_examples=args.examples, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(torch_gen.models(tuple(args.exporters), tuple(args.families)))
-        def run(case):
-            if args.trace:  # the case about to run, for a crash of the process
-                with open(args.trace, "w") as f:
-                    f.write(f"{case[0]}\ninput {case[1]}, opset {case[2]}, training {case[3]}, "
-                            f"exporter {case[4]}\n")
-            torch_gen.check(*case, via=args.via)
 
-        try:
-            run()
-        except Exception:
-            failed += 1
-            print(f"=== run {r} (seed {args.seed * 1000 + r}) failed")
-            traceback.print_exc(limit=2)
-        sys.stdout.flush()
+    def check(case):
+        if args.trace:  # the case about to run, for a crash of the process
+            with open(args.trace, "w") as f:
+                f.write(f"{case[0]}\ninput {case[1]}, opset {case[2]}, training {case[3]}, "
+                        f"exporter {case[4]}\n")
+        torch_gen.check(*case, via=args.via)
+
+    failed = search(torch_gen.models(tuple(args.exporters), tuple(args.families)), check,
+                    args.runs, args.examples, args.seed)
     for d in torch_gen.DIFFERS[:5]:
         print(f"--- exported forward differs from torch's:\n{d}")
     for d in torch_gen.UNRUNNABLE[:3]:
