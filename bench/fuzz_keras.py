@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections import Counter
 import sys
 import time
 
@@ -25,7 +26,6 @@ def main(argv=None):
     t0 = time.time()
     failed = search(keras_gen.models(), lambda case: keras_gen.check(*case), args.runs,
                     args.examples, args.seed)
-    from collections import Counter
     print("layers checked:", dict(Counter(c for layers in keras_gen.CHECKED for c in layers)))
     print(f"{args.runs} runs of {args.examples} examples: {failed} failed, "
           f"{time.time() - t0:.0f} s; rejected: {keras_gen.REJECTED}")

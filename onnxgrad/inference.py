@@ -191,6 +191,17 @@ def constant_tensors(graph: onnx.GraphProto) -> dict:
     return out
 
 
+def taken_names(graph: onnx.GraphProto) -> set[str]:
+    """The tensor and node names ``graph`` itself uses (inputs, outputs, initializers, node
+    outputs and node names; not its subgraphs')."""
+    names = {v.name for v in graph.input} | {v.name for v in graph.output}
+    names |= {t.name for t in graph.initializer}
+    for n in graph.node:
+        names.update(n.output)
+        names.add(n.name)
+    return names
+
+
 def unique_name(base: str, taken: set[str]) -> str:
     """``base``, or ``base_1``, ``base_2`` ..., whichever is not in ``taken`` (added to it)."""
     name, k = base, 0
@@ -736,13 +747,22 @@ def _downstream(graph: onnx.GraphProto, names: set) -> set:
     return out
 
 
+def _types_of(inferred: onnx.GraphProto) -> dict:
+    """{name: TypeProto} of every value ``inferred`` and its subgraphs type, initializers
+    included."""
+    types = {}
+    for g in graphs_of(inferred):
+        for vi in [*g.input, *g.value_info, *g.output]:
+            types[vi.name] = vi.type
+        for t in g.initializer:
+            types[t.name] = onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims))
+    return types
+
+
 def _blind_ceil_pools(inferred: onnx.GraphProto) -> set:
     """The outputs of the ceil_mode pools (every graph) whose input's spatial dims onnx's
     inference leaves unknown, so that whether they drop a last window cannot be told."""
-    types = {vi.name: vi.type for g in graphs_of(inferred)
-             for vi in [*g.input, *g.value_info, *g.output]}
-    types.update((t.name, onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)))
-                 for g in graphs_of(inferred) for t in g.initializer)
+    types = _types_of(inferred)
     out = set()
     for g in graphs_of(inferred):
         for n in g.node:
@@ -771,12 +791,7 @@ def _rewrite_ceil_pools(inferred: onnx.GraphProto, graph: onnx.GraphProto) -> se
     dims are right: none computed from a pool rewritten in this pass, whose onnx dims are the
     wrong ones (a second pool sized from them computed other windows; the caller infers again
     and calls once more). Returns the outputs of the pools changed."""
-    types = {}
-    for g in graphs_of(inferred):
-        for vi in [*g.input, *g.value_info, *g.output]:
-            types[vi.name] = vi.type
-        for t in g.initializer:
-            types[t.name] = onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims))
+    types = _types_of(inferred)
     done, tainted = set(), set()  # tainted: dims that onnx got wrong, as far as this pass sees
 
     def walk(g: onnx.GraphProto, target: onnx.GraphProto) -> None:
@@ -817,7 +832,7 @@ def _rewrite_ceil_pools(inferred: onnx.GraphProto, graph: onnx.GraphProto) -> se
     rescale = []
     walk(inferred, graph)
     if rescale:  # after the walk, which pairs the graphs' nodes by position
-        taken = set().union(*(_names(g) for g in graphs_of(graph)))
+        taken = set().union(*map(taken_names, graphs_of(graph)))
         for target, node, factor, elem in rescale:
             y = node.output[0]
             avg, scale, mul = (unique_name(f"{y}_{tag}", taken)
@@ -832,13 +847,6 @@ def _rewrite_ceil_pools(inferred: onnx.GraphProto, graph: onnx.GraphProto) -> se
             del target.node[:]
             target.node.extend(nodes[:at] + [const, mul] + nodes[at:])
     return done
-
-
-def _names(g: onnx.GraphProto) -> set:
-    """Every tensor and node name ``g`` itself uses."""
-    return ({v.name for v in [*g.input, *g.output, *g.value_info]}
-            | {t.name for t in g.initializer}
-            | {o for n in g.node for o in [*n.output, n.name]})
 
 
 def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 import onnxgrad
 from onnxgrad.converters.tensorflow import convert
 from onnxgrad.runtime import session
+from util import within
 
 TOL = 1e-3  # max |ours - tf64| / max |tf64| per tensor, ours in float32
 REJECTED: dict = {}
@@ -230,8 +231,7 @@ def check(layers, shape, head, units, seed=0, batch=2):
     assert set(names) <= inits, f"weights not found by their variables' names: {names}"
     y_ort = session(model).run([y_out.name], {x_in.name: x})[0]
     noise_y = float(np.abs(y32 - y64).max())
-    assert float(np.abs(y_ort - y64).max()) <= TOL * float(np.abs(y64).max()) + 10 * noise_y \
-        + 1e-6, "the converted forward differs from TF's"
+    assert within(y_ort, y64, noise_y, 1e-6, TOL), "the converted forward differs from TF's"
     res = onnxgrad.gradients(model, y_out.name, [x_in.name, *names], grad_ys=["gy"])
     onnx.checker.check_model(res.model, full_check=True)
     outs = session(res.model).run([g for g in res.grads if g], {x_in.name: x, "gy": gy})
@@ -244,8 +244,7 @@ def check(layers, shape, head, units, seed=0, batch=2):
         ours = next(got)
         want = np.zeros(ours.shape) if want is None else want
         noise = 0.0 if t32 is None else float(np.abs(t32 - want).max())
-        if float(np.abs(ours - want).max()) > TOL * float(np.abs(want).max()) + 10 * noise \
-                + 1e-5 * scale:
+        if not within(ours, want, noise, 1e-5 * scale, TOL):
             bad[name] = (float(np.abs(ours - want).max()), float(np.abs(want).max()))
     assert not bad, f"(max |ours - tf64|, max |tf64|) beyond the tolerance: {bad}"
     CHECKED.append([cls for cls, _ in layers])

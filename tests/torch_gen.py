@@ -17,7 +17,7 @@ The module is exported (the TorchScript exporter at a drawn opset, training or e
 the dynamo exporter; symbolic batch), ``onnxgrad.gradients`` differentiates ``sum(y * cot)``
 wrt the input and every parameter the export holds as it is, and the gradients, run on
 onnxruntime in float32, are compared with torch autograd on the same module in float64
-(:func:`check`; the tolerance is explained at :func:`_close` and in the README).
+(:func:`check`; the tolerance is explained at :func:`util.within` and in the README).
 
 ``check(..., via="trainer")`` takes the training step's own path instead (the loss
 sum(y * cot) attached, :func:`onnxgrad.training.step.build_gradient_model` with its forward
@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 
 import onnxgrad
 from onnxgrad.runtime import session
-from util import quiet
+from util import quiet, within
 
 nn, F = torch.nn, torch.nn.functional
 
@@ -902,14 +902,6 @@ def _torch_grads(module, x, cot, dtype):
             min(margins) if margins else None, watch["scale"])
 
 
-def _close(ours, want, noise, floor=0.0, tol=TOL):
-    """Whether ours is within tol x max|want|, plus 10x torch's own float32 error (``noise``)
-    and ``floor``: where the exact gradient is nearly 0 by cancellation (a norm of a norm's
-    output), float32 leaves noise at the scale of the terms that cancel, not of the result."""
-    return float(np.abs(ours - want).max(initial=0)) <= \
-        tol * float(np.abs(want).max(initial=0)) + 10 * noise + floor + 1e-30
-
-
 #: why examples were rejected (the exporter or onnxruntime failed on the forward, a kink)
 REJECTED: dict = {}
 DIFFERS: list = []  # the modules whose exported forward differs from torch's
@@ -951,7 +943,7 @@ def check(module, shape, opset, training, exporter="torchscript", seed=0, batch=
         _reject("kink")
     y32, gx32, gw32, _, _ = _torch_grads(module, x, cot, torch.float32)
     noise_y = float(np.abs(y32 - y64).max())
-    if y_ort is not None and (y_ort.shape != y64.shape or not _close(y_ort, y64, noise_y)):
+    if y_ort is not None and (y_ort.shape != y64.shape or not within(y_ort, y64, noise_y)):
         DIFFERS.append(case)
         _reject("exported forward differs from torch")
     # the parameters the export holds as they are (an exporter may fold, transpose or split
@@ -976,10 +968,10 @@ def check(module, shape, opset, training, exporter="torchscript", seed=0, batch=
         # the gradient model computes the model's own y (a rewrite of the forward must not
         # change it)
         if y_ort is not None:
-            assert fwd.shape == y_ort.shape and _close(fwd, y_ort, 0.0, tol=1e-5), \
+            assert fwd.shape == y_ort.shape and within(fwd, y_ort, 0.0, tol=1e-5), \
                 "the gradient model's y differs from the model's"
         else:
-            assert fwd.shape == y64.shape and _close(fwd, y64, noise_y), \
+            assert fwd.shape == y64.shape and within(fwd, y64, noise_y), \
                 "the gradient model's y differs from torch's (onnxruntime cannot run the model)"
     bad = {}
     # gradients as accurate as onnxruntime's forward allows: its Sigmoid, for one, is off by
@@ -998,7 +990,7 @@ def check(module, shape, opset, training, exporter="torchscript", seed=0, batch=
         want = np.zeros(ours.shape) if want is None else want
         t32 = np.zeros(ours.shape) if t32 is None else t32
         assert ours.shape == want.shape, f"{name}: shape {ours.shape}, torch {want.shape}"
-        if not _close(ours, want, float(np.abs(t32 - want).max(initial=0)), floor, tol):
+        if not within(ours, want, float(np.abs(t32 - want).max(initial=0)), floor, tol):
             bad[name] = (float(np.abs(ours - want).max()), float(np.abs(want).max()))
     assert not bad, f"(max |ours - torch64|, max |torch64|) beyond the tolerance: {bad}"
     return wrt

@@ -163,6 +163,15 @@ def quiet():
         yield
 
 
+def within(ours, want, noise, floor=0.0, tol=1e-3) -> bool:
+    """The model fuzzers' comparison (tests/torch_gen.py, tests/keras_gen.py): whether ours is
+    within tol x max|want|, plus 10x the reference framework's own float32 error (``noise``)
+    and ``floor``: where the exact gradient is nearly 0 by cancellation (a norm of a norm's
+    output), float32 leaves noise at the scale of the terms that cancel, not of the result."""
+    return float(np.abs(ours - want).max(initial=0)) <= \
+        tol * float(np.abs(want).max(initial=0)) + 10 * noise + floor + 1e-30
+
+
 def quiet_export(net, path, args=None, **kw):
     """torch.onnx.export of ``net`` (input "x", output "y") without the exporter's chatter;
     returns the written model."""

@@ -23,7 +23,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import DataError, InvalidArgumentError
-from ..inference import unique_name
+from ..inference import taken_names, unique_name
 from ..storage import EXTERNAL_DATA_ABOVE, dense_copy, load_model, tensor_nbytes
 from ..versions import convert_version
 
@@ -74,15 +74,6 @@ def check_labels(labels, classes: int | None, ignore_index: int | None = None,
 
 def opset_of(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-
-
-def _taken(graph: onnx.GraphProto) -> set[str]:
-    names = {v.name for v in graph.input} | {v.name for v in graph.output}
-    names |= {t.name for t in graph.initializer}
-    for n in graph.node:
-        names.update(n.output)
-        names.add(n.name)
-    return names
 
 
 def _output_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
@@ -147,7 +138,7 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     if kind == "cross_entropy" and opset_of(m) < 13:
         m = convert_version(m, 13)
     g = m.graph
-    taken = _taken(g)
+    taken = taken_names(g)
     target = unique_name(target_name, taken)
     loss = unique_name(loss_name, taken)
     nodes: list[onnx.NodeProto] = []

@@ -24,10 +24,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..inference import graphs_of
+from ..inference import graphs_of, taken_names
 from ..rules.conv import BLOCKED_MIN
 from .fast_forms import _attrs, _Nodes, _static_shapes, conv_out_dims, explicit_pads
-from .losses import _taken
 
 DOMAIN = "com.microsoft.nchwc"
 # an ungrouped Conv gains from 64 output positions per image on (3x3, onnxruntime 1.31, AVX2,
@@ -72,7 +71,7 @@ def blocked_convs(model: onnx.ModelProto) -> onnx.ModelProto:
         shapes = _static_shapes(model)
     except ValueError:  # over protobuf's 2 GB: left as it is
         return model
-    taken = set().union(*map(_taken, graphs_of(model.graph)))
+    taken = set().union(*map(taken_names, graphs_of(model.graph)))
     out, done = [], 0
     for node in model.graph.node:
         new = _rewrite(node, shapes, b, taken)

@@ -35,9 +35,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..aliasing import training_bn
 from ..autodiff import gradients
-from ..inference import model_opset, names_read
+from ..inference import model_opset, names_read, taken_names
 from ..registry import lookup, own_domain
-from .losses import _taken, load
+from .losses import load
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..rules.conv import pool_tiles
 from .fast_forms import small_image_convs, zero_dropouts
@@ -392,7 +392,7 @@ def build_gradient_model(model, loss: str, params=None, frozen=None, *,
     _check_loss_is_scalar(m, loss)  # after the move: the model holds no weights to infer over
     m = _inline_functions(m)
     _expose_pool_indices(m)
-    small_image_convs(m, set(chosen), _taken(m.graph))
+    small_image_convs(m, set(chosen), taken_names(m.graph))
     zero_dropouts(m)
     res = gradients(m, [loss], chosen)
     gm = res.model
@@ -443,7 +443,7 @@ def _expose_pool_indices(m: onnx.ModelProto):
     for n in m.graph.node:
         if n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and len(n.output) == 1 and \
                 pool_tiles({a.name: helper.get_attribute_value(a) for a in n.attribute}) is None:
-            taken = taken if taken is not None else _taken(m.graph)
+            taken = taken if taken is not None else taken_names(m.graph)
             base, k = f"{n.output[0]}.indices", 0
             name = base
             while name in taken:
@@ -583,7 +583,7 @@ def build_train_step(model, loss: str, params=None, optimizer: Optimizer | None 
     desc = build_gradient_model(model, loss, params, frozen, statistics=statistics)
     gm = desc.model
     grads = desc.grads
-    taken = _taken(gm.graph)
+    taken = taken_names(gm.graph)
     _add_optimizer(gm, desc, grads, optimizer, clip_norm, taken, scalars, loss)
     outs = [loss, *desc.param_outputs, *desc.state_outputs, *desc.stat_outputs]
     # lr and step stay inputs even when unread (plain SGD)
@@ -611,7 +611,7 @@ def build_accumulate_model(model, loss: str, params=None, frozen=None) -> TrainS
     desc = build_gradient_model(model, loss, params, frozen)
     gm = desc.model
     g = gm.graph
-    b = Builder(_taken(g), "accumulate")
+    b = Builder(taken_names(g), "accumulate")
     dtypes = [_dtype_of(gm, p) for p in desc.params]
     w = b.name("grad_weight")
     g.input.append(helper.make_tensor_value_info(w, dtypes[0], []))
