@@ -398,6 +398,17 @@ def test_ceil_mode_average_pools_counting_pads_match_torch(dims, data):
                        ["N", 2, *(f"d{i}" if symbolic else n for i, n in enumerate(dims))])
 
 
+def test_rescaled_ceil_mode_average_pool_finite_differences():
+    """The rescaled form (count_include_pad=1, no equivalent pads) in float64 against central
+    differences, 2-D and 3-D."""
+    for shape, k in (((1, 2, 3, 5), [3, 3]), ((1, 1, 3, 3, 5), [3, 3, 3])):
+        m = pool_model("AveragePool", shape, kernel_shape=k, strides=k, pads=[1] * 2 * len(k),
+                       ceil_mode=1, count_include_pad=1)
+        x = np.random.default_rng(0).standard_normal(shape)
+        report = check_gradients(m, "y", "x", {"x": x}, dtype="float64")
+        assert report.ok, str(report)
+
+
 def test_rescaled_ceil_mode_average_pool_inside_an_if_branch():
     """The rescaled form of the test above in a subgraph: its Constant and Mul go into the
     branch, after the pool."""
