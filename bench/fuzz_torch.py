@@ -7,14 +7,12 @@ step's own path instead of ``onnxgrad.gradients`` (tests/torch_gen.py, ``check``
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
+from fuzz_runs import search, tests_on_path
+
+tests_on_path()
 import torch_gen  # noqa: E402
-from fuzz_runs import search  # noqa: E402
 
 
 def main(argv=None):

@@ -26,6 +26,7 @@ from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError, UnsupportedError)
 from .inference import (bodies_of, forget_made_up, graphs_of, infer_ranks, infer_shapes,
                         schema_output_dtypes, unique_name)
+from .ort_fusions import guard_pad_fusion
 from .ort_internal import standard_forms
 from .storage import dense_copy, load_model, strip_weights
 from .validation import check_model
@@ -159,6 +160,7 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
                      for v in node.outputs if v.shape is None and v.name})
     if empties:
         out = empty_as_constants(out, empties)
+    guard_pad_fusion(out)
     for t in out.graph.initializer:
         if t.name in weights:
             t.CopyFrom(weights[t.name])

@@ -77,8 +77,9 @@ def session_options(threads: int | None = None):
 
 # onnxruntime's GatherToSliceFusion rewrites Range -> Gather as a Slice over Range's bounds,
 # which reads a negative bound as counted from the end: Gather(x, Range(n - 1, -1, -1)) came
-# out empty (onnxruntime 1.31). Every session onnxgrad makes runs without it.
-UNSAFE_OPTIMIZERS = ["GatherToSliceFusion"]
+# out empty (onnxruntime 1.31); its Pad_Fusion folds a Pad of zeros into a MaxPool, whose pads
+# are -inf (ort_fusions.py). Every session onnxgrad makes runs without them.
+UNSAFE_OPTIMIZERS = ["GatherToSliceFusion", "Pad_Fusion"]
 
 
 def session(model, device: str = "cpu", threads: int | None = None, options=None):

@@ -2,11 +2,14 @@
 
 A generator of the Keras models users bring (``tests/test_keras_fuzz.py``; more examples with
 ``python bench/fuzz_keras.py``): a stack of 1 to 4 layers from a catalogue of image layers
-(Conv2D with same / valid padding, strides and dilations; DepthwiseConv2D, SeparableConv2D,
-Conv2DTranspose; max and average pools; BatchNormalization, LayerNormalization; UpSampling2D,
-ZeroPadding2D, Cropping2D; activations) or sequence layers (Dense, LSTM / GRU / SimpleRNN
-forward or backward, Bidirectional, Conv1D with causal padding, pools, MultiHeadAttention,
-LayerNormalization), then a head. The model is built twice from the same layer list: in
+(Conv2D with same / valid padding, strides, dilations and groups; DepthwiseConv2D,
+SeparableConv2D, Conv2DTranspose; max and average pools; BatchNormalization,
+LayerNormalization; UpSampling2D, Resizing, ZeroPadding2D, Cropping2D; activations, PReLU,
+ReLU6, Softmax, Dropout) or sequence layers (Dense, TimeDistributed, LSTM / GRU (both reset
+forms) / SimpleRNN forward or backward, their last state, Bidirectional, Conv1D with causal
+padding, pools, MultiHeadAttention, Attention, LayerNormalization), over float inputs or
+int32 token ids through an Embedding; any layer may sit in a residual branch merged with its
+input (Add, Subtract, Multiply, Maximum, Average, Concatenate); then a head. The model is built twice from the same layer list: in
 float32, which is exported, converted (``onnxgrad.converters.tensorflow.convert``) and
 differentiated by ``onnxgrad.gradients`` (run on onnxruntime), and in float64 with the same
 weights, whose ``tf.GradientTape`` is the reference (:func:`check`).
@@ -29,9 +32,10 @@ from hypothesis import strategies as st
 
 import onnxgrad
 from onnxgrad.converters.tensorflow import convert
-from onnxgrad.runtime import session
+from util import stock_session as session
 from util import within
 
+VOCABULARY = 7  # token ids of the ``tokens`` family
 TOL = 1e-3  # max |ours - tf64| / max |tf64| per tensor, ours in float32
 REJECTED: dict = {}
 CHECKED: list = []  # the layer classes of each example checked
@@ -52,9 +56,28 @@ def _conv_len(n, k, s, d, padding):
 
 # each drawn layer is (class name, kwargs, new shape); kwargs get the dtype when built
 @st.composite
-def image_layer(draw, h, w, c):
+def image_layer(draw, h, w, c, inner=False):
     kind = draw(st.sampled_from(["conv", "conv", "depthwise", "separable", "convt", "maxpool",
-                                 "avgpool", "bn", "ln", "act", "upsample", "pad", "crop"]))
+                                 "avgpool", "bn", "ln", "act", "upsample", "pad", "crop",
+                                 "gconv", "prelu", "relu6", "softmax", "dropout", "resize",
+                                 *([] if inner else ["residual", "residual"])]))
+    if kind == "residual":
+        return draw(_residual(image_layer, (h, w, c)))
+    if kind == "gconv":  # grouped: channels in and out divisible by the groups
+        assume(c % 2 == 0)
+        k = draw(st.sampled_from([1, 3]))
+        f = 2 * draw(st.integers(1, 3))
+        return ("Conv2D", dict(filters=f, kernel_size=k, groups=2, padding="same",
+                               activation=draw(st.sampled_from(_ACTS))), (h, w, f))
+    if kind in ("prelu", "relu6", "softmax", "dropout"):
+        cls, kw = {"prelu": ("PReLU", dict(alpha_initializer="random_normal")),
+                   "relu6": ("ReLU", dict(max_value=6.0, negative_slope=0.1)),
+                   "softmax": ("Softmax", {}), "dropout": ("Dropout", dict(rate=0.5))}[kind]
+        return (cls, kw, (h, w, c))
+    if kind == "resize":
+        ho, wo = draw(st.integers(2, 9)), draw(st.integers(2, 9))
+        return ("Resizing", dict(height=ho, width=wo, interpolation=draw(st.sampled_from(
+            ["nearest", "bilinear"]))), (ho, wo, c))
     if kind in ("conv", "depthwise", "separable"):
         k, s = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([1, 1, 2]))
         d = draw(st.sampled_from([1, 2])) if s == 1 else 1
@@ -102,9 +125,28 @@ def image_layer(draw, h, w, c):
 
 
 @st.composite
-def seq_layer(draw, s, d):
+def seq_layer(draw, s, d, inner=False):
     kind = draw(st.sampled_from(["dense", "rnn", "rnn", "bidi", "conv1d", "pool1d", "mha",
-                                 "ln", "act"]))
+                                 "ln", "act", "gru1", "timedist", "attention", "last",
+                                 *([] if inner else ["residual", "residual"])]))
+    if kind == "residual":
+        return draw(_residual(seq_layer, (s, d)))
+    if kind == "gru1":  # the reset gate before the recurrent product (Keras 2's GRU)
+        u = draw(st.integers(1, 6))
+        return ("GRU", dict(units=u, return_sequences=True, reset_after=False), (s, u))
+    if kind == "timedist":
+        u = draw(st.integers(1, 6))
+        return ("TimeDistributed", dict(layer=("Dense", dict(units=u, activation=draw(
+            st.sampled_from(_ACTS))))), (s, u))
+    if kind == "attention":  # dot-product self-attention, optionally scaled and causal
+        return ("Attention", dict(use_scale=draw(st.booleans()),
+                                  score_mode=draw(st.sampled_from(["dot", "concat"])),
+                                  causal=draw(st.booleans())), (s, d))
+    if kind == "last":  # an RNN's last state: the stack's last layer
+        assume(not inner)
+        cls = draw(st.sampled_from(["LSTM", "GRU", "SimpleRNN"]))
+        u = draw(st.integers(1, 6))
+        return (cls, dict(units=u, go_backwards=draw(st.booleans())), (u,))
     if kind == "dense":
         u = draw(st.integers(1, 8))
         return ("Dense", dict(units=u, activation=draw(st.sampled_from(_ACTS))), (s, u))
@@ -136,21 +178,45 @@ def seq_layer(draw, s, d):
     return ("Activation", dict(activation=draw(st.sampled_from(_ACTS))), (s, d))
 
 
+_MERGES = ["Add", "Subtract", "Multiply", "Maximum", "Average", "Concatenate"]
+
+
+@st.composite
+def _residual(draw, make, shape):
+    """A branch beside the identity, merged: y = merge(x, layer(x)) (a ResNet block, a
+    U-Net's skip); Concatenate where only the channels differ."""
+    cls, kw, out = draw(make(*shape, inner=True))
+    if tuple(out) == tuple(shape):
+        merge = draw(st.sampled_from(_MERGES))
+    else:
+        assume(len(out) == len(shape) and tuple(out[:-1]) == tuple(shape[:-1]))
+        merge = "Concatenate"
+    new = (*shape[:-1], shape[-1] + out[-1]) if merge == "Concatenate" else tuple(shape)
+    return ("Residual", dict(layer=(cls, kw), merge=merge), new)
+
+
 @st.composite
 def models(draw):
     """(layers, input shape without the batch, head): a list of layer specs to build."""
-    if draw(st.booleans()):
+    family = draw(st.sampled_from(["image", "seq", "tokens"]))
+    if family == "image":
         shape = (draw(st.integers(3, 8)), draw(st.integers(3, 8)), draw(st.integers(1, 3)))
         make = image_layer
     else:
         shape = (draw(st.integers(2, 6)), draw(st.sampled_from([2, 3, 4])))
         make = seq_layer
     layers, cur = [], shape
+    if family == "tokens":  # int32 token ids through an Embedding (no gradient wrt them)
+        layers.append(("Embedding", dict(input_dim=VOCABULARY, output_dim=shape[1])))
+        shape = shape[:1]
     for _ in range(draw(st.integers(1, 4))):
         cls, kw, cur = draw(make(*cur))
         assume(int(np.prod(cur)) <= 1024)
         layers.append((cls, kw))
-    head = draw(st.sampled_from(["none", "dense", "pool"]))
+        if len(cur) == 1:
+            break
+    head = draw(st.sampled_from(["none", "dense"] if len(cur) == 1 else
+                                ["none", "dense", "pool", "maxpool"]))
     return layers, shape, head, draw(st.integers(1, 4))
 
 
@@ -164,37 +230,53 @@ def build(layers, shape, head, units, dtype):
     """The Keras functional model of ``layers`` in ``dtype`` (weights as Keras draws them)."""
     import keras
     L = keras.layers
-    x = keras.Input(shape, dtype=dtype)
+    tokens = layers[0][0] == "Embedding"
+    x = keras.Input(shape, dtype="int32" if tokens else dtype)
     y = x
     for cls, kw in layers:
-        if cls == "MHA":
-            kw = dict(kw)
-            causal = kw.pop("causal")
-            y = L.MultiHeadAttention(dtype=dtype, **kw)(y, y, use_causal_mask=causal)
-        elif cls == "Bidirectional":
-            inner, ikw = kw["layer"]
-            y = L.Bidirectional(getattr(L, inner)(dtype=dtype, **ikw), dtype=dtype)(y)
-        else:
-            if cls in _BIASED and kw.get("use_bias", True):
-                kw = dict(kw, bias_initializer="random_normal")
-            y = getattr(L, cls)(dtype=dtype, **kw)(y)
+        y = _apply(L, cls, kw, y, dtype)
     if head == "dense":
         y = L.Dense(units, dtype=dtype)(L.Flatten(dtype=dtype)(y))
-    elif head == "pool":
-        pool = L.GlobalAveragePooling2D if len(shape) == 3 else L.GlobalAveragePooling1D
+    elif head in ("pool", "maxpool"):
+        rank = len(y.shape) - 2
+        pool = getattr(L, f"Global{'Max' if head == 'maxpool' else 'Average'}Pooling{rank}D")
         y = L.Dense(units, dtype=dtype)(pool(dtype=dtype)(y))
     return keras.Model(x, y)
+
+
+def _apply(L, cls, kw, y, dtype):
+    """Layer ``cls`` built with ``kw`` in ``dtype``, applied to the Keras tensor ``y``."""
+    kw = dict(kw)
+    if cls == "MHA":
+        causal = kw.pop("causal")
+        return L.MultiHeadAttention(dtype=dtype, **kw)(y, y, use_causal_mask=causal)
+    if cls == "Attention":
+        causal = kw.pop("causal")
+        return L.Attention(dtype=dtype, **kw)([y, y], use_causal_mask=causal)
+    if cls in ("Bidirectional", "TimeDistributed"):
+        inner, ikw = kw["layer"]
+        return getattr(L, cls)(getattr(L, inner)(dtype=dtype, **ikw), dtype=dtype)(y)
+    if cls == "Residual":
+        branch = _apply(L, *kw["layer"], y, dtype)
+        return getattr(L, kw["merge"])(dtype=dtype)([y, branch])
+    if cls in _BIASED and kw.get("use_bias", True):
+        kw["bias_initializer"] = "random_normal"
+    return getattr(L, cls)(dtype=dtype, **kw)(y)
 
 
 def _tape(model, x, gy):
     import tensorflow as tf
     weights = model.trainable_weights
     xt = tf.constant(x)
+    floating = xt.dtype.is_floating
     with tf.GradientTape() as tape:
-        tape.watch(xt)
+        if floating:
+            tape.watch(xt)
         y = model(xt, training=False)
-    gs = tape.gradient(y, [xt, *weights], output_gradients=tf.constant(gy))
-    return y.numpy(), [None if g is None else tf.convert_to_tensor(g).numpy() for g in gs]
+    gs = tape.gradient(y, [xt, *weights] if floating else weights,
+                       output_gradients=tf.constant(gy))
+    gs = [None if g is None else tf.convert_to_tensor(g).numpy() for g in gs]
+    return y.numpy(), gs if floating else [None, *gs]
 
 
 def check(layers, shape, head, units, seed=0, batch=2):
@@ -211,10 +293,14 @@ def check(layers, shape, head, units, seed=0, batch=2):
     for a, b in zip(m32.weights, m64.weights):
         b.assign(tf.cast(a, tf.float64))
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, *shape)).astype(np.float32)
-    gy = rng.standard_normal(tuple(m64(x.astype(np.float64), training=False).shape)
-                             ).astype(np.float32)
-    y64, g64 = _tape(m64, x.astype(np.float64), gy.astype(np.float64))
+    tokens = layers[0][0] == "Embedding"
+    if tokens:
+        x = x64 = rng.integers(0, VOCABULARY, (batch, *shape)).astype(np.int32)
+    else:
+        x = rng.standard_normal((batch, *shape)).astype(np.float32)
+        x64 = x.astype(np.float64)
+    gy = rng.standard_normal(tuple(m64(x64, training=False).shape)).astype(np.float32)
+    y64, g64 = _tape(m64, x64, gy.astype(np.float64))
     y32, g32 = _tape(m32, x, gy)
     scale = max(float(np.abs(g).max()) for g in g64 if g is not None)
     for a, b in zip(g32, g64):
@@ -232,12 +318,14 @@ def check(layers, shape, head, units, seed=0, batch=2):
     y_ort = session(model).run([y_out.name], {x_in.name: x})[0]
     noise_y = float(np.abs(y32 - y64).max())
     assert within(y_ort, y64, noise_y, 1e-6, TOL), "the converted forward differs from TF's"
-    res = onnxgrad.gradients(model, y_out.name, [x_in.name, *names], grad_ys=["gy"])
+    wrt = names if tokens else [x_in.name, *names]
+    res = onnxgrad.gradients(model, y_out.name, wrt, grad_ys=["gy"])
     onnx.checker.check_model(res.model, full_check=True)
     outs = session(res.model).run([g for g in res.grads if g], {x_in.name: x, "gy": gy})
     got = iter(outs)
     bad = {}
-    for name, g, want, t32 in zip([x_in.name, *names], res.grads, g64, g32):
+    for name, g, want, t32 in zip(wrt, res.grads, g64[1:] if tokens else g64,
+                                  g32[1:] if tokens else g32):
         if g is None:
             assert want is None or not np.any(want), f"{name}: no gradient, TF's is nonzero"
             continue
@@ -247,4 +335,5 @@ def check(layers, shape, head, units, seed=0, batch=2):
         if not within(ours, want, noise, 1e-5 * scale, TOL):
             bad[name] = (float(np.abs(ours - want).max()), float(np.abs(want).max()))
     assert not bad, f"(max |ours - tf64|, max |tf64|) beyond the tolerance: {bad}"
-    CHECKED.append([cls for cls, _ in layers])
+    CHECKED.append([f"{kw['merge']}({kw['layer'][0]})" if cls == "Residual" else cls
+                    for cls, kw in layers])

@@ -290,6 +290,33 @@ def test_page_sessions_keep_a_range_gather_reversal(tmp_path, n):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["y"] == x[::-1].tolist()
 
 
+def test_page_sessions_keep_a_zero_pad_before_a_max_pool(tmp_path):
+    """Pad (zeros) then MaxPool on onnxruntime-web with the page's session options: windows
+    over the zeros and negative values give 0. With onnxruntime's Pad_Fusion on (its default)
+    the zeros were folded into the pool's -inf pads (ort_fusions.py; models onnxgrad writes
+    are guarded too, this model is not)."""
+    missing = _browser_ready()
+    if missing:
+        pytest.fail(f"this test needs {missing}; .ci/run installs it")
+    g = helper.make_graph(
+        [helper.make_node("Pad", ["x", "pads"], ["p"], mode="constant"),
+         helper.make_node("MaxPool", ["p"], ["y"], kernel_shape=[3, 3])], "pad_pool",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 3, 3])],
+        [helper.make_tensor("pads", TensorProto.INT64, [8], [0, 0, 1, 1, 0, 0, 1, 1])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              tmp_path / "pad_pool.onnx")
+    x = -np.arange(1, 10, dtype=np.float32)
+    (tmp_path / "feeds.json").write_text(json.dumps(
+        {"x": {"dtype": "float32", "dims": [1, 1, 3, 3], "data": x.tolist()}}))
+    proc = subprocess.run(["node", os.path.join(WEB, "tools", "run_model.mjs"),
+                           str(tmp_path / "pad_pool.onnx"), str(tmp_path / "feeds.json")],
+                          capture_output=True, text=True, timeout=120, cwd=WEB)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    want = [0.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0]  # only the centre window misses the pads
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["y"] == want
+
+
 def test_web_step_carries_batchnorm_statistics(tmp_path):
     """A training-mode BatchNormalization's running statistics are part of the web export: its
     manifest lists them with their bytes in the model file, and the page's Trainer (trainer.js on

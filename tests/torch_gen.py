@@ -43,7 +43,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 import onnxgrad
-from onnxgrad.runtime import session
+from util import stock_session as session
 from util import quiet, within
 
 nn, F = torch.nn, torch.nn.functional

@@ -163,6 +163,17 @@ def quiet():
         yield
 
 
+def stock_session(model):
+    """A plain onnxruntime CPU session, as a user makes one: every graph optimizer on, none of
+    those onnxgrad's own sessions leave out (runtime.UNSAFE_OPTIMIZERS), so that the fuzzers
+    check what users run."""
+    ort = runtime_module()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
 def within(ours, want, noise, floor=0.0, tol=1e-3) -> bool:
     """The model fuzzers' comparison (tests/torch_gen.py, tests/keras_gen.py): whether ours is
     within tol x max|want|, plus 10x the reference framework's own float32 error (``noise``)

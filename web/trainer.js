@@ -15,12 +15,13 @@ const ARRAYS = {float32: Float32Array, float64: Float64Array, int64: BigInt64Arr
 /**
  * Options of every session this page makes. onnxruntime's GatherToSliceFusion rewrites
  * Range -> Gather as a Slice over Range's bounds and reads a negative bound as counted from the
- * end: Gather(x, Range(n - 1, -1, -1)), a reversal, came out empty, silently (onnxruntime-web
- * 1.30 and Python 1.31 alike; onnxgrad's Python sessions turn it off as well).
+ * end: Gather(x, Range(n - 1, -1, -1)), a reversal, came out empty, silently; its Pad_Fusion
+ * folds a Pad of zeros into a MaxPool, whose pads are -inf (onnxruntime-web 1.30 and Python
+ * 1.31 alike; onnxgrad's Python sessions turn both off as well; the list is ';'-separated).
  */
 export function sessionOptions(executionProviders = ['wasm'], more = {}) {
   return {executionProviders, ...more,
-          extra: {optimization: {disable_specified_optimizers: 'GatherToSliceFusion'}}};
+          extra: {optimization: {disable_specified_optimizers: 'GatherToSliceFusion;Pad_Fusion'}}};
 }
 
 /** A user-facing problem with the files given (shown as it is on the page). */

@@ -605,7 +605,8 @@ def _finish(c: Converter, name: str, opset: int = DEFAULT_OPSET) -> onnx.ModelPr
     m = infer(m, _tf_shapes(c))
     _refuse_missing_kernels(c, m)
     m = _declare_outputs(c, m)
-    return m if opset == c.opset else _to_opset(m, opset)
+    from ...ort_fusions import guard_pad_fusion
+    return guard_pad_fusion(m if opset == c.opset else _to_opset(m, opset))
 
 
 def _guard_range_gathers(m: onnx.ModelProto) -> None:

@@ -1,0 +1,13 @@
+"""Random TensorFlow programs of raw ops, converted and differentiated, against TensorFlow
+(tests/tf_gen.py), not derandomized: ``python bench/fuzz_tf.py --runs 4 --examples 200
+--seed 1``. Each run is one hypothesis search; a failure is shrunk and printed, and the next
+run goes on."""
+from __future__ import annotations
+
+from fuzz_runs import main, tests_on_path
+
+tests_on_path()
+import tf_gen  # noqa: E402
+
+if __name__ == "__main__":
+    main(__doc__, tf_gen, tf_gen.programs(), "ops")

@@ -1,0 +1,476 @@
+"""Random TensorFlow programs of raw ops, converted and differentiated, against TensorFlow.
+
+A generator of the graphs the converter meets beyond Keras's layers (``tests/test_tf_fuzz.py``;
+more examples with ``python bench/fuzz_tf.py``): one or two float64 inputs of rank 1 to 4,
+then 1 to 6 ops, each reading one or two earlier values (a value read twice: gradients that
+add up) from a catalogue: elementwise math on its domain, broadcasting binaries, reductions,
+reshapes and transposes, slices with strides, gathers with repeated indices, concatenation and
+splits, pads, cumulative sums and products, softmax, matrix products, selects, top-k, 2-D
+convolutions and pools, and control flow (a while loop, a cond, a scan, a TensorArray loop, in
+TF's v1 or v2 form). The graph's placeholders have unknown dims, or static ones (drawn).
+
+Each op is drawn against the values TF computes eagerly for the example's inputs, so its
+parameters fit their shapes. The oracle (:func:`check`): the converted forward equals TF's,
+``onnxgrad.gradients`` equals ``tf.gradients`` with a non-uniform upstream gradient, all in
+float64, to 1e-9 of each tensor's largest entry, where TF's are finite (special values, where
+TF's are NaN or infinite: tests/test_tf_special_values.py). Ties of maxima and the kinks of abs, relu and
+the like are not drawn on purpose: random float64 values meet them with probability 0, except
+where a program makes them (a value tiled, then reduced by max): the comparison reports those
+as found, and a documented subgradient is an example rejected by name here.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from hypothesis import assume
+from hypothesis import strategies as st
+
+import onnxgrad
+from onnxgrad.converters.tensorflow import ConversionError, convert
+from tf_util import control_flow, ort_run, tf, tf_run, upstream
+from util import within
+
+TOL = 1e-9  # max |ours - tf| / max |tf| per tensor, both in float64
+FLOOR = 1e-12  # float64 noise where the exact value is 0 by cancellation of O(1) terms
+REJECTED: dict = {}
+CHECKED: list = []  # the op names of each example checked
+
+
+def _reject(why):
+    REJECTED[why] = REJECTED.get(why, 0) + 1
+    assume(False)
+
+
+def _pos(x):
+    return tf.abs(x) + 0.5
+
+
+# -- the catalogue: name -> (draw the parameters for these values, apply them) ---------------
+# draw(draw, shapes) returns (indices of the values read, params); apply(params, *values)
+UNARY = {
+    "exp": tf.exp, "tanh": tf.tanh, "sigmoid": tf.sigmoid, "softplus": tf.nn.softplus,
+    "square": tf.square, "sin": tf.sin, "cos": tf.cos, "erf": tf.math.erf, "atan": tf.atan,
+    "asinh": tf.asinh, "neg": tf.negative, "relu": tf.nn.relu, "relu6": tf.nn.relu6,
+    "elu": tf.nn.elu, "selu": tf.nn.selu, "leaky_relu": lambda x: tf.nn.leaky_relu(x, 0.2),
+    "softsign": tf.nn.softsign, "expm1": tf.math.expm1, "abs": tf.abs, "sign": tf.sign,
+    "log": lambda x: tf.math.log(_pos(x)), "sqrt": lambda x: tf.sqrt(_pos(x)),
+    "rsqrt": lambda x: tf.math.rsqrt(_pos(x)), "reciprocal": lambda x: tf.math.reciprocal(_pos(x)),
+    "log1p": lambda x: tf.math.log1p(tf.abs(x)), "lgamma": lambda x: tf.math.lgamma(_pos(x)),
+    "digamma": lambda x: tf.math.digamma(_pos(x)), "gelu": tf.nn.gelu,
+    "gelu_tanh": lambda x: tf.nn.gelu(x, approximate=True), "silu": tf.nn.silu,
+    "log_sigmoid": tf.math.log_sigmoid, "erfc": tf.math.erfc, "sinh": tf.sinh, "cosh": tf.cosh,
+    "asin": lambda x: tf.asin(0.9 * tf.tanh(x)), "atanh": lambda x: tf.atanh(0.9 * tf.tanh(x)),
+    "clip": lambda x: tf.clip_by_value(x, -0.5, 0.7),
+}
+BINARY = {
+    "add": tf.add, "sub": tf.subtract, "mul": tf.multiply,
+    "div": lambda a, b: a / (b * b + 1.0), "maximum": tf.maximum, "minimum": tf.minimum,
+    "sqdiff": tf.math.squared_difference, "pow": lambda a, b: tf.pow(_pos(a), b),
+    "atan2": tf.atan2, "xlogy": lambda a, b: tf.math.xlogy(a, _pos(b)),
+    "where": lambda a, b: tf.where(a > b, a, b * 2.0),
+}
+REDUCE = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max,
+          "min": tf.reduce_min, "prod": tf.reduce_prod, "logsumexp": tf.reduce_logsumexp,
+          "std": tf.math.reduce_std, "variance": tf.math.reduce_variance}
+
+
+def _axis(draw, rank):
+    return draw(st.integers(-rank, rank - 1))
+
+
+def _one(draw, shapes, rank_min=1):
+    ok = [i for i, s in enumerate(shapes) if len(s) >= rank_min]
+    assume(ok)
+    return draw(st.sampled_from(ok))
+
+
+def _unary(draw, shapes):
+    return [_one(draw, shapes)], draw(st.sampled_from(sorted(UNARY)))
+
+
+def _binary(draw, shapes):
+    i = _one(draw, shapes)
+    a = shapes[i]
+    partners = [j for j, b in enumerate(shapes)
+                if _broadcasts(a, b) and len(b) <= len(a)]
+    j = draw(st.sampled_from(partners))
+    return [i, j] if draw(st.booleans()) else [j, i], draw(st.sampled_from(sorted(BINARY)))
+
+
+def _broadcasts(a, b):
+    try:
+        np.broadcast_shapes(a, b)
+        return True
+    except ValueError:
+        return False
+
+
+def _reduce(draw, shapes):
+    i = _one(draw, shapes)
+    r = len(shapes[i])
+    axes = draw(st.one_of(st.none(), st.lists(st.integers(0, r - 1), min_size=1, max_size=r,
+                                              unique=True)))
+    return [i], (draw(st.sampled_from(sorted(REDUCE))), axes, draw(st.booleans()))
+
+
+def _reshape(draw, shapes):
+    i = _one(draw, shapes)
+    n = int(np.prod(shapes[i]))
+    dims = []
+    rest = n
+    for _ in range(draw(st.integers(0, 3))):
+        f = draw(st.sampled_from([d for d in range(1, rest + 1) if rest % d == 0]))
+        dims.append(f)
+        rest //= f
+    dims.append(rest)
+    dims = draw(st.permutations(dims))
+    k = draw(st.integers(-1, len(dims) - 1))
+    return [i], [(-1 if j == k else d) for j, d in enumerate(dims)]
+
+
+def _transpose(draw, shapes):
+    i = _one(draw, shapes, 2)
+    return [i], draw(st.permutations(range(len(shapes[i]))))
+
+
+def _slice(draw, shapes):
+    """A strided slice: per axis start, stop, step (negative steps too), or a new axis."""
+    i = _one(draw, shapes)
+    spec = []
+    for d in shapes[i]:
+        step = draw(st.sampled_from([1, 1, 2, -1, -2]))
+        start = draw(st.one_of(st.none(), st.integers(-d, d - 1)))
+        stop = draw(st.one_of(st.none(), st.integers(-d - 1, d)))
+        spec.append((start, stop, step))
+    return [i], spec
+
+
+def _gather(draw, shapes):
+    i = _one(draw, shapes)
+    r = len(shapes[i])
+    axis = draw(st.integers(0, r - 1))
+    d = shapes[i][axis]
+    idx = draw(st.lists(st.integers(0, d - 1), min_size=1, max_size=5))
+    return [i], (axis, idx)
+
+
+def _gather_nd(draw, shapes):
+    i = _one(draw, shapes)
+    s = shapes[i]
+    depth = draw(st.integers(1, len(s)))
+    rows = draw(st.lists(st.tuples(*[st.integers(0, d - 1) for d in s[:depth]]),
+                         min_size=1, max_size=4))
+    return [i], [list(r) for r in rows]
+
+
+def _concat(draw, shapes):
+    i = _one(draw, shapes)
+    a = shapes[i]
+    axis = _axis(draw, len(a)) % len(a)
+    partners = [j for j, b in enumerate(shapes) if len(b) == len(a) and all(
+        x == y for k, (x, y) in enumerate(zip(a, b)) if k != axis)]
+    return [i, draw(st.sampled_from(partners))], axis
+
+
+def _stack(draw, shapes):
+    i = _one(draw, shapes)
+    partners = [j for j, b in enumerate(shapes) if b == shapes[i]]
+    return [i, draw(st.sampled_from(partners))], draw(st.integers(0, len(shapes[i])))
+
+
+def _split(draw, shapes):
+    i = _one(draw, shapes)
+    s = shapes[i]
+    axis = draw(st.integers(0, len(s) - 1))
+    parts = draw(st.sampled_from([p for p in range(1, s[axis] + 1) if s[axis] % p == 0]))
+    return [i], (axis, parts, draw(st.integers(0, parts - 1)))
+
+
+def _unstack(draw, shapes):
+    i = _one(draw, shapes, 2)
+    s = shapes[i]
+    axis = draw(st.integers(0, len(s) - 1))
+    return [i], (axis, s[axis], draw(st.integers(0, s[axis] - 1)))
+
+
+def _pad(draw, shapes):
+    i = _one(draw, shapes)
+    mode = draw(st.sampled_from(["CONSTANT", "REFLECT", "SYMMETRIC"]))
+    top = {"CONSTANT": lambda d: 2, "REFLECT": lambda d: d - 1, "SYMMETRIC": lambda d: d}[mode]
+    pads = [[draw(st.integers(0, min(2, top(d)))), draw(st.integers(0, min(2, top(d))))]
+            for d in shapes[i]]
+    return [i], (mode, pads, draw(st.sampled_from([0.0, 1.5])))
+
+
+def _tile(draw, shapes):
+    i = _one(draw, shapes)
+    return [i], [draw(st.integers(1, 2)) for _ in shapes[i]]
+
+
+def _reverse(draw, shapes):
+    i = _one(draw, shapes)
+    return [i], draw(st.lists(st.integers(0, len(shapes[i]) - 1), min_size=1, unique=True))
+
+
+def _expand(draw, shapes):
+    i = _one(draw, shapes)
+    return [i], draw(st.integers(-len(shapes[i]) - 1, len(shapes[i])))
+
+
+def _broadcast_to(draw, shapes):
+    i = _one(draw, shapes)
+    return [i], [draw(st.integers(1, 3)), *[draw(st.sampled_from([d, 2, 3])) if d == 1 else d
+                                          for d in shapes[i]]]
+
+
+def _cumulative(draw, shapes):
+    i = _one(draw, shapes)
+    return [i], (draw(st.sampled_from(["cumsum", "cumprod", "cumlogsumexp"])),
+                 _axis(draw, len(shapes[i])), draw(st.booleans()), draw(st.booleans()))
+
+
+def _softmax(draw, shapes):
+    i = _one(draw, shapes)
+    return [i], (draw(st.sampled_from(["softmax", "log_softmax", "l2_normalize"])),
+                 _axis(draw, len(shapes[i])))
+
+
+def _matmul(draw, shapes):
+    """a times a's own transpose (or b where the inner dims meet), with transpose flags."""
+    i = _one(draw, shapes, 2)
+    a = shapes[i]
+    ta, tb = draw(st.booleans()), draw(st.booleans())
+    k = a[-2] if ta else a[-1]
+    partners = [j for j, b in enumerate(shapes) if len(b) == len(a) and b[:-2] == a[:-2]
+                and (b[-1] if tb else b[-2]) == k]
+    assume(partners)
+    return [i, draw(st.sampled_from(partners))], (ta, tb)
+
+
+def _top_k(draw, shapes):
+    i = _one(draw, shapes)
+    return [i], (draw(st.integers(1, shapes[i][-1])), draw(st.sampled_from(["values", "sort"])))
+
+
+def _conv(draw, shapes):
+    """NHWC 2-D convolutions (a random constant filter) and pools on a rank-4 value."""
+    i = _one(draw, shapes, 4)
+    kind = draw(st.sampled_from(["conv", "depthwise", "max_pool", "avg_pool", "resize"]))
+    k, s = draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    padding = draw(st.sampled_from(["SAME", "VALID"]))
+    h, w = shapes[i][1:3]
+    assume(padding == "SAME" or (h >= k and w >= k))
+    return [i], (kind, k, s, padding, shapes[i][-1], draw(st.integers(1, 3)),
+                 draw(st.integers(0, 2**16)))
+
+
+def _control(draw, shapes):
+    """A while loop, a cond, a scan over axis 0 or a TensorArray loop reading another value."""
+    i = _one(draw, shapes)
+    j = draw(st.sampled_from([j for j, b in enumerate(shapes) if _broadcasts(shapes[i], b)
+                              and len(b) <= len(shapes[i])]))
+    return [i, j], (draw(st.sampled_from(["while", "cond", "scan", "tensor_array"])),
+                    draw(st.integers(1, 3)))
+
+
+def _apply_control(p, a, b):
+    kind, n = p
+    a = a + tf.zeros_like(b)  # the loops' carried values keep a shape
+    if kind == "while":  # a fixed trip count, a carried value and a read-only one
+        return tf.while_loop(lambda t, x: t < n, lambda t, x: (t + 1, tf.tanh(x) * b + x),
+                             (tf.constant(0), a))[1]
+    if kind == "cond":
+        return tf.cond(tf.reduce_sum(a) > 0.0, lambda: tf.sin(a) * b, lambda: a - b)
+    if kind == "scan":
+        return tf.scan(lambda acc, e: tf.tanh(acc) * 0.5 + e * tf.reduce_mean(b), a)
+    rows = a * b  # a TensorArray written per row of axis 0, then stacked
+    m = tf.shape(rows)[0]
+    ta = tf.TensorArray(rows.dtype, size=m)
+    ta = tf.while_loop(lambda t, _: t < m,
+                       lambda t, ta: (t + 1, ta.write(t, tf.sin(rows[t]) * rows[m - 1 - t])),
+                       (tf.constant(0), ta))[1]
+    return ta.stack()
+
+
+def _apply_conv(p, x):
+    kind, k, s, padding, c, m, seed = p
+    r = np.random.default_rng(seed)
+    f = tf.constant(r.standard_normal((k, k, c, m)), x.dtype)
+    if kind == "conv":
+        return tf.nn.conv2d(x, f, s, padding)
+    if kind == "depthwise":
+        return tf.nn.depthwise_conv2d(x, f, [1, s, s, 1], padding)
+    if kind == "resize":
+        size = tf.shape(x)[1:3] * s + k - 1
+        return tf.image.resize(x, size, method=["bilinear", "nearest", "bicubic"][m % 3])
+    pool = tf.nn.max_pool2d if kind == "max_pool" else tf.nn.avg_pool2d
+    return pool(x, k, s, padding)
+
+
+def _apply_slice(spec, x):
+    return x[tuple(slice(a, b, c) for a, b, c in spec)]
+
+
+def _apply_reduce(p, x):
+    name, axes, keep = p
+    return REDUCE[name](x, axis=axes, keepdims=keep)
+
+
+def _apply_cumulative(p, x):
+    name, axis, exclusive, reverse = p
+    f = {"cumsum": tf.cumsum, "cumprod": tf.math.cumprod,
+         "cumlogsumexp": tf.math.cumulative_logsumexp}[name]
+    return f(x, axis=axis, exclusive=exclusive, reverse=reverse)
+
+
+def _apply_softmax(p, x):
+    name, axis = p
+    if name == "l2_normalize":
+        return tf.math.l2_normalize(x, axis=axis)
+    return getattr(tf.nn, name)(x, axis=axis)
+
+
+def _apply_top_k(p, x):
+    k, what = p
+    return tf.math.top_k(x, k).values if what == "values" else tf.sort(x, direction="DESCENDING")
+
+
+OPS = {
+    "unary": (_unary, lambda p, x: UNARY[p](x)),
+    "binary": (_binary, lambda p, a, b: BINARY[p](a, b)),
+    "reduce": (_reduce, _apply_reduce),
+    "reshape": (_reshape, lambda p, x: tf.reshape(x, p)),
+    "transpose": (_transpose, lambda p, x: tf.transpose(x, p)),
+    "slice": (_slice, _apply_slice),
+    "gather": (_gather, lambda p, x: tf.gather(x, p[1], axis=p[0])),
+    "gather_nd": (_gather_nd, lambda p, x: tf.gather_nd(x, p)),
+    "concat": (_concat, lambda p, a, b: tf.concat([a, b], p)),
+    "stack": (_stack, lambda p, a, b: tf.stack([a, b], p)),
+    "split": (_split, lambda p, x: tf.split(x, p[1], axis=p[0])[p[2]]),
+    "unstack": (_unstack, lambda p, x: tf.unstack(x, p[1], axis=p[0])[p[2]]),
+    "pad": (_pad, lambda p, x: tf.pad(x, p[1], p[0], constant_values=p[2])),
+    "tile": (_tile, lambda p, x: tf.tile(x, p)),
+    "reverse": (_reverse, lambda p, x: tf.reverse(x, p)),
+    "expand_dims": (_expand, lambda p, x: tf.expand_dims(x, p)),
+    "broadcast_to": (_broadcast_to, lambda p, x: tf.broadcast_to(x, p)),
+    "cumulative": (_cumulative, _apply_cumulative),
+    "softmax": (_softmax, _apply_softmax),
+    "matmul": (_matmul, lambda p, a, b: tf.linalg.matmul(a, b, transpose_a=p[0],
+                                                         transpose_b=p[1])),
+    "top_k": (_top_k, _apply_top_k),
+    "conv": (_conv, _apply_conv),
+    "control": (_control, _apply_control),
+}
+
+
+def _eager(f, *a):
+    from tensorflow.python.eager import context
+    with context.eager_mode():
+        return f(*a)
+
+
+@st.composite
+def programs(draw):
+    """(input shapes, steps, static dims?, control flow v2?, seed): steps are (op, the
+    indices of the values it reads, params); value i < len(inputs) is input i."""
+    shapes = [tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
+              for _ in range(draw(st.integers(1, 2)))]
+    seed = draw(st.integers(0, 2**16))
+    steps = []
+    vals = _eager(lambda: [tf.constant(v) for v in _inputs(shapes, seed)])
+    for _ in range(draw(st.integers(1, 6))):
+        op = draw(st.sampled_from(sorted(OPS)))
+        args, params = OPS[op][0](draw, [tuple(v.shape) for v in vals])
+        try:
+            out = _eager(OPS[op][1], params, *[vals[i] for i in args])
+        except (tf.errors.InvalidArgumentError, ValueError, TypeError, IndexError):
+            _reject(f"TF refuses {op}")
+        if out.shape.num_elements() == 0 or out.shape.rank == 0 and op != "reduce":
+            _reject("empty or scalar")
+        assume(out.shape.num_elements() <= 4096)
+        vals.append(out)
+        steps.append((op, args, params))
+    dtype = draw(st.sampled_from(["float64", "float64", "float32"]))
+    return shapes, steps, draw(st.booleans()), draw(st.booleans()), seed, dtype
+
+
+def _inputs(shapes, seed):
+    r = np.random.default_rng(seed)
+    return [r.standard_normal(s) for s in shapes]
+
+
+def _run_tf(shapes, steps, static, v2, feeds, dtype):
+    """The program as a TF1 graph over ``dtype`` placeholders: (graph def, y, TF's gradients
+    wrt every input or None, the upstream gradient)."""
+    graph = tf.Graph()
+    with control_flow(v2), graph.as_default():
+        vals = [tf.compat.v1.placeholder(dtype, s if static else [None] * len(s), name=f"x{i}")
+                for i, s in enumerate(shapes)]
+        ins = list(vals)
+        for op, args, params in steps:
+            vals.append(OPS[op][1](params, *[vals[i] for i in args]))
+        y = tf.identity(vals[-1], name="result")
+        gy = tf.compat.v1.placeholder(dtype, name="gy")
+        gs = tf.gradients(y, ins, grad_ys=gy)
+        fetch = [tf.convert_to_tensor(g) for g in gs if g is not None]
+    feeds = {k: v.astype(dtype) for k, v in feeds.items()}
+    want_y = tf_run(graph, y, feeds)
+    gys = upstream(want_y.shape, dtype)
+    got = iter(tf_run(graph, fetch, {**feeds, gy: gys}))
+    return graph.as_graph_def(add_shapes=True), want_y, [
+        None if g is None else next(got) for g in gs], gys
+
+
+def check(shapes, steps, static, v2, seed, dtype="float64"):
+    """Build the program as a TF1 graph, convert it, and compare the forward and onnxgrad's
+    gradients wrt every input with TF's in float64 (a float32 program: within 1e-3 of the
+    largest entry plus 10x TF's own float32 error, as tests/util.within)."""
+    feeds = {f"x{i}:0": v for i, v in enumerate(_inputs(shapes, seed))}
+    gd, y64, g64, gys = _run_tf(shapes, steps, static, v2, feeds, "float64")
+    y32, g32 = y64, g64
+    if dtype == "float32":
+        gd, y32, g32, _ = _run_tf(shapes, steps, static, v2, feeds, "float32")
+        for a, b in zip([y32, *g32], [y64, *g64]):
+            if a is not None and not np.array_equal(np.isfinite(a), np.isfinite(b)):
+                _reject("float32 overflows")
+        scale = max([float(np.abs(g).max(initial=0)) for g in g64 if g is not None] + [0.0])
+        for a, b in zip(g32, g64):
+            if a is not None and float(np.abs(a - b).max(initial=0)) > 1e-2 * scale:
+                _reject("kink (TF's float32 gradient is off its float64 one)")
+    feeds = {k: v.astype(dtype) for k, v in feeds.items()}
+    try:
+        model = convert(gd, inputs=list(feeds), outputs=["result:0"])
+    except ConversionError as e:
+        _reject(f"refused: {str(e)[:60]}")
+    onnx.checker.check_model(model, full_check=True)
+    got_y = ort_run(model, feeds, ["result:0"])[0]
+    _close(got_y, y64, y32, "forward")
+    res = onnxgrad.gradients(model, "result:0", list(feeds), grad_ys=["gy"])
+    onnx.checker.check_model(res.model, full_check=True)
+    outs = iter(ort_run(res.model, {**feeds, "gy": gys.astype(dtype)},
+                        [g for g in res.grads if g]))
+    for name, g, w, w32 in zip(feeds, res.grads, g64, g32):
+        ours = None if g is None else next(outs)
+        if w is None:
+            assert ours is None or not np.any(ours), f"{name}: nonzero where TF has none"
+        else:
+            _close(np.zeros_like(w) if ours is None else ours, w, w32, f"d/d{name}")
+    CHECKED.append([op if op not in ("unary", "binary", "reduce") else
+                    f"{op}:{p if isinstance(p, str) else p[0]}" for op, _, p in steps])
+
+
+def _close(got, want, tf32, what):
+    """got (ours, float64 or float32) against TF's float64 ``want``; ``tf32``: TF's own result
+    in the program's dtype, whose error sets the float32 tolerance."""
+    got, want, tf32 = np.asarray(got), np.asarray(want), np.asarray(tf32)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    ok = np.isfinite(want)
+    assert np.isfinite(got[ok]).all(), (f"{what}: not finite where TF's is", got, want)
+    err = float(np.abs(got[ok] - want[ok]).max(initial=0))
+    scale = float(np.abs(want[ok]).max(initial=0))
+    if got.dtype == np.float64:
+        assert err <= TOL * scale + FLOOR, f"{what}: max error {err:.3g}, max |tf| {scale:.3g}"
+    else:
+        noise = float(np.abs(tf32[ok] - want[ok]).max(initial=0))
+        assert within(got[ok], want[ok], noise, 1e-5 * scale), \
+            f"{what}: max error {err:.3g}, max |tf| {scale:.3g}, TF float32's error {noise:.3g}"
