@@ -258,6 +258,10 @@ def quiet_options(level: str = "all"):
 
 
 def quiet_session(model, level="all"):
-    """An onnxruntime CPU session with :func:`quiet_options`."""
-    from onnxgrad.runtime import session
-    return session(model, options=quiet_options(level))
+    """A stock onnxruntime CPU session with :func:`quiet_options`: every graph optimizer of the
+    level on, those onnxgrad's own sessions leave out (runtime.UNSAFE_OPTIMIZERS) too, since
+    users run the models gradients() returns in sessions of their own."""
+    from onnxgrad.runtime import ort_module
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
+    return ort_module().InferenceSession(data, quiet_options(level),
+                                         providers=["CPUExecutionProvider"])

@@ -889,6 +889,8 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     dropped = _blind_ceil_pools(out.graph) if pools else set()
     late = [_forget_dims(g, dropped) for g in graphs] if dropped else [set() for _ in graphs]
     adopted = [(gi, vi) for gi, vi in adopted if vi.name not in late[gi]]
+    # integer shape arithmetic on constants that onnx does not follow (folding.py), once
+    folded = [(0, vi) for vi in _folded_seeds(m, out)]
     # each pass may type inputs of further ones; a chain of ceil_mode pools takes a pass each
     for _ in range(max(min(pools + same_rank, 8), pools) + 1):
         changed = _rewrite_ceil_pools(out.graph, graphs[0]) if pools else set()
@@ -896,8 +898,8 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
             dropped |= changed
             late = [_forget_dims(g, dropped) for g in graphs]
             adopted = [(gi, vi) for gi, vi in adopted if vi.name not in late[gi]]
-        seeds = adopted + (_rank_seeds(graphs_of(out.graph)) if same_rank else [])
-        adopted = []
+        seeds = adopted + folded + (_rank_seeds(graphs_of(out.graph)) if same_rank else [])
+        adopted, folded = [], []
         _add_types(graphs, seeds)
         if not changed and not seeds:
             break
@@ -918,6 +920,17 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     if _may_hold_sequences(graphs, kinds, model_opset(m)):
         _forget_element_symbols(out)
     return out
+
+
+def _folded_seeds(m: onnx.ModelProto, out: onnx.ModelProto) -> list:
+    """folding.shape_seeds for ``m`` (``out``: inference's), where inference left a node output
+    of the main graph without a shape (none are computed otherwise)."""
+    types = value_types([out.graph])
+    if all(o in types and types[o].tensor_type.HasField("shape")
+           for n in out.graph.node for o in n.output if o):
+        return []
+    from .folding import shape_seeds
+    return shape_seeds(m, types, model_opset(m))
 
 
 def _may_hold_sequences(graphs: list, kinds: set, opset: int) -> bool:
