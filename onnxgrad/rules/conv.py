@@ -312,14 +312,6 @@ class _Geo:
         e = self.e
         co, c, *k = w.shape
         o = math.prod(self.short_dims)
-        if _COLS_T:
-            ck = c * math.prod(k)
-            gt = e.Reshape(e.Transpose(e.Reshape(t, [0, co, o]), perm=[1, 0, 2]), [co, -1])
-            cols = e.Gemm(e.Reshape(w, [co, -1]), gt, transA=1)             # [C*K, N*O]
-            cols = e.Transpose(e.Reshape(cols, [ck, -1, o]), perm=[1, 0, 2])  # [N, C*K, O]
-            return e.Col2Im(cols, _static_dims(self.long, 2), k,
-                            dilations=self.d, strides=self.s,
-                            pads=list(self.b) + [max(x, 0) for x in self.end])
         rows = e.Reshape(e.Transpose(e.Reshape(t, [0, co, o]), perm=[0, 2, 1]), [-1, co])
         cols = e.Reshape(e.Gemm(rows, e.Reshape(w, [co, -1])), [-1, o, c * math.prod(k)])
         return e.Col2Im(e.Transpose(cols, perm=[0, 2, 1]), _static_dims(self.long, 2), k,
@@ -611,9 +603,6 @@ class _Geo:
         if self.mode == "static" and any(b >= k for b, k in zip(self.b, self.ek)):
             self.e.need(14)
         return None
-
-
-_COLS_T = False
 
 
 def _flipped(e, w, group, nsp):
