@@ -493,3 +493,27 @@ def test_is_inf_in_float16_runs():
     got = ort_run(model, {"x:0": xs, "y:0": ys}, ["a:0", "b:0", "c:0", "d:0"])
     for g, w, k in zip(got, want, "abcd"):
         _same(g, w, k, rtol=2e-3, atol=1e-3)
+
+
+# -- Roll (session 36: refused before, found by bench/fuzz_tf.py) -----------------------------
+@settings(derandomize=True, max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.data())
+def test_roll_hypothesis(shape, data):
+    """tf.roll with shifts of either sign and beyond the length, negative and repeated axes
+    (their shifts add up), float32 or float64, a constant or a fed shift: the forward and the
+    gradient equal TF's."""
+    r = len(shape)
+    k = data.draw(st.integers(1, 3))
+    axes = data.draw(st.lists(st.integers(-r, r - 1), min_size=k, max_size=k))
+    shifts = data.draw(st.lists(st.integers(-9, 9), min_size=k, max_size=k))
+    dtype = data.draw(st.sampled_from([np.float32, np.float64]))
+    x = rnd(*shape, dtype=dtype)
+    if data.draw(st.booleans()):
+        check(lambda x: tf.roll(x, shifts, axes) * tf.sin(x), {"x": x}, diff=("x",))
+    else:
+        check(lambda x, s: tf.roll(x, s, axes), {"x": x, "s": np.array(shifts, np.int32)},
+              diff=("x",))
+
+
+def test_roll_of_an_empty_axis():
+    check(lambda x: tf.roll(x, 2, 0), {"x": np.zeros((0, 3), np.float32)})

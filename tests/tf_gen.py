@@ -6,8 +6,9 @@ then 1 to 6 ops, each reading one or two earlier values (a value read twice: gra
 add up) from a catalogue: elementwise math on its domain, broadcasting binaries, reductions,
 reshapes and transposes, slices with strides, gathers with repeated indices, concatenation and
 splits, pads, cumulative sums and products, softmax, matrix products, selects, top-k, 2-D
-convolutions and pools, and control flow (a while loop, a cond, a scan, a TensorArray loop, in
-TF's v1 or v2 form). The graph's placeholders have unknown dims, or static ones (drawn).
+convolutions, transposed convolutions and pools, losses, segment reductions and scatters,
+band and diagonal parts, einsum, a boolean mask (a run-time length), and control flow (a while
+loop, a cond, a scan, a TensorArray loop, in TF's v1 or v2 form). The graph's placeholders have unknown dims, or static ones (drawn).
 
 Each op is drawn against the values TF computes eagerly for the example's inputs, so its
 parameters fit their shapes. The oracle (:func:`check`): the converted forward equals TF's,
@@ -335,6 +336,104 @@ def _apply_top_k(p, x):
     return tf.math.top_k(x, k).values if what == "values" else tf.sort(x, direction="DESCENDING")
 
 
+def _same_pair(draw, shapes, rank_min=1):
+    i = _one(draw, shapes, rank_min)
+    return i, draw(st.sampled_from([j for j, b in enumerate(shapes) if b == shapes[i]]))
+
+
+def _losses(draw, shapes):
+    """Cross entropies over the last axis (labels from a second value, made a distribution)
+    and tf.nn.l2_loss."""
+    i, j = _same_pair(draw, shapes)
+    return [i, j], draw(st.sampled_from(["softmax_ce", "sigmoid_ce", "l2_loss", "bias_add"]))
+
+
+def _apply_losses(p, a, b):
+    if p == "softmax_ce":
+        return tf.nn.softmax_cross_entropy_with_logits(labels=tf.nn.softmax(b), logits=a)
+    if p == "sigmoid_ce":
+        return tf.nn.sigmoid_cross_entropy_with_logits(labels=tf.sigmoid(b), logits=a)
+    if p == "l2_loss":
+        return tf.nn.l2_loss(a) * b  # (a scalar times b: a shape to go on with)
+    return tf.nn.bias_add(a, b[(0,) * (len(b.shape) - 1)]) if len(a.shape) >= 2 else a + b
+
+
+def _segments(draw, shapes):
+    """Unsorted segment sums and maxima of the rows of axis 0 (ids drawn, repeats, an empty
+    segment), and tensor_scatter_nd_add of another value's rows into a."""
+    i = _one(draw, shapes)
+    n = shapes[i][0]
+    ids = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    kind = draw(st.sampled_from(["sum", "max", "mean", "scatter_add"]))
+    return [i], (kind, ids)
+
+
+def _apply_segments(p, a):
+    kind, ids = p
+    if kind == "scatter_add":  # a's rows added into themselves at drawn rows (repeats add up)
+        rows = [[k % len(ids)] for k in ids]
+        return tf.tensor_scatter_nd_add(a, rows, tf.sin(a))
+    f = {"sum": tf.math.unsorted_segment_sum, "max": tf.math.unsorted_segment_max,
+         "mean": tf.math.unsorted_segment_mean}[kind]
+    return f(a, ids, 4)
+
+
+def _linalg(draw, shapes):
+    i = _one(draw, shapes, 2)
+    return [i], draw(st.sampled_from(["band_part", "diag_part", "trace", "einsum_dot",
+                                      "einsum_outer", "roll", "clip_norm", "gather_batch",
+                                      "boolean_mask", "squeeze", "moments"]))
+
+
+def _apply_linalg(p, a):
+    if p == "band_part":
+        return tf.linalg.band_part(a, 1, 0)
+    if p == "diag_part":
+        return tf.linalg.diag_part(a)
+    if p == "trace":
+        return tf.linalg.trace(a)[..., None] * a[..., 0, :]
+    if p == "einsum_dot":
+        return tf.einsum("...i,...i->...", a, tf.tanh(a))
+    if p == "einsum_outer":
+        return tf.einsum("...i,...j->...ij", a[..., 0, :], a[..., -1, :])
+    if p == "roll":
+        return tf.roll(a, shift=[1, -2], axis=[0, -1])
+    if p == "clip_norm":
+        return tf.clip_by_norm(a, 1.0, axes=[-1])
+    if p == "gather_batch":  # each row of axis 0 gathers its own columns of axis 1
+        idx = [[k % 2 for k in range(3)] for _ in range(a.shape[0] or 1)]
+        return tf.gather(a, tf.constant(idx)[: tf.shape(a)[0]] % tf.shape(a)[1], axis=1,
+                         batch_dims=1)
+    if p == "boolean_mask":  # a run-time length
+        return tf.boolean_mask(a, a > 0.0)
+    if p == "squeeze":
+        return tf.squeeze(a[:, :1], axis=1)
+    mean, var = tf.nn.moments(a, axes=[0], keepdims=True)
+    return (a - mean) * tf.math.rsqrt(var + 0.1)
+
+
+def _image(draw, shapes):
+    """NHWC ops on a rank-4 value: conv2d_transpose, space_to_depth and back, LRN."""
+    i = _one(draw, shapes, 4)
+    kind = draw(st.sampled_from(["conv_transpose", "space_depth", "lrn"]))
+    if kind == "space_depth":
+        assume(shapes[i][1] % 2 == 0 and shapes[i][2] % 2 == 0)
+    return [i], (kind, shapes[i][-1], draw(st.integers(1, 2)), draw(st.integers(0, 2**16)))
+
+
+def _apply_image(p, x):
+    kind, c, s, seed = p
+    if kind == "space_depth":
+        return tf.nn.depth_to_space(tf.sin(tf.nn.space_to_depth(x, 2)), 2)
+    if kind == "lrn":
+        return tf.nn.local_response_normalization(x, depth_radius=1, bias=1.0, alpha=0.5,
+                                                  beta=0.75)
+    f = tf.constant(np.random.default_rng(seed).standard_normal((2, 2, 3, c)), x.dtype)
+    n = tf.shape(x)[0]
+    h, w = tf.shape(x)[1] * s, tf.shape(x)[2] * s
+    return tf.nn.conv2d_transpose(x, f, tf.stack([n, h, w, 3]), s, "SAME")
+
+
 OPS = {
     "unary": (_unary, lambda p, x: UNARY[p](x)),
     "binary": (_binary, lambda p, a, b: BINARY[p](a, b)),
@@ -360,6 +459,10 @@ OPS = {
     "top_k": (_top_k, _apply_top_k),
     "conv": (_conv, _apply_conv),
     "control": (_control, _apply_control),
+    "losses": (_losses, _apply_losses),
+    "segments": (_segments, _apply_segments),
+    "linalg": (_linalg, _apply_linalg),
+    "image": (_image, _apply_image),
 }
 
 
@@ -455,8 +558,8 @@ def check(shapes, steps, static, v2, seed, dtype="float64"):
             assert ours is None or not np.any(ours), f"{name}: nonzero where TF has none"
         else:
             _close(np.zeros_like(w) if ours is None else ours, w, w32, f"d/d{name}")
-    CHECKED.append([op if op not in ("unary", "binary", "reduce") else
-                    f"{op}:{p if isinstance(p, str) else p[0]}" for op, _, p in steps])
+    CHECKED.append([f"{op}:{p}" if isinstance(p, str) else f"{op}:{p[0]}" if isinstance(
+        p, tuple) and isinstance(p[0], str) else op for op, _, p in steps])
 
 
 def _close(got, want, tf32, what):

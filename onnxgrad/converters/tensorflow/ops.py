@@ -1096,6 +1096,28 @@ def _reverse(c, x, axes):
     return c.op("Slice", [x, c.i64(*[-1] * k), c.i64(*[-BIG] * k), c.i64(*axes), c.i64(*[-1] * k)])
 
 
+@handler("Roll")
+def _roll(c, n):
+    """tf.roll along constant axes (an axis named twice rolls by the sum of its shifts): the
+    last s = shift mod n elements moved in front, Concat(x[n - s:], x[:n - s]), s computed at
+    run time (the shift may be a tensor; integer Mod takes the divisor's sign, so s lies in
+    [0, n); an empty axis divides by 1 instead)."""
+    axes = [int(a) for a in np.reshape(c.const_input(n, 2, required="the axes to roll"), -1)]
+    x = c.x(n)
+    shifts = c.op("Reshape", [c.op("Cast", [c.x(n, 1)], to=TensorProto.INT64), c.i64(-1)])
+    shape = c.op("Shape", [x])
+    for a in dict.fromkeys(axes):
+        picks = [i for i, b in enumerate(axes) if b == a]
+        total = c.op("ReduceSum", [c.op("Gather", [shifts, c.i64(*picks)]), c.i64(0)],
+                     keepdims=1)
+        size = c.op("Gather", [shape, c.i64(a)])
+        cut = c.op("Sub", [size, c.op("Mod", [total, c.op("Max", [size, c.i64(1)])])])
+        tail = c.op("Slice", [x, cut, c.i64(BIG), c.i64(a)])
+        head = c.op("Slice", [x, c.i64(0), cut, c.i64(a)])
+        x = c.op("Concat", [tail, head], axis=a)
+    return [x]
+
+
 # -- gathers and scatters ----------------------------------------------------------------------
 @handler("GatherV2")
 def _gather(c, n):
