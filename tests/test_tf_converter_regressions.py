@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tf_v1 import both_routes
-from tf_util import check_conversion, ort_run, tf, tf1_graph, tf_run
+from tf_util import check, check_conversion, ort_run, tf, tf1_graph, tf_run
 
 import onnxgrad
 from onnxgrad.converters.tensorflow import ConversionError, convert
@@ -688,3 +688,15 @@ def test_tf_selu_and_elu_grad_at_zero_outputs(act):
     model = convert(graph.as_graph_def(), inputs=["x:0", "gy:0"], outputs=["gx:0"])
     got = ort_run(model, {"x:0": xs, "gy:0": gys}, ["gx:0"])[0]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_scan_gradient_graph_over_one_element(rows):
+    """tf.scan without an initializer scans elems[1:]: over one element, the loop of TF's
+    gradient graph runs no iteration, onnxruntime gives its scan outputs zero dims past the
+    first, and the converted TensorArray writes (a ScatterND of [0, 0] updates into [1, 5])
+    failed at run time (found by bench/fuzz_tf.py, session 36). The forward, onnxgrad's
+    gradient and TF's gradient graph converted equal TF's (v1 control flow)."""
+    x = np.random.default_rng(rows).standard_normal((rows, 5)).astype(np.float32)
+    check(lambda x: tf.scan(lambda a, e: tf.tanh(a) * 0.5 + e, x), {"x": x},
+                  diff=("x",), shapes={"x": [rows, 5]})

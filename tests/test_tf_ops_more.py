@@ -517,3 +517,30 @@ def test_roll_hypothesis(shape, data):
 
 def test_roll_of_an_empty_axis():
     check(lambda x: tf.roll(x, 2, 0), {"x": np.zeros((0, 3), np.float32)})
+
+
+# -- MirrorPadGrad (session 36: TF's gradient graph of a reflect pad was refused) -----------
+@settings(derandomize=True, max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.sampled_from(["REFLECT",
+                                                                             "SYMMETRIC"]),
+       st.data())
+def test_mirror_pad_grad_hypothesis(shape, mode, data):
+    """TF's gradient graph of tf.pad REFLECT / SYMMETRIC (MirrorPadGrad), converted, equals
+    TF's gradient; so do onnxgrad's and the forward (tf_util.check)."""
+    top = (lambda d: d - 1) if mode == "REFLECT" else (lambda d: d)
+    pads = [[data.draw(st.integers(0, top(d))), data.draw(st.integers(0, top(d)))]
+            for d in shape]
+    x = rnd(*shape, dtype=data.draw(st.sampled_from([np.float32, np.float64])))
+    check(lambda x: tf.sin(tf.pad(x, pads, mode)), {"x": x}, diff=("x",))
+
+
+# -- MatrixSetDiag (session 36: TF's gradient graph of diag_part was refused) --------------
+@settings(derandomize=True, max_examples=20, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=2, max_size=4), st.data())
+def test_matrix_set_diag_hypothesis(shape, data):
+    """tf.linalg.set_diag with the main diagonal of [..., M, N] (M < N, M > N, square), and
+    TF's gradient graph of tf.linalg.diag_part (MatrixSetDiagV3), converted, equal TF's."""
+    x = rnd(*shape, dtype=data.draw(st.sampled_from([np.float32, np.float64])))
+    d = rnd(*shape[:-2], min(shape[-2:]), dtype=x.dtype)
+    check(lambda x, d: tf.linalg.set_diag(x, tf.sin(d)) * x, {"x": x, "d": d}, diff=("x", "d"))
+    check(lambda x: tf.linalg.diag_part(x) * 2.0, {"x": x}, diff=("x",))

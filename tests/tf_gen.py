@@ -13,8 +13,9 @@ loop, a cond, a scan, a TensorArray loop, in TF's v1 or v2 form). The graph's pl
 Each op is drawn against the values TF computes eagerly for the example's inputs, so its
 parameters fit their shapes. The oracle (:func:`check`): the converted forward equals TF's,
 ``onnxgrad.gradients`` equals ``tf.gradients`` with a non-uniform upstream gradient, all in
-float64, to 1e-9 of each tensor's largest entry, where TF's are finite (special values, where
-TF's are NaN or infinite: tests/test_tf_special_values.py). Ties of maxima and the kinks of abs, relu and
+float64, to 1e-9 of each tensor's largest entry; every value a program computes is finite
+(special values: tests/test_tf_special_values.py), and TF's own gradient graph, converted,
+gives TF's gradients too. Ties of maxima and the kinks of abs, relu and
 the like are not drawn on purpose: random float64 values meet them with probability 0, except
 where a program makes them (a value tiled, then reduced by max): the comparison reports those
 as found, and a documented subgradient is an example rejected by name here.
@@ -34,6 +35,7 @@ from util import within
 TOL = 1e-9  # max |ours - tf| / max |tf| per tensor, both in float64
 FLOOR = 1e-12  # float64 noise where the exact value is 0 by cancellation of O(1) terms
 REJECTED: dict = {}
+GRAPH_REFUSED: dict = {}  # TF gradient graphs the converter refused (the example still counts)
 CHECKED: list = []  # the op names of each example checked
 
 
@@ -226,8 +228,9 @@ def _broadcast_to(draw, shapes):
 
 def _cumulative(draw, shapes):
     i = _one(draw, shapes)
-    return [i], (draw(st.sampled_from(["cumsum", "cumprod", "cumlogsumexp"])),
-                 _axis(draw, len(shapes[i])), draw(st.booleans()), draw(st.booleans()))
+    name = draw(st.sampled_from(["cumsum", "cumprod", "cumlogsumexp"]))
+    exclusive = draw(st.booleans()) and name != "cumlogsumexp"  # (its first value: -inf)
+    return [i], (name, _axis(draw, len(shapes[i])), exclusive, draw(st.booleans()))
 
 
 def _softmax(draw, shapes):
@@ -490,6 +493,8 @@ def programs(draw):
             _reject(f"TF refuses {op}")
         if out.shape.num_elements() == 0 or out.shape.rank == 0 and op != "reduce":
             _reject("empty or scalar")
+        if not np.isfinite(out.numpy()).all():  # (special values: test_tf_special_values.py)
+            _reject("a value not finite")
         assume(out.shape.num_elements() <= 4096)
         vals.append(out)
         steps.append((op, args, params))
@@ -504,7 +509,7 @@ def _inputs(shapes, seed):
 
 def _run_tf(shapes, steps, static, v2, feeds, dtype):
     """The program as a TF1 graph over ``dtype`` placeholders: (graph def, y, TF's gradients
-    wrt every input or None, the upstream gradient)."""
+    wrt every input or None, the upstream gradient, the names of TF's gradient tensors)."""
     graph = tf.Graph()
     with control_flow(v2), graph.as_default():
         vals = [tf.compat.v1.placeholder(dtype, s if static else [None] * len(s), name=f"x{i}")
@@ -513,7 +518,7 @@ def _run_tf(shapes, steps, static, v2, feeds, dtype):
         for op, args, params in steps:
             vals.append(OPS[op][1](params, *[vals[i] for i in args]))
         y = tf.identity(vals[-1], name="result")
-        gy = tf.compat.v1.placeholder(dtype, name="gy")
+        gy = tf.compat.v1.placeholder(dtype, [None] * y.shape.rank, name="gy")
         gs = tf.gradients(y, ins, grad_ys=gy)
         fetch = [tf.convert_to_tensor(g) for g in gs if g is not None]
     feeds = {k: v.astype(dtype) for k, v in feeds.items()}
@@ -521,7 +526,7 @@ def _run_tf(shapes, steps, static, v2, feeds, dtype):
     gys = upstream(want_y.shape, dtype)
     got = iter(tf_run(graph, fetch, {**feeds, gy: gys}))
     return graph.as_graph_def(add_shapes=True), want_y, [
-        None if g is None else next(got) for g in gs], gys
+        None if g is None else next(got) for g in gs], gys, [t.name for t in fetch]
 
 
 def check(shapes, steps, static, v2, seed, dtype="float64"):
@@ -529,10 +534,10 @@ def check(shapes, steps, static, v2, seed, dtype="float64"):
     gradients wrt every input with TF's in float64 (a float32 program: within 1e-3 of the
     largest entry plus 10x TF's own float32 error, as tests/util.within)."""
     feeds = {f"x{i}:0": v for i, v in enumerate(_inputs(shapes, seed))}
-    gd, y64, g64, gys = _run_tf(shapes, steps, static, v2, feeds, "float64")
+    gd, y64, g64, gys, tf_grads = _run_tf(shapes, steps, static, v2, feeds, "float64")
     y32, g32 = y64, g64
     if dtype == "float32":
-        gd, y32, g32, _ = _run_tf(shapes, steps, static, v2, feeds, "float32")
+        gd, y32, g32, _, tf_grads = _run_tf(shapes, steps, static, v2, feeds, "float32")
         for a, b in zip([y32, *g32], [y64, *g64]):
             if a is not None and not np.array_equal(np.isfinite(a), np.isfinite(b)):
                 _reject("float32 overflows")
@@ -558,6 +563,17 @@ def check(shapes, steps, static, v2, seed, dtype="float64"):
             assert ours is None or not np.any(ours), f"{name}: nonzero where TF has none"
         else:
             _close(np.zeros_like(w) if ours is None else ours, w, w32, f"d/d{name}")
+    # TF's own gradient graph, converted: the training graphs TF1 users bring
+    try:
+        m2 = convert(gd, inputs=[*feeds, "gy:0"], outputs=tf_grads)
+    except ConversionError as e:
+        GRAPH_REFUSED[str(e)[:80]] = GRAPH_REFUSED.get(str(e)[:80], 0) + 1
+    else:
+        onnx.checker.check_model(m2, full_check=True)
+        outs = iter(ort_run(m2, {**feeds, "gy:0": gys.astype(dtype)}, tf_grads))
+        for name, w, w32 in zip(feeds, g64, g32):
+            if w is not None:
+                _close(next(outs), w, w32, f"d/d{name} (TF's gradient graph, converted)")
     CHECKED.append([f"{op}:{p}" if isinstance(p, str) else f"{op}:{p[0]}" if isinstance(
         p, tuple) and isinstance(p[0], str) else op for op, _, p in steps])
 

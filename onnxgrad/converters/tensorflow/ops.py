@@ -626,6 +626,27 @@ def _matrix_diag_part(c, n):
     return [c.op("Slice", [d, c.i64(0), length, c.i64(-1)])]
 
 
+@handler("MatrixSetDiag", "MatrixSetDiagV2", "MatrixSetDiagV3")
+def _matrix_set_diag(c, n):
+    """(x [..., M, N], diagonal [..., min(M, N)]) -> x with its main diagonal replaced
+    (MatrixDiagPart's gradient in TF's graphs): Where(i == j) picks column j of the diagonal,
+    padded with zeros to N. Other diagonals (k != 0) are refused."""
+    if n.op != "MatrixSetDiag":
+        k = c.const_input(n, 2, required="the diagonal's offset k")
+        if np.any(np.asarray(k) != 0):
+            raise ConversionError(f"{n}: only the main diagonal (k = 0) is supported, not "
+                                  f"k={np.asarray(k).tolist()}")
+    x, d = c.x(n, 0), c.x(n, 1)
+    rows, cols = _row_col(c, x)
+    missing = c.op("Sub", [c.op("Shape", [x], start=-1), c.op("Shape", [d], start=-1)])
+    rank = c.op("Shape", [c.op("Shape", [d])])   # [r], at run time (TF's graphs may not say)
+    zeros = lambda k: c.op("ConstantOfShape", [k], value=helper.make_tensor(  # noqa: E731
+        "zero", TensorProto.INT64, [1], [0]))
+    pads = c.op("Concat", [zeros(rank), zeros(c.op("Sub", [rank, c.i64(1)])), missing], axis=0)
+    row = c.op("Unsqueeze", [c.op("Pad", [d, pads]), c.i64(-2)])   # [..., 1, N]
+    return [c.op("Where", [c.op("Equal", [rows, cols]), row, x])]
+
+
 @handler("MatrixBandPart")
 def _matrix_band_part(c, n):
     """(x, num_lower, num_upper): x[..., i, j] where (num_lower < 0 or i - j <= num_lower) and
@@ -1053,6 +1074,46 @@ def _pad_symmetric(c, n):
         parts += [_flip_slice(c, y, axis, -1, -hi - 1)] if hi else []
         y = c.op("Concat", parts, axis=axis) if len(parts) > 1 else y
     return y
+
+
+@handler("MirrorPadGrad")
+def _mirror_pad_grad(c, n):
+    """(dy, paddings) -> dx of MirrorPad: per axis with pads (lo, hi) around x's L elements,
+    the middle of dy plus its borders reversed and added where they were read: REFLECT's left
+    border onto x[1 : lo + 1], its right onto x[L - 1 - hi : L - 1]; SYMMETRIC's onto
+    x[0 : lo] and x[L - hi : L]. L is known at run time only (full-rank pads: see
+    rules/shape.py _zero_pad on Pad's axes input)."""
+    reflect = c.attr(n, "mode", "REFLECT").upper() == "REFLECT"
+    pads = c.const_input(n, 1, required="MirrorPadGrad's paddings")
+    r = len(pads)
+    t = c.x(n, 0)
+    for a, (lo, hi) in enumerate(pads):
+        lo, hi = int(lo), int(hi)
+        if not lo and not hi:
+            continue
+        size = c.op("Sub", [c.op("Gather", [c.op("Shape", [t]), c.i64(a)]), c.i64(lo + hi)])
+        parts = [c.op("Slice", [t, c.i64(lo), c.i64(-hi if hi else BIG), c.i64(a)])]
+        shift = 1 if reflect else 0
+        if lo:  # reversed, onto x[shift : shift + lo]
+            after = c.op("Sub", [size, c.i64(lo + shift)])
+            parts.append(_pad_axis(c, _flip_slice(c, t, a, lo - 1, -BIG), a, r,
+                                   c.i64(shift), after))
+        if hi:  # reversed, onto x[L - shift - hi : L - shift]
+            before = c.op("Sub", [size, c.i64(hi + shift)])
+            parts.append(_pad_axis(c, _flip_slice(c, t, a, -1, -hi - 1), a, r, before,
+                                   c.i64(shift)))
+        t = parts[0]
+        for p in parts[1:]:
+            t = c.op("Add", [t, p])
+    return [t]
+
+
+def _pad_axis(c, x, axis, rank, before, after):
+    """x padded with zeros by ``before`` / ``after`` (int64 [1]) on ``axis`` of ``rank``."""
+    zeros = lambda k: [c.i64(*[0] * k)] if k else []  # noqa: E731
+    pads = c.op("Concat", [*zeros(axis), before, *zeros(rank - 1),
+                           after, *zeros(rank - 1 - axis)], axis=0)
+    return c.op("Pad", [x, pads])
 
 
 def _flip_slice(c, x, axis, start, end):

@@ -204,6 +204,11 @@ def apply_scan_writes(c: Converter, r: Resource, idx: str, values: str) -> None:
         r.unwritten, r.fixed_size = None, True
     else:
         dense = c.stacked.get(seq) or _stack(c, seq)
+    # a Loop that runs no iteration gives its scan outputs zero dims past the first (onnxruntime
+    # cannot know them): ScatterND refused [0, 0] updates into [1, 5] (tf.scan over one
+    # element scans the rest, none; found by bench/fuzz_tf.py). The rows' shape is dense's.
+    values = c.op("Reshape", [values, c.op("Concat", [c.op("Shape", [idx]), c.op(
+        "Shape", [dense], start=1)], axis=0)])
     dense = c.op("ScatterND", [dense, c.op("Unsqueeze", [idx, c.i64(-1)]), values],
                  reduction="add" if len(r.key) > 1 else "none")
     seq = c.set_state(r, c.op("SplitToSequence", [dense], axis=0, keepdims=0))
