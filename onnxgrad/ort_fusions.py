@@ -51,38 +51,41 @@ def guard_pad_fusion(model: onnx.ModelProto) -> onnx.ModelProto:
                 continue  # a value other than zero: not fused
             if opset < 18 and value is not None and value not in consts:
                 continue  # a computed value (rare): no -0.0 in its place (module docstring)
-            new: list = []
             if opset >= 18:
-                axes = unique_name(f"{n.output[0]}_axes", taken)
-                if n.input[1] in consts:
-                    size = int(np.prod(consts[n.input[1]].dims))
-                    g.initializer.append(numpy_helper.from_array(
-                        np.arange(size // 2, dtype=np.int64), axes))
-                else:  # every axis: half the pads' length, at run time
-                    half = unique_name(f"{n.output[0]}_rank", taken)
-                    new = [helper.make_node("Size", [n.input[1]], [half + "_2"]),
-                           helper.make_node("Div", [half + "_2", _const(g, taken, 2)], [half]),
-                           helper.make_node("Range", [_const(g, taken, 0), half,
-                                                      _const(g, taken, 1)], [axes])]
-                n.input[2:] = [value or "", axes]
-            else:
+                _give_axes(g, n, consts, taken, value)
+                continue
+            dtype = _dtype(types, n.input[0]) or _dtype(types, value)
+            if dtype is None and not inferred:  # (rare: a pool below opset 18)
+                inferred = True
+                types.update(value_types(graphs_of(
+                    onnx.shape_inference.infer_shapes(model).graph)))
                 dtype = _dtype(types, n.input[0]) or _dtype(types, value)
-                if dtype is None and not inferred:  # (rare: a pool below opset 18)
-                    inferred = True
-                    types.update(value_types(graphs_of(
-                        onnx.shape_inference.infer_shapes(model).graph)))
-                    dtype = _dtype(types, n.input[0]) or _dtype(types, value)
-                if dtype not in _FLOATS:
-                    continue  # an integer pool (rare); onnxgrad's sessions are safe
-                neg = unique_name(f"{n.output[0]}_value", taken)
-                g.initializer.append(numpy_helper.from_array(
-                    np.array(-0.0, helper.tensor_dtype_to_np_dtype(dtype)), neg))
-                n.input[2:] = [neg]
-            if new:
-                at = list(g.node).index(n)
-                for k, node in enumerate(new):
-                    g.node.insert(at + k, node)
+            if dtype not in _FLOATS:
+                continue  # an integer pool (rare); onnxgrad's sessions are safe
+            neg = unique_name(f"{n.output[0]}_value", taken)
+            g.initializer.append(numpy_helper.from_array(
+                np.array(-0.0, helper.tensor_dtype_to_np_dtype(dtype)), neg))
+            n.input[2:] = [neg]
     return model
+
+
+def _give_axes(g: onnx.GraphProto, n: onnx.NodeProto, consts: dict, taken: set, value):
+    """Pad ``n`` given an axes input naming every axis: constant where its pads are, else
+    computed before it (half the pads' length)."""
+    axes = unique_name(f"{n.output[0]}_axes", taken)
+    if n.input[1] in consts:
+        size = int(np.prod(consts[n.input[1]].dims))
+        g.initializer.append(numpy_helper.from_array(np.arange(size // 2, dtype=np.int64), axes))
+    else:
+        half = unique_name(f"{n.output[0]}_rank", taken)
+        at = list(g.node).index(n)
+        for k, node in enumerate([
+                helper.make_node("Size", [n.input[1]], [half + "_2"]),
+                helper.make_node("Div", [half + "_2", _const(g, taken, 2)], [half]),
+                helper.make_node("Range", [_const(g, taken, 0), half, _const(g, taken, 1)],
+                                 [axes])]):
+            g.node.insert(at + k, node)
+    n.input[2:] = [value or "", axes]
 
 
 def _dtype(types: dict, name: str | None) -> int | None:

@@ -404,9 +404,8 @@ def _apply_linalg(p, a):
     if p == "clip_norm":
         return tf.clip_by_norm(a, 1.0, axes=[-1])
     if p == "gather_batch":  # each row of axis 0 gathers its own columns of axis 1
-        idx = [[k % 2 for k in range(3)] for _ in range(a.shape[0] or 1)]
-        return tf.gather(a, tf.constant(idx)[: tf.shape(a)[0]] % tf.shape(a)[1], axis=1,
-                         batch_dims=1)
+        idx = tf.tile(tf.constant([[1, 0, 1]]), tf.stack([tf.shape(a)[0], 1]))
+        return tf.gather(a, idx % tf.shape(a)[1], axis=1, batch_dims=1)
     if p == "boolean_mask":  # a run-time length
         return tf.boolean_mask(a, a > 0.0)
     if p == "squeeze":
@@ -519,7 +518,10 @@ def _run_tf(shapes, steps, static, v2, feeds, dtype):
             vals.append(OPS[op][1](params, *[vals[i] for i in args]))
         y = tf.identity(vals[-1], name="result")
         gy = tf.compat.v1.placeholder(dtype, [None] * y.shape.rank, name="gy")
-        gs = tf.gradients(y, ins, grad_ys=gy)
+        try:
+            gs = tf.gradients(y, ins, grad_ys=gy)
+        except (TypeError, LookupError, ValueError) as e:  # (bicubic resizes in float64)
+            _reject(f"TF cannot differentiate it: {type(e).__name__}")
         fetch = [tf.convert_to_tensor(g) for g in gs if g is not None]
     feeds = {k: v.astype(dtype) for k, v in feeds.items()}
     want_y = tf_run(graph, y, feeds)
