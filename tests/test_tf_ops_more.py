@@ -544,3 +544,17 @@ def test_matrix_set_diag_hypothesis(shape, data):
     d = rnd(*shape[:-2], min(shape[-2:]), dtype=x.dtype)
     check(lambda x, d: tf.linalg.set_diag(x, tf.sin(d)) * x, {"x": x, "d": d}, diff=("x", "d"))
     check(lambda x: tf.linalg.diag_part(x) * 2.0, {"x": x}, diff=("x",))
+    # trace's and diag_part's gradient graphs on [M, N]: MatrixDiagV3 with num_rows M and
+    # num_cols N (refused where M != N before session 36)
+    check(lambda x: tf.linalg.trace(x) * 2.0, {"x": x}, diff=("x",))
+
+
+@pytest.mark.parametrize("rows, cols", [(3, -1), (-1, 3), (4, 3), (3, 5), (-1, -1)])
+def test_matrix_diag_v3_sizes(rows, cols):
+    """MatrixDiagV3 (k = 0) with num_rows / num_cols given or inferred (m where not given),
+    square or not, and its gradient."""
+    d = rnd(2, 3, dtype=np.float64)
+    check(lambda d: tf.raw_ops.MatrixDiagV3(diagonal=tf.sin(d), k=0, num_rows=rows,
+                                            num_cols=cols, padding_value=0.5,
+                                            align="RIGHT_LEFT"),
+          {"d": d}, diff=("d",), shapes={"d": [2, 3]})

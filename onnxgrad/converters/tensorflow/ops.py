@@ -577,28 +577,42 @@ def _rows(c, n, cond):
 # -- linear algebra ----------------------------------------------------------------------------
 @handler("MatrixDiag", "MatrixDiagV2", "MatrixDiagV3")
 def _matrix_diag(c, n):
-    """Square matrices with the vectors ``diagonal`` [..., m] on their main diagonal and
-    padding_value elsewhere (tf.eye, tf.linalg.diag): Where(i == j) over Range(m). Other
-    diagonals (k != 0) and non-square results are refused."""
+    """Matrices [..., R, C] with the vectors ``diagonal`` [..., m] on their main diagonal and
+    padding_value elsewhere (tf.eye, tf.linalg.diag; R and C num_rows and num_cols, m where
+    not given, as TF's kernel: a non-square one is diag_part's gradient in TF's graphs):
+    Where(i == j) over Range(R) x Range(C), the diagonal padded to R. Other diagonals (k != 0)
+    are refused."""
     x = c.x(n, 0)
     pad = scalar(c, n, 0)
-    if n.op != "MatrixDiag":
-        k = c.const_input(n, 1, required="the diagonal's offset k")
-        rows = c.const_input(n, 2, required="num_rows")
-        cols = c.const_input(n, 3, required="num_cols")
-        shape = static_shape(c, n.inputs[0])
-        m = None if shape is None or not shape else shape[-1]
-        square = int(rows) == int(cols) and (int(rows) == -1 or m is None or m == int(rows))
-        if np.any(np.asarray(k) != 0) or not square:
-            raise ConversionError(f"{n}: only the main diagonal of square matrices as long as "
-                                  f"it (k = 0) is supported, not k={np.asarray(k).tolist()}, "
-                                  f"num_rows={int(rows)}, num_cols={int(cols)}")
-        pad = c.x(n, 4)
     zero, one = c.const(0, np.int64), c.const(1, np.int64)
     m = c.op("Squeeze", [c.op("Shape", [x], start=-1)])
-    i = c.op("Range", [zero, m, one])
-    eye = c.op("Equal", [c.op("Unsqueeze", [i, c.i64(1)]), c.op("Unsqueeze", [i, c.i64(0)])])
+    size = {"rows": m, "cols": m}
+    if n.op != "MatrixDiag":
+        k = c.const_input(n, 1, required="the diagonal's offset k")
+        if np.any(np.asarray(k) != 0):
+            raise ConversionError(f"{n}: only the main diagonal (k = 0) is supported, not "
+                                  f"k={np.asarray(k).tolist()}")
+        for i, what in ((2, "rows"), (3, "cols")):
+            v = int(c.const_input(n, i, required=f"num_{what}"))
+            if v != -1:
+                size[what] = c.const(v, np.int64)
+        pad = c.x(n, 4)
+    i = c.op("Range", [zero, size["rows"], one])
+    j = c.op("Range", [zero, size["cols"], one])
+    eye = c.op("Equal", [c.op("Unsqueeze", [i, c.i64(1)]), c.op("Unsqueeze", [j, c.i64(0)])])
+    if size["rows"] is not m:
+        x = _pad_last(c, x, c.op("Reshape", [c.op("Sub", [size["rows"], m]), c.i64(1)]))
     return [c.op("Where", [eye, c.op("Unsqueeze", [x, c.i64(-1)]), pad])]
+
+
+def _pad_last(c, x, more):
+    """x padded with ``more`` (int64 [1]) zeros at the end of its last axis (its rank read at
+    run time: TF's graphs may not say it)."""
+    rank = c.op("Shape", [c.op("Shape", [x])])
+    zeros = lambda k: c.op("ConstantOfShape", [k], value=helper.make_tensor(  # noqa: E731
+        "zero", TensorProto.INT64, [1], [0]))
+    return c.op("Pad", [x, c.op("Concat", [zeros(rank), zeros(c.op("Sub", [rank, c.i64(1)])),
+                                           more], axis=0)])
 
 
 def _row_col(c, x):
@@ -639,11 +653,7 @@ def _matrix_set_diag(c, n):
     x, d = c.x(n, 0), c.x(n, 1)
     rows, cols = _row_col(c, x)
     missing = c.op("Sub", [c.op("Shape", [x], start=-1), c.op("Shape", [d], start=-1)])
-    rank = c.op("Shape", [c.op("Shape", [d])])   # [r], at run time (TF's graphs may not say)
-    zeros = lambda k: c.op("ConstantOfShape", [k], value=helper.make_tensor(  # noqa: E731
-        "zero", TensorProto.INT64, [1], [0]))
-    pads = c.op("Concat", [zeros(rank), zeros(c.op("Sub", [rank, c.i64(1)])), missing], axis=0)
-    row = c.op("Unsqueeze", [c.op("Pad", [d, pads]), c.i64(-2)])   # [..., 1, N]
+    row = c.op("Unsqueeze", [_pad_last(c, d, missing), c.i64(-2)])   # [..., 1, N]
     return [c.op("Where", [c.op("Equal", [rows, cols]), row, x])]
 
 
