@@ -9,10 +9,11 @@ ReLU6, Softmax, Dropout) or sequence layers (Dense, TimeDistributed, LSTM / GRU 
 forms) / SimpleRNN forward or backward, their last state, Bidirectional, Conv1D with causal
 padding, pools, MultiHeadAttention, Attention, LayerNormalization), over float inputs or
 int32 token ids through an Embedding; any layer may sit in a residual branch merged with its
-input (Add, Subtract, Multiply, Maximum, Average, Concatenate); then a head. The model is built twice from the same layer list: in
-float32, which is exported, converted (``onnxgrad.converters.tensorflow.convert``) and
-differentiated by ``onnxgrad.gradients`` (run on onnxruntime), and in float64 with the same
-weights, whose ``tf.GradientTape`` is the reference (:func:`check`).
+input (Add, Subtract, Multiply, Maximum, Average, Concatenate); then a head. The model is
+built twice from the same layer list: in float32, which is exported, converted
+(``onnxgrad.converters.tensorflow.convert``) and differentiated by ``onnxgrad.gradients``
+(run in a stock onnxruntime session), and in float64 with the same weights, whose
+``tf.GradientTape`` is the reference (:func:`check`).
 
 Kinks: no margins are recorded here; where TF's own float32 gradient is more than 1 % of the
 largest reference gradient off the float64 one, the float32 point sits at a kink or is

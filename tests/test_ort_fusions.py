@@ -1,4 +1,5 @@
-"""Models that onnxruntime's graph optimizer used to break, run as written (onnxgrad/ort_fusions.py).
+"""Models that onnxruntime's graph optimizer used to break, run as written
+(onnxgrad/ort_fusions.py).
 
 onnxruntime 1.31 folds a Pad of zeros into the MaxPool or AveragePool that reads it (its
 Pad_Fusion): a MaxPool's pads are -inf, so windows of negative values over the zeros came out
@@ -92,9 +93,9 @@ def pad_pool_models(draw):
     if nhwc:
         nodes.append(helper.make_node("Transpose", ["q"], ["y"], perm=[0, 2, 3, 1]))
     shape = [2, h, w, 3] if nhwc else [2, 3, h, w]
-    g = helper.make_graph(nodes, "pad_pool",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *shape[1:]])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None] * 4)], inits)
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *shape[1:]])
+    y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, [None] * 4)
+    g = helper.make_graph(nodes, "pad_pool", [x_info], [y_info], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
     x = np.random.default_rng(draw(st.integers(0, 99))).standard_normal(shape)
     return m, (x - 1.5).astype(np.float32)  # mostly negative: zeros win the padded windows

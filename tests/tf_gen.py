@@ -1,24 +1,26 @@
 """Random TensorFlow programs of raw ops, converted and differentiated, against TensorFlow.
 
 A generator of the graphs the converter meets beyond Keras's layers (``tests/test_tf_fuzz.py``;
-more examples with ``python bench/fuzz_tf.py``): one or two float64 inputs of rank 1 to 4,
-then 1 to 6 ops, each reading one or two earlier values (a value read twice: gradients that
-add up) from a catalogue: elementwise math on its domain, broadcasting binaries, reductions,
-reshapes and transposes, slices with strides, gathers with repeated indices, concatenation and
-splits, pads, cumulative sums and products, softmax, matrix products, selects, top-k, 2-D
+more examples with ``python bench/fuzz_tf.py``): one or two inputs of rank 1 to 4, then 1 to 6
+ops, each reading one or two earlier values (a value read twice: gradients that add up) from a
+catalogue: elementwise math on its domain, broadcasting binaries, reductions, reshapes and
+transposes, slices with strides, gathers with repeated indices, concatenation and splits,
+pads, cumulative sums and products, softmax, matrix products, selects, top-k, 2-D
 convolutions, transposed convolutions and pools, losses, segment reductions and scatters,
 band and diagonal parts, einsum, a boolean mask (a run-time length), and control flow (a while
-loop, a cond, a scan, a TensorArray loop, in TF's v1 or v2 form). The graph's placeholders have unknown dims, or static ones (drawn).
+loop, a cond, a scan, a TensorArray loop, in TF's v1 or v2 form). The graph's placeholders
+have unknown dims, or static ones (drawn); a quarter of the programs go through a SavedModel
+instead (a tf.function saved and converted from its directory).
 
 Each op is drawn against the values TF computes eagerly for the example's inputs, so its
 parameters fit their shapes. The oracle (:func:`check`): the converted forward equals TF's,
-``onnxgrad.gradients`` equals ``tf.gradients`` with a non-uniform upstream gradient, all in
-float64, to 1e-9 of each tensor's largest entry; every value a program computes is finite
-(special values: tests/test_tf_special_values.py), and TF's own gradient graph, converted,
-gives TF's gradients too. Ties of maxima and the kinks of abs, relu and
-the like are not drawn on purpose: random float64 values meet them with probability 0, except
-where a program makes them (a value tiled, then reduced by max): the comparison reports those
-as found, and a documented subgradient is an example rejected by name here.
+``onnxgrad.gradients`` equals ``tf.gradients`` with a non-uniform upstream gradient, and so
+does TF's own gradient graph, converted. A float64 program is held to 1e-9 of each tensor's
+largest entry; a float32 one to its float64 twin's results (1e-3, plus 10x TF's own float32
+error). Every value a program computes is finite (special values:
+tests/test_tf_special_values.py). Ties of maxima and the kinks of abs, relu and the like are
+not drawn on purpose: random values meet them with probability 0, except where a program
+makes them (a value tiled, then reduced by max), and the comparison reports those as found.
 """
 from __future__ import annotations
 
@@ -476,8 +478,9 @@ def _eager(f, *a):
 
 @st.composite
 def programs(draw):
-    """(input shapes, steps, static dims?, control flow v2?, seed): steps are (op, the
-    indices of the values it reads, params); value i < len(inputs) is input i."""
+    """(input shapes, steps, static dims?, control flow v2?, seed, dtype, a SavedModel?):
+    steps are (op, the indices of the values it reads, params); value i < len(inputs) is
+    input i."""
     shapes = [tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
               for _ in range(draw(st.integers(1, 2)))]
     seed = draw(st.integers(0, 2**16))
@@ -498,7 +501,8 @@ def programs(draw):
         vals.append(out)
         steps.append((op, args, params))
     dtype = draw(st.sampled_from(["float64", "float64", "float32"]))
-    return shapes, steps, draw(st.booleans()), draw(st.booleans()), seed, dtype
+    saved = draw(st.sampled_from([False, False, False, True]))
+    return shapes, steps, draw(st.booleans()), draw(st.booleans()), seed, dtype, saved
 
 
 def _inputs(shapes, seed):
@@ -531,10 +535,12 @@ def _run_tf(shapes, steps, static, v2, feeds, dtype):
         None if g is None else next(got) for g in gs], gys, [t.name for t in fetch]
 
 
-def check(shapes, steps, static, v2, seed, dtype="float64"):
-    """Build the program as a TF1 graph, convert it, and compare the forward and onnxgrad's
-    gradients wrt every input with TF's in float64 (a float32 program: within 1e-3 of the
-    largest entry plus 10x TF's own float32 error, as tests/util.within)."""
+def check(shapes, steps, static, v2, seed, dtype="float64", saved=False):
+    """Build the program as a TF1 graph, convert it (``saved``: the program as a tf.function
+    saved as a SavedModel, converted from its directory), and compare the forward and
+    onnxgrad's gradients wrt every input with TF's in float64 (a float32 program: within 1e-3
+    of the largest entry plus 10x TF's own float32 error, as tests/util.within); TF's own
+    gradient graph converted, too."""
     feeds = {f"x{i}:0": v for i, v in enumerate(_inputs(shapes, seed))}
     gd, y64, g64, gys, tf_grads = _run_tf(shapes, steps, static, v2, feeds, "float64")
     y32, g32 = y64, g64
@@ -549,15 +555,20 @@ def check(shapes, steps, static, v2, seed, dtype="float64"):
                 _reject("kink (TF's float32 gradient is off its float64 one)")
     feeds = {k: v.astype(dtype) for k, v in feeds.items()}
     try:
-        model = convert(gd, inputs=list(feeds), outputs=["result:0"])
+        if saved:
+            model, names = _saved_model(shapes, steps, static, dtype)
+        else:
+            model = convert(gd, inputs=list(feeds), outputs=["result:0"])
+            names = (list(feeds), "result:0")
     except ConversionError as e:
         _reject(f"refused: {str(e)[:60]}")
     onnx.checker.check_model(model, full_check=True)
-    got_y = ort_run(model, feeds, ["result:0"])[0]
+    ins, out = names
+    got_y = ort_run(model, dict(zip(ins, feeds.values())), [out])[0]
     _close(got_y, y64, y32, "forward")
-    res = onnxgrad.gradients(model, "result:0", list(feeds), grad_ys=["gy"])
+    res = onnxgrad.gradients(model, out, ins, grad_ys=["gy"])
     onnx.checker.check_model(res.model, full_check=True)
-    outs = iter(ort_run(res.model, {**feeds, "gy": gys.astype(dtype)},
+    outs = iter(ort_run(res.model, {**dict(zip(ins, feeds.values())), "gy": gys.astype(dtype)},
                         [g for g in res.grads if g]))
     for name, g, w, w32 in zip(feeds, res.grads, g64, g32):
         ours = None if g is None else next(outs)
@@ -578,6 +589,32 @@ def check(shapes, steps, static, v2, seed, dtype="float64"):
                 _close(next(outs), w, w32, f"d/d{name} (TF's gradient graph, converted)")
     CHECKED.append([f"{op}:{p}" if isinstance(p, str) else f"{op}:{p[0]}" if isinstance(
         p, tuple) and isinstance(p[0], str) else op for op, _, p in steps])
+
+
+def _saved_model(shapes, steps, static, dtype):
+    """The program as a tf.function of the inputs (TF2: v2 control flow, its ops inside a
+    function call), saved with ``tf.saved_model.save`` and converted from the directory:
+    (model, (input names in order, output name))."""
+    import tempfile
+
+    specs = [tf.TensorSpec(s if static else [None] * len(s), dtype, name=f"x{i}")
+             for i, s in enumerate(shapes)]
+
+    @tf.function(input_signature=specs, autograph=False)
+    def program(*xs):
+        vals = list(xs)
+        for op, args, params in steps:
+            vals.append(OPS[op][1](params, *[vals[i] for i in args]))
+        return {"y": vals[-1]}
+
+    module = tf.Module()
+    module.program = program
+    with tempfile.TemporaryDirectory() as d:
+        _eager(tf.saved_model.save, module, d, {"serving_default": program})
+        model = convert(d)
+    names = [i.name for i in model.graph.input]
+    ins = [next(n for n in names if n.split(":")[0].endswith(f"x{i}")) for i in range(len(shapes))]
+    return model, (ins, model.graph.output[0].name)
 
 
 def _close(got, want, tf32, what):
