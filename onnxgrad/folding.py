@@ -32,7 +32,7 @@ def shape_seeds(model: onnx.ModelProto, types: dict, opset: int) -> list:
     (and on fully static shapes in ``types``) is folded into Constants; dims that inference
     made up there are left unknown."""
     graph = model.graph
-    known = _known_values(graph, types, opset)
+    known = _known_values(graph, types, opset, _feeding_unshaped(graph, types))
     if not known:
         return []
     folded = onnx.ModelProto()
@@ -62,8 +62,25 @@ def shape_seeds(model: onnx.ModelProto, types: dict, opset: int) -> list:
     return out
 
 
-def _known_values(graph: onnx.GraphProto, types: dict, opset: int) -> dict:
-    """{name: array} of the integer values ``graph`` computes from its constants."""
+def _feeding_unshaped(graph: onnx.GraphProto, types: dict) -> set:
+    """The indices of the nodes upstream of a node whose output ``types`` gives no shape: the
+    only ones whose values can help (a large graph with static shapes folds little)."""
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    todo = [i for n in graph.node if any(
+        o and (o not in types or not types[o].tensor_type.HasField("shape")) for o in n.output)
+        for i in n.input if i]
+    seen: set = set()
+    while todo:
+        k = producer.get(todo.pop())
+        if k is not None and k not in seen:
+            seen.add(k)
+            todo += [i for i in graph.node[k].input if i]
+    return seen
+
+
+def _known_values(graph: onnx.GraphProto, types: dict, opset: int, wanted: set) -> dict:
+    """{name: array} of the integer values the ``wanted`` nodes of ``graph`` compute from its
+    constants."""
     from onnx.reference import ReferenceEvaluator
 
     known = {}
@@ -71,8 +88,9 @@ def _known_values(graph: onnx.GraphProto, types: dict, opset: int) -> dict:
         if t.data_type in _INTS and np.prod(t.dims, dtype=np.int64) <= _MAX:
             known[name] = numpy_helper.to_array(t)
     found = {}
-    for n in graph.node:
-        if n.domain not in ("", "ai.onnx") or n.op_type not in _OPS or not n.input:
+    for k, n in enumerate(graph.node):
+        if k not in wanted or n.domain not in ("", "ai.onnx") or n.op_type not in _OPS \
+                or not n.input:
             continue
         if n.op_type in ("Shape", "Size"):
             dims = _static_shape(types.get(n.input[0]))
