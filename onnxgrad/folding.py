@@ -32,7 +32,8 @@ def shape_seeds(model: onnx.ModelProto, types: dict, opset: int) -> list:
     (and on fully static shapes in ``types``) is folded into Constants; dims that inference
     made up there are left unknown."""
     graph = model.graph
-    known = _known_values(graph, types, opset, _feeding_unshaped(graph, types))
+    wanted = _feeding_unshaped(graph, types)
+    known = _known_values(graph, types, opset, wanted) if wanted else None
     if not known:
         return []
     folded = onnx.ModelProto()
@@ -65,10 +66,12 @@ def shape_seeds(model: onnx.ModelProto, types: dict, opset: int) -> list:
 def _feeding_unshaped(graph: onnx.GraphProto, types: dict) -> set:
     """The indices of the nodes upstream of a node whose output ``types`` gives no shape: the
     only ones whose values can help (a large graph with static shapes folds little)."""
-    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
     todo = [i for n in graph.node if any(
         o and (o not in types or not types[o].tensor_type.HasField("shape")) for o in n.output)
         for i in n.input if i]
+    if not todo:  # (the usual case: every output shaped)
+        return set()
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
     seen: set = set()
     while todo:
         k = producer.get(todo.pop())

@@ -747,22 +747,10 @@ def _downstream(graph: onnx.GraphProto, names: set) -> set:
     return out
 
 
-def _types_of(inferred: onnx.GraphProto) -> dict:
-    """{name: TypeProto} of every value ``inferred`` and its subgraphs type, initializers
-    included."""
-    types = {}
-    for g in graphs_of(inferred):
-        for vi in [*g.input, *g.value_info, *g.output]:
-            types[vi.name] = vi.type
-        for t in g.initializer:
-            types[t.name] = onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims))
-    return types
-
-
 def _blind_ceil_pools(inferred: onnx.GraphProto) -> set:
     """The outputs of the ceil_mode pools (every graph) whose input's spatial dims onnx's
     inference leaves unknown, so that whether they drop a last window cannot be told."""
-    types = _types_of(inferred)
+    types = value_types(graphs_of(inferred))
     out = set()
     for g in graphs_of(inferred):
         for n in g.node:
@@ -791,7 +779,7 @@ def _rewrite_ceil_pools(inferred: onnx.GraphProto, graph: onnx.GraphProto) -> se
     dims are right: none computed from a pool rewritten in this pass, whose onnx dims are the
     wrong ones (a second pool sized from them computed other windows; the caller infers again
     and calls once more). Returns the outputs of the pools changed."""
-    types = _types_of(inferred)
+    types = value_types(graphs_of(inferred))
     done, tainted = set(), set()  # tainted: dims that onnx got wrong, as far as this pass sees
 
     def walk(g: onnx.GraphProto, target: onnx.GraphProto) -> None:
@@ -923,14 +911,10 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
 
 
 def _folded_seeds(m: onnx.ModelProto, out: onnx.ModelProto) -> list:
-    """folding.shape_seeds for ``m`` (``out``: inference's), where inference left a node output
-    of the main graph without a shape (none are computed otherwise)."""
-    types = value_types([out.graph])
-    if all(o in types and types[o].tensor_type.HasField("shape")
-           for n in out.graph.node for o in n.output if o):
-        return []
+    """folding.shape_seeds for ``m`` (``out``: inference's; none where every node output of
+    the main graph has a shape)."""
     from .folding import shape_seeds
-    return shape_seeds(m, types, model_opset(m))
+    return shape_seeds(m, value_types([out.graph]), model_opset(m))
 
 
 def _may_hold_sequences(graphs: list, kinds: set, opset: int) -> bool:

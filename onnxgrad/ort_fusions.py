@@ -35,7 +35,7 @@ def guard_pad_fusion(model: onnx.ModelProto) -> onnx.ModelProto:
     onnxruntime folds them first (the TorchScript exporter computes ZeroPad2d's pads)."""
     opset = model_opset(model)
     graphs = graphs_of(model.graph)
-    types, inferred = value_types(graphs) if opset < 18 else None, False
+    types, inferred = None, False  # (read only for a guarded Pad below opset 18)
     for g in graphs:
         pads = [n for n in g.node if n.op_type == "Pad" and n.domain in ("", "ai.onnx")
                 and len(n.input) in (2, 3) and _constant_mode(n)]
@@ -54,6 +54,7 @@ def guard_pad_fusion(model: onnx.ModelProto) -> onnx.ModelProto:
             if opset >= 18:
                 _give_axes(g, n, consts, taken, value)
                 continue
+            types = value_types(graphs) if types is None else types
             dtype = _dtype(types, n.input[0]) or _dtype(types, value)
             if dtype is None and not inferred:  # (rare: a pool below opset 18)
                 inferred = True

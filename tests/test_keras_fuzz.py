@@ -7,19 +7,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 
-from tf_util import tf  # noqa: F401  (skips the module without TF)
+from tf_util import eager, tf  # noqa: F401  (tf: skips the module without TF)
 
 keras = pytest.importorskip("keras")
 
 import keras_gen  # noqa: E402
-
-
-def _eager(f, *a):
-    """Keras builds and exports in eager mode, which other test modules switch off for the
-    whole process."""
-    from tensorflow.python.eager import context
-    with context.eager_mode():
-        return f(*a)
 
 
 _CONV = dict(kernel_size=1, strides=1, dilation_rate=1, padding="same", activation="relu",
@@ -40,7 +32,7 @@ _CONV = dict(kernel_size=1, strides=1, dilation_rate=1, padding="same", activati
            ("ZeroPadding2D", dict(padding=((1, 0), (0, 2)))),
            ("MaxPooling2D", dict(pool_size=2, strides=1, padding="same"))], (3, 3, 1), "none", 1))
 def test_converted_keras_models_match_tf(case):
-    _eager(keras_gen.check, *case)
+    eager(keras_gen.check, *case)
 
 
 def test_the_oracle_sees_a_wrong_gradient(monkeypatch):
@@ -58,7 +50,7 @@ def test_the_oracle_sees_a_wrong_gradient(monkeypatch):
 
     case = ([("Conv2D", dict(filters=3, kernel_size=3, padding="same", activation="tanh"))],
             (5, 5, 2), "dense", 2)
-    _eager(keras_gen.check, *case)
+    eager(keras_gen.check, *case)
     monkeypatch.setattr(keras_gen, "session", Off)
     with pytest.raises(AssertionError, match="beyond the tolerance"):
-        _eager(keras_gen.check, *case)
+        eager(keras_gen.check, *case)

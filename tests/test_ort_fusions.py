@@ -23,16 +23,6 @@ from util import quiet, stock_session
 ort = ort_module()
 
 
-def _stock(model, level=None):
-    """A plain onnxruntime session, as a user makes one (every optimizer on by default)."""
-    if level is None:
-        return stock_session(model)
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    so.graph_optimization_level = level
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
 @st.composite
 def pad_pool_models(draw):
     """Pad (zeros) then a pool, NCHW or NHWC between layout Transposes, maybe through a
@@ -105,12 +95,12 @@ def pad_pool_models(draw):
 @given(pad_pool_models())
 def test_guarded_pad_then_pool_runs_as_written(case):
     model, x = case
-    want = _stock(model, ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, {"x": x})[0]
+    want = stock_session(model, ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, {"x": x})[0]
     guarded = guard_pad_fusion(onnx.ModelProto.FromString(model.SerializeToString()))
     onnx.checker.check_model(guarded, full_check=True)
     for level in (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
                   ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
-        np.testing.assert_array_equal(_stock(guarded, level).run(None, {"x": x})[0], want)
+        np.testing.assert_array_equal(stock_session(guarded, level).run(None, {"x": x})[0], want)
     # the unguarded model in a session onnxgrad makes (Pad_Fusion off)
     np.testing.assert_array_equal(session(model).run(None, {"x": x})[0], want)
 
@@ -160,7 +150,7 @@ def test_torch_zero_pad_then_max_pool_gradients_on_stock_onnxruntime(tmp_path, d
         model = onnx.load(path)
         (w,) = [t.name for t in model.graph.initializer if tuple(t.dims) == (2, 3, 1, 1)]
         res = onnxgrad.gradients(model, "y", w, grad_ys="gy")
-        got_y, got_gw = _stock(res.model).run(["y", res.grads[0]],
+        got_y, got_gw = stock_session(res.model).run(["y", res.grads[0]],
                                               {"x": x.numpy(), "gy": gy.numpy()})
         np.testing.assert_allclose(got_y, y.detach().numpy(), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got_gw, gw.numpy(), rtol=1e-5, atol=1e-5)

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 import onnxgrad
 from onnxgrad.converters.tensorflow import ConversionError, convert
-from tf_util import control_flow, ort_run, tf, tf_run, upstream
+from tf_util import control_flow, eager, ort_run, tf, tf_run, upstream
 from util import within
 
 TOL = 1e-9  # max |ours - tf| / max |tf| per tensor, both in float64
@@ -470,12 +470,6 @@ OPS = {
 }
 
 
-def _eager(f, *a):
-    from tensorflow.python.eager import context
-    with context.eager_mode():
-        return f(*a)
-
-
 @st.composite
 def programs(draw):
     """(input shapes, steps, static dims?, control flow v2?, seed, dtype, a SavedModel?):
@@ -485,12 +479,12 @@ def programs(draw):
               for _ in range(draw(st.integers(1, 2)))]
     seed = draw(st.integers(0, 2**16))
     steps = []
-    vals = _eager(lambda: [tf.constant(v) for v in _inputs(shapes, seed)])
+    vals = eager(lambda: [tf.constant(v) for v in _inputs(shapes, seed)])
     for _ in range(draw(st.integers(1, 6))):
         op = draw(st.sampled_from(sorted(OPS)))
         args, params = OPS[op][0](draw, [tuple(v.shape) for v in vals])
         try:
-            out = _eager(OPS[op][1], params, *[vals[i] for i in args])
+            out = eager(OPS[op][1], params, *[vals[i] for i in args])
         except (tf.errors.InvalidArgumentError, ValueError, TypeError, IndexError):
             _reject(f"TF refuses {op}")
         if out.shape.num_elements() == 0 or out.shape.rank == 0 and op != "reduce":
@@ -610,7 +604,7 @@ def _saved_model(shapes, steps, static, dtype):
     module = tf.Module()
     module.program = program
     with tempfile.TemporaryDirectory() as d:
-        _eager(tf.saved_model.save, module, d, {"serving_default": program})
+        eager(tf.saved_model.save, module, d, {"serving_default": program})
         model = convert(d)
     names = [i.name for i in model.graph.input]
     ins = [next(n for n in names if n.split(":")[0].endswith(f"x{i}")) for i in range(len(shapes))]

@@ -47,6 +47,14 @@ def tf1_graph(build, control_flow_v2: bool = False):
     return g, out
 
 
+def eager(f, *a):
+    """f(*a) in eager mode: Keras and tf.saved_model.save need it, and other test modules
+    switch it off for the whole process."""
+    from tensorflow.python.eager import context
+    with context.eager_mode():
+        return f(*a)
+
+
 def tf_run(graph, fetches, feeds):
     with tf.compat.v1.Session(graph=graph) as s:
         return s.run(fetches, feeds)

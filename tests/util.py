@@ -163,13 +163,15 @@ def quiet():
         yield
 
 
-def stock_session(model):
-    """A plain onnxruntime CPU session, as a user makes one: every graph optimizer on, none of
-    those onnxgrad's own sessions leave out (runtime.UNSAFE_OPTIMIZERS), so that the fuzzers
-    check what users run."""
+def stock_session(model, level=None):
+    """A plain onnxruntime CPU session, as a user makes one: every graph optimizer on (or those
+    of ``level``, a GraphOptimizationLevel), none of those onnxgrad's own sessions leave out
+    (runtime.UNSAFE_OPTIMIZERS), so that the fuzzers check what users run."""
     ort = runtime_module()
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if level is not None:
+        so.graph_optimization_level = level
     return ort.InferenceSession(model.SerializeToString(), so,
                                 providers=["CPUExecutionProvider"])
 
