@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 import onnxgrad
 from onnxgrad.converters.tensorflow import convert
+from onnxgrad.training.step import default_params
 from util import stock_session as session
 from util import within
 
@@ -293,8 +294,16 @@ def check(layers, shape, head, units, seed=0, batch=2):
         _reject(f"build: {type(e).__name__}")
     for a, b in zip(m32.weights, m64.weights):
         b.assign(tf.cast(a, tf.float64))
+    check_built(m32, m64, shape, layers[0][0] == "Embedding", seed, batch)
+    CHECKED.append([f"{kw['merge']}({kw['layer'][0]})" if cls == "Residual" else cls
+                    for cls, kw in layers])
+
+
+def check_built(m32, m64, shape, tokens=False, seed=0, batch=2, reject=_reject):
+    """:func:`check` of a built pair: ``m32`` is exported, converted and differentiated, ``m64``
+    (the same weights in float64) is the reference; ``reject(why)`` is called at a kink.
+    Returns the node counts and the worst tensor's max |ours - tf64| / max |tf64|."""
     rng = np.random.default_rng(seed)
-    tokens = layers[0][0] == "Embedding"
     if tokens:
         x = x64 = rng.integers(0, VOCABULARY, (batch, *shape)).astype(np.int32)
     else:
@@ -306,7 +315,7 @@ def check(layers, shape, head, units, seed=0, batch=2):
     scale = max(float(np.abs(g).max()) for g in g64 if g is not None)
     for a, b in zip(g32, g64):
         if a is not None and float(np.abs(a - b).max()) > 1e-2 * max(scale, 1e-30):
-            _reject("kink (TF's float32 gradient is off its float64 one)")
+            reject("kink (TF's float32 gradient is off its float64 one)")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "saved")
         m32.export(path, verbose=False)
@@ -316,6 +325,8 @@ def check(layers, shape, head, units, seed=0, batch=2):
     names = [f"{w.path}:0" for w in m32.trainable_weights]
     inits = {t.name for t in model.graph.initializer}
     assert set(names) <= inits, f"weights not found by their variables' names: {names}"
+    trained = default_params(model)[0]  # what the Trainer trains: exactly Keras's trainables
+    assert sorted(trained) == sorted(names), f"the Trainer would train {trained}, not {names}"
     y_ort = session(model).run([y_out.name], {x_in.name: x})[0]
     noise_y = float(np.abs(y32 - y64).max())
     assert within(y_ort, y64, noise_y, 1e-6, TOL), "the converted forward differs from TF's"
@@ -324,7 +335,7 @@ def check(layers, shape, head, units, seed=0, batch=2):
     onnx.checker.check_model(res.model, full_check=True)
     outs = session(res.model).run([g for g in res.grads if g], {x_in.name: x, "gy": gy})
     got = iter(outs)
-    bad = {}
+    bad, worst = {}, (0.0, "-")
     for name, g, want, t32 in zip(wrt, res.grads, g64[1:] if tokens else g64,
                                   g32[1:] if tokens else g32):
         if g is None:
@@ -335,6 +346,8 @@ def check(layers, shape, head, units, seed=0, batch=2):
         noise = 0.0 if t32 is None else float(np.abs(t32 - want).max())
         if not within(ours, want, noise, 1e-5 * scale, TOL):
             bad[name] = (float(np.abs(ours - want).max()), float(np.abs(want).max()))
+        worst = max(worst, (float(np.abs(ours - want).max() / max(np.abs(want).max(), 1e-30)),
+                            name))
     assert not bad, f"(max |ours - tf64|, max |tf64|) beyond the tolerance: {bad}"
-    CHECKED.append([f"{kw['merge']}({kw['layer'][0]})" if cls == "Residual" else cls
-                    for cls, kw in layers])
+    return dict(nodes=len(model.graph.node), grad_nodes=len(res.model.graph.node),
+                tensors=len(wrt), worst=worst)

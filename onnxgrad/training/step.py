@@ -104,6 +104,9 @@ def with_defaults(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx
 # (the TF converter writes it for a SavedModel's variables): trained by default, rather than every
 # float initializer (a converted graph's constants, 0.5 in gelu, a norm's epsilon, are some)
 WEIGHTS_KEY = "onnxgrad.weights"
+# a JSON object {initializer: why} of float initializers that are not weights (a SavedModel's
+# non-trainable variables, a TF FusedBatchNorm's frozen moving statistics): never trained by default
+NOT_TRAINED_KEY = "onnxgrad.not_trained"
 
 
 # what torch.export (torch.onnx.export(dynamo=True)) records of each tensor it lifted from the
@@ -117,7 +120,8 @@ def default_params(model: onnx.ModelProto) -> tuple[list[str], dict[str, str]]:
     """The initializers trained when ``params`` is not given, and those left out ({name: why}).
 
     The rule: the float initializers that are the model's parameters, as the exporter recorded
-    them where it did: the list under ``WEIGHTS_KEY`` (the TF converter's variables); for a
+    them where it did: the list under ``WEIGHTS_KEY`` (the TF converter's trainable variables;
+    what it lists under ``NOT_TRAINED_KEY``, never); for a
     torch.export model (``torch.onnx.export(dynamo=True)``, which tags what it lifted) the
     tensors tagged PARAMETER, and those the optimizer folded from one (a transposed weight),
     as ``named_parameters()`` gives them, not buffers, constant tensors nor the Python scalars
@@ -126,15 +130,17 @@ def default_params(model: onnx.ModelProto) -> tuple[list[str], dict[str, str]]:
     statistics, not by gradients), nor an initializer holding NaN or inf (a mask of -inf: no
     finite update exists, and it could be neither checkpointed nor exported). Pass ``params``
     or ``frozen`` to choose otherwise."""
-    left_out: dict[str, str] = {}
     floats = [t for t in model.graph.initializer if t.data_type in _FLOATS]
-    listed = next((p.value for p in model.metadata_props if p.key == WEIGHTS_KEY), None)
+    meta = {p.key: p.value for p in model.metadata_props}
+    listed = meta.get(WEIGHTS_KEY)
+    not_trained = json.loads(meta.get(NOT_TRAINED_KEY, "{}"))
+    left_out = {t.name: not_trained[t.name] for t in floats if t.name in not_trained}
     torch_params = _torch_parameters(model)
     if listed is not None:
         weights = set(json.loads(listed))
         for t in floats:
             if t.name not in weights:
-                left_out[t.name] = f"not among the model's weights ({WEIGHTS_KEY})"
+                left_out.setdefault(t.name, f"not among the model's weights ({WEIGHTS_KEY})")
     elif torch_params is not None:
         params, tags = torch_params
         for t in floats:

@@ -82,7 +82,8 @@ class Converter:
         self.stop_gradients: list[str] = []  # outputs of StopGradient (see ops._stop_gradient)
         self.prevent_gradients: dict[str, str] = {}  # PreventGradient output -> its message
         self.node: TFNode | None = None  # the node being converted (names what it emits)
-        self.weights: list[str] | None = None  # a SavedModel's variable nodes
+        self.weights: dict[str, bool] | None = None  # a SavedModel's variables: trainable?
+        self.statistics: dict[str, str] = {}  # value read as a FusedBatchNorm's mean/variance
         self.scan_stacks: dict = {}  # stack key -> its push node (resources.scan_stacks)
         self.scan_pushes: dict = {}  # stack key -> the value pushed in the Loop body being made
         self.scan_dtype: dict = {}  # stack key -> its pushes' ONNX type where not the stack's
@@ -563,6 +564,33 @@ def _check_opset(opset) -> int:
     return opset
 
 
+def _record_weights(c: Converter, m: onnx.ModelProto) -> None:
+    """What training may change, in the model's metadata (onnxgrad.training.step reads it): a
+    SavedModel's trainable variables as its weights; as not trained, its other variables, the
+    frozen statistics a FusedBatchNorm reads (a GraphDef's moving mean and variance) and the
+    float constants the converter made itself (an epsilon, gelu's 0.5), which no TF Const holds."""
+    from ...training.step import _FLOATS, NOT_TRAINED_KEY, WEIGHTS_KEY
+    inits = {t.name for t in m.graph.initializer}
+    not_trained = {t.name: "a constant the converter made (no TF Const holds it)"
+                   for t in m.graph.initializer
+                   if t.data_type in _FLOATS and t.name not in c.weight_values}
+    if c.weights is not None:
+        m.metadata_props.add(key=WEIGHTS_KEY, value=json.dumps(
+            [f"{w}:0" for w, trainable in c.weights.items() if trainable and f"{w}:0" in inits]))
+        not_trained.update({f"{w}:0": "a variable the SavedModel marks not trainable (a "
+                            "layer's state, such as BatchNormalization's moving statistics)"
+                            for w, trainable in c.weights.items()
+                            if not trainable and f"{w}:0" in inits})
+    source = {n.output[0]: n.input[0] for n in m.graph.node if n.op_type == "Identity"}
+    for value, node in c.statistics.items():
+        while value in source and value not in inits:
+            value = source[value]
+        if value in inits and value not in not_trained:
+            not_trained[value] = f"a moving statistic that {node!r} (FusedBatchNorm) reads"
+    if not_trained:
+        m.metadata_props.add(key=NOT_TRAINED_KEY, value=json.dumps(not_trained))
+
+
 def _finish(c: Converter, name: str, opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
     import onnx_ir as ir
     from onnx_ir.passes.common import RemoveUnusedNodesPass
@@ -592,11 +620,7 @@ def _finish(c: Converter, name: str, opset: int = DEFAULT_OPSET) -> onnx.ModelPr
     if prevents:
         from ...autodiff import PREVENT_GRADIENTS_KEY
         m.metadata_props.add(key=PREVENT_GRADIENTS_KEY, value=json.dumps(prevents))
-    if c.weights is not None:  # a SavedModel's variables: what training may change
-        from ...training.step import WEIGHTS_KEY
-        inits = {t.name for t in m.graph.initializer}
-        m.metadata_props.add(key=WEIGHTS_KEY, value=json.dumps(
-            [f"{w}:0" for w in c.weights if f"{w}:0" in inits]))
+    _record_weights(c, m)
     if "onnxgrad" in c.domains:
         from ...rnn import attach_functions
         m = attach_functions(m)

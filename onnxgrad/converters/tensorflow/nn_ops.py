@@ -521,6 +521,7 @@ def _fused_batch_norm(c, n):
         return _per_channel(c, n, v, x, r)
 
     scale, offset, mean, var = (c.x(n, i) for i in range(1, 5))
+    c.statistics.update({mean: n.name, var: n.name})  # moved by statistics, not by training
     if c.attr(n, "is_training", True):
         flat, axes = _channels_view(c, n, x, r)
         mean_b = c.op("ReduceMean", [flat, axes], keepdims=0)

@@ -11,8 +11,9 @@ The signature (default ``serving_default``) gives the default inputs and outputs
 be named by the signature's keys (``keras_tensor``, ``output_0``) instead of tensor names. The
 ONNX model's inputs and outputs keep the frozen graph's tensor names (``keras_tensor:0``,
 ``Identity:0``): :func:`signature_names` maps keys to them. The frozen variables are initializers
-named after the variables (``dense/kernel:0``), listed in the model's metadata as its weights
-(what :class:`onnxgrad.Trainer` trains by default).
+named after the variables (``dense/kernel:0``); the trainable ones are listed in the model's
+metadata as its weights (what :class:`onnxgrad.Trainer` trains by default), the others (a layer's
+state: BatchNormalization's moving statistics, Normalization's mean and variance) as not trained.
 """
 from __future__ import annotations
 
@@ -48,9 +49,10 @@ def is_saved_model(path) -> bool:
 
 def freeze(path, signature: str | None = None):
     """Freeze signature ``signature`` of the SavedModel at ``path``. Returns (GraphDef as bytes,
-    {input key: tensor name}, {output key: tensor name}, the names of the Const nodes that hold
-    its variables), keys in the signature's order. Those Consts are named after their variables
-    ("dense/kernel"), not after the function's placeholders ("unknown", "unknown_0", ...).
+    {input key: tensor name}, {output key: tensor name}, {name of a Const node that holds a
+    variable: whether the variable is trainable}), keys in the signature's order. Those Consts are
+    named after their variables ("dense/kernel"), not after the function's placeholders
+    ("unknown", "unknown_0", ...).
 
     Freezing runs in TF's eager mode, also in a process that switched it off (TF1-style code).
     The last result is kept per directory state, so converting one SavedModel again (other
@@ -115,11 +117,11 @@ def _freeze(tf, path, sig: str):
     out_keys = sorted(out_struct) if isinstance(out_struct, dict) else [
         f"output_{i}" for i in range(len(frozen.outputs))]
     gd = frozen.graph.as_graph_def(add_shapes=True)
-    rename = _variable_names(fn, {n.name for n in gd.node})
+    rename, trainable = _variable_names(fn, {n.name for n in gd.node})
     _rename_nodes(gd, rename)
     inputs = dict(zip(in_keys, (_renamed(t.name, rename) for t in ins)))
     outputs = dict(zip(out_keys, (_renamed(t.name, rename) for t in frozen.outputs)))
-    return gd.SerializeToString(), inputs, outputs, list(rename.values())
+    return gd.SerializeToString(), inputs, outputs, trainable
 
 
 # ops that write a resource variable, which TF's freezer cannot make a constant
@@ -179,12 +181,14 @@ def _freeze_keeping_integer_state(fn):
         return None
 
 
-def _variable_names(fn, taken: set) -> dict:
-    """{frozen constant's node name: its variable's name}: freezing turns each captured
-    variable into a Const named after the function's placeholder for it ("unknown",
-    "unknown_0", ...); the variable's own name ("dense/kernel") says what it is."""
+def _variable_names(fn, taken: set) -> tuple[dict, dict]:
+    """({frozen constant's node name: its variable's name}, {variable's name: trainable}):
+    freezing turns each captured variable into a Const named after the function's placeholder
+    for it ("unknown", "unknown_0", ...); the variable's own name ("dense/kernel") says what it
+    is, and its ``trainable`` flag whether training changes it (Keras's BatchNormalization
+    moving statistics are variables that are not)."""
     by_handle = {id(v.handle): v for v in getattr(fn, "variables", ())}
-    out, used = {}, set(taken)
+    out, used, trainable = {}, set(taken), {}
     for external, internal in getattr(fn.graph, "captures", ()):
         v = by_handle.get(id(external))
         if v is None:
@@ -196,7 +200,8 @@ def _variable_names(fn, taken: set) -> dict:
             name = f"{base}_{k}"
         used.add(name)
         out[internal.op.name] = name
-    return out
+        trainable[name] = bool(getattr(v, "trainable", True))
+    return out, trainable
 
 
 def _rename_nodes(gd, rename: dict) -> None:

@@ -1,0 +1,100 @@
+"""What a converted TensorFlow model trains by default: its trainable variables, never its
+state. Keras's BatchNormalization moving mean and variance and a Normalization layer's
+statistics are SavedModel variables marked not trainable; a frozen GraphDef's FusedBatchNorm
+reads its moving statistics as Consts; the converter's own constants (an epsilon) hold no TF
+Const. Before session 37 the Trainer trained all of those by gradient descent (a moving
+variance can go negative: NaN), where Keras's fit never changes them by gradients."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import numpy_helper
+
+from tf_util import tf  # (skips the module without TF)
+
+import onnxgrad  # noqa: E402
+from onnxgrad.converters.tensorflow import convert  # noqa: E402
+from onnxgrad.training.step import default_params  # noqa: E402
+
+keras = pytest.importorskip("keras")
+L = keras.layers
+
+
+def _bn_model(rng):
+    """Normalization (adapted: its statistics are constants of the exported graph), Conv2D,
+    BatchNormalization with moving statistics away from 0 and 1, ReLU, Dense."""
+    keras.utils.set_random_seed(3)
+    norm = L.Normalization()
+    norm.adapt(rng.standard_normal((16, 6, 6, 2)).astype(np.float32) * 2 + 1)
+    bn = L.BatchNormalization()
+    m = keras.Sequential([keras.Input((6, 6, 2)), norm, L.Conv2D(3, 3), bn, L.ReLU(),
+                          L.Flatten(), L.Dense(2)])
+    bn.moving_mean.assign(rng.standard_normal(3).astype(np.float32))
+    bn.moving_variance.assign(rng.uniform(0.5, 2.0, 3).astype(np.float32))
+    return m
+
+
+def test_keras_state_is_not_trained_and_steps_match_tensorflow(tmp_path):
+    """The Trainer's default parameters are Keras's trainable weights exactly; three SGD steps
+    equal TensorFlow's (the model in inference mode, as exported), and the statistics stay."""
+    rng = np.random.default_rng(0)
+    m = _bn_model(rng)
+    m.export(str(tmp_path / "saved"), verbose=False)
+    model = convert(str(tmp_path / "saved"))
+    trainable = sorted(f"{w.path}:0" for w in m.trainable_weights)
+    inits = {t.name for t in model.graph.initializer}
+    state = sorted(f"{w.path}:0" for w in m.non_trainable_weights if f"{w.path}:0" in inits)
+    params, left_out = default_params(model)
+    assert sorted(params) == trainable
+    assert len(state) == 2 and all("not trainable" in left_out[s] for s in state), left_out
+
+    x = rng.standard_normal((8, 6, 6, 2)).astype(np.float32)
+    target = rng.standard_normal((8, 2)).astype(np.float32)
+    x_in = model.graph.input[0].name
+    trainer = onnxgrad.Trainer(model, "mse", optimizer=onnxgrad.training.SGD(lr=0.05),
+                               device="cpu", threads=1, progress=False)
+    before = {s: v.copy() for s, v in trainer.parameters().items()}
+    ours = [trainer.step({x_in: x, "target": target}) for _ in range(3)]
+
+    opt = keras.optimizers.SGD(0.05)
+    theirs = []
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((m(x, training=False) - target) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_weights), m.trainable_weights))
+        theirs.append(float(loss))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    got = trainer.parameters()
+    for w in m.trainable_weights:
+        np.testing.assert_allclose(got[f"{w.path}:0"], w.numpy(), rtol=1e-4, atol=1e-6)
+    final = {t.name: t for t in trainer.trained_model().graph.initializer}
+    for s in state:
+        assert s not in got and s not in before
+        np.testing.assert_array_equal(numpy_helper.to_array(final[s]),
+                                      next(w for w in m.non_trainable_weights
+                                           if f"{w.path}:0" == s).numpy())
+
+
+def test_graph_def_batch_norm_statistics_and_converter_constants_are_not_trained():
+    """A frozen GraphDef lists no variables: every float TF Const trains by default, except
+    what a FusedBatchNorm reads as its moving mean and variance (also through an Identity);
+    the constants the converter makes (FusedBatchNorm's epsilon) never."""
+    rng = np.random.default_rng(1)
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4, 4, 3], name="x")
+        w = tf.constant(rng.standard_normal((3, 3, 3, 5)).astype(np.float32), name="w")
+        y = tf.nn.conv2d(x, w, 1, "SAME")
+        mean = tf.constant(rng.standard_normal(5).astype(np.float32), name="bn/moving_mean")
+        var = tf.identity(tf.constant(rng.uniform(1, 2, 5).astype(np.float32),
+                                      name="bn/moving_variance"))
+        gamma = tf.constant(np.ones(5, np.float32), name="bn/gamma")
+        beta = tf.constant(np.zeros(5, np.float32), name="bn/beta")
+        z, _, _ = tf.compat.v1.nn.fused_batch_norm(y, gamma, beta, mean, var, is_training=False)
+        tf.identity(tf.reduce_sum(z), name="out")
+    model = convert(g.as_graph_def(), outputs=["out:0"])
+    params, left_out = default_params(model)
+    assert sorted(params) == ["bn/beta:0", "bn/gamma:0", "w:0"]
+    assert "FusedBatchNorm" in left_out["bn/moving_mean:0"]
+    assert "FusedBatchNorm" in left_out["bn/moving_variance:0"]
+    assert any("converter made" in why for why in left_out.values()), left_out
