@@ -32,7 +32,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 import onnxgrad
-from onnxgrad.converters.tensorflow import convert
+from onnxgrad.converters.tensorflow import ConversionError, convert
 from onnxgrad.training.step import default_params
 from util import stock_session as session
 from util import within
@@ -319,7 +319,14 @@ def check_built(m32, m64, shape, tokens=False, seed=0, batch=2, reject=_reject):
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "saved")
         m32.export(path, verbose=False)
-        model = convert(path)
+        try:
+            model = convert(path)
+        except ConversionError as e:
+            if "training mode" not in str(e):
+                raise
+            # Keras's export traced a BatchNormalization after a Resizing layer in training
+            # mode: the SavedModel's serving function updates its statistics (refused, clearly)
+            reject("Keras exported a layer in training mode")
     onnx.checker.check_model(model, full_check=True)
     (x_in,), (y_out,) = model.graph.input, model.graph.output
     names = [f"{w.path}:0" for w in m32.trainable_weights]

@@ -290,3 +290,28 @@ def test_grouped_conv2d_inside_keras_jit_function(tmp_path):
     got = ort_run(tm, dict(zip(tape[1], [x, gy])), tape[2])
     for g, w, what in zip(got, want, ["output", *xs]):
         assert_close(g, w, np.abs(w).max(), f"{what} (the tape's graph)")
+
+
+def test_batch_norm_exported_in_training_mode_is_refused_with_the_remedy(tmp_path):
+    """Keras's model.export() traces a BatchNormalization after a Resizing layer in training
+    mode (its serving function normalizes with the batch's statistics and updates the moving
+    ones): refused, saying so and how to export instead; the remedy converts, in inference
+    mode, with the moving statistics not trained."""
+    from onnxgrad.converters.tensorflow import ConversionError
+    from onnxgrad.training.step import default_params
+
+    x = keras.Input((3, 3, 1))
+    m = keras.Model(x, L.BatchNormalization()(L.Resizing(2, 2)(x)))
+    m.export(str(tmp_path / "export"), verbose=False)
+    with pytest.raises(ConversionError, match="training mode .*training=False"):
+        convert(str(tmp_path / "export"))
+    archive = keras.export.ExportArchive()
+    archive.track(m)
+    archive.add_endpoint("serve", lambda t: m(t, training=False),
+                         input_signature=[tf.TensorSpec([None, 3, 3, 1], tf.float32)])
+    archive.write_out(str(tmp_path / "archive"), verbose=False)
+    model = convert(str(tmp_path / "archive"), signature="serve")
+    a = np.random.default_rng(0).standard_normal((2, 3, 3, 1)).astype(np.float32)
+    (y,) = ort_run(model, {model.graph.input[0].name: a}, [model.graph.output[0].name])
+    np.testing.assert_allclose(y, m(a, training=False).numpy(), rtol=1e-5, atol=1e-6)
+    assert sorted(default_params(model)[0]) == sorted(f"{w.path}:0" for w in m.trainable_weights)
