@@ -14,6 +14,12 @@ graph optimization on), and compared with ``tf.GradientTape`` of the float64 mod
 max |ours - tf64| / max |tf64| within 1e-3 plus 10x TensorFlow's own float32 error
 (``tests/keras_gen.check_built``, the Keras fuzzer's oracle). A model where TensorFlow's float32
 gradient is more than 1 % off its float64 one sits at a kink: reported, not judged.
+
+With ``--train`` each converted model is also trained: three SGD steps of ``onnxgrad.Trainer``
+(its default parameters, MSE against random targets, float32) against the same steps of
+TensorFlow on the float32 Keras model in inference mode (as exported): the Trainer's parameters
+must be Keras's ``trainable_weights`` exactly, the losses equal to 1e-4, and each tensor's change
+TensorFlow's to 1e-2 of that change (or of 1e-3 of the largest change of any tensor).
 """
 from __future__ import annotations
 
@@ -55,16 +61,22 @@ def build(name, side, dtype, seed):
         keras.config.set_dtype_policy("float32")
 
 
+def _nudged(m, seed):
+    """``m`` with its biases and BatchNorm betas drawn from 0.1 N(0, 1) (Keras's are zeros)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    for w in m.trainable_weights:
+        if w.path.endswith(("bias", "beta")):
+            w.assign(0.1 * rng.standard_normal(tuple(w.shape)).astype(np.float32))
+    return m
+
+
 def check(name, side, seed=0, batch=2) -> dict:
     import numpy as np
     import tensorflow as tf
 
     import keras_gen
-    m32 = build(name, side, "float32", seed)
-    rng = np.random.default_rng(seed)
-    for w in m32.trainable_weights:
-        if w.path.endswith(("bias", "beta")):
-            w.assign(0.1 * rng.standard_normal(tuple(w.shape)).astype(np.float32))
+    m32 = _nudged(build(name, side, "float32", seed), seed)
     m64 = build(name, side, "float64", seed)
     assert [w.path for w in m32.weights] == [w.path for w in m64.weights], "unpaired weights"
     for a, b in zip(m32.weights, m64.weights):
@@ -73,18 +85,63 @@ def check(name, side, seed=0, batch=2) -> dict:
                                  reject=_kink)
 
 
+def train(name, side, seed=0, batch=4, steps=3, lr=0.01) -> dict:
+    """Three SGD steps of the Trainer on the converted model against TensorFlow's on the Keras
+    model (inference mode), from the same weights and batch."""
+    import tempfile
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import onnxgrad
+    from onnxgrad.converters.tensorflow import convert
+    m = _nudged(build(name, side, "float32", seed), seed)
+    start = {w.path: w.numpy() for w in m.trainable_weights}
+    rng = np.random.default_rng(seed + 1)
+    x = rng.standard_normal((batch, side, side, 3)).astype(np.float32)
+    target = rng.standard_normal((batch, 10)).astype(np.float32)
+    with tempfile.TemporaryDirectory() as d:
+        m.export(os.path.join(d, "saved"), verbose=False)
+        model = convert(os.path.join(d, "saved"))
+    trainer = onnxgrad.Trainer(model, "mse", optimizer=onnxgrad.training.SGD(lr=lr),
+                               device="cpu", progress=False)
+    names = sorted(f"{w.path}:0" for w in m.trainable_weights)
+    assert sorted(trainer.parameters()) == names, "the Trainer trains other tensors than Keras"
+    x_in = model.graph.input[0].name
+    ours = [trainer.step({x_in: x, "target": target}) for _ in range(steps)]
+    opt, theirs = keras.optimizers.SGD(lr), []
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((m(x, training=False) - target) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_weights), m.trainable_weights))
+        theirs.append(float(loss))
+    got = trainer.parameters()
+    # each tensor's change against TensorFlow's, within 1e-2 of it (or of 1e-3 of the largest
+    # change of any tensor, where a deep tensor hardly moves): float32 steps through a deep net
+    moved = {w.path: np.abs(w.numpy() - start[w.path]).max() for w in m.trainable_weights}
+    floor = 1e-3 * max(moved.values())
+    weights = max(float(np.abs(got[f"{w.path}:0"] - w.numpy()).max() /
+                        max(moved[w.path], floor, 1e-30)) for w in m.trainable_weights)
+    losses = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+    assert losses < 1e-4 and weights < 1e-2, f"losses {ours} vs {theirs}, changes {weights:.1e}"
+    return dict(losses=losses, weights=weights, params=len(names))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models", nargs="*", help=f"any of {', '.join(APPS)}")
     p.add_argument("--size", type=int, default=0, help="image side (default: each one's least)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train", action="store_true",
+                   help="also train: three Trainer SGD steps against TensorFlow's")
     args = p.parse_args(argv)
     unknown = [m for m in args.models if m not in APPS]
     if unknown:
         p.error(f"unknown model(s) {unknown}")
     print("| model | image | nodes | gradient nodes | tensors | worst tensor: error | seconds "
-          "| verdict |")
-    print("|---|---:|---:|---:|---:|---|---:|---|")
+          "| verdict |" + (" training: losses, weights |" if args.train else ""))
+    print("|---|---:|---:|---:|---:|---|---:|---|" + ("---|" if args.train else ""))
     bad = 0
     for name in args.models or APPS:
         side = max(args.size, APPS[name])
@@ -100,8 +157,16 @@ def main(argv=None) -> int:
                   f"{str(err)[:300]} |", flush=True)
             continue
         (e, tensor) = r["worst"]
+        trained = ""
+        if args.train:
+            try:
+                t = train(name, side, args.seed)
+                trained = f" {t['losses']:.0e}, {t['weights']:.0e} ({t['params']} tensors) |"
+            except Exception as err:  # noqa: BLE001
+                bad += 1
+                trained = f" {type(err).__name__}: {str(err)[:300]} |"
         print(f"| {name} | {side} | {r['nodes']} | {r['grad_nodes']} | {r['tensors']} | "
-              f"{tensor}: {e:.0e} | {time.perf_counter() - t0:.0f} | ok |", flush=True)
+              f"{tensor}: {e:.0e} | {time.perf_counter() - t0:.0f} | ok |{trained}", flush=True)
     return 1 if bad else 0
 
 
