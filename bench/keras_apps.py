@@ -73,7 +73,6 @@ def _nudged(m, seed):
 
 
 def check(name, side, seed=0, batch=2) -> dict:
-    import numpy as np
     import tensorflow as tf
 
     import keras_gen

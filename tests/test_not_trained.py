@@ -67,7 +67,9 @@ def test_keras_state_is_not_trained_and_steps_match_tensorflow(tmp_path):
     got = trainer.parameters()
     for w in m.trainable_weights:
         np.testing.assert_allclose(got[f"{w.path}:0"], w.numpy(), rtol=1e-4, atol=1e-6)
-    final = {t.name: t for t in trainer.trained_model().graph.initializer}
+    trained = trainer.trained_model()  # trained again later: the same parameters
+    assert sorted(default_params(trained)[0]) == trainable
+    final = {t.name: t for t in trained.graph.initializer}
     for s in state:
         assert s not in got and s not in before
         np.testing.assert_array_equal(numpy_helper.to_array(final[s]),

@@ -141,10 +141,10 @@ def _freeze_failure(tf, path, sig: str, fn, error: Exception) -> str:
         return msg
     more = f" and {len(writes) - 3} more" if len(writes) > 3 else ""
     return (f"{msg}; a graph that assigns float variables (a layer's training state) cannot be "
-            f"frozen, and this one does ({', '.join(writes[:3])}{more}): it runs a layer in "
-            "training mode (Keras's model.export() traces a BatchNormalization after a Resizing "
-            "layer so); export an endpoint that calls the model with training=False instead "
-            "(keras.export.ExportArchive.add_endpoint)")
+            f"frozen, and this one does ({', '.join(writes[:3])}{more}), as a layer in "
+            "training mode does (Keras's model.export() traces a BatchNormalization after a "
+            "Resizing layer so); export an endpoint that calls the model with training=False "
+            "instead (keras.export.ExportArchive.add_endpoint)")
 
 
 def _float_variable_writes(tf, fn) -> list[str]:
