@@ -100,3 +100,23 @@ def test_graph_def_batch_norm_statistics_and_converter_constants_are_not_trained
     assert "FusedBatchNorm" in left_out["bn/moving_mean:0"]
     assert "FusedBatchNorm" in left_out["bn/moving_variance:0"]
     assert any("converter made" in why for why in left_out.values()), left_out
+
+
+def test_the_command_line_says_what_it_trains(tmp_path, capsys):
+    """``onnxgrad train`` prints how many tensors it trains and what it leaves, and why."""
+    import onnx
+
+    from onnxgrad.cli import main
+    m = _bn_model(np.random.default_rng(2))
+    m.export(str(tmp_path / "saved"), verbose=False)
+    model = convert(str(tmp_path / "saved"))
+    onnx.save(model, tmp_path / "m.onnx")
+    rng = np.random.default_rng(3)
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((16, 6, 6, 2)).astype(np.float32),
+             y=rng.integers(0, 2, 16))
+    rc = main(["train", str(tmp_path / "m.onnx"), "--loss", "cross_entropy", "--data",
+               str(tmp_path / "data.npz"), "-o", str(tmp_path / "out.onnx"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"parameters: {len(m.trainable_weights)} tensors" in out, out
+    assert "2 a variable the SavedModel marks not trainable" in out, out

@@ -138,6 +138,19 @@ def _data_input(model):
     return ins[0]
 
 
+def _left_out(left_out: dict, shown: int = 3) -> str:
+    """How many float initializers the run does not train, counted by why (``--frozen`` keeps
+    more; the Python API's ``Trainer.left_out`` names each)."""
+    if not left_out:
+        return ""
+    why: dict[str, int] = {}
+    for reason in left_out.values():
+        why[reason] = why.get(reason, 0) + 1
+    parts = [f"{n} {r}" for r, n in sorted(why.items(), key=lambda t: -t[1])[:shown]]
+    more = "; ..." if len(why) > shown else ""
+    return f"; {len(left_out)} not trained: {'; '.join(parts)}{more}"
+
+
 def cmd_train(args, out) -> int:
     from .trainer import Trainer
 
@@ -182,6 +195,7 @@ def cmd_train(args, out) -> int:
           + f", {args.optimizer} lr {args.lr}, {args.epochs} epochs of batch {args.batch_size}, "
           f"on {trainer.device}" + (f", {trainer.world_size} processes"
                                     if hasattr(trainer, "world_size") else ""), file=out)
+    print(f"  parameters: {len(trainer.params)} tensors" + _left_out(trainer.left_out), file=out)
     import time
     t0 = time.perf_counter()
     trainer.fit(train, epochs=args.epochs, batch_size=args.batch_size,
