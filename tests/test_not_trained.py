@@ -120,3 +120,38 @@ def test_the_command_line_says_what_it_trains(tmp_path, capsys):
     assert rc == 0, out
     assert f"parameters: {len(m.trainable_weights)} tensors" in out, out
     assert "2 a variable the SavedModel marks not trainable" in out, out
+
+
+@pytest.mark.parametrize("side, classes", [(4, 3), (3, 3)])
+def test_keras_segmentation_logits_take_their_classes_on_the_last_axis(side, classes):
+    """A converted Keras segmentation net's logits are [N, H, W, C]: the Trainer's
+    cross_entropy reads the classes on the last axis (as Keras's SparseCategoricalCrossentropy),
+    so three SGD steps equal Keras's. With H = W = C (3x3 images, 3 classes) the old axis-1
+    reading took the targets' shape all the same and trained a wrong loss, silently."""
+    import tempfile
+
+    keras.utils.set_random_seed(5)
+    m = keras.Sequential([keras.Input((side, side, 2)),
+                          L.Conv2D(4, 3, padding="same", activation="tanh"),
+                          L.Conv2D(classes, 1)])
+    with tempfile.TemporaryDirectory() as d:
+        m.export(d + "/saved", verbose=False)
+        model = convert(d + "/saved")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, side, side, 2)).astype(np.float32)
+    y = rng.integers(0, classes, (5, side, side))
+    trainer = onnxgrad.Trainer(model, "cross_entropy", optimizer=onnxgrad.training.SGD(lr=0.5),
+                               device="cpu", threads=1, progress=False)
+    assert trainer.class_axis == -1
+    ours = [trainer.step({model.graph.input[0].name: x, "target": y}) for _ in range(3)]
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt, theirs = keras.optimizers.SGD(0.5), []
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, m(x, training=False))
+        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_weights), m.trainable_weights))
+        theirs.append(float(loss))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    # the PyTorch layout still on request: the classes on axis 1 (here H), as before
+    assert onnxgrad.Trainer(model, "cross_entropy", loss_options={"class_axis": 1},
+                            device="cpu", progress=False).class_axis == 1

@@ -235,7 +235,7 @@ def accuracy(trainer, data, xin, loss) -> float:
                              batch_size=4096)[0]
     y = data[trainer.target_name]
     if loss == "cross_entropy":
-        return float(np.mean(np.argmax(logits, axis=1) == y))
+        return float(np.mean(np.argmax(logits, axis=trainer.class_axis) == y))
     return float(np.mean((logits > 0) == (y > 0.5)))
 
 

@@ -105,22 +105,40 @@ def _target_dims(dims, drop_axis=None):
     return out
 
 
+# the producer_name of the models onnxgrad's TensorFlow converter writes (channels last)
+TF_PRODUCER = "onnxgrad.converters.tensorflow"
+
+
+def class_axis_of(model: onnx.ModelProto, class_axis: int | None = None) -> int:
+    """The axis of the cross_entropy logits that holds the classes: ``class_axis`` (1, PyTorch's
+    and ONNX's, or -1, TensorFlow's and Keras's), by default -1 for a model the TensorFlow
+    converter wrote (a Keras segmentation net's logits are [N, H, W, C]) and 1 otherwise."""
+    if class_axis is None:
+        return -1 if model.producer_name == TF_PRODUCER else 1
+    if isinstance(class_axis, bool) or class_axis not in (1, -1):
+        raise InvalidArgumentError(f"class_axis={class_axis!r}: the classes are on axis 1 "
+                                   "(PyTorch's logits [N, C, ...]) or -1 (TensorFlow's [..., C])")
+    return class_axis
+
+
 def attach_loss(model, kind: str, output_name: str | None = None, *, target_name: str = "target",
                 loss_name: str = "loss", reduction: str = "mean", weight=None,
-                ignore_index: int | None = None, pos_weight=None) -> onnx.ModelProto:
+                ignore_index: int | None = None, pos_weight=None,
+                class_axis: int | None = None) -> onnx.ModelProto:
     """Return a copy of ``model`` with a scalar ``loss`` of ``kind`` (one of :data:`LOSSES`)
     computed from the output ``output_name`` (default: the first output) and a new target input.
 
     The names of the new input and output are ``target_name`` and ``loss_name`` (made unique).
-    ``weight`` (class weights [C]) and ``ignore_index`` are for cross_entropy; ``pos_weight``
-    ([C] or a scalar) for bce."""
+    ``weight`` (class weights [C]), ``ignore_index`` and ``class_axis`` (:func:`class_axis_of`)
+    are for cross_entropy; ``pos_weight`` ([C] or a scalar) for bce."""
     if kind not in LOSSES:
         raise InvalidArgumentError(f"loss={kind!r} is not one of {', '.join(map(repr, LOSSES))}")
     if reduction not in ("mean", "sum"):
         raise InvalidArgumentError(f"reduction={reduction!r} is not one of 'mean', 'sum'")
-    if weight is not None and kind != "cross_entropy" or ignore_index is not None and \
-            kind != "cross_entropy":
-        raise InvalidArgumentError("weight and ignore_index apply to the cross_entropy loss only")
+    if kind != "cross_entropy" and (weight is not None or ignore_index is not None or
+                                    class_axis is not None):
+        raise InvalidArgumentError("weight, ignore_index and class_axis apply to the "
+                                   "cross_entropy loss only")
     if pos_weight is not None and kind != "bce":
         raise InvalidArgumentError("pos_weight applies to the bce loss only")
     m = load(model)
@@ -169,7 +187,16 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
             raise InvalidArgumentError(
                 f"cross_entropy needs logits [N, C, ...]; {output_name!r} has rank "
                 f"{len(dims)}")
-        tdims = None if dims is None else _target_dims(dims, drop_axis=1)
+        axis = class_axis_of(m, class_axis)
+        if axis == -1 and dims is None:
+            raise InvalidArgumentError(
+                f"cross_entropy over the last axis needs the rank of {output_name!r}, which the "
+                "model does not declare (give class_axis=1 if the classes are on axis 1)")
+        rank = None if dims is None else len(dims)
+        if axis == -1 and rank > 2:  # [N, ..., C] -> [N, C, ...], as the ONNX op reads it
+            y = node("Transpose", [y], perm=[0, rank - 1, *range(1, rank - 1)])
+        tdims = None if dims is None else _target_dims(dims, drop_axis=1 if axis == 1 else
+                                                       rank - 1)
         tin = helper.make_tensor_value_info(target, TensorProto.INT64, tdims)
         ins = [y, target]
         if weight is not None:
@@ -230,7 +257,8 @@ def l1_loss(model, output_name=None, **kw) -> onnx.ModelProto:
 def cross_entropy_loss(model, output_name=None, weight=None, ignore_index=None,
                        **kw) -> onnx.ModelProto:
     """Cross-entropy with logits (``torch.nn.functional.cross_entropy``), int64 class labels,
-    optional class ``weight`` and ``ignore_index``; see :func:`attach_loss`."""
+    optional class ``weight`` and ``ignore_index``, the classes on ``class_axis``; see
+    :func:`attach_loss`."""
     return attach_loss(model, "cross_entropy", output_name, weight=weight,
                        ignore_index=ignore_index, **kw)
 

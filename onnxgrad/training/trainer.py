@@ -60,7 +60,7 @@ from ..errors import (CheckpointError, DataError, InvalidArgumentError, NonFinit
                       NonFiniteLossError, WriteError)
 from ..inference import graphs_of, node_subgraphs
 from . import fused
-from .losses import LOSSES, attach_loss, check_labels, load
+from .losses import LOSSES, attach_loss, check_labels, class_axis_of, load
 from .nchwc import blocked_convs
 from .optimizers import check_number
 from .optimizers import AdamW, Optimizer
@@ -222,7 +222,10 @@ class Trainer:
         self._class_weight = (np.asarray(opts["weight"], np.float64).reshape(-1)
                               if opts.get("weight") is not None else None)
         self._batch_norm = None  # _loss_norm of the whole batch of the step being taken
-        self._classes = None  # cross_entropy: the logits' dim 1, once known
+        self._classes = None  # cross_entropy: the logits' classes dim, once known
+        #: the cross_entropy logits' axis of classes (1, or -1 for a converted TF model)
+        self.class_axis = class_axis_of(self.model, opts.get("class_axis")) \
+            if self.loss_kind == "cross_entropy" else 1
         self.target_name = (self.loss_model.graph.input[-1].name if self.loss_kind else None)
         self.optimizer = optimizer or AdamW()
         self.clip_norm = clip_norm
@@ -607,20 +610,22 @@ class Trainer:
         return out
 
     def _num_classes(self, data: dict) -> int | None:
-        """The number of classes of the cross_entropy logits: their static dim 1, or else that
-        of one row of ``data`` run through the model."""
+        """The number of classes of the cross_entropy logits: their static classes dim (1, or
+        the last: losses.class_axis_of), or else that of one row of ``data`` run through the
+        model."""
+        axis = self.class_axis
         if self._classes is None:
             shape = self._input_shapes.get(self.target_name)
             for o in self.loss_model.graph.output:
                 if o.name == self.output_name and o.type.tensor_type.HasField("shape"):
                     dims = o.type.tensor_type.shape.dim
-                    if len(dims) > 1 and dims[1].HasField("dim_value"):
-                        self._classes = dims[1].dim_value
+                    if len(dims) > 1 and dims[axis].HasField("dim_value"):
+                        self._classes = dims[axis].dim_value
             feeds = [k for k in self.data_inputs if k != self.target_name]
             if self._classes is None and shape is not None and all(k in data for k in feeds):
                 out = self.predict({k: np.asarray(data[k])[:1] for k in feeds},
                                    outputs=[self.output_name])[0]
-                self._classes = int(out.shape[1]) if out.ndim > 1 else None
+                self._classes = int(out.shape[axis]) if out.ndim > 1 else None
         return self._classes
 
     def _step(self, batch: dict, total_rows: int | None = None) -> float:
