@@ -155,3 +155,40 @@ def test_keras_segmentation_logits_take_their_classes_on_the_last_axis(side, cla
     # the PyTorch layout still on request: the classes on axis 1 (here H), as before
     assert onnxgrad.Trainer(model, "cross_entropy", loss_options={"class_axis": 1},
                             device="cpu", progress=False).class_axis == 1
+
+
+def test_a_loss_on_probabilities_warns_and_names_the_logits(caplog):
+    """A Keras classifier ending in Dense(activation="softmax") outputs probabilities; the
+    cross_entropy loss takes logits: the Trainer warns, naming the Softmax's input, and trained
+    on that input its steps equal Keras's SparseCategoricalCrossentropy on the probabilities."""
+    import logging
+    import tempfile
+
+    keras.utils.set_random_seed(6)
+    m = keras.Sequential([keras.Input((5,)), L.Dense(8, activation="tanh"),
+                          L.Dense(3, activation="softmax")])
+    with tempfile.TemporaryDirectory() as d:
+        m.export(d + "/saved", verbose=False)
+        model = convert(d + "/saved")
+    with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
+        onnxgrad.Trainer(model, "cross_entropy", device="cpu", progress=False)
+    (record,) = [r for r in caplog.records if "probabilities" in r.getMessage()]
+    logits = record.args[-1]
+    caplog.clear()
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 5)).astype(np.float32)
+    y = rng.integers(0, 3, 6)
+    with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
+        trainer = onnxgrad.Trainer(model, "cross_entropy", output_name=logits,
+                                   optimizer=onnxgrad.training.SGD(lr=0.5), device="cpu",
+                                   threads=1, progress=False)
+    assert not [r for r in caplog.records if "probabilities" in r.getMessage()]
+    ours = [trainer.step({model.graph.input[0].name: x, "target": y}) for _ in range(3)]
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    opt, theirs = keras.optimizers.SGD(0.5), []
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, m(x, training=False))
+        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_weights), m.trainable_weights))
+        theirs.append(float(loss))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)

@@ -217,7 +217,9 @@ def cmd_train(args, out) -> int:
     print(f"{trainer.step_count} steps in {secs:.2f} s", file=out)
     for k, v in report.items():
         print(f"final loss ({k}): {v:.6g}", file=out)
-    if args.loss in ("cross_entropy", "bce"):
+    # (an --output-name inside the graph is no output predict() can read: no accuracy then)
+    if args.loss in ("cross_entropy", "bce") and \
+            any(o.name == trainer.output_name for o in trainer.model.graph.output):
         for k, part in [("train", train), ("validation", val)]:
             if part is not None:
                 acc = accuracy(trainer, part, xin, args.loss)

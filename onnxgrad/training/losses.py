@@ -17,6 +17,7 @@ nodes, not initializers, so they are never mistaken for trainable parameters.
 """
 from __future__ import annotations
 
+import logging
 
 import numpy as np
 import onnx
@@ -121,6 +122,26 @@ def class_axis_of(model: onnx.ModelProto, class_axis: int | None = None) -> int:
     return class_axis
 
 
+def _warn_on_probabilities(m: onnx.ModelProto, kind: str, output_name: str) -> None:
+    """A logging warning where a loss that takes logits reads probabilities: the output comes
+    (through Identities) from a Softmax (cross_entropy) or a Sigmoid (bce), as a Keras model
+    ending in ``activation="softmax"`` does. The loss is then that of softmax(probabilities),
+    not the probabilities' cross-entropy (Keras warns the same about ``from_logits=True``)."""
+    want = {"cross_entropy": "Softmax", "bce": "Sigmoid"}.get(kind)
+    if want is None:
+        return
+    producer = {o: n for n in m.graph.node for o in n.output}
+    n, name = producer.get(output_name), output_name
+    while n is not None and n.op_type == "Identity":
+        n = producer.get(n.input[0])
+    if n is not None and n.op_type == want and n.domain in ("", "ai.onnx"):
+        logging.getLogger("onnxgrad.training").warning(
+            "the %s loss takes logits, and output %r is a %s's output (probabilities): it "
+            "trains on %s(probabilities), not on their own cross-entropy; give the %s's "
+            "input as the output to train (output_name=%r) or drop the activation",
+            kind, name, want, want.lower(), want, n.input[0])
+
+
 def attach_loss(model, kind: str, output_name: str | None = None, *, target_name: str = "target",
                 loss_name: str = "loss", reduction: str = "mean", weight=None,
                 ignore_index: int | None = None, pos_weight=None,
@@ -182,6 +203,7 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
         return out
 
     y = output_name
+    _warn_on_probabilities(m, kind, output_name)
     if kind == "cross_entropy":
         if dims is not None and len(dims) < 2:
             raise InvalidArgumentError(

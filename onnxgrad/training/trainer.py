@@ -60,7 +60,7 @@ from ..errors import (CheckpointError, DataError, InvalidArgumentError, NonFinit
                       NonFiniteLossError, WriteError)
 from ..inference import graphs_of, node_subgraphs
 from . import fused
-from .losses import LOSSES, attach_loss, check_labels, class_axis_of, load
+from .losses import LOSSES, _output_type, attach_loss, check_labels, class_axis_of, load
 from .nchwc import blocked_convs
 from .optimizers import check_number
 from .optimizers import AdamW, Optimizer
@@ -223,6 +223,7 @@ class Trainer:
                               if opts.get("weight") is not None else None)
         self._batch_norm = None  # _loss_norm of the whole batch of the step being taken
         self._classes = None  # cross_entropy: the logits' classes dim, once known
+        self._class_dim_read = False  # whether the model's shapes were asked for it
         #: the cross_entropy logits' axis of classes (1, or -1 for a converted TF model)
         self.class_axis = class_axis_of(self.model, opts.get("class_axis")) \
             if self.loss_kind == "cross_entropy" else 1
@@ -616,13 +617,16 @@ class Trainer:
         axis = self.class_axis
         if self._classes is None:
             shape = self._input_shapes.get(self.target_name)
-            for o in self.loss_model.graph.output:
-                if o.name == self.output_name and o.type.tensor_type.HasField("shape"):
-                    dims = o.type.tensor_type.shape.dim
-                    if len(dims) > 1 and dims[axis].HasField("dim_value"):
-                        self._classes = dims[axis].dim_value
+            if not self._class_dim_read:  # an output's declared shape, or an inner value's
+                self._class_dim_read = True
+                t = _output_type(self.loss_model, self.output_name).tensor_type
+                dims = t.shape.dim if t.HasField("shape") else []
+                if len(dims) > 1 and dims[axis].HasField("dim_value"):
+                    self._classes = dims[axis].dim_value
             feeds = [k for k in self.data_inputs if k != self.target_name]
-            if self._classes is None and shape is not None and all(k in data for k in feeds):
+            # predict() runs the model's outputs only (an inner output_name is none of them)
+            if self._classes is None and shape is not None and all(k in data for k in feeds) \
+                    and any(o.name == self.output_name for o in self.model.graph.output):
                 out = self.predict({k: np.asarray(data[k])[:1] for k in feeds},
                                    outputs=[self.output_name])[0]
                 self._classes = int(out.shape[axis]) if out.ndim > 1 else None
