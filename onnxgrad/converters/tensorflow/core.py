@@ -602,8 +602,9 @@ def _finish(c: Converter, name: str, opset: int = DEFAULT_OPSET) -> onnx.ModelPr
 
     imports = [helper.make_opsetid("", c.opset)]
     imports += [helper.make_opsetid(d, 1) for d in sorted(c.domains)]
+    from ...training.losses import TF_PRODUCER  # (its losses read TF's layout from it)
     m = helper.make_model(g, opset_imports=imports, ir_version=min(10, MAX_IR_VERSION),
-                          producer_name="onnxgrad.converters.tensorflow")
+                          producer_name=TF_PRODUCER)
     model = ir.from_proto(m)
     RemoveUnusedNodesPass()(model)
     for init in list(model.graph.initializers.values()):
