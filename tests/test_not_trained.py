@@ -20,6 +20,25 @@ keras = pytest.importorskip("keras")
 L = keras.layers
 
 
+def _converted(m):
+    """``m`` saved with ``model.export()`` and converted."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        m.export(d + "/saved", verbose=False)
+        return convert(d + "/saved")
+
+
+def _keras_sgd(m, loss_fn, x, y, lr, steps=3) -> list[float]:
+    """TensorFlow's SGD steps on the Keras model in inference mode (as exported): the losses."""
+    opt, losses = keras.optimizers.SGD(lr), []
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, m(x, training=False))
+        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_weights), m.trainable_weights))
+        losses.append(float(loss))
+    return losses
+
+
 def _bn_model(rng):
     """Normalization (adapted: its statistics are constants of the exported graph), Conv2D,
     BatchNormalization with moving statistics away from 0 and 1, ReLU, Dense."""
@@ -34,13 +53,12 @@ def _bn_model(rng):
     return m
 
 
-def test_keras_state_is_not_trained_and_steps_match_tensorflow(tmp_path):
+def test_keras_state_is_not_trained_and_steps_match_tensorflow():
     """The Trainer's default parameters are Keras's trainable weights exactly; three SGD steps
     equal TensorFlow's (the model in inference mode, as exported), and the statistics stay."""
     rng = np.random.default_rng(0)
     m = _bn_model(rng)
-    m.export(str(tmp_path / "saved"), verbose=False)
-    model = convert(str(tmp_path / "saved"))
+    model = _converted(m)
     trainable = sorted(f"{w.path}:0" for w in m.trainable_weights)
     inits = {t.name for t in model.graph.initializer}
     state = sorted(f"{w.path}:0" for w in m.non_trainable_weights if f"{w.path}:0" in inits)
@@ -56,13 +74,7 @@ def test_keras_state_is_not_trained_and_steps_match_tensorflow(tmp_path):
     before = {s: v.copy() for s, v in trainer.parameters().items()}
     ours = [trainer.step({x_in: x, "target": target}) for _ in range(3)]
 
-    opt = keras.optimizers.SGD(0.05)
-    theirs = []
-    for _ in range(3):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((m(x, training=False) - target) ** 2)
-        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_weights), m.trainable_weights))
-        theirs.append(float(loss))
+    theirs = _keras_sgd(m, lambda t, y: tf.reduce_mean((y - t) ** 2), x, target, 0.05)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     got = trainer.parameters()
     for w in m.trainable_weights:
@@ -108,8 +120,7 @@ def test_the_command_line_says_what_it_trains(tmp_path, capsys):
 
     from onnxgrad.cli import main
     m = _bn_model(np.random.default_rng(2))
-    m.export(str(tmp_path / "saved"), verbose=False)
-    model = convert(str(tmp_path / "saved"))
+    model = _converted(m)
     onnx.save(model, tmp_path / "m.onnx")
     rng = np.random.default_rng(3)
     np.savez(tmp_path / "data.npz", x=rng.standard_normal((16, 6, 6, 2)).astype(np.float32),
@@ -128,15 +139,11 @@ def test_keras_segmentation_logits_take_their_classes_on_the_last_axis(side, cla
     cross_entropy reads the classes on the last axis (as Keras's SparseCategoricalCrossentropy),
     so three SGD steps equal Keras's. With H = W = C (3x3 images, 3 classes) the old axis-1
     reading took the targets' shape all the same and trained a wrong loss, silently."""
-    import tempfile
-
     keras.utils.set_random_seed(5)
     m = keras.Sequential([keras.Input((side, side, 2)),
                           L.Conv2D(4, 3, padding="same", activation="tanh"),
                           L.Conv2D(classes, 1)])
-    with tempfile.TemporaryDirectory() as d:
-        m.export(d + "/saved", verbose=False)
-        model = convert(d + "/saved")
+    model = _converted(m)
     rng = np.random.default_rng(4)
     x = rng.standard_normal((5, side, side, 2)).astype(np.float32)
     y = rng.integers(0, classes, (5, side, side))
@@ -144,13 +151,8 @@ def test_keras_segmentation_logits_take_their_classes_on_the_last_axis(side, cla
                                device="cpu", threads=1, progress=False)
     assert trainer.class_axis == -1
     ours = [trainer.step({model.graph.input[0].name: x, "target": y}) for _ in range(3)]
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    opt, theirs = keras.optimizers.SGD(0.5), []
-    for _ in range(3):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, m(x, training=False))
-        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_weights), m.trainable_weights))
-        theirs.append(float(loss))
+    theirs = _keras_sgd(m, keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, y,
+                        0.5)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     # the PyTorch layout still on request: the classes on axis 1 (here H), as before
     assert onnxgrad.Trainer(model, "cross_entropy", loss_options={"class_axis": 1},
@@ -162,14 +164,11 @@ def test_a_loss_on_probabilities_warns_and_names_the_logits(caplog):
     cross_entropy loss takes logits: the Trainer warns, naming the Softmax's input, and trained
     on that input its steps equal Keras's SparseCategoricalCrossentropy on the probabilities."""
     import logging
-    import tempfile
 
     keras.utils.set_random_seed(6)
     m = keras.Sequential([keras.Input((5,)), L.Dense(8, activation="tanh"),
                           L.Dense(3, activation="softmax")])
-    with tempfile.TemporaryDirectory() as d:
-        m.export(d + "/saved", verbose=False)
-        model = convert(d + "/saved")
+    model = _converted(m)
     with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
         onnxgrad.Trainer(model, "cross_entropy", device="cpu", progress=False)
     (record,) = [r for r in caplog.records if "probabilities" in r.getMessage()]
@@ -184,11 +183,5 @@ def test_a_loss_on_probabilities_warns_and_names_the_logits(caplog):
                                    threads=1, progress=False)
     assert not [r for r in caplog.records if "probabilities" in r.getMessage()]
     ours = [trainer.step({model.graph.input[0].name: x, "target": y}) for _ in range(3)]
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
-    opt, theirs = keras.optimizers.SGD(0.5), []
-    for _ in range(3):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, m(x, training=False))
-        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_weights), m.trainable_weights))
-        theirs.append(float(loss))
+    theirs = _keras_sgd(m, keras.losses.SparseCategoricalCrossentropy(), x, y, 0.5)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
