@@ -88,32 +88,23 @@ def check(name, side, seed=0, batch=2) -> dict:
 def train(name, side, seed=0, batch=4, steps=3, lr=0.01) -> dict:
     """Three SGD steps of the Trainer on the converted model against TensorFlow's on the Keras
     model (inference mode), from the same weights and batch."""
-    import tempfile
-
-    import keras
     import numpy as np
     import tensorflow as tf
 
+    import keras_gen
     import onnxgrad
-    from onnxgrad.converters.tensorflow import convert
     m = _nudged(build(name, side, "float32", seed), seed)
     rng = np.random.default_rng(seed + 1)
     x = rng.standard_normal((batch, side, side, 3)).astype(np.float32)
     target = rng.standard_normal((batch, 10)).astype(np.float32)
-    with tempfile.TemporaryDirectory() as d:
-        m.export(os.path.join(d, "saved"), verbose=False)
-        model = convert(os.path.join(d, "saved"))
+    model = keras_gen.converted(m)
     trainer = onnxgrad.Trainer(model, "mse", optimizer=onnxgrad.training.SGD(lr=lr),
                                device="cpu", progress=False)
     names = sorted(f"{w.path}:0" for w in m.trainable_weights)
     assert sorted(trainer.parameters()) == names, "the Trainer trains other tensors than Keras"
     start = {w.path: w.numpy() for w in m.trainable_weights}
-    opt, theirs = keras.optimizers.SGD(lr), []
-    for _ in range(steps):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((m(x, training=False) - target) ** 2)
-        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_weights), m.trainable_weights))
-        theirs.append(float(loss))
+    theirs = keras_gen.keras_sgd(m, lambda t, y: tf.reduce_mean((y - t) ** 2), x, target, lr,
+                                 steps)
     if not np.isfinite(theirs).all():
         raise Kink(f"TensorFlow's own steps diverge at lr {lr} (losses {theirs})")
     x_in = model.graph.input[0].name

@@ -299,6 +299,28 @@ def check(layers, shape, head, units, seed=0, batch=2):
                     for cls, kw in layers])
 
 
+def converted(m):
+    """The Keras model ``m`` saved with ``model.export()`` and converted."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "saved")
+        m.export(path, verbose=False)
+        return convert(path)
+
+
+def keras_sgd(m, loss_fn, x, y, lr, steps=3) -> list[float]:
+    """TensorFlow's SGD steps on the Keras model ``m`` in inference mode (as exported), in
+    place: the losses, ``loss_fn(y, m(x))`` before each step."""
+    import keras
+    import tensorflow as tf
+    opt, losses = keras.optimizers.SGD(lr), []
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, m(x, training=False))
+        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_weights), m.trainable_weights))
+        losses.append(float(loss))
+    return losses
+
+
 def check_built(m32, m64, shape, tokens=False, seed=0, batch=2, reject=_reject):
     """:func:`check` of a built pair: ``m32`` is exported, converted and differentiated, ``m64``
     (the same weights in float64) is the reference; ``reject(why)`` is called at a kink.
@@ -316,17 +338,14 @@ def check_built(m32, m64, shape, tokens=False, seed=0, batch=2, reject=_reject):
     for a, b in zip(g32, g64):
         if a is not None and float(np.abs(a - b).max()) > 1e-2 * max(scale, 1e-30):
             reject("kink (TF's float32 gradient is off its float64 one)")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "saved")
-        m32.export(path, verbose=False)
-        try:
-            model = convert(path)
-        except ConversionError as e:
-            if "training mode" not in str(e):
-                raise
-            # Keras's export traced a BatchNormalization after a Resizing layer in training
-            # mode: the SavedModel's serving function updates its statistics (refused, clearly)
-            reject("Keras exported a layer in training mode")
+    try:
+        model = converted(m32)
+    except ConversionError as e:
+        if "training mode" not in str(e):
+            raise
+        # Keras's export traced a BatchNormalization after a Resizing layer in training mode:
+        # the SavedModel's serving function updates its statistics (refused, clearly)
+        reject("Keras exported a layer in training mode")
     onnx.checker.check_model(model, full_check=True)
     (x_in,), (y_out,) = model.graph.input, model.graph.output
     names = [f"{w.path}:0" for w in m32.trainable_weights]

@@ -19,24 +19,7 @@ from onnxgrad.training.step import default_params  # noqa: E402
 keras = pytest.importorskip("keras")
 L = keras.layers
 
-
-def _converted(m):
-    """``m`` saved with ``model.export()`` and converted."""
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        m.export(d + "/saved", verbose=False)
-        return convert(d + "/saved")
-
-
-def _keras_sgd(m, loss_fn, x, y, lr, steps=3) -> list[float]:
-    """TensorFlow's SGD steps on the Keras model in inference mode (as exported): the losses."""
-    opt, losses = keras.optimizers.SGD(lr), []
-    for _ in range(steps):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, m(x, training=False))
-        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_weights), m.trainable_weights))
-        losses.append(float(loss))
-    return losses
+from keras_gen import converted, keras_sgd  # noqa: E402
 
 
 def _bn_model(rng):
@@ -58,7 +41,7 @@ def test_keras_state_is_not_trained_and_steps_match_tensorflow():
     equal TensorFlow's (the model in inference mode, as exported), and the statistics stay."""
     rng = np.random.default_rng(0)
     m = _bn_model(rng)
-    model = _converted(m)
+    model = converted(m)
     trainable = sorted(f"{w.path}:0" for w in m.trainable_weights)
     inits = {t.name for t in model.graph.initializer}
     state = sorted(f"{w.path}:0" for w in m.non_trainable_weights if f"{w.path}:0" in inits)
@@ -74,7 +57,7 @@ def test_keras_state_is_not_trained_and_steps_match_tensorflow():
     before = {s: v.copy() for s, v in trainer.parameters().items()}
     ours = [trainer.step({x_in: x, "target": target}) for _ in range(3)]
 
-    theirs = _keras_sgd(m, lambda t, y: tf.reduce_mean((y - t) ** 2), x, target, 0.05)
+    theirs = keras_sgd(m, lambda t, y: tf.reduce_mean((y - t) ** 2), x, target, 0.05)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     got = trainer.parameters()
     for w in m.trainable_weights:
@@ -120,7 +103,7 @@ def test_the_command_line_says_what_it_trains(tmp_path, capsys):
 
     from onnxgrad.cli import main
     m = _bn_model(np.random.default_rng(2))
-    model = _converted(m)
+    model = converted(m)
     onnx.save(model, tmp_path / "m.onnx")
     rng = np.random.default_rng(3)
     np.savez(tmp_path / "data.npz", x=rng.standard_normal((16, 6, 6, 2)).astype(np.float32),
@@ -143,7 +126,7 @@ def test_keras_segmentation_logits_take_their_classes_on_the_last_axis(side, cla
     m = keras.Sequential([keras.Input((side, side, 2)),
                           L.Conv2D(4, 3, padding="same", activation="tanh"),
                           L.Conv2D(classes, 1)])
-    model = _converted(m)
+    model = converted(m)
     rng = np.random.default_rng(4)
     x = rng.standard_normal((5, side, side, 2)).astype(np.float32)
     y = rng.integers(0, classes, (5, side, side))
@@ -151,7 +134,7 @@ def test_keras_segmentation_logits_take_their_classes_on_the_last_axis(side, cla
                                device="cpu", threads=1, progress=False)
     assert trainer.class_axis == -1
     ours = [trainer.step({model.graph.input[0].name: x, "target": y}) for _ in range(3)]
-    theirs = _keras_sgd(m, keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, y,
+    theirs = keras_sgd(m, keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, y,
                         0.5)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     # the PyTorch layout still on request: the classes on axis 1 (here H), as before
@@ -168,7 +151,7 @@ def test_a_loss_on_probabilities_warns_and_names_the_logits(caplog):
     keras.utils.set_random_seed(6)
     m = keras.Sequential([keras.Input((5,)), L.Dense(8, activation="tanh"),
                           L.Dense(3, activation="softmax")])
-    model = _converted(m)
+    model = converted(m)
     with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
         onnxgrad.Trainer(model, "cross_entropy", device="cpu", progress=False)
     (record,) = [r for r in caplog.records if "probabilities" in r.getMessage()]
@@ -183,5 +166,5 @@ def test_a_loss_on_probabilities_warns_and_names_the_logits(caplog):
                                    threads=1, progress=False)
     assert not [r for r in caplog.records if "probabilities" in r.getMessage()]
     ours = [trainer.step({model.graph.input[0].name: x, "target": y}) for _ in range(3)]
-    theirs = _keras_sgd(m, keras.losses.SparseCategoricalCrossentropy(), x, y, 0.5)
+    theirs = keras_sgd(m, keras.losses.SparseCategoricalCrossentropy(), x, y, 0.5)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
