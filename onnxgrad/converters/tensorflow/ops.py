@@ -607,7 +607,8 @@ def _matrix_diag(c, n):
 
 def _pad_last(c, x, more):
     """x padded with ``more`` (int64 [1]) zeros at the end of its last axis (its rank read at
-    run time: TF's graphs may not say it)."""
+    run time: TF's graphs may not say it). Full-rank pads, never Pad's axes input, which
+    onnxruntime's transpose optimizer misreads (see rules/shape.py _zero_pad)."""
     rank = c.op("Shape", [c.op("Shape", [x])])
     zeros = lambda k: c.op("ConstantOfShape", [k], value=helper.make_tensor(  # noqa: E731
         "zero", TensorProto.INT64, [1], [0]))
