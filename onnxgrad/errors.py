@@ -112,6 +112,11 @@ class DistributedError(OnnxgradError, RuntimeError):
     disagree (model, data, checkpoint), or the process group could not be formed."""
 
 
+class DeviceUnavailableError(OnnxgradError, RuntimeError):
+    """The device asked for cannot be used here (device="cuda" where no CUDA session can be
+    created); the message says what it needs."""
+
+
 class MissingExtraError(OnnxgradError, ImportError):
     """An optional dependency is not installed; the message names the extra that brings it."""
 
@@ -119,4 +124,5 @@ class MissingExtraError(OnnxgradError, ImportError):
 __all__ = ["OnnxgradError", "InvalidArgumentError", "ArgumentTypeError", "ModelLoadError",
            "InvalidModelError", "ModelFileNotFoundError", "WriteError", "DataError",
            "CheckpointError", "NonFiniteError", "NonFiniteLossError", "UnsupportedError",
-           "NotDifferentiableError", "DistributedError", "MissingExtraError"]
+           "NotDifferentiableError", "DistributedError", "DeviceUnavailableError",
+           "MissingExtraError"]

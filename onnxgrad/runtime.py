@@ -55,7 +55,12 @@ def resolve(device: str = "auto") -> str:
     if device == "cpu" or (device == "auto" and not cuda_available()):
         return "cpu"
     if not cuda_available():
-        raise RuntimeError("device='cuda' was asked for, but no CUDA session can be created here")
+        from .errors import DeviceUnavailableError
+        raise DeviceUnavailableError(
+            "device='cuda' was asked for, but onnxruntime cannot create a CUDA session here "
+            f"(available providers: {', '.join(ort_module().get_available_providers())}); it "
+            "needs onnxruntime-gpu, the CUDA and cuDNN libraries it was built for and a visible "
+            "GPU. Use device='auto' (CUDA when it can be created, else CPU) or 'cpu'")
     return "cuda"
 
 

@@ -6,6 +6,9 @@ CUDA from opset 14; a host scalar bound to a CUDA session is copied when bound, 
 after the first read lr 0 and went NaN; float32 ran in TF32 (a CudnnRNN gradient 4 % off)."""
 from __future__ import annotations
 
+import functools
+import os
+
 import numpy as np
 import onnx
 import pytest
@@ -22,6 +25,18 @@ from onnxgrad.errors import UnsupportedError
 
 def cpu(model, feeds, outputs=None):
     return runtime.session(model, "cpu").run(outputs, feeds)
+
+
+@functools.cache
+def _cuda() -> bool:
+    return runtime.cuda_available()
+
+
+def form_runs(form, feeds, outputs=None):
+    """The form's outputs on onnxruntime CPU and, where a CUDA session can be created, on CUDA
+    too: what a CUDA session runs is the form, so a GPU machine checks it there as well."""
+    devices = ["cpu", "cuda"] if _cuda() else ["cpu"]
+    return [runtime.session(form, d).run(outputs, feeds) for d in devices]
 
 
 def bn_model(shape, opset, dtype, momentum, eps, symbolic=True):
@@ -60,8 +75,10 @@ def test_batchnorm_training_form_matches_onnxruntime(rank, opset, dtype, momentu
     assert not any(n.op_type == "BatchNormalization" for n in form.graph.node)
     onnx.checker.check_model(form, full_check=True)
     tol = 1e-5 if dtype == TP.FLOAT else 1e-12
-    for a, b in zip(cpu(m, feeds), cpu(form, feeds)):
-        np.testing.assert_allclose(b, a, rtol=tol, atol=tol)
+    want = cpu(m, feeds)
+    for got in form_runs(form, feeds):
+        for a, b in zip(want, got):
+            np.testing.assert_allclose(b, a, rtol=tol, atol=tol)
 
 
 def bn_net(opset=17, conv=False):
@@ -95,9 +112,9 @@ def test_gradient_graph_with_cuda_forms(opset):
     x = np.random.default_rng(1).standard_normal((3, 4, 5, 5))
     outs = [*res.grads, "rm", "rv"]
     want = cpu(res.model, {"x": x}, outs)
-    got = cpu(for_cuda(res.model), {"x": x}, outs)
-    for a, b in zip(want, got):
-        np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12)
+    for got in form_runs(for_cuda(res.model), {"x": x}, outs):
+        for a, b in zip(want, got):
+            np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12)
 
 
 def test_batchnorm_form_needs_rank():
@@ -184,8 +201,8 @@ def col2im_model(cols_shape, image, block, attrs, c_static=True, const_geometry=
 @given(data=st.data())
 def test_col2im_forms_match_onnxruntime(data):
     """Col2Im written as Reshape/Transpose (blocks that tile the image) or a grouped one-hot
-    ConvTranspose (any strides, dilations, pads, an image end no block reaches: output_padding) gives onnxruntime
-    CPU's Col2Im, every element."""
+    ConvTranspose (any strides, dilations, pads, an image end no block reaches: output_padding)
+    gives onnxruntime CPU's Col2Im, every element."""
     tile = data.draw(st.booleans(), "tile")
     c, n = data.draw(st.integers(1, 3), "C"), data.draw(st.integers(1, 3), "N")
     k = [data.draw(st.integers(1, 3), f"k{i}") for i in range(2)]
@@ -207,8 +224,9 @@ def test_col2im_forms_match_onnxruntime(data):
     assert not any(x.op_type == "Col2Im" for x in form.graph.node)
     onnx.checker.check_model(form, full_check=True)
     cols = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
-    np.testing.assert_allclose(cpu(form, {"cols": cols})[0], cpu(m, {"cols": cols})[0],
-                               rtol=1e-6, atol=1e-6)
+    want = cpu(m, {"cols": cols})[0]
+    for got, in form_runs(form, {"cols": cols}):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_col2im_with_run_time_geometry_stays():
@@ -269,8 +287,9 @@ def test_nll_losses_match_onnxruntime(kind, extra, n, c, reduction, ignore, weig
                   TP.INT32 if int32 else TP.INT64)
     form = for_cuda(m)
     assert not any(x.op_type == kind for x in form.graph.node)
-    for want, got in zip(cpu(m, feeds), cpu(form, feeds)):
-        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    for run in form_runs(form, feeds):
+        for want, got in zip(cpu(m, feeds), run):
+            np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
 
 
 def one_node_model(op, shape, dtype, opset, inits=(), **attrs):
@@ -316,9 +335,26 @@ def test_forms_of_ops_without_cuda_kernels_match_onnxruntime(case, dims, dtype, 
     form = for_cuda(m)
     assert [n.op_type for n in form.graph.node] != [op]
     want, = cpu(m, {"x": x})
-    got, = cpu(form, {"x": x})
     tol = 2e-3 if dtype == TP.FLOAT16 else 1e-5 if dtype == TP.FLOAT else 1e-12
     if case == "Group21" and dtype == TP.DOUBLE:
         tol = 1e-5  # onnxruntime's expansion computes in the float32 stash; the form in float64
-    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
-                               atol=tol)
+    for got, in form_runs(form, {"x": x}):
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
+                                   atol=tol)
+
+
+def test_cuda_asked_for_where_none_can_be_created(capsys):
+    """device="cuda" without a usable CUDA provider: an onnxgrad error that says what it needs
+    (the CLI printed "unexpected RuntimeError ... please report it")."""
+    if _cuda():
+        pytest.skip("a CUDA session can be created here")
+    from onnxgrad.cli import main
+    from onnxgrad.errors import DeviceUnavailableError
+    with pytest.raises(DeviceUnavailableError, match="onnxruntime-gpu.*device='auto'"):
+        runtime.resolve("cuda")
+    models = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+    assert main(["train", os.path.join(models, "digits_mlp.onnx"), "--loss", "cross_entropy",
+                 "--data", os.path.join(models, "digits.npz"), "--epochs", "1", "--device",
+                 "cuda", "-o", "/nonexistent/never-written.onnx", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA session" in err and "unexpected" not in err
