@@ -7,6 +7,7 @@ import functools
 import numpy as np
 import onnx
 
+from .inference import graphs_of, node_subgraphs
 # files (atomic writes, external data past 2 GB) live in storage; these names stay here too
 from .storage import MAX_IR_VERSION, atomic_path, load_model, save_model  # noqa: F401
 
@@ -89,6 +90,30 @@ def session_options(threads: int | None = None):
 # session onnxgrad makes runs without them (NoopElimination removed no node from the training
 # steps of bench/train_step.py's twelve exported models: leaving it out costs them nothing).
 UNSAFE_OPTIMIZERS = ["GatherToSliceFusion", "Pad_Fusion", "NoopElimination"]
+# Its MatMulScaleFusion folds a Mul or Div by a scalar constant beside a MatMul into FusedMatMul's
+# float32 alpha whatever the MatMul's type: a float64 graph's scale is rounded to float32 (the
+# gradient of Attention's 1/sqrt(8) came out 4e-8 off). Sessions of a model that holds float64
+# run without it too; float32 models keep it (their scale is a float32 already).
+FLOAT64_UNSAFE = ["MatMulScaleFusion"]
+
+
+def unsafe_optimizers(model) -> list[str]:
+    """The graph optimizers onnxgrad's sessions of ``model`` (a ModelProto, bytes or a path)
+    run without."""
+    m = load_model(model, load_external_data=False)
+    return UNSAFE_OPTIMIZERS + (FLOAT64_UNSAFE if _holds_float64(m) else [])
+
+
+def _holds_float64(m: onnx.ModelProto) -> bool:
+    dbl = onnx.TensorProto.DOUBLE
+    graphs = graphs_of(m.graph) + [g for f in m.functions for n in f.node
+                                   for sub in node_subgraphs(n) for g in graphs_of(sub)]
+    nodes = [n for g in graphs for n in g.node] + [n for f in m.functions for n in f.node]
+    values = [v for g in graphs for v in (*g.input, *g.output, *g.value_info)]
+    return (any(v.type.tensor_type.elem_type == dbl for v in values)
+            or any(t.data_type == dbl for g in graphs for t in g.initializer)
+            or any(a.type == onnx.AttributeProto.TENSOR and a.t.data_type == dbl
+                   or a.name == "to" and a.i == dbl for n in nodes for a in n.attribute))
 
 
 def session(model, device: str = "cpu", threads: int | None = None, options=None):
@@ -101,10 +126,11 @@ def session(model, device: str = "cpu", threads: int | None = None, options=None
         # go to onnxruntime as they came, external data past 2 GB included)
         if has_forms(load_model(model, load_external_data=False)):
             model = for_cuda(load_model(model))
+    unsafe = unsafe_optimizers(model)
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     return ort.InferenceSession(model, options or session_options(threads),
-                                providers=where, disabled_optimizers=UNSAFE_OPTIMIZERS)
+                                providers=where, disabled_optimizers=unsafe)
 
 
 def runner(model: onnx.ModelProto, prefer: str = "ort", fallback: bool = True):
@@ -124,7 +150,7 @@ def runner(model: onnx.ModelProto, prefer: str = "ort", fallback: bool = True):
         try:
             s = ort.InferenceSession(model.SerializeToString(), so,
                                      providers=["CPUExecutionProvider"],
-                                     disabled_optimizers=UNSAFE_OPTIMIZERS)
+                                     disabled_optimizers=unsafe_optimizers(model))
         except Exception:  # noqa: BLE001  (NOT_IMPLEMENTED kernels: use the reference runtime)
             if not fallback:
                 raise
