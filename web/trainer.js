@@ -16,12 +16,14 @@ const ARRAYS = {float32: Float32Array, float64: Float64Array, int64: BigInt64Arr
  * Options of every session this page makes. onnxruntime's GatherToSliceFusion rewrites
  * Range -> Gather as a Slice over Range's bounds and reads a negative bound as counted from the
  * end: Gather(x, Range(n - 1, -1, -1)), a reversal, came out empty, silently; its Pad_Fusion
- * folds a Pad of zeros into a MaxPool, whose pads are -inf (onnxruntime-web 1.30 and Python
- * 1.31 alike; onnxgrad's Python sessions turn both off as well; the list is ';'-separated).
+ * folds a Pad of zeros into a MaxPool, whose pads are -inf; its NoopElimination takes a float64
+ * factor within 6e-8 of 1 for 1 (onnxruntime-web 1.30 and Python 1.31 alike; onnxgrad's Python
+ * sessions turn them off as well; the list is ';'-separated).
  */
 export function sessionOptions(executionProviders = ['wasm'], more = {}) {
   return {executionProviders, ...more,
-          extra: {optimization: {disable_specified_optimizers: 'GatherToSliceFusion;Pad_Fusion'}}};
+          extra: {optimization: {disable_specified_optimizers:
+            'GatherToSliceFusion;Pad_Fusion;NoopElimination'}}};
 }
 
 /** A user-facing problem with the files given (shown as it is on the page). */
