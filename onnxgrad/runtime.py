@@ -7,6 +7,7 @@ import functools
 import numpy as np
 import onnx
 
+from .errors import DeviceUnavailableError
 from .inference import graphs_of, node_subgraphs
 # files (atomic writes, external data past 2 GB) live in storage; these names stay here too
 from .storage import MAX_IR_VERSION, atomic_path, load_model, save_model  # noqa: F401
@@ -56,7 +57,6 @@ def resolve(device: str = "auto") -> str:
     if device == "cpu" or (device == "auto" and not cuda_available()):
         return "cpu"
     if not cuda_available():
-        from .errors import DeviceUnavailableError
         raise DeviceUnavailableError(
             "device='cuda' was asked for, but onnxruntime cannot create a CUDA session here "
             f"(available providers: {', '.join(ort_module().get_available_providers())}); it "
