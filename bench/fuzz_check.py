@@ -269,6 +269,7 @@ def _compare(f, feeds, key, x0, grad, rng, tally, label, rtol=RTOL, atol=ATOL, s
 
 def _call_gradients(model, call, stage):
     import onnxgrad
+    before = model.SerializeToString()
     try:
         return onnxgrad.gradients(model, **call)
     except NotImplementedError as e:  # NotDifferentiableError, or a rule refusing a case
@@ -279,6 +280,9 @@ def _call_gradients(model, call, stage):
     except Exception as e:  # noqa: BLE001
         raise _Fail("crash", _short(e) + "\n" + "".join(traceback.format_exc(limit=-3)),
                     stage) from e
+    finally:  # a result or a refusal alike: the model given stays as it was
+        if model.SerializeToString() != before:
+            raise _Fail("crash", "gradients() changed the model it was given", stage)  # noqa: B012
 
 
 def _valid(model, stage, level="all", fallback=False):

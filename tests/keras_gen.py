@@ -357,7 +357,9 @@ def check_built(m32, m64, shape, tokens=False, seed=0, batch=2, reject=_reject):
     noise_y = float(np.abs(y32 - y64).max())
     assert within(y_ort, y64, noise_y, 1e-6, TOL), "the converted forward differs from TF's"
     wrt = names if tokens else [x_in.name, *names]
+    before = model.SerializeToString()
     res = onnxgrad.gradients(model, y_out.name, wrt, grad_ys=["gy"])
+    assert model.SerializeToString() == before, "gradients() changed the model it was given"
     onnx.checker.check_model(res.model, full_check=True)
     outs = session(res.model).run([g for g in res.grads if g], {x_in.name: x, "gy": gy})
     got = iter(outs)

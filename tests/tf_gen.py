@@ -560,7 +560,9 @@ def check(shapes, steps, static, v2, seed, dtype="float64", saved=False):
     ins, out = names
     got_y = ort_run(model, dict(zip(ins, feeds.values())), [out])[0]
     _close(got_y, y64, y32, "forward")
+    before = model.SerializeToString()
     res = onnxgrad.gradients(model, out, ins, grad_ys=["gy"])
+    assert model.SerializeToString() == before, "gradients() changed the model it was given"
     onnx.checker.check_model(res.model, full_check=True)
     outs = iter(ort_run(res.model, {**dict(zip(ins, feeds.values())), "gy": gys.astype(dtype)},
                         [g for g in res.grads if g]))

@@ -998,7 +998,9 @@ def check(module, shape, opset, training, exporter="torchscript", seed=0, batch=
 
 def _via_gradients(model, wrt, x, cot, y_ort):
     """(y, {name: gradient or None}) from onnxgrad.gradients of sum(y * cot), on onnxruntime."""
+    before = model.SerializeToString()
     res = onnxgrad.gradients(model, ["y"], wrt, grad_ys=["cot"])
+    assert model.SerializeToString() == before, "gradients() changed the model it was given"
     onnx.checker.check_model(res.model, full_check=True)
     names = [g for g in res.grads if g is not None]
     try:
@@ -1042,7 +1044,9 @@ def _via_trainer(model, params, x, cot, y_ort):
         # onnxruntime's static dims of a ceil_mode pool whose input dims only its constant
         # folding sees keep the window its kernel drops: y * cot fails to load
         _reject("onnxruntime cannot load the model with its loss")
+    before = m.SerializeToString()
     desc = build_gradient_model(m, "loss", params)
+    assert m.SerializeToString() == before, "the training step changed the model it was given"
     try:
         sess = make_session(desc.model, "cpu", threads=1)
         feeds = {"x": x, **{p: desc.initial_params[p] for p in desc.params},
