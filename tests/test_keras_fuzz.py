@@ -34,6 +34,13 @@ _CONV = dict(kernel_size=1, strides=1, dilation_rate=1, padding="same", activati
 # a BatchNormalization, whose moving statistics the Trainer trained as weights (session 37:
 # the converter now lists a SavedModel's non-trainable variables as not trained)
 @example(([("BatchNormalization", {})], (3, 3, 2), "dense", 2))
+# a Maximum merge of a ReLU's output and a BatchNormalization of it, equal (0) where the ReLU is
+# off: TF gives such a tie to the first input, onnxgrad's Max split it (session 38: the
+# converter writes TF's Maximum and Minimum as the selection TF's gradient makes)
+@example(([("Conv2D", dict(kernel_size=1, strides=1, dilation_rate=1, padding="same",
+                           activation="relu", use_bias=False, filters=1)),
+           ("Residual", dict(layer=("BatchNormalization", {}), merge="Maximum"))],
+          (3, 3, 1), "none", 1))
 def test_converted_keras_models_match_tf(case):
     eager(keras_gen.check, *case)
 

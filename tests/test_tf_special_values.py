@@ -29,8 +29,8 @@ UNARY = {"Expm1": tf.math.expm1, "Log1p": tf.math.log1p, "Softplus": tf.nn.softp
          "Trigamma": lambda x: tf.math.polygamma(tf.constant(1.0), x)}
 BINARY = {"Xlogy": tf.math.xlogy, "Xdivy": tf.math.xdivy, "DivNoNan": tf.math.divide_no_nan,
           "MulNoNan": tf.math.multiply_no_nan}
-# TF's ClipByValue op (tf.clip_by_value itself builds Minimum and Maximum, whose ties onnxgrad
-# splits evenly, as torch does: see the README's Guarantees)
+# TF's ClipByValue op (tf.clip_by_value itself builds Minimum and Maximum, which the converter
+# writes as TF's selections: test_maximum_and_minimum_ties_go_to_x_as_in_tf)
 CLIPS = {"clip_by_value": lambda x: tf.raw_ops.ClipByValue(t=x, clip_value_min=-1.0,
                                                            clip_value_max=0.5),
          "clip_tensor_bounds": lambda x: tf.raw_ops.ClipByValue(
@@ -104,6 +104,23 @@ def test_clips_at_their_bounds(op):
     want, got = _both(CLIPS[op], [x])
     for what, g, w in zip(["output", "gradient"], got, want):
         _same(g, w, f"{op} {what} at {x.tolist()}")
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(op=st.sampled_from(["maximum", "minimum"]),
+       pairs=st.lists(st.tuples(*[st.sampled_from([0.0, -0.0, 1.0, -2.0, np.inf, -np.inf,
+                                                   np.nan])] * 2), min_size=1, max_size=8))
+def test_maximum_and_minimum_ties_go_to_x_as_in_tf(op, pairs):
+    """TF's gradient gives a tie of tf.maximum / tf.minimum to x (x >= y, x <= y); onnxgrad's
+    Max and Min split it evenly (as PyTorch), so the converter writes the selection TF's
+    gradient makes, with TF's forward (NaN from either side). Gradients are compared where
+    neither input is NaN (there TF's gives all to y, the selection to the NaN x)."""
+    x, y = (np.array(v, np.float32) for v in zip(*pairs))
+    want, got = _both(getattr(tf, op), [x, y])
+    _same(got[0], want[0], f"{op} output")
+    finite = ~np.isnan(x) & ~np.isnan(y)
+    for what, g, w in zip(["d/dx", "d/dy"], got[1:], want[1:]):
+        _same(g[finite], w[finite], f"{op} {what} at {pairs}")
 
 
 @pytest.mark.parametrize("op", BINARY)

@@ -220,7 +220,7 @@ def _nothing(c, n):
 # -- elementwise -------------------------------------------------------------------------------
 SAME = {  # TF op -> ONNX op with the same inputs and numpy broadcasting
     "Add": "Add", "AddV2": "Add", "Sub": "Sub", "Mul": "Mul", "RealDiv": "Div",
-    "Maximum": "Max", "Minimum": "Min", "Pow": "Pow", "Greater": "Greater", "Less": "Less",
+    "Pow": "Pow", "Greater": "Greater", "Less": "Less",
     "GreaterEqual": "GreaterOrEqual", "LessEqual": "LessOrEqual", "Equal": "Equal",
     "LogicalAnd": "And", "LogicalOr": "Or", "LogicalNot": "Not",
     "Tanh": "Tanh", "Sigmoid": "Sigmoid", "Relu": "Relu", "Exp": "Exp", "Log": "Log",
@@ -284,6 +284,20 @@ def _same(c, n, onnx_op):
 
 for _tf, _onnx in SAME.items():
     handler(_tf)(lambda c, n, _o=_onnx: _same(c, n, _o))
+
+
+@handler("Maximum", "Minimum")
+def _max_min(c, n):
+    """TF's gradient gives a tie to x (x >= y for Maximum, x <= y for Minimum), onnxgrad's Max
+    and Min split it evenly (as PyTorch): a float one is the selection Where(x >= y or x is
+    NaN, x, y), TF's forward (NaN from either side) and TF's gradient. A converted Keras
+    ``Maximum`` merge of a ReLU's output and a BatchNormalization of it (0 and 0 where the
+    ReLU is off) gave beta half of those positions' gradient, TF none (bench/fuzz_keras.py)."""
+    if not is_float(n) or dtype_info(n.attr["T"].type).name == "DT_BFLOAT16":
+        return _same(c, n, "Max" if n.op == "Maximum" else "Min")  # (IsNaN: no bfloat16 < 20)
+    x, y = c.x(n, 0), c.x(n, 1)
+    keep = c.op("GreaterOrEqual" if n.op == "Maximum" else "LessOrEqual", [x, y])
+    return [c.op("Where", [c.op("Or", [keep, c.op("IsNaN", [x])]), x, y])]
 
 
 @handler("Rsqrt")
