@@ -903,7 +903,11 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
         if merged is None:
             raise InvalidModelError(
                 f"the model declares graph output {o.name!r} as {_describe(want)}, but its "
-                f"producer makes it {_describe(o.type)} (onnx shape inference)")
+                f"producer makes it {_describe(o.type)} (onnx shape inference). Where the "
+                "declaration is wrong (an exporter's: torch.onnx's dynamo exporter declares "
+                "cross_entropy(reduction='none') a scalar), clear it and give the model again: "
+                f"next(o for o in model.graph.output if o.name == {o.name!r})"
+                ".type.tensor_type.ClearField('shape')")
         o.type.CopyFrom(merged)
     if _may_hold_sequences(graphs, kinds, model_opset(m)):
         _forget_element_symbols(out)

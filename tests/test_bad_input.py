@@ -909,3 +909,40 @@ def test_web_export_beside_its_input_model_is_refused(tmp_path, capsys):
                  str(tmp_path / "step.onnx"), "--target", "web"]) == 2
     assert "it is the input model" in capsys.readouterr().err
     assert model.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["step.model.onnx"]
+
+
+def test_an_exporters_wrong_output_declaration_is_refused_with_the_remedy():
+    """torch.onnx's dynamo exporter declares cross_entropy(reduction="none") a scalar where the
+    model computes [N] (found by bench/fuzz_torch.py): the contradiction is refused, naming the
+    output and how to clear the declaration; so cleared, the gradient is torch's."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    import warnings
+    F = torch.nn.functional
+    lin = torch.nn.Linear(4, 3)
+    labels = torch.tensor([1, 0, 2, 2, 1])
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            z = self.lin(x)
+            return F.cross_entropy(z, labels[: z.shape[0]], reduction="none")
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = torch.onnx.export(Net(), (torch.tensor(x),), dynamo=True, input_names=["x"],
+                              output_names=["y"], verbose=False,
+                              dynamic_shapes=({0: torch.export.Dim("N")},)).model_proto
+    if len(m.graph.output[0].type.tensor_type.shape.dim) == 1:
+        pytest.skip("this torch declares the output as it computes it")
+    with pytest.raises(errors.InvalidModelError, match="'y' as float.*ClearField"):
+        onnxgrad.gradients(m, "y", "x")
+    next(o for o in m.graph.output if o.name == "y").type.tensor_type.ClearField("shape")
+    res = onnxgrad.gradients(m, "y", "x")
+    got, = onnxgrad.runtime.session(res.model).run(res.grads, {"x": x})
+    xt = torch.tensor(x, requires_grad=True)
+    F.cross_entropy(lin(xt), labels, reduction="none").sum().backward()
+    np.testing.assert_allclose(got, xt.grad.numpy(), rtol=1e-5, atol=1e-6)
