@@ -16,10 +16,9 @@ from onnx import helper
 
 from onnxgrad.training import SGD, Adam, AdamW, Trainer
 from onnxgrad.training import fused
-from util import make_model
+from util import make_model, torch_train
 
 torch = pytest.importorskip("torch")
-F = torch.nn.functional
 
 
 def mlp64(seed):
@@ -79,23 +78,10 @@ def test_optimizer_steps_are_torch_optim(opt, clip, decay, fused_kernel, micro, 
                  frozen=sorted(frozen), progress=False)
     losses = [tr.step({"x": x, "target": y}) for x, y in batches]
 
-    p = {k: torch.tensor(v, requires_grad=k not in frozen) for k, v in w.items()}
-    trained = [v for k, v in p.items() if k not in frozen]
-    topt = THEIRS[kind](trained, **kw)
-    want = []
-    for i, (x, y) in enumerate(batches):
-        if sched:
-            for group in topt.param_groups:
-                group["lr"] = sched(i + 1)
-        topt.zero_grad()
-        loss = F.cross_entropy(forward(torch.tensor(x), p), torch.tensor(y))
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(trained, clip)
-        topt.step()
-        want.append(loss.item())
+    want_p, want = torch_train(forward, w, lambda ps: THEIRS[kind](ps, **kw), clip, batches,
+                               sched, frozen)
     np.testing.assert_allclose(losses, want, rtol=1e-9)
     got = {**w, **tr.parameters()}
-    for k, v in p.items():
-        np.testing.assert_allclose(got[k], v.detach().numpy(), rtol=1e-9, atol=1e-12,
+    for k, v in want_p.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-9, atol=1e-12,
                                    err_msg=f"{kind} {kw} clip={clip}: {k}")

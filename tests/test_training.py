@@ -22,7 +22,7 @@ import onnxgrad
 from onnxgrad.runtime import session
 from onnxgrad.training import (SGD, Adam, AdamW, NonFiniteLossError, Trainer, attach_loss,
                                build_gradient_model, build_train_step)
-from util import grads_of, make_model
+from util import grads_of, make_model, torch_train
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -130,24 +130,6 @@ def _batches(shape, steps=20, batch=6, classes=3, seed=1, labels=()):
              rng.integers(0, classes, (batch, *labels))) for _ in range(steps)]
 
 
-def _torch_train(forward, init, make_opt, clip, batches, lr_schedule=None):
-    p = {k: torch.tensor(v.copy(), requires_grad=True) for k, v in init.items()}
-    opt = make_opt(list(p.values()))
-    losses = []
-    for i, (x, y) in enumerate(batches):
-        if lr_schedule:
-            for group in opt.param_groups:
-                group["lr"] = lr_schedule(i + 1)
-        opt.zero_grad()
-        loss = F.cross_entropy(forward(torch.tensor(x), p), torch.tensor(y))
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(list(p.values()), clip)
-        opt.step()
-        losses.append(loss.item())
-    return {k: v.detach().numpy() for k, v in p.items()}, losses
-
-
 def _close(ours: dict, ref: dict, rtol=1e-5):
     for k, r in ref.items():
         scale = np.max(np.abs(r))
@@ -165,7 +147,7 @@ def test_optimizer_matches_torch(model, opt):
     tr = Trainer(m, "cross_entropy", optimizer=ours_opt(), clip_norm=clip, device="cpu",
                  lr_schedule=sched, progress=False)
     losses = [tr.step({"x": x, "target": y}) for x, y in batches]
-    ref, ref_losses = _torch_train(forward, init, make_torch, clip, batches, sched)
+    ref, ref_losses = torch_train(forward, init, make_torch, clip, batches, sched)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     _close(tr.parameters(), ref)
     assert tr.step_count == 20

@@ -211,3 +211,27 @@ def bn_train_export(path, momentum=0.3, running=None):
                  dynamic_axes={"x": {0: "N"}}, do_constant_folding=False,
                  training=torch.onnx.TrainingMode.TRAINING)
     return net
+
+
+def torch_train(forward, init, make_opt, clip, batches, lr_schedule=None, frozen=()):
+    """The torch.optim loop the Trainer tests compare with: cross_entropy of ``forward(x, p)``
+    over ``batches``, ``make_opt`` over the parameters not ``frozen`` (which clipping never
+    sees either), lr from ``lr_schedule(step)`` (from 1). Returns (parameters, losses)."""
+    import torch
+    F = torch.nn.functional
+    p = {k: torch.tensor(np.array(v), requires_grad=k not in frozen) for k, v in init.items()}
+    trained = [v for k, v in p.items() if k not in frozen]
+    opt = make_opt(trained)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if lr_schedule:
+            for group in opt.param_groups:
+                group["lr"] = lr_schedule(i + 1)
+        opt.zero_grad()
+        loss = F.cross_entropy(forward(torch.tensor(x), p), torch.tensor(y))
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(trained, clip)
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().numpy() for k, v in p.items()}, losses
