@@ -24,8 +24,8 @@ from .empty import empty_as_constants, has_empty
 from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, compatible_dims, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError, UnsupportedError)
-from .inference import (bodies_of, forget_made_up, graphs_of, infer_ranks, infer_shapes,
-                        schema_output_dtypes, unique_name)
+from .inference import (FLOAT_TYPES, bodies_of, forget_made_up, graphs_of, infer_ranks,
+                        infer_shapes, schema_output_dtypes, unique_name)
 from .ort_fusions import guard_pad_fusion
 from .ort_internal import standard_forms
 from .storage import dense_copy, load_model, strip_weights
@@ -33,7 +33,6 @@ from .validation import check_model
 from .versions import convert_version
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
                        subgraphs, MIN_OPSET)
-
 
 
 class UnconnectedGradients(str, enum.Enum):
@@ -508,8 +507,6 @@ def _name_grad(e: Emitter, v: ir.Value, g: V) -> V:
 
 
 # -- preparation -------------------------------------------------------------------------------
-_FLOAT_PROTO_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
-                      onnx.TensorProto.BFLOAT16}
 
 
 def _without_weights(model: onnx.ModelProto):
@@ -517,7 +514,7 @@ def _without_weights(model: onnx.ModelProto):
     initializers. Version conversion and shape inference serialise the whole model, which costs
     seconds with hundreds of MB of weights (and fails past 2 GB); no rule reads a weight's
     values, so they are put back at the end."""
-    return strip_weights(model, 1 << 20, only=_FLOAT_PROTO_TYPES)
+    return strip_weights(model, 1 << 20, only=FLOAT_TYPES)
 
 
 def _load(model) -> onnx.ModelProto:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from .inference import _dims, infer_shapes, unique_name
+from .inference import FLOAT_TYPES, _dims, infer_shapes, unique_name
 from .validation import node_reads
 
 
@@ -81,9 +81,9 @@ def _empty(n: onnx.NodeProto, o: str, elem: int, shape: list, elems: dict, taken
         out = out or unique_name(f"{o}/{op}", taken)
         return onnx.helper.make_node(op, ins, [out], name=out, **attrs)
 
-    srcs = [x for x in dict.fromkeys(n.input) if x and elems.get(x) in _FLOATS]
+    srcs = [x for x in dict.fromkeys(n.input) if x and elems.get(x) in FLOAT_TYPES]
     value = onnx.helper.make_tensor(o, elem, shape, [])
-    if not srcs or elem not in _FLOATS:
+    if not srcs or elem not in FLOAT_TYPES:
         return [node("Constant", [], o, value=value)]
     out, sums = [node("Constant", [], value=value)], []
     for x in srcs:
@@ -94,7 +94,3 @@ def _empty(n: onnx.NodeProto, o: str, elem: int, shape: list, elems: dict, taken
     if len(sums) > 1:
         out.append(node("Sum", sums))
     return out + [node("Mul", [out[0].output[0], out[-1].output[0]], o)]
-
-
-_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
-           onnx.TensorProto.BFLOAT16}

@@ -40,6 +40,10 @@ from onnx import TensorShapeProto, TypeProto
 
 from .errors import InvalidModelError
 
+# the floating-point element types, the ones gradients flow through
+FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
+                         onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+
 _MARK = "onnxgrad_inlined_constant/"
 _POOLS = ("AveragePool", "MaxPool", "LpPool")
 

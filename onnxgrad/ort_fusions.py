@@ -21,8 +21,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .inference import constant_tensors, graphs_of, model_opset, taken_names, unique_name, \
-    value_types
+from .inference import FLOAT_TYPES, constant_tensors, graphs_of, model_opset, taken_names, \
+    unique_name, value_types
 
 _POOLS = {"MaxPool", "AveragePool"}
 # what onnxruntime removes or moves from between a Pad and a pool before the fusion looks
@@ -61,7 +61,7 @@ def guard_pad_fusion(model: onnx.ModelProto) -> onnx.ModelProto:
                 types.update(value_types(graphs_of(
                     onnx.shape_inference.infer_shapes(model).graph)))
                 dtype = _dtype(types, n.input[0]) or _dtype(types, value)
-            if dtype not in _FLOATS:
+            if dtype not in FLOAT_TYPES:
                 continue  # an integer pool (rare); onnxgrad's sessions are safe
             neg = unique_name(f"{n.output[0]}_value", taken)
             g.initializer.append(numpy_helper.from_array(
@@ -99,10 +99,6 @@ def _const(g: onnx.GraphProto, taken: set, v: int) -> str:
     name = unique_name(f"onnxgrad_pad_axes_{v}", taken)
     g.initializer.append(numpy_helper.from_array(np.array(v, np.int64), name))
     return name
-
-
-_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
-           onnx.TensorProto.BFLOAT16}
 
 
 def _constant_mode(n: onnx.NodeProto) -> bool:

@@ -24,12 +24,11 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import DataError, InvalidArgumentError
-from ..inference import taken_names, unique_name
+from ..inference import FLOAT_TYPES, taken_names, unique_name
 from ..storage import EXTERNAL_DATA_ABOVE, dense_copy, load_model, tensor_nbytes
 from ..versions import convert_version
 
 LOSSES = ("mse", "l1", "cross_entropy", "bce")
-_FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 
 
 def load(model) -> onnx.ModelProto:
@@ -168,7 +167,7 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     output_name = output_name or m.graph.output[0].name
     otype = _output_type(m, output_name)
     elem = otype.tensor_type.elem_type
-    if elem not in _FLOATS:
+    if elem not in FLOAT_TYPES:
         raise InvalidArgumentError(
             f"output {output_name!r} is {TensorProto.DataType.Name(elem)}, not a "
             "float tensor: a loss needs float predictions")

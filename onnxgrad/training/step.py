@@ -35,7 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..aliasing import training_bn
 from ..autodiff import gradients
-from ..inference import model_opset, names_read, taken_names
+from ..inference import FLOAT_TYPES, model_opset, names_read, taken_names
 from ..registry import lookup, own_domain
 from .losses import load
 from ..errors import ArgumentTypeError, InvalidArgumentError
@@ -43,7 +43,6 @@ from ..rules.conv import pool_tiles
 from .fast_forms import small_image_convs, zero_dropouts
 from .optimizers import AdamW, Builder, Optimizer, Scalars, Slot, check_number, clip_grad_norm
 
-_FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 _log = logging.getLogger("onnxgrad.training")
 
 
@@ -130,7 +129,7 @@ def default_params(model: onnx.ModelProto) -> tuple[list[str], dict[str, str]]:
     statistics, not by gradients), nor an initializer holding NaN or inf (a mask of -inf: no
     finite update exists, and it could be neither checkpointed nor exported). Pass ``params``
     or ``frozen`` to choose otherwise."""
-    floats = [t for t in model.graph.initializer if t.data_type in _FLOATS]
+    floats = [t for t in model.graph.initializer if t.data_type in FLOAT_TYPES]
     meta = {p.key: p.value for p in model.metadata_props}
     listed = meta.get(WEIGHTS_KEY)
     not_trained = json.loads(meta.get(NOT_TRAINED_KEY, "{}"))
@@ -247,7 +246,7 @@ def expose_statistics(m: onnx.ModelProto, params) -> tuple[list[str], list[str],
     inits = {t.name: t for t in m.graph.initializer}
     outs = training_statistics(m)
     stats = [t for t, o in outs.items() if t in inits and t not in params and
-             inits[t].data_type in _FLOATS and len(o) == 1 and o[0]]
+             inits[t].data_type in FLOAT_TYPES and len(o) == 1 and o[0]]
     declared = {v.name for v in m.graph.value_info}
     m.graph.value_info.extend(  # the new outputs' types: the statistics'
         helper.make_tensor_value_info(outs[t][0], inits[t].data_type, list(inits[t].dims))
@@ -270,7 +269,7 @@ def _resolve_params(m: onnx.ModelProto, params, frozen):
         for p in chosen:
             if p not in inits:
                 raise InvalidArgumentError(f"params: {p!r} is not an initializer of the model")
-            if inits[p].data_type not in _FLOATS:
+            if inits[p].data_type not in FLOAT_TYPES:
                 raise InvalidArgumentError(f"params: {p!r} is not a float tensor")
         chosen = [p for p in chosen if p not in set(frozen)]
     if len(set(chosen)) != len(chosen):

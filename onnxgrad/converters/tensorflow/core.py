@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ...inference import FLOAT_TYPES
 from ...versions import convert_version
 from . import proto
 from .errors import ConversionError
@@ -569,11 +570,11 @@ def _record_weights(c: Converter, m: onnx.ModelProto) -> None:
     SavedModel's trainable variables as its weights; as not trained, its other variables, the
     frozen statistics a FusedBatchNorm reads (a GraphDef's moving mean and variance) and the
     float constants the converter made itself (an epsilon, gelu's 0.5), which no TF Const holds."""
-    from ...training.step import _FLOATS, NOT_TRAINED_KEY, WEIGHTS_KEY
+    from ...training.step import NOT_TRAINED_KEY, WEIGHTS_KEY
     inits = {t.name for t in m.graph.initializer}
     not_trained = {t.name: "a constant the converter made (no TF Const holds it)"
                    for t in m.graph.initializer
-                   if t.data_type in _FLOATS and t.name not in c.weight_values}
+                   if t.data_type in FLOAT_TYPES and t.name not in c.weight_values}
     if c.weights is not None:
         m.metadata_props.add(key=WEIGHTS_KEY, value=json.dumps(
             [f"{w}:0" for w, trainable in c.weights.items() if trainable and f"{w}:0" in inits]))
