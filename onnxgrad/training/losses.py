@@ -76,7 +76,9 @@ def opset_of(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
-def _output_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
+def output_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
+    """The type of ``name``: a graph output's declared type, or else what shape inference gives
+    a value inside the graph (an error naming the outputs where there is none)."""
     for v in model.graph.output:
         if v.name == name and v.type.tensor_type.elem_type:
             return v.type
@@ -165,7 +167,7 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     if not m.graph.output:
         raise InvalidArgumentError("the model has no outputs")
     output_name = output_name or m.graph.output[0].name
-    otype = _output_type(m, output_name)
+    otype = output_type(m, output_name)
     elem = otype.tensor_type.elem_type
     if elem not in FLOAT_TYPES:
         raise InvalidArgumentError(

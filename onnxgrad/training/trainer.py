@@ -60,7 +60,7 @@ from ..errors import (CheckpointError, DataError, InvalidArgumentError, NonFinit
                       NonFiniteLossError, WriteError)
 from ..inference import graphs_of, node_subgraphs
 from . import fused
-from .losses import LOSSES, _output_type, attach_loss, check_labels, class_axis_of, load
+from .losses import LOSSES, attach_loss, check_labels, class_axis_of, load, output_type
 from .nchwc import blocked_convs
 from .optimizers import check_number
 from .optimizers import AdamW, Optimizer
@@ -619,7 +619,7 @@ class Trainer:
             shape = self._input_shapes.get(self.target_name)
             if not self._class_dim_read:  # an output's declared shape, or an inner value's
                 self._class_dim_read = True
-                t = _output_type(self.loss_model, self.output_name).tensor_type
+                t = output_type(self.loss_model, self.output_name).tensor_type
                 dims = t.shape.dim if t.HasField("shape") else []
                 if len(dims) > 1 and dims[axis].HasField("dim_value"):
                     self._classes = dims[axis].dim_value
