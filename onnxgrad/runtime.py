@@ -120,13 +120,14 @@ def session(model, device: str = "cpu", threads: int | None = None, options=None
     """An onnxruntime InferenceSession for a ModelProto (or bytes / path)."""
     ort = ort_module()
     where = providers(device)
+    # (a file is read once without its weights to look: most models have nothing to rewrite
+    # and go to onnxruntime as they came, external data past 2 GB included)
+    light = load_model(model, load_external_data=False)
     if where[0] != "CPUExecutionProvider":
         from .cuda_forms import for_cuda, has_forms
-        # (a file is read without its weights to look: most models have nothing to rewrite and
-        # go to onnxruntime as they came, external data past 2 GB included)
-        if has_forms(load_model(model, load_external_data=False)):
-            model = for_cuda(load_model(model))
-    unsafe = unsafe_optimizers(model)
+        if has_forms(light):
+            model = light = for_cuda(load_model(model))
+    unsafe = unsafe_optimizers(light)
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     return ort.InferenceSession(model, options or session_options(threads),
