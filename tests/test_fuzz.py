@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import fuzz_cases  # noqa: E402
 import fuzz_check  # noqa: E402
 import fuzz_graphs  # noqa: E402
+from util import stock_session  # noqa: E402
 
 # a fixed seed per test: the same graphs on every run and machine (hypothesis's derandomize
 # mode draws much simpler graphs); no example database
@@ -183,6 +184,11 @@ def test_pool_case_onnx_sizes_otherwise_is_not_drawn():
     assert fuzz_graphs.probe(case, 22).ort32
 
 
+def _unoptimized(model):
+    from onnxgrad.runtime import ort_module
+    return stock_session(model, ort_module().GraphOptimizationLevel.ORT_DISABLE_ALL)
+
+
 def _as_written(spec):
     """onnxgrad's session of the float64 gradient model computes what the graph says: its
     gradients equal those of a session without graph optimizations to float64 rounding
@@ -200,12 +206,8 @@ def _as_written(spec):
     if not outs or any(i.name not in feeds for i in res.model.graph.input):
         return  # (a cotangent input to feed: the gradient checks above cover those graphs)
     feeds = {i.name: feeds[i.name] for i in res.model.graph.input}
-    ort = runtime.ort_module()
-    so = runtime.session_options()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        plain = ort.InferenceSession(res.model.SerializeToString(), so,
-                                     providers=["CPUExecutionProvider"]).run(outs, feeds)
+        plain = _unoptimized(res.model).run(outs, feeds)
     except Exception:  # noqa: BLE001  (no float64 kernel: nothing runs it either way)
         return
     note(f"spec: {spec!r}\n{fuzz_check.repro(p)}")
@@ -239,11 +241,7 @@ def test_float64_attention_gradient_as_written():
     rng = np.random.default_rng(0)
     feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
              for i in ins}
-    ort = runtime.ort_module()
-    so = runtime.session_options()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    plain = ort.InferenceSession(res.model.SerializeToString(), so,
-                                 providers=["CPUExecutionProvider"]).run(res.grads, feeds)
+    plain = _unoptimized(res.model).run(res.grads, feeds)
     for want, got in zip(plain, runtime.session(res.model).run(res.grads, feeds)):
         np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
 
