@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from tf_util import tf  # noqa: F401  (skips the module without TF)
 
@@ -16,6 +16,32 @@ import tf_gen  # noqa: E402
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(tf_gen.programs())
 def test_converted_tf_programs_match_tf(case):
+    tf_gen.check(*case)
+
+
+def _array(write, read, order, idx=(0,), size="static", known=False):
+    return ("tensor_array", [0, 0], (write, read, order, (len(order),), idx, size, known))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(tf_gen.programs(tf_gen.ARRAY_OPS))
+# found by this test's generator (session 39), each failed before its fix:
+# TF's own gradient graph of a gather of fewer indices than the array holds: its gradient
+# array scattered at [0] was taken for an unstack (Range-like indices) and cut to one element
+@example(([(2,)], [_array("unstack", "gather", (0, 1))], False, False, 0, "float64", False))
+# writes out of index order into an array without a static element shape (onnxruntime:
+# "Invalid sequence index"), unrolled and in a loop into a dynamic array
+@example(([(3,)], [_array("write_unrolled", "stack", (0, 2, 1))], False, False, 0, "float64",
+          False))
+@example(([(2,)], [_array("write_loop", "stack", (1, 0), size="grow")], False, False, 0,
+          "float64", False))
+# TF's v2 gradient of a gather with a repeated index keeps one upstream row (TensorList
+# scatter); onnxgrad's adds them, as TF1's TensorArray does: the reference is the TF1 form
+@example(([(2,)], [_array("unstack", "gather", (0, 1), idx=(0, 0))], False, True, 0, "float64",
+          False))
+def test_tensor_array_programs_match_tf(case):
+    """TensorArrays written and read every way (tf_gen._tensor_array), among other ops."""
     tf_gen.check(*case)
 
 

@@ -416,6 +416,78 @@ def _apply_linalg(p, a):
     return (a - mean) * tf.math.rsqrt(var + 0.1)
 
 
+def _tensor_array(draw, shapes):
+    """A TensorArray (TF1: TensorArrayV3 and its gradient arrays; v2 control flow: TensorList
+    ops) written one way and read another: rows of a value scaled by the mean of a second one,
+    written by unstack, a permuting scatter, writes in a drawn order (in a while loop or
+    unrolled) or a split into parts of drawn lengths; read by stack, a gather with repeats,
+    concat, or reads of drawn indices (in a loop or unrolled; an index read twice: gradient
+    writes that add up). Its size static, the value's run-time rows, or grown from 0."""
+    i = _one(draw, shapes)
+    j = draw(st.sampled_from(range(len(shapes))))
+    n = shapes[i][0]
+    write = draw(st.sampled_from(["unstack", "scatter", "write_loop", "write_unrolled",
+                                  "split"]))
+    reads = ["concat", "read_unrolled"] if write == "split" else [
+        "stack", "gather", "read_loop", "read_unrolled", *(["concat"] * (len(shapes[i]) > 1))]
+    read = draw(st.sampled_from(reads))
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
+    lengths = tuple(b - a for a, b in zip([0, *cuts], [*cuts, n]))
+    count = len(lengths) if write == "split" else n
+    idx = tuple(draw(st.lists(st.integers(0, count - 1), min_size=1, max_size=5)))
+    grows = ["grow"] if write in ("write_loop", "write_unrolled") else []
+    size = draw(st.sampled_from(["static", *(["rows"] * (write != "split")), *grows]))
+    return [i, j], (write, read, tuple(draw(st.permutations(range(n)))), lengths, idx, size,
+                    draw(st.booleans()))
+
+
+def _apply_tensor_array(p, a, b):
+    write, read, order, lengths, idx, size, known = p
+    k = tf.reduce_mean(b)
+    rows = tf.sin(a) * k
+    n = len(order)
+    count = len(lengths) if write == "split" else n
+    ta = tf.TensorArray(a.dtype, size={"static": count, "rows": tf.shape(a)[0], "grow": 0}[size],
+                        dynamic_size=size == "grow", clear_after_read=False,
+                        element_shape=a.shape[1:] if known and write != "split" else None,
+                        infer_shape=write != "split")
+    if write == "unstack":
+        ta = ta.unstack(rows)
+    elif write == "scatter":
+        ta = ta.scatter(list(order), rows)
+    elif write == "split":
+        ta = ta.split(rows, list(lengths))
+    elif write == "write_unrolled":
+        for m, t in enumerate(order):
+            ta = ta.write(t, rows[m])
+    else:
+        perm = tf.constant(order)
+        ta = tf.while_loop(lambda t, _: t < tf.shape(a)[0],
+                           lambda t, ta: (t + 1, ta.write(tf.gather(perm, t), rows[t])),
+                           (tf.constant(0), ta))[1]
+    rank = a.shape.rank - (write != "split")  # an element's (TF1 does not always infer it)
+    if read == "stack":
+        out = ta.stack()
+    elif read == "gather":
+        out = ta.gather(list(idx))
+    elif read == "concat":
+        out = ta.concat()
+    part = (lambda x: tf.reduce_sum(x, 0, keepdims=True)) if write == "split" else tf.identity
+    if read in ("stack", "gather", "concat"):
+        out.set_shape([None] * (rank + (read != "concat")))
+        return out
+    if read == "read_unrolled":
+        out = tf.add_n([(m + 1.0) * tf.cos(part(ta.read(t))) for m, t in enumerate(idx)])
+    else:  # every index read twice in a loop bounded by the array's size
+        m = ta.size()
+        out = tf.while_loop(
+            lambda t, acc: t < m,
+            lambda t, acc: (t + 1, acc + part(ta.read(t)) * tf.cos(part(ta.read(m - 1 - t)))),
+            (tf.constant(0), tf.zeros_like(part(ta.read(0)))))[1]
+    out.set_shape([None] * rank)
+    return tf.reshape(out, [1]) if rank == 0 else out
+
+
 def _image(draw, shapes):
     """NHWC ops on a rank-4 value: conv2d_transpose, space_to_depth and back, LRN."""
     i = _one(draw, shapes, 4)
@@ -467,21 +539,23 @@ OPS = {
     "segments": (_segments, _apply_segments),
     "linalg": (_linalg, _apply_linalg),
     "image": (_image, _apply_image),
+    "tensor_array": (_tensor_array, _apply_tensor_array),
 }
+ARRAY_OPS = ("tensor_array",) * 4 + ("unary", "binary", "reduce", "control")  # programs(ops=)
 
 
 @st.composite
-def programs(draw):
+def programs(draw, ops=None):
     """(input shapes, steps, static dims?, control flow v2?, seed, dtype, a SavedModel?):
     steps are (op, the indices of the values it reads, params); value i < len(inputs) is
-    input i."""
+    input i. ``ops``: the op names drawn from (repeats weigh), all of OPS by default."""
     shapes = [tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
               for _ in range(draw(st.integers(1, 2)))]
     seed = draw(st.integers(0, 2**16))
     steps = []
     vals = eager(lambda: [tf.constant(v) for v in _inputs(shapes, seed)])
     for _ in range(draw(st.integers(1, 6))):
-        op = draw(st.sampled_from(sorted(OPS)))
+        op = draw(st.sampled_from(sorted(ops or OPS)))
         args, params = OPS[op][0](draw, [tuple(v.shape) for v in vals])
         try:
             out = eager(OPS[op][1], params, *[vals[i] for i in args])
@@ -537,9 +611,19 @@ def check(shapes, steps, static, v2, seed, dtype="float64", saved=False):
     gradient graph converted, too."""
     feeds = {f"x{i}:0": v for i, v in enumerate(_inputs(shapes, seed))}
     gd, y64, g64, gys, tf_grads = _run_tf(shapes, steps, static, v2, feeds, "float64")
-    y32, g32 = y64, g64
+    # TF's TensorList gather gradient scatters the upstream rows, so repeated indices keep one
+    # of them where TF1's TensorArray (and the math) add them up: such a program's reference is
+    # its TF1 form, and TF's own v2 gradient graph is held to TF's v2 numbers
+    ref_v2 = v2 and not any(op == "tensor_array" and p[1] == "gather" and len(set(p[4])) < len(
+        p[4]) for op, _, p in steps)
+    tf_g64 = g64
+    if ref_v2 != v2:
+        g64 = _run_tf(shapes, steps, static, ref_v2, feeds, "float64")[2]
+    y32, g32, tf_g32 = y64, g64, tf_g64
     if dtype == "float32":
-        gd, y32, g32, _, tf_grads = _run_tf(shapes, steps, static, v2, feeds, "float32")
+        gd, y32, tf_g32, _, tf_grads = _run_tf(shapes, steps, static, v2, feeds, "float32")
+        g32 = tf_g32 if ref_v2 == v2 else _run_tf(shapes, steps, static, ref_v2, feeds,
+                                                  "float32")[2]
         for a, b in zip([y32, *g32], [y64, *g64]):
             if a is not None and not np.array_equal(np.isfinite(a), np.isfinite(b)):
                 _reject("float32 overflows")
@@ -580,7 +664,7 @@ def check(shapes, steps, static, v2, seed, dtype="float64", saved=False):
     else:
         onnx.checker.check_model(m2, full_check=True)
         outs = iter(ort_run(m2, {**feeds, "gy:0": gys.astype(dtype)}, tf_grads))
-        for name, w, w32 in zip(feeds, g64, g32):
+        for name, w, w32 in zip(feeds, tf_g64, tf_g32):
             if w is not None:
                 _close(next(outs), w, w32, f"d/d{name} (TF's gradient graph, converted)")
     CHECKED.append([f"{op}:{p}" if isinstance(p, str) else f"{op}:{p[0]}" if isinstance(

@@ -47,6 +47,7 @@ class Resource:
     unwritten: tuple | None = None  # (empty state, size) of an array made without shapes
     elem_shape: list | None = None  # TF's static element shape (None dims unknown), if known
     reserved: str | None = None  # a lazy TF list's reserved length (ONNX int64 scalar value)
+    made: tuple | None = None  # (state as made, size, dynamic_size) of a TensorArray
 
     def __repr__(self):
         return f"{self.kind} {self.key[-1]!r}"
@@ -91,6 +92,7 @@ class Converter:
         self.iteration: str | None = None  # the iteration number of the Loop body being made
         self.scan_writes: dict = {}  # array key -> (index, value) written in the Loop body
         self.stacked: dict[str, str] = {}  # sequence value -> the tensor of its elements stacked
+        self.seq_len: dict[str, int] = {}  # sequence value -> its length, where known statically
         # TensorListElementShape / TensorListLength output -> the list it was read from
         self.list_shape_of: dict[str, str] = {}
         self.list_length_of: dict[str, str] = {}

@@ -87,10 +87,13 @@ def _tensor_array(c: Converter, n: TFNode):
         from .proto import dtype_info
         zeros = c.const(np.zeros([int(size), *shape], dtype_info(n.attr["dtype"].type).np))
         seq = c.op("SplitToSequence", [zeros], axis=0, keepdims=0)
+        c.seq_len[seq] = int(size)
     else:  # unknown element shape: writes insert (TF loops write index t at step t)
         r.fixed_size = False
         seq = c.op("SequenceEmpty", [], dtype=dtype)
+        c.seq_len[seq] = 0
         r.unwritten = (seq, c.x(n, 0))  # (the empty state, the size), see _scatter
+    r.made = (seq, c.x(n, 0), c.attr(n, "dynamic_size", False))
     c.set_state(r, seq)
     return [r, seq]
 
@@ -139,12 +142,28 @@ def _grad(c: Converter, n: TFNode):
 
 
 def write(c: Converter, r: Resource, seq: str, idx: str, value: str) -> str:
-    """The sequence after writing ``value`` at ``idx`` (an int32 or int64 scalar)."""
+    """The sequence after writing ``value`` at ``idx`` (an int32 or int64 scalar). An array of
+    unknown element shape grows by its writes; at a constant index into a sequence of known
+    length (writes outside loops, in any order) it replaces, appends, or grows by zeros shaped
+    like ``value`` up to it (TF's unwritten elements), else it appends (TF loops write index t
+    at step t)."""
+    known, i = c.seq_len.get(seq), c.consts.get(idx)
+    i = None if i is None else int(i)
     if len(r.key) > 1:  # a gradient array: writes add up
         value = c.op("Add", [c.op("SequenceAt", [seq, idx]), value])
-    if len(r.key) > 1 or r.fixed_size:
+    replace = len(r.key) > 1 or r.fixed_size or (
+        known is not None and i is not None and i < known)
+    if replace:
         seq = c.op("SequenceErase", [seq, idx])
-    return c.op("SequenceInsert", [seq, value, idx])
+    elif known is not None and i is not None and i > known:
+        zeros = c.op("Expand", [c.const(0, helper.tensor_dtype_to_np_dtype(r.dtype)),
+                                c.op("Shape", [value])])
+        for _ in range(i - known):
+            seq = c.op("SequenceInsert", [seq, zeros])
+    out = c.op("SequenceInsert", [seq, value, idx])
+    if known is not None and i is not None:
+        c.seq_len[out] = max(known, i + 1)
+    return out
 
 
 @handler("TensorArrayWriteV3")
@@ -167,7 +186,8 @@ def scan_arrays(c: Converter, fprefix: tuple, members: list[TFNode]) -> dict:
     write node}. The Loop emits the written values and their indices as scan outputs and the
     writes are applied after it at once (:func:`apply_scan_writes`), instead of a sequence that
     every write copies whole. Arrays of elements of one shape (identical_element_shapes) only,
-    of a dtype onnxruntime splits into sequences, with a known size when not written yet."""
+    of a dtype onnxruntime splits into sequences, with a known size when not written yet (or a
+    dynamic one, not written yet)."""
     if c.opset < 16:  # ScatterND's reduction
         return {}
     names = {n.name for n in members}
@@ -182,10 +202,11 @@ def scan_arrays(c: Converter, fprefix: tuple, members: list[TFNode]) -> dict:
         # loop: no zeros exist to scatter into here (the writes insert instead)
         if r is not None and r.unwritten is not None and c.state.get(key) != r.unwritten[0]:
             continue
+        # (a dynamic array too, as made: it grows to the largest index written)
         if (len(ns) != 1 or ns[0].op != "TensorArrayWriteV3" or ns[0].ctx != fprefix
                 or key[0] in names or fwd.op != "TensorArrayV3"
                 or not c.attr(fwd, "identical_element_shapes", False)
-                or c.attr(fwd, "dynamic_size", False)
+                or c.attr(fwd, "dynamic_size", False) and (r is None or r.unwritten is None)
                 or c.onnx_type(fwd, "dtype") not in SPLITTABLE):
             continue
         out[key] = ns[0]
@@ -199,6 +220,9 @@ def apply_scan_writes(c: Converter, r: Resource, idx: str, values: str) -> None:
     seq = c.get_state(r)
     if r.unwritten is not None and r.unwritten[0] == seq:  # zeros of the rows' shape first
         size = c.op("Reshape", [_i64(c, r.unwritten[1]), c.i64(1)])
+        if r.made is not None and r.made[2]:  # dynamic: grown to the largest index written
+            top = c.op("ReduceMax", [c.op("Concat", [idx, c.i64(-1)], axis=0)], keepdims=1)
+            size = c.op("Max", [size, c.op("Add", [top, c.i64(1)])])
         shape = c.op("Concat", [size, c.op("Shape", [values], start=1)], axis=0)
         dense = c.op("Expand", [c.const(0, helper.tensor_dtype_to_np_dtype(r.dtype)), shape])
         r.unwritten, r.fixed_size = None, True
@@ -255,16 +279,40 @@ def _close(c: Converter, n: TFNode):
     return []
 
 
-def _is_iota(c: Converter, n: TFNode, i: int) -> bool:
-    """Input i is 0, 1, ..., k-1: a constant, or TF's Range(0, k, 1) (tf.TensorArray.unstack)."""
-    v = c.const_input(n, i)
-    if v is not None:
-        return v.ndim == 1 and np.array_equal(v, np.arange(len(v)))
+def _iota(c: Converter, n: TFNode, i: int) -> TFNode | None:
+    """The Range(0, k, 1) that input i is (tf.TensorArray.unstack's and stack's indices)."""
     p = c.g.producer(n.inputs[i])
     if p.op != "Range":
-        return False
+        return None
     start, delta = (c.consts.get(c.value(p.inputs[j])) for j in (0, 2))
-    return start is not None and delta is not None and int(start) == 0 and int(delta) == 1
+    ok = start is not None and delta is not None and int(start) == 0 and int(delta) == 1
+    return p if ok else None
+
+
+def _unstacked(c: Converter, n: TFNode, r: Resource, seq: str, value: str) -> str | None:
+    """The array after writing value's k rows at 0, 1, ..., k-1 (TF's Range indices), where
+    that needs no per-index writes: the range runs to the array's own size (the gradient of
+    stack()), or the array is as made, its other elements zeros (or none: a dynamic array
+    grows to k). Else None: a range shorter than the array must leave its tail as it is."""
+    rng = _iota(c, n, 1)
+    if rng is None:
+        return None
+    limit = c.g.producer(rng.inputs[1])
+    rows = c.op("SplitToSequence", [value], axis=0, keepdims=0)
+    if limit.op == "TensorArraySizeV3" and static_key(c.g, limit.inputs[0]) == r.key[:1]:
+        return _replace_all(c, r, seq, rows)
+    if len(r.key) > 1 or r.made is None or seq != r.made[0]:
+        return None
+    _, size, dynamic = r.made
+    k = c.op("Shape", [value], start=0, end=1)
+    tail = c.op("Max", [c.op("Sub", [c.op("Reshape", [_i64(c, size), c.i64(1)]), k]), c.i64(0)])
+    zeros = c.op("Expand", [c.const(0, helper.tensor_dtype_to_np_dtype(r.dtype)), c.op(
+        "Concat", [tail, c.op("Shape", [value], start=1)], axis=0)])
+    dense = c.op("Concat", [value, zeros], axis=0)
+    r.unwritten, r.fixed_size = None, not dynamic
+    seq = c.op("SplitToSequence", [dense], axis=0, keepdims=0)
+    c.stacked[seq] = dense
+    return seq
 
 
 def _replace_all(c: Converter, r: Resource, seq: str, new: str) -> str:
@@ -283,9 +331,9 @@ def _replace_all(c: Converter, r: Resource, seq: str, new: str) -> str:
 def _scatter(c: Converter, n: TFNode):
     r = c.resource(n)
     seq, value = c.get_state(r), c.x(n, 2)
-    if _is_iota(c, n, 1):  # unstack
-        new = c.op("SplitToSequence", [value], axis=0, keepdims=0)
-        return [c.set_state(r, _replace_all(c, r, seq, new))]
+    new = _unstacked(c, n, r, seq, value)
+    if new is not None:
+        return [c.set_state(r, new)]
     # any other indices: one write per index, in a Loop
     from .control_flow import seq_loop
     idx = _i64(c, c.x(n, 1))
