@@ -700,3 +700,23 @@ def test_scan_gradient_graph_over_one_element(rows):
     x = np.random.default_rng(rows).standard_normal((rows, 5)).astype(np.float32)
     check(lambda x: tf.scan(lambda a, e: tf.tanh(a) * 0.5 + e, x), {"x": x},
                   diff=("x",), shapes={"x": [rows, 5]})
+
+
+def test_values_made_outside_a_node_never_take_a_tf_tensor_name():
+    """The converter names a value it makes outside any TF node by its op ("Add:0"), the form
+    of TF's tensor names. The writes of a dynamic TensorArray in a while loop, scattered after
+    the loop, made "Add:0", "Max:0", "Concat:0": TF's own nodes of those names lost their
+    names, and TF's static shape of "Add:0" ([1, n]) declared the converter's value ([1]), an
+    invalid model returned without error (found by `bench/fuzz_tf.py --arrays`, session 39).
+    TF's tensors keep their names, and the model is valid and right."""
+    def fn(x, z):
+        ta = tf.TensorArray(tf.float32, size=0, dynamic_size=True)
+        ta = tf.while_loop(lambda t, _: t < tf.shape(x)[0],
+                           lambda t, ta: (t + 1, ta.write(t, tf.sin(x[t]))), (0, ta))[1]
+        add = tf.raw_ops.AddV2(x=ta.stack(), y=z, name="Add")  # [1, n]
+        big = tf.reduce_max(add, axis=0, keepdims=True, name="Max")
+        cat = tf.concat([add, big * add], 0, name="Concat")
+        return tf.reshape(cat, tf.shape(cat, name="Shape"), name="Reshape")
+    m = check(fn, {"x": rand(3), "z": rand(1, 1)}, diff=("x", "z"))
+    made = {o: n.op_type for n in m.graph.node for o in n.output}
+    assert made["Add:0"] == "Add" and made["Concat:0"] == "Concat"

@@ -19,8 +19,8 @@ def test_converted_tf_programs_match_tf(case):
     tf_gen.check(*case)
 
 
-def _array(write, read, order, idx=(0,), size="static", known=False):
-    return ("tensor_array", [0, 0], (write, read, order, (len(order),), idx, size, known))
+def _array(write, read, order, idx=(0,), size="static", known=False, extra=0):
+    return ("tensor_array", [0, 0], (write, read, order, (len(order),), idx, size, known, extra))
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,

@@ -422,32 +422,36 @@ def _tensor_array(draw, shapes):
     written by unstack, a permuting scatter, writes in a drawn order (in a while loop or
     unrolled) or a split into parts of drawn lengths; read by stack, a gather with repeats,
     concat, or reads of drawn indices (in a loop or unrolled; an index read twice: gradient
-    writes that add up). Its size static, the value's run-time rows, or grown from 0."""
+    writes that add up); what is read times the array's size. Its size static, the value's
+    run-time rows, or grown from 0; up to two elements more than are written (then read only
+    where written)."""
     i = _one(draw, shapes)
     j = draw(st.sampled_from(range(len(shapes))))
     n = shapes[i][0]
     write = draw(st.sampled_from(["unstack", "scatter", "write_loop", "write_unrolled",
                                   "split"]))
+    grows = ["grow"] if write in ("write_loop", "write_unrolled") else []
+    size = draw(st.sampled_from(["static", *(["rows"] * (write != "split")), *grows]))
+    extra = draw(st.sampled_from([0, 0, 1, 2])) if write != "split" and size != "grow" else 0
     reads = ["concat", "read_unrolled"] if write == "split" else [
         "stack", "gather", "read_loop", "read_unrolled", *(["concat"] * (len(shapes[i]) > 1))]
-    read = draw(st.sampled_from(reads))
+    read = draw(st.sampled_from(["gather", "read_unrolled"] if extra else reads))
     cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
     lengths = tuple(b - a for a, b in zip([0, *cuts], [*cuts, n]))
     count = len(lengths) if write == "split" else n
     idx = tuple(draw(st.lists(st.integers(0, count - 1), min_size=1, max_size=5)))
-    grows = ["grow"] if write in ("write_loop", "write_unrolled") else []
-    size = draw(st.sampled_from(["static", *(["rows"] * (write != "split")), *grows]))
     return [i, j], (write, read, tuple(draw(st.permutations(range(n)))), lengths, idx, size,
-                    draw(st.booleans()))
+                    draw(st.booleans()), extra)
 
 
 def _apply_tensor_array(p, a, b):
-    write, read, order, lengths, idx, size, known = p
+    write, read, order, lengths, idx, size, known, extra = p
     k = tf.reduce_mean(b)
     rows = tf.sin(a) * k
     n = len(order)
     count = len(lengths) if write == "split" else n
-    ta = tf.TensorArray(a.dtype, size={"static": count, "rows": tf.shape(a)[0], "grow": 0}[size],
+    ta = tf.TensorArray(a.dtype, size={"static": count + extra, "rows": tf.shape(a)[0] + extra,
+                                       "grow": 0}[size],
                         dynamic_size=size == "grow", clear_after_read=False,
                         element_shape=a.shape[1:] if known and write != "split" else None,
                         infer_shape=write != "split")
@@ -475,7 +479,7 @@ def _apply_tensor_array(p, a, b):
     part = (lambda x: tf.reduce_sum(x, 0, keepdims=True)) if write == "split" else tf.identity
     if read in ("stack", "gather", "concat"):
         out.set_shape([None] * (rank + (read != "concat")))
-        return out
+        return out * tf.cast(ta.size(), a.dtype)
     if read == "read_unrolled":
         out = tf.add_n([(m + 1.0) * tf.cos(part(ta.read(t))) for m, t in enumerate(idx)])
     else:  # every index read twice in a loop bounded by the array's size
@@ -485,6 +489,7 @@ def _apply_tensor_array(p, a, b):
             lambda t, acc: (t + 1, acc + part(ta.read(t)) * tf.cos(part(ta.read(m - 1 - t)))),
             (tf.constant(0), tf.zeros_like(part(ta.read(0)))))[1]
     out.set_shape([None] * rank)
+    out = out * tf.cast(ta.size(), a.dtype)
     return tf.reshape(out, [1]) if rank == 0 else out
 
 

@@ -68,6 +68,7 @@ class Scope:
 class Converter:
     def __init__(self, graph: Graph, opset: int):
         self.g, self.opset = graph, opset
+        self.main = graph  # (self.g is a function's graph while its body is converted)
         self.env: ChainMap = ChainMap()  # "node:index" -> ONNX name or Resource
         self.state: ChainMap = ChainMap()  # resource key -> ONNX name of its current sequence
         self.resources: dict[tuple, Resource] = {}
@@ -115,12 +116,25 @@ class Converter:
 
     # -- names and emission ------------------------------------------------------------------
     def fresh(self, base: str) -> str:
+        """A new value or node name. Never a TF tensor name ("Reshape:0"), which only the
+        tensor itself takes (:meth:`_rename`, :meth:`reserve`): a value made outside a node
+        (named by its op alone) took TF's name from the tensor, whose static shape then
+        declared the wrong value."""
         name, k = base, 0
-        while name in self._names:
+        while name in self._names or self._is_tf_tensor(name):
             k += 1
             name = f"{base}__{k}"
         self._names.add(name)
         return name
+
+    def reserve(self, ref: str) -> None:
+        """Keep a TF tensor name for that tensor (a graph input or output)."""
+        self._names.add(ref)
+
+    def _is_tf_tensor(self, name: str, *graphs: Graph) -> bool:
+        """Whether ``name`` is a tensor of the main graph or the function being converted."""
+        node, _, i = name.rpartition(":")
+        return i.isdigit() and any(node in g.nodes for g in graphs or (self.main, self.g))
 
     def op(self, op_type: str, inputs, n_out: int = 1, name: str | None = None,
            domain: str = "", **attrs):
@@ -282,8 +296,9 @@ class Converter:
     def _rename(self, v, name: str, first_node: int, first_init: int):
         """Give the value a node made its TF tensor name ("dense/MatMul:0", "w:0"), so that
         users find TF's tensors (and frozen weights) under the names they know."""
-        if not isinstance(v, str) or v in self.seq_of or name in self._names:
-            return v
+        if not isinstance(v, str) or v in self.seq_of or name in self._names or (
+                self.g is not self.main and self._is_tf_tensor(name, self.main)):
+            return v  # (a function's node named like one of the main graph's: not its name)
         made = [nd for nd in self.scope.nodes[first_node:] if v in nd.output]
         inits = [t for t in self.initializers[first_init:] if t.name == v]
         if not made and not inits:
@@ -474,14 +489,14 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
         shape = proto.shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
         if n.op == "Const" and "value" in n.attr:  # a frozen value fed instead: its own shape
             shape = list(proto.tensor_to_numpy(n.attr["value"].tensor).shape)
-        c.fresh(ref)
+        c.reserve(ref)
         c.scope.inputs.append(helper.make_tensor_value_info(
             ref, onnx_dtype(dt.type, n),
             None if shape is None else [d if d is not None else f"{nm}_{k}"
                                         for k, d in enumerate(shape)]))
         c.env[ref] = ref
     for o in outputs:  # output names are the TF names: keep them free for the outputs
-        c.fresh(o)
+        c.reserve(o)
     c.outputs = set(outputs)
     nodes = [n for n in needed_nodes(g, outputs) if f"{n.name}:0" not in c.env]
     c.convert_nodes((), nodes)
@@ -704,14 +719,14 @@ def _declare_outputs(c: Converter, m: onnx.ModelProto) -> onnx.ModelProto:
         unranked.append(out.name)
     unranked += [i.name for i in m.graph.input if rank(i.type) is None]
     if not unranked:
-        onnx.checker.check_model(m)
+        _check_valid(m)
         return m
     probe = onnx.ModelProto()
     probe.CopyFrom(m)
     for vi in [*probe.graph.input, *probe.graph.output]:
         if vi.name in unranked:
             vi.type.tensor_type.shape.SetInParent()
-    onnx.checker.check_model(probe)
+    _check_valid(m, probe)
     warnings.warn(ConversionWarning(
         f"{unranked}: their rank is known only at run time (TensorFlow does not know it "
         "either), so they are declared without a shape; onnxruntime runs the model, "
@@ -719,6 +734,19 @@ def _declare_outputs(c: Converter, m: onnx.ModelProto) -> onnx.ModelProto:
         "shape, reshape such outputs in TF, or export with add_shapes=True where TF knows "
         "their shapes"), stacklevel=4)
     return m
+
+
+def _check_valid(m: onnx.ModelProto, probe: onnx.ModelProto | None = None) -> None:
+    """onnx's checker (on ``probe``, the model with its unranked outputs declared as scalars,
+    where there are such) and its strict shape inference: a model the converter made invalid
+    is its defect, refused here rather than returned (or written by the command line)."""
+    try:
+        onnx.checker.check_model(probe or m)
+        onnx.shape_inference.infer_shapes(m, check_type=True, strict_mode=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        why = " ".join(str(e).split())[:500]
+        raise ConversionError(f"the converted model is not valid ONNX ({why}): a converter "
+                              "defect; please report it with the graph") from None
 
 
 def _to_opset(m: onnx.ModelProto, opset: int) -> onnx.ModelProto:

@@ -149,7 +149,7 @@ def _placeholder(c, n):
         return [UNFROZEN_VARIABLE]
     ref = f"{n.name}:0"
     shape = c.attr(n, "shape")
-    c.fresh(ref)
+    c.reserve(ref)
     c.scope.inputs.append(helper.make_tensor_value_info(
         ref, onnx_dtype(n.attr["dtype"].type, n),
         None if shape is None else [d if d is not None else f"{n.name}_{k}"
