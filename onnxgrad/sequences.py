@@ -17,10 +17,12 @@ flow=name)`` and pass ``body_builder.graph()`` as the Loop's ``body``.
 Errors TF raises are raised here at build time when the index is static (a Python int): writing an
 index twice, reading an index that ``clear_after_read`` cleared, writing past a fixed size, a value
 of another dtype or of an incompatible element shape. With a dynamic index (a tensor name) nothing
-can be checked at build time and ONNX sequences check nothing either: a dynamic write into a
-TensorArray built empty (``dynamic_size=True`` or size unknown) inserts at that position (in a
-while loop writing step t in order, that is TF's behaviour); into a pre-sized one it replaces the
-element; reads of cleared elements return the element (clear_after_read frees nothing in ONNX).
+can be checked at build time and ONNX sequences check nothing either: a dynamic write replaces
+the element at that position, growing the array first by zeros shaped like the value where the
+position lies past its end (TF's unwritten elements; a while loop writing step t appends); reads
+of cleared elements return the element (clear_after_read frees nothing in ONNX). A pre-sized
+array keeps its size when unstack or split write fewer elements, as TF's graph arrays do
+(eager TensorArrays replace the whole array).
 
 ``ta.grad(source)`` names the gradient sequence ``<flow>@<source>`` that ``onnxgrad.gradients(...,
 name=source)`` creates when it differentiates through this TensorArray.
@@ -177,6 +179,9 @@ class TensorArray:
         return self.b.node("ConcatFromSequence", [self.flow], axis=0, new_axis=0)
 
     def size(self) -> str:
+        st = self._st
+        if st.size is not None and not st.dynamic_size:  # fixed, written or not (TF's size)
+            return self.b.const(np.array(st.size, np.int64))
         return self.b.node("SequenceLength", [self.flow])
 
     # -- writing ---------------------------------------------------------------------------
@@ -211,21 +216,45 @@ class TensorArray:
         if isinstance(index, int) and st.length is not None and index > st.length:
             # fill the gap with zeros (TF's unwritten elements read as zeros)
             flow = self.flow
+            z = b.const(np.zeros(st.element_shape, self._dtype)) if _full(
+                st.element_shape) else b.node("ConstantOfShape", [b.node("Shape", [value])],
+                                              value=helper.make_tensor(
+                                                  "zero", helper.np_dtype_to_tensor_dtype(
+                                                      self._dtype), [1], [0]))
             for _ in range(index - st.length):
-                if not _full(st.element_shape):
-                    raise InvalidArgumentError(
-                        f"Could not write to TensorArray index {index}: the elements before it "
-                        "have no known shape to fill with zeros")
-                z = b.const(np.zeros(st.element_shape, self._dtype))
                 flow = b.node("SequenceInsert", [flow, z])
             st.length = index
             ta = self._new(flow)
             return ta.write_append(value)
-        if st.length is not None and isinstance(index, int):
-            st.length += 1
-        else:
-            st.length = None
-        return self._new(b.node("SequenceInsert", [self.flow, value, pos]))
+        if isinstance(index, int):  # at the end
+            st.length = None if st.length is None else st.length + 1
+            return self._new(b.node("SequenceInsert", [self.flow, value, pos]))
+        st.length = None  # a dynamic index: replace, growing first where it lies past the end
+        grown = self._grow_to(pos, value)
+        return self._new(b.node("SequenceInsert", [b.node("SequenceErase", [grown, pos]),
+                                                   value, pos]))
+
+    def _grow_to(self, pos: str, value: str) -> str:
+        """The flow grown to pos + 1 elements (if shorter) by zeros shaped like ``value`` (TF's
+        unwritten elements): a Loop of max(pos + 1 - length, 0) inserts."""
+        b, tt = self.b, helper.np_dtype_to_tensor_dtype(self._dtype)
+        i64 = onnx.TensorProto.INT64
+        end = b.node("Add", [b.node("Cast", [pos], to=i64), b.const(np.array(1, np.int64))])
+        count = b.node("Max", [b.node("Sub", [end, b.node("SequenceLength", [self.flow])]),
+                               b.const(np.array(0, np.int64))])
+        zeros = b.node("ConstantOfShape", [b.node("Shape", [value])],
+                       value=helper.make_tensor("zero", tt, [1], [0]))
+        it, cond, seq, cond_out, seq_out = (b.fresh(n) for n in ("i", "cond", "seq", "cond_out",
+                                                                 "seq_out"))
+        body = helper.make_graph(
+            [helper.make_node("Identity", [cond], [cond_out]),
+             helper.make_node("SequenceInsert", [seq, zeros], [seq_out])], b.fresh("grow"),
+            [helper.make_tensor_value_info(it, i64, []),
+             helper.make_tensor_value_info(cond, onnx.TensorProto.BOOL, []),
+             helper.make_tensor_sequence_value_info(seq, tt, None)],
+            [helper.make_tensor_value_info(cond_out, onnx.TensorProto.BOOL, []),
+             helper.make_tensor_sequence_value_info(seq_out, tt, None)])
+        return b.node("Loop", [count, "", self.flow], body=body)
 
     def write_append(self, value) -> TensorArray:
         self._st.length = None if self._st.length is None else self._st.length + 1
@@ -256,8 +285,28 @@ class TensorArray:
             st.element_shape = st.element_shape or list(vshape[1:])
             if isinstance(n, int):
                 st.written.update(range(n))
-            st.length = n if isinstance(n, int) else None
-        return self._new(b.node("SplitToSequence", [value], axis=0, keepdims=0))
+        n = vshape[0] if vshape else None
+        n = n if isinstance(n, int) else None
+        if n is None and st.length:  # rows known at run time only: keep the tail, stacked
+            stacked = b.node("ConcatFromSequence", [self.flow], axis=0, new_axis=1)
+            tail = b.node("Slice", [stacked, b.node("Shape", [value], start=0, end=1),
+                                    b.const(np.array([st.length], np.int64))])
+            value, st.length = b.node("Concat", [value, tail], axis=0), None
+        return self._new(self._keep_tail(b.node("SplitToSequence", [value], axis=0, keepdims=0),
+                                         n))
+
+    def _keep_tail(self, rows: str, n: int | None) -> str:
+        """``rows`` (elements 0..n-1 written at once), followed by the array's elements from n
+        on where it holds more (a pre-sized array keeps its size, as TF's graph arrays do);
+        sets the array's new static length."""
+        st, b = self._st, self.b
+        if n is not None and st.length is not None and n < st.length:
+            for k in range(n, st.length):
+                rows = b.node("SequenceInsert", [rows, b.node(
+                    "SequenceAt", [self.flow, b.const(np.array(k, np.int64))])])
+        else:
+            st.length = n
+        return rows
 
     def split(self, value, lengths) -> TensorArray:
         b = self.b
@@ -268,8 +317,9 @@ class TensorArray:
                 raise InvalidArgumentError(f"Tried to write to index {n - 1} but array is not "
                                            f"resizeable and size is: {st.size}")
             st.written.update(range(n))
-            st.length = n
-            lengths = b.const(np.asarray(lengths, np.int64))
+            return self._new(self._keep_tail(b.node("SplitToSequence", [value, b.const(
+                np.asarray(lengths, np.int64))], axis=0), n))
+        self._st.length = None
         return self._new(b.node("SplitToSequence", [value, lengths], axis=0))
 
     # -- the rest of the surface -----------------------------------------------------------
