@@ -217,10 +217,7 @@ class TensorArray:
             # fill the gap with zeros (TF's unwritten elements read as zeros)
             flow = self.flow
             z = b.const(np.zeros(st.element_shape, self._dtype)) if _full(
-                st.element_shape) else b.node("ConstantOfShape", [b.node("Shape", [value])],
-                                              value=helper.make_tensor(
-                                                  "zero", helper.np_dtype_to_tensor_dtype(
-                                                      self._dtype), [1], [0]))
+                st.element_shape) else self._zeros_like(value)
             for _ in range(index - st.length):
                 flow = b.node("SequenceInsert", [flow, z])
             st.length = index
@@ -242,8 +239,7 @@ class TensorArray:
         end = b.node("Add", [b.node("Cast", [pos], to=i64), b.const(np.array(1, np.int64))])
         count = b.node("Max", [b.node("Sub", [end, b.node("SequenceLength", [self.flow])]),
                                b.const(np.array(0, np.int64))])
-        zeros = b.node("ConstantOfShape", [b.node("Shape", [value])],
-                       value=helper.make_tensor("zero", tt, [1], [0]))
+        zeros = self._zeros_like(value)
         it, cond, seq, cond_out, seq_out = (b.fresh(n) for n in ("i", "cond", "seq", "cond_out",
                                                                  "seq_out"))
         body = helper.make_graph(
@@ -255,6 +251,11 @@ class TensorArray:
             [helper.make_tensor_value_info(cond_out, onnx.TensorProto.BOOL, []),
              helper.make_tensor_sequence_value_info(seq_out, tt, None)])
         return b.node("Loop", [count, "", self.flow], body=body)
+
+    def _zeros_like(self, value: str) -> str:
+        return self.b.node("ConstantOfShape", [self.b.node("Shape", [value])],
+                           value=helper.make_tensor(
+                               "zero", helper.np_dtype_to_tensor_dtype(self._dtype), [1], [0]))
 
     def write_append(self, value) -> TensorArray:
         self._st.length = None if self._st.length is None else self._st.length + 1

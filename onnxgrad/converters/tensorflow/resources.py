@@ -72,6 +72,11 @@ def _i64(c: Converter, idx: str) -> str:
     return as_i64(c, idx)
 
 
+def _zeros(c: Converter, r: Resource, shape: str) -> str:
+    """Zeros of the array's element type and the int64 ``shape`` (TF's unwritten elements)."""
+    return c.op("Expand", [c.const(0, helper.tensor_dtype_to_np_dtype(r.dtype)), shape])
+
+
 # -- TensorArray ---------------------------------------------------------------------------------
 @handler("TensorArrayV3")
 def _tensor_array(c: Converter, n: TFNode):
@@ -156,8 +161,7 @@ def write(c: Converter, r: Resource, seq: str, idx: str, value: str) -> str:
     if replace:
         seq = c.op("SequenceErase", [seq, idx])
     elif known is not None and i is not None and i > known:
-        zeros = c.op("Expand", [c.const(0, helper.tensor_dtype_to_np_dtype(r.dtype)),
-                                c.op("Shape", [value])])
+        zeros = _zeros(c, r, c.op("Shape", [value]))
         for _ in range(i - known):
             seq = c.op("SequenceInsert", [seq, zeros])
     out = c.op("SequenceInsert", [seq, value, idx])
@@ -224,7 +228,7 @@ def apply_scan_writes(c: Converter, r: Resource, idx: str, values: str) -> None:
             top = c.op("ReduceMax", [c.op("Concat", [idx, c.i64(-1)], axis=0)], keepdims=1)
             size = c.op("Max", [size, c.op("Add", [top, c.i64(1)])])
         shape = c.op("Concat", [size, c.op("Shape", [values], start=1)], axis=0)
-        dense = c.op("Expand", [c.const(0, helper.tensor_dtype_to_np_dtype(r.dtype)), shape])
+        dense = _zeros(c, r, shape)
         r.unwritten, r.fixed_size = None, True
     else:
         dense = c.stacked.get(seq) or _stack(c, seq)
@@ -298,16 +302,14 @@ def _unstacked(c: Converter, n: TFNode, r: Resource, seq: str, value: str) -> st
     if rng is None:
         return None
     limit = c.g.producer(rng.inputs[1])
-    rows = c.op("SplitToSequence", [value], axis=0, keepdims=0)
     if limit.op == "TensorArraySizeV3" and static_key(c.g, limit.inputs[0]) == r.key[:1]:
-        return _replace_all(c, r, seq, rows)
+        return _replace_all(c, r, seq, c.op("SplitToSequence", [value], axis=0, keepdims=0))
     if len(r.key) > 1 or r.made is None or seq != r.made[0]:
         return None
     _, size, dynamic = r.made
     k = c.op("Shape", [value], start=0, end=1)
     tail = c.op("Max", [c.op("Sub", [c.op("Reshape", [_i64(c, size), c.i64(1)]), k]), c.i64(0)])
-    zeros = c.op("Expand", [c.const(0, helper.tensor_dtype_to_np_dtype(r.dtype)), c.op(
-        "Concat", [tail, c.op("Shape", [value], start=1)], axis=0)])
+    zeros = _zeros(c, r, c.op("Concat", [tail, c.op("Shape", [value], start=1)], axis=0))
     dense = c.op("Concat", [value, zeros], axis=0)
     r.unwritten, r.fixed_size = None, not dynamic
     seq = c.op("SplitToSequence", [dense], axis=0, keepdims=0)
@@ -342,8 +344,7 @@ def _scatter(c: Converter, n: TFNode):
         # first, zeros shaped like the rows written, so writes at any index replace
         size = c.op("Reshape", [_i64(c, r.unwritten[1]), c.i64(1)])
         shape = c.op("Concat", [size, c.op("Shape", [value], start=1)], axis=0)
-        zero = c.const(0, helper.tensor_dtype_to_np_dtype(r.dtype))
-        seq = c.op("SplitToSequence", [c.op("Expand", [zero, shape])], axis=0, keepdims=0)
+        seq = c.op("SplitToSequence", [_zeros(c, r, shape)], axis=0, keepdims=0)
         r.fixed_size = True
     const = c.const_input(n, 1)
     if const is not None and const.size <= 64:  # unrolled: plain ops, which onnxgrad differentiates
