@@ -601,7 +601,9 @@ def _run_tf(shapes, steps, static, v2, feeds, dtype):
         gy = tf.compat.v1.placeholder(dtype, [None] * y.shape.rank, name="gy")
         try:
             gs = tf.gradients(y, ins, grad_ys=gy)
-        except (TypeError, LookupError, ValueError) as e:  # (bicubic resizes in float64)
+        except (TypeError, LookupError, ValueError, tf.errors.InvalidArgumentError) as e:
+            # (bicubic resizes in float64; a TF1 while loop's gradient of a broadcast value:
+            # "Cannot update edge, incompatible shapes", found by bench/fuzz_tf.py seed 23)
             _reject(f"TF cannot differentiate it: {type(e).__name__}")
         fetch = [tf.convert_to_tensor(g) for g in gs if g is not None]
     feeds = {k: v.astype(dtype) for k, v in feeds.items()}
