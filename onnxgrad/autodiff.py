@@ -21,7 +21,7 @@ import onnx_ir as ir
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .aliasing import private_statistics
 from .empty import empty_as_constants, has_empty
-from .emitter import FLOAT_DTYPES, Emitter, NeedOpset, V, compatible_dims, dims
+from .emitter import Emitter, NeedOpset, V, compatible_dims, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError, UnsupportedError)
 from .inference import (FLOAT_TYPES, bodies_of, forget_made_up, graphs_of, infer_ranks,
@@ -462,7 +462,7 @@ class _Plan:
 
 def _maybe_float(v: ir.Value) -> bool:
     """A float value, or one whose type nobody knows (it may be float)."""
-    return v.dtype is None or v.dtype in FLOAT_DTYPES
+    return v.dtype is None or v.dtype in FLOAT_TYPES
 
 
 def _has_subgraphs(node: ir.Node) -> bool:
@@ -775,7 +775,7 @@ def _forward_reach(graph: ir.Graph, xs, stop, opset: int):
                         break
             for v in outs:
                 dtype = v.dtype
-                if (dtype is None or dtype in FLOAT_DTYPES) and (v not in stop or v in xs):
+                if (dtype is None or dtype in FLOAT_TYPES) and (v not in stop or v in xs):
                     live.add(v)
                     untyped = untyped or dtype is None
     return on_path, live, untyped
@@ -794,7 +794,7 @@ def _seed(e: Emitter, graph, values, y: ir.Value, gy, live: bool) -> V:
     e.prefix = f"{e.scope}/{_label(y)}_seed"
     yv = e.wrap(y)
     if gy is None:
-        if not live or y.dtype not in FLOAT_DTYPES:  # (plan refused an untyped live y)
+        if not live or y.dtype not in FLOAT_TYPES:  # (plan refused an untyped live y)
             return None
         static = yv.shape is not None and all(isinstance(d, int) for d in yv.shape)
         if static and np.prod(yv.shape, dtype=np.int64) <= 64:  # a scalar loss: a small Constant

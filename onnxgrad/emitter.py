@@ -13,10 +13,8 @@ from typing import NamedTuple
 import numpy as np
 import onnx_ir as ir
 
-from .inference import AXES_RANK, SAME_RANK, out_rank
+from .inference import AXES_RANK, FLOAT_TYPES, SAME_RANK, out_rank
 
-FLOAT_DTYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE,
-                          ir.DataType.BFLOAT16})
 
 # ops whose output dtype is fixed, whatever their inputs
 _INT64_OUT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
@@ -389,7 +387,7 @@ class Emitter:
         ctx = None
         for x in ins:
             if type(x) is V and x.dtype is not None:
-                if x.dtype in FLOAT_DTYPES:
+                if x.dtype in FLOAT_TYPES:
                     ctx = x.dtype
                     break
                 ctx = ctx or x.dtype

@@ -40,7 +40,8 @@ from onnx import TensorShapeProto, TypeProto
 
 from .errors import InvalidModelError
 
-# the floating-point element types, the ones gradients flow through
+# the floating-point element types, the ones gradients flow through (TensorProto's ints, which
+# onnx_ir's DataType members equal: membership works for both)
 FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
                          onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 

@@ -16,7 +16,8 @@ from collections import Counter
 
 import numpy as np
 
-from ..emitter import FLOAT_DTYPES, broadcast_dims
+from ..emitter import broadcast_dims
+from ..inference import FLOAT_TYPES
 from ..registry import register
 from .spec import attr
 
@@ -234,7 +235,7 @@ def _einsum(n, g):
 
     grads = []
     for i, s in enumerate(ins):
-        if xs[i].dtype not in FLOAT_DTYPES:
+        if xs[i].dtype not in FLOAT_TYPES:
             grads.append(None)
             continue
         others = [(out, g)] + [(ins[j], xs[j]) for j in range(len(xs)) if j != i]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..emitter import FLOAT_DTYPES, V
+from ..emitter import V
+from ..inference import FLOAT_TYPES
 from ..registry import Grads, captured, register, register_add
 from .spec import attr
 
@@ -165,7 +166,7 @@ def _stack_sum(e, s: V) -> V:
 
 
 def float_value(v) -> bool:
-    return v is not None and v.dtype in FLOAT_DTYPES and isinstance(
+    return v is not None and v.dtype in FLOAT_TYPES and isinstance(
         v.type, (ir.TensorType, ir.SequenceType))
 
 
@@ -178,7 +179,7 @@ def captures(n, sequences: bool = True) -> list:
     caps = captured(n.node)
     gets = [o for o, g in zip(n.node.outputs, n.gs) if g is not None]
     optional = next((v for v in [*caps, *n.node.inputs, *gets] if v is not None
-                     and isinstance(v.type, ir.OptionalType) and v.dtype in FLOAT_DTYPES
+                     and isinstance(v.type, ir.OptionalType) and v.dtype in FLOAT_TYPES
                      and (v in gets or n.wants(v))), None)
     if optional is not None:
         raise NotImplementedError(
@@ -186,7 +187,7 @@ def captures(n, sequences: bool = True) -> list:
             "of optionals through If, Loop, Scan and SequenceMap are not supported: pass the "
             "element (OptionalGetElement outside the subgraph) instead")
     seq = None if sequences else next((c for c in caps if isinstance(c.type, ir.SequenceType)
-                                       and c.dtype in FLOAT_DTYPES and n.wants(c)), None)
+                                       and c.dtype in FLOAT_TYPES and n.wants(c)), None)
     if seq is not None:
         raise NotImplementedError(
             f"the sequence {seq.name!r} is read inside the body from outside; its gradient "
