@@ -37,8 +37,7 @@ _CONV = dict(kernel_size=1, strides=1, dilation_rate=1, padding="same", activati
 # a Maximum merge of a ReLU's output and a BatchNormalization of it, equal (0) where the ReLU is
 # off: TF gives such a tie to the first input, onnxgrad's Max split it (session 38: the
 # converter writes TF's Maximum and Minimum as the selection TF's gradient makes)
-@example(([("Conv2D", dict(kernel_size=1, strides=1, dilation_rate=1, padding="same",
-                           activation="relu", use_bias=False, filters=1)),
+@example(([("Conv2D", _CONV),
            ("Residual", dict(layer=("BatchNormalization", {}), merge="Maximum"))],
           (3, 3, 1), "none", 1))
 def test_converted_keras_models_match_tf(case):

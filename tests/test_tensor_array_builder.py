@@ -39,12 +39,9 @@ def _build(shape, p, dynamic):
         clear_after_read=False,
         element_shape=list(shape[1:]) if known and write != "split" else None)
     feeds = {}
-    if write == "unstack":
-        ta = ta.unstack(rows)
-    elif write == "scatter":
-        ta = ta.scatter(list(order), rows)
-    elif write == "split":
-        ta = ta.split(rows, list(lengths))
+    bulk = tf_gen.array_bulk_write(ta, write, order, lengths, rows)
+    if bulk is not None:
+        ta = bulk
     else:
         for m, t in enumerate(order):
             row = b.node("Gather", [rows, b.const(np.array(m, np.int64))], axis=0)
@@ -57,16 +54,11 @@ def _build(shape, p, dynamic):
     def part(x):
         return b.node("ReduceSum", [x, b.const(np.array([0], np.int64))], keepdims=1) \
             if write == "split" else x
-    if read == "stack":
-        out = ta.stack()
-    elif read == "gather":
-        out = ta.gather(list(idx))
-    elif read == "concat":
-        out = ta.concat()
-    elif read == "read_unrolled":
+    out = tf_gen.array_bulk_read(ta, read, idx)
+    if out is None and read == "read_unrolled":
         out = b.node("Sum", [b.node("Mul", [b.const(np.array(m + 1.0)), b.node(
             "Cos", [part(ta.read(t))])]) for m, t in enumerate(idx)])
-    else:  # every index read twice (TF: in a loop bounded by the array's size)
+    elif out is None:  # every index read twice (TF: in a loop bounded by the array's size)
         out = b.node("Sum", [b.node("Mul", [part(ta.read(t)), b.node("Cos", [part(ta.read(
             count - 1 - t))])]) for t in range(count)])
     out = b.node("Mul", [out, scale])

@@ -444,6 +444,24 @@ def _tensor_array(draw, shapes):
                     draw(st.booleans()), extra)
 
 
+def array_bulk_write(ta, write, order, lengths, rows):
+    """The array after an unstack, scatter or split of ``rows`` (the same calls on
+    tf.TensorArray and onnxgrad.TensorArray), or None for the per-index write kinds."""
+    if write == "unstack":
+        return ta.unstack(rows)
+    if write == "scatter":
+        return ta.scatter(list(order), rows)
+    if write == "split":
+        return ta.split(rows, list(lengths))
+    return None
+
+
+def array_bulk_read(ta, read, idx):
+    """stack, gather or concat of the array (either API), or None for the single reads."""
+    return {"stack": ta.stack, "gather": lambda: ta.gather(list(idx)),
+            "concat": ta.concat}.get(read, lambda: None)()
+
+
 def _apply_tensor_array(p, a, b):
     write, read, order, lengths, idx, size, known, extra = p
     k = tf.reduce_mean(b)
@@ -455,12 +473,9 @@ def _apply_tensor_array(p, a, b):
                         dynamic_size=size == "grow", clear_after_read=False,
                         element_shape=a.shape[1:] if known and write != "split" else None,
                         infer_shape=write != "split")
-    if write == "unstack":
-        ta = ta.unstack(rows)
-    elif write == "scatter":
-        ta = ta.scatter(list(order), rows)
-    elif write == "split":
-        ta = ta.split(rows, list(lengths))
+    bulk = array_bulk_write(ta, write, order, lengths, rows)
+    if bulk is not None:
+        ta = bulk
     elif write == "write_unrolled":
         for m, t in enumerate(order):
             ta = ta.write(t, rows[m])
@@ -470,14 +485,9 @@ def _apply_tensor_array(p, a, b):
                            lambda t, ta: (t + 1, ta.write(tf.gather(perm, t), rows[t])),
                            (tf.constant(0), ta))[1]
     rank = a.shape.rank - (write != "split")  # an element's (TF1 does not always infer it)
-    if read == "stack":
-        out = ta.stack()
-    elif read == "gather":
-        out = ta.gather(list(idx))
-    elif read == "concat":
-        out = ta.concat()
+    out = array_bulk_read(ta, read, idx)
     part = (lambda x: tf.reduce_sum(x, 0, keepdims=True)) if write == "split" else tf.identity
-    if read in ("stack", "gather", "concat"):
+    if out is not None:
         out.set_shape([None] * (rank + (read != "concat")))
         return out * tf.cast(ta.size(), a.dtype)
     if read == "read_unrolled":
