@@ -23,7 +23,7 @@ import math
 import numpy as np
 import onnx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
@@ -1013,6 +1013,50 @@ def test_max_unpool_output_shape_gathers_at_indices():
     res = onnxgrad.gradients(m, "y", "x", grad_ys=["cot"])
     (g,) = session(res.model).run(res.grads, {"x": pooled, "i": idx, "cot": cot})
     np.testing.assert_array_equal(g, cot.reshape(-1)[idx])
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(k=st.integers(1, 3), s=st.integers(1, 3), d=st.integers(1, 2), pad=st.integers(0, 1),
+       hw=st.tuples(st.integers(3, 7), st.integers(3, 7)), opset=st.sampled_from([11, 18]),
+       seed=st.integers(0, 2**16))
+# overlapping windows (3x3 / 1): an element that is the max of two windows has its index twice,
+# MaxUnpool writes it twice, and its gradient came out twice (as torch's max_unpool2d gives)
+@example(k=3, s=1, d=1, pad=0, hw=(4, 4), opset=18, seed=0)
+def test_max_pool_then_unpool_credits_each_element_once(k, s, d, pad, hw, opset, seed):
+    """MaxPool with Indices, then MaxUnpool of its output at its indices, is the identity on
+    the elements some window takes and 0 elsewhere: the gradient through both is the cotangent
+    there, however many windows take an element. (Finite differences of onnxruntime's float32
+    kernels agree; check_gradients' float64 oracle, onnx.reference, sizes MaxUnpool otherwise.)"""
+    if min(hw) < (k - 1) * d + 1:
+        k = 1
+    pad = min(pad, (k - 1) * d // 2)
+    x = np.random.default_rng(seed).permutation(2 * hw[0] * hw[1]).reshape(1, 2, *hw)
+    x = (x / x.size).astype(F32)  # distinct values: no window has a tie
+    attrs = dict(kernel_shape=[k, k], strides=[s, s], pads=[pad] * 4)
+    nodes = [helper.make_node("MaxPool", ["x"], ["m", "i"], dilations=[d, d], **attrs),
+             helper.make_node("MaxUnpool", ["m", "i", "shape"], ["y"], **attrs)]
+    g = helper.make_graph(nodes, "pool_unpool",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x.shape)],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, x.shape),
+                           helper.make_tensor_value_info("i", onnx.TensorProto.INT64, None)],
+                          [onnx.numpy_helper.from_array(np.array(x.shape, np.int64), "shape")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+    res = onnxgrad.gradients(m, "y", "x", grad_ys=["cot"])
+    onnx.checker.check_model(res.model, full_check=True)
+    cot = rnd(x.shape, seed + 1)
+    idx, got = session(res.model).run(["i", res.grads[0]], {"x": x, "cot": cot})
+    taken = np.zeros(x.size, bool)
+    taken[idx.reshape(-1)] = True
+    # (an element taken by w windows gets w shares of g / w: equal up to rounding)
+    np.testing.assert_allclose(got, np.where(taken.reshape(x.shape), cot, 0), rtol=1e-6)
+
+
+def test_max_unpool_repeated_indices_credit_the_kept_write():
+    """Indices that repeat with different values: g goes to the one MaxUnpool wrote last."""
+    x = rnd((1, 1, 2, 2))
+    feeds = {"x": x, "i": np.array([[[[4, 4], [0, 4]]]], np.int64)}
+    m = model_of("MaxUnpool", feeds, kernel_shape=[2, 2], strides=[1, 1])
+    fd(m, feeds, xs=["x"])
 
 
 @pytest.mark.parametrize("attrs,image,block", [

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from onnx import helper
 from util import assert_gradients, grads_of, make_model, op_model, vi_model
 
@@ -429,6 +431,48 @@ def test_scatter_nd(shape, indices, ushape, reduction):
     check(m, xs=["x", "u"], x=rnd(*shape, seed=1), u=rnd(*ushape, seed=2))
 
 
+@st.composite
+def _repeated_scatters(draw):
+    """A write without reduction whose indices repeat (drawn from few values, negatives too),
+    constant or fed at run time, at opsets before and after reduction was added."""
+    op = draw(st.sampled_from(["ScatterElements", "ScatterND"]))
+    shape = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    if op == "ScatterElements":
+        axis = draw(st.integers(-len(shape), len(shape) - 1))
+        ishape = [draw(st.integers(1, d + 2)) if i == axis % len(shape) else
+                  draw(st.integers(1, d)) for i, d in enumerate(shape)]
+        dim = shape[axis]
+        idx = rng.integers(-dim, dim, ishape)
+        ushape, attrs = ishape, {"axis": axis}
+    else:
+        k = draw(st.integers(1, len(shape)))
+        rows = draw(st.integers(1, 5))
+        idx = np.stack([rng.integers(-d, d, rows) for d in shape[:k]], -1)
+        ushape, attrs = [rows, *shape[k:]], {}
+    return op, shape, idx.astype(I64), ushape, attrs, draw(st.booleans()), \
+        draw(st.sampled_from([13, 16, 18]))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(_repeated_scatters())
+# updates 0 and 2 both write element 1: only the one the output holds has a gradient (the rule
+# gave every repeated update g, as torch's and TF's do, where the output keeps one of them)
+@example(("ScatterElements", [3], np.array([1, 0, 1], I64), [3], {"axis": 0}, False, 18))
+@example(("ScatterND", [3, 2], np.array([[2], [2]], I64), [2, 2], {}, True, 16))
+def test_scatter_repeated_indices_credit_the_kept_write(case):
+    op, shape, idx, ushape, attrs, fed, opset = case
+    if fed:
+        m = make_model([helper.make_node(op, ["x", "i", "u"], ["y"], **attrs)],
+                       {"x": (F32, shape), "i": (I64, list(idx.shape)), "u": (F32, ushape)},
+                       ["y"], opset=opset)
+        check(m, xs=["x", "u"], x=rnd(*shape, seed=1), u=rnd(*ushape, seed=2), i=idx)
+    else:
+        m = model(op, ["x", "i", "u"], {"x": shape, "u": ushape}, {"i": idx}, opset=opset,
+                  **attrs)
+        check(m, xs=["x", "u"], x=rnd(*shape, seed=1), u=rnd(*ushape, seed=2))
+
+
 def test_scatter_nd_add_repeated_symbolic():
     m = model("ScatterND", ["x", "i", "u"], {"x": [4, "N"], "u": [3, "N"]},
               {"i": np.array([[1], [1], [-1]], I64)}, reduction="add")
@@ -837,8 +881,7 @@ def test_dynamo_exported_unfold_fold_block_at_every_level():
 
 
 # -- slices of one tensor along one axis: their gradients joined (generated) -------------------
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck  # noqa: E402
 
 
 @st.composite

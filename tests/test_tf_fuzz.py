@@ -40,6 +40,12 @@ def _array(write, read, order, idx=(0,), size="static", known=False, extra=0):
 # scatter); onnxgrad's adds them, as TF1's TensorArray does: the reference is the TF1 form
 @example(([(2,)], [_array("unstack", "gather", (0, 1), idx=(0, 0))], False, True, 0, "float64",
           False))
+# a SavedModel whose output rank TF does not know (a concat of an array without element
+# shapes): converted with its output declared without a shape and a ConversionWarning; the
+# oracle checks it as the converter does (seed 24 of bench/fuzz_tf.py stopped at its checker)
+@example(([(4,), (1,)], [("broadcast_to", [0], [1, 4]), _array("split", "concat", (0, 1, 2, 3)),
+                         ("segments", [3], ("sum", [0, 0, 0, 0]))], False, False, 0, "float64",
+          True))
 def test_tensor_array_programs_match_tf(case):
     """TensorArrays written and read every way (tf_gen._tensor_array), among other ops."""
     tf_gen.check(*case)

@@ -89,6 +89,7 @@ import onnx_ir as ir
 from ..errors import NotDifferentiableError
 from ..inference import floor_pads, pool_out_len, rescaled_floor_pads
 from ..registry import register
+from .shape import kept_share
 from .spec import attr
 
 INT64 = ir.DataType.INT64
@@ -1052,10 +1053,29 @@ def _max_pool(n, g):
 
 @register("MaxUnpool")
 def _max_unpool(n, g):
-    """y's flat element I[j] is x's element j (indices into y as a whole, as MaxPool makes them)."""
+    """y's flat element I[j] is x's element j (indices into y as a whole, as MaxPool makes them);
+    where I repeats (an element that is the max of two overlapping windows), a write without
+    reduction: g goes to the x the output holds (split among equal ones)."""
     e = n.e
-    taken = e.Gather(e.Reshape(g, [-1]), e.Reshape(n.ins[1], [-1]), axis=0)
+    flat_x, flat_i = e.Reshape(n.x, [-1]), e.Reshape(n.ins[1], [-1])
+    take = lambda t: e.Gather(t, flat_i, axis=0)  # noqa: E731
+    taken = take(e.Reshape(g, [-1]))
+    if not _distinct_windows(n.node.inputs[1]):
+        taken = taken * kept_share(n, "ScatterElements", e.Reshape(n.y, [-1]), flat_i, flat_x,
+                                   e.Reshape(n.y, [-1]), take, axis=0)
     return e.Reshape(taken, e.Shape(n.x)), None, None
+
+
+def _distinct_windows(idx) -> bool:
+    """``idx`` is the Indices of a MaxPool whose windows do not overlap: no index repeats."""
+    p = idx.producer()
+    if p is None or p.op_type != "MaxPool" or p.domain not in ("", "ai.onnx") or \
+            len(p.outputs) < 2 or p.outputs[1] is not idx:
+        return False
+    a = {k: v.value for k, v in p.attributes.items()}
+    k = list(a.get("kernel_shape", []))
+    s, d = list(a.get("strides", [1] * len(k))), list(a.get("dilations", [1] * len(k)))
+    return bool(k) and all(di * (ki - 1) + 1 <= si for ki, si, di in zip(k, s, d))
 
 
 # -- Col2Im ----------------------------------------------------------------------------------------

@@ -354,7 +354,12 @@ def _scatter_rule(gather):
         take = lambda t: e.op(gather, t, idx, **kw)  # noqa: E731  (t at the scattered positions)
         reduction = attr(n, "reduction", "none")  # absent before opset 16
         if reduction == "none":  # the scattered positions of data were overwritten
-            return e.op(n.node.op_type, g, idx, e.zeros_like(upd), **kw), None, take(g)
+            dupd = None
+            if n.wants(n.node.inputs[2]):
+                dupd = take(g)
+                if not _distinct_targets(n, gather):  # only the update kept counts
+                    dupd = dupd * kept_share(n, n.node.op_type, data, idx, upd, n.y, take, **kw)
+            return e.op(n.node.op_type, g, idx, e.zeros_like(upd), **kw), None, dupd
         if reduction == "add":
             return g, None, take(g)
         if reduction in ("max", "min"):  # to whatever equals the result, split among ties
@@ -367,6 +372,37 @@ def _scatter_rule(gather):
         raise NotDifferentiableError(f"{n.node.op_type}(reduction={reduction!r})", "", n.opset,
                                      n.node.name, [])
     return scatter
+
+
+def kept_share(n, op: str, data: V, idx: V, upd: V, y: V, take, **kw) -> V:
+    """The share of g at its target each element of ``upd`` gets from a write without reduction
+    (``op``: ScatterElements, ScatterND) whose indices may repeat: 1 for the update the output
+    holds, 0 for those overwritten (the standard leaves the order of repeated writes open; the
+    output's value tells which was kept, whatever order the runtime took), split evenly among
+    repeated updates of that same value."""
+    e = n.e
+    held = e.Cast(e.Equal(upd, take(y)), to=upd.dtype)
+    return held / take(_scatter_add(n, op, data, idx, held, **kw))
+
+
+def _distinct_targets(n, gather: str) -> bool:
+    """The scatter's indices are a constant that writes no element twice."""
+    idx, shape = n.const(1), n.node.inputs[0].shape
+    dims = [d if isinstance(d, int) else None for d in shape] if shape is not None else None
+    if idx is None or dims is None:
+        return False
+    idx = idx.astype(np.int64)
+    if gather == "GatherElements":  # element (.., idx[.., j, ..], ..) along axis, per line
+        a = attr(n, "axis") % idx.ndim
+        if dims[a] is None:
+            return False
+        lines = np.moveaxis(idx % dims[a], a, -1).reshape(-1, idx.shape[a])
+        return all(len(set(line)) == len(line) for line in lines)
+    k = idx.shape[-1]
+    if None in dims[:k]:
+        return False
+    rows = (idx.reshape(-1, k) % np.array(dims[:k], np.int64)).tolist()
+    return len(set(map(tuple, rows))) == len(rows)
 
 
 def _scatter_mul(n, g, take, kw):
