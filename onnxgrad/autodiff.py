@@ -809,7 +809,7 @@ def _seed(e: Emitter, graph, values, y: ir.Value, gy, live: bool) -> V:
         if ys_ is not None and gs_ is not None and not compatible_dims(ys_, gs_):
             raise InvalidArgumentError(f"grad_ys: {gy!r} has shape {list(gs_)} but y "
                                        f"{y.name!r} has {list(ys_)}: they must be equal")
-        return e.wrap(g)
+        return _same_shape(e, e.wrap(g), yv, gy)
     if y.type is None or y.shape is None:
         raise InvalidArgumentError(
             f"grad_ys: {gy!r} would become a graph input like y {y.name!r}, whose "
@@ -817,7 +817,24 @@ def _seed(e: Emitter, graph, values, y: ir.Value, gy, live: bool) -> V:
     new = ir.Value(name=gy, type=y.type, shape=y.shape)
     graph.inputs.append(new)
     values[gy] = new
-    return e.wrap(new)
+    return _same_shape(e, e.wrap(new), yv, gy)
+
+
+def _same_shape(e: Emitter, g: V, y: V, gy: str) -> V:
+    """``g``, checked at run time to have y's shape where static dims cannot show it:
+    onnxruntime binds a symbolic dim per input, so a cotangent of batch 1 for a y of batch 4
+    would broadcast through the rules silently. A dim that differs is -2 in the Reshape
+    target, which then fails, naming the check."""
+    yd, gd = dims(y.value), dims(g.value)
+    if yd is None or gd is None or len(yd) != len(gd) or (
+            all(isinstance(d, int) for d in yd) and all(isinstance(d, int) for d in gd)):
+        return g  # (static: checked above or by the runtime; an unknown rank: nothing to read)
+    prefix, e.prefix = e.prefix, f"{e.scope}/grad_ys_{gy}_must_have_the_shape_of_y"
+    want = e.Shape(y)
+    target = e.Where(e.Equal(e.Shape(g), want), want, e.const(np.array(-2, np.int64)))
+    out = e.op("Reshape", g, target, _shape=y.value.shape)
+    e.prefix = prefix
+    return out
 
 
 def _aggregate(e: Emitter, parts: list[V], method, v: ir.Value) -> V:

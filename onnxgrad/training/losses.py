@@ -203,6 +203,17 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
         out = node(reduce_op, [x], keepdims=0)
         return out
 
+    def checked(t, shape):
+        """t, checked at run time to have ``shape``: onnxruntime binds a symbolic dim per
+        input, so a target of batch 1 beside predictions of batch 4 would broadcast through
+        the loss (and SoftmaxCrossEntropyLoss reads past it) silently. A dim that differs is
+        -2 in the Reshape target, which then fails, naming the check."""
+        same = node("Equal", [node("Shape", [t]), shape])
+        target = node("Where", [same, shape, const(-2, np.int64)])
+        out = unique_name(f"loss/{t}_must_have_the_shape_of_{output_name}", taken)
+        nodes.append(helper.make_node("Reshape", [t, target], [out], name=out))
+        return out
+
     y = output_name
     _warn_on_probabilities(m, kind, output_name)
     if kind == "cross_entropy":
@@ -222,6 +233,10 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
                                                        rank - 1)
         tin = helper.make_tensor_value_info(target, TensorProto.INT64, tdims)
         ins = [y, target]
+        if tdims is not None:  # [N, C, d1 ...] -> [N, d1 ...]
+            shape, i64 = node("Shape", [y]), np.int64
+            cut = lambda a, b: node("Slice", [shape, const([a], i64), const([b], i64)])  # noqa: E731
+            ins[1] = checked(target, node("Concat", [cut(0, 1), cut(2, rank)], axis=0))
         if weight is not None:
             ins.append(const(np.asarray(weight, np_dtype).reshape(-1)))
         attrs = {"reduction": reduction}
@@ -235,6 +250,8 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     else:
         tdims = None if dims is None else _target_dims(dims)
         tin = helper.make_tensor_value_info(target, elem, tdims)
+        if tdims is not None:
+            target = checked(target, node("Shape", [y]))
         if kind == "mse":
             d = node("Sub", [y, target])
             per = node("Mul", [d, d])
