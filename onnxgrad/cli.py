@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ONNX opset of the model (default 18)")
     v.add_argument("--signature", default=None, metavar="NAME",
                    help="the SavedModel signature to convert (default serving_default)")
+    v.add_argument("--allow-unranked", action="store_true",
+                   help="write inputs and outputs whose rank is known only at run time "
+                        "without a shape (onnxruntime runs the model; onnx.checker refuses "
+                        "it); without this, such a graph is an error")
     v.set_defaults(func=_cmd_convert)
 
     from .lower import add_lower_parser
@@ -253,6 +257,7 @@ def _cmd_convert(args, out) -> int:
             raise UsageError("--outputs: name the tensors to convert (e.g. --outputs y:0); a "
                              "GraphDef has no signature to take them from")
     model = convert(src, inputs=args.inputs, outputs=args.outputs, opset=args.opset,
+                    allow_unranked=args.allow_unranked,
                     **({"signature": args.signature} if saved_model else {}))
     save_model(model, args.output)
     ins = ", ".join(i.name for i in model.graph.input)

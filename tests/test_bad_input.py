@@ -62,12 +62,15 @@ def gradient_op_model(**attrs) -> onnx.ModelProto:
                                                                    1)], ir_version=10)
 
 
-def graph_def():
-    """A frozen TF GraphDef, built without TensorFlow: y = reduce_max(x * c, axis 1)."""
+def graph_def(unranked=False):
+    """A frozen TF GraphDef, built without TensorFlow: y = reduce_max(x * c, axis 1) (x of
+    unknown rank where ``unranked``)."""
     gd = tfproto.GraphDef()
     x = gd.node.add(name="x", op="Placeholder")
     x.attr["dtype"].type = tfproto.DT["DT_FLOAT"]
-    for d in (-1, 3):
+    if unranked:
+        x.attr["shape"].shape.unknown_rank = True
+    for d in () if unranked else (-1, 3):
         x.attr["shape"].shape.dim.add(size=d)
     c = gd.node.add(name="c", op="Const")
     c.attr["dtype"].type = x.attr["dtype"].type
@@ -110,6 +113,7 @@ def inputs(tmp_path_factory):
         "noxs.onnx": gradient_op_model(y="t").SerializeToString(),
         "twoouts.onnx": gradient_op_model(xs=["x", "x", "x"], y="t").SerializeToString(),
         "g.pb": graph_def().SerializeToString(),
+        "unranked.pb": graph_def(unranked=True).SerializeToString(),
         "empty.pb": b"",
         "empty.pbtxt": b"   \n",
         "broken.pbtxt": b"node { name: 'x' op: ",
@@ -271,6 +275,9 @@ def _cases():
                       ("random.pb", "not a binary GraphDef")]:
         case(f"convert-{f}", ["convert", f"{{i}}/{f}", "-o", o, "--outputs", "y:0"],
              E.OnnxgradError, f, needle)
+    # an input whose rank TF does not know has no valid ONNX declaration: no file by default
+    case("convert-unranked", ["convert", "{i}/unranked.pb", "-o", o, "--outputs", "y:0"],
+         E.OnnxgradError, "'x:0'", "--allow-unranked")
     case("convert-missing", ["convert", "{i}/none.pb", "-o", o, "--outputs", "y:0"],
          E.InvalidArgumentError, "no such file")
     case("convert-dir", ["convert", "{i}/not_a_saved_model", "-o", o],
@@ -317,6 +324,23 @@ def test_bad_command_line(monkeypatch, capsys, inputs, out, argv, cls, needles):
     argv = [a.format(i=inputs, o=out) for a in argv]
     run_cli(monkeypatch, capsys, argv, cls, needles)
     assert_untouched(out, inputs, before)
+
+
+def test_convert_allow_unranked_writes_what_onnxruntime_runs(tmp_path, capsys):
+    """--allow-unranked: the input of unknown rank declared by its element type alone, with a
+    warning; onnxruntime runs the file (onnx.checker refuses it, as the error said)."""
+    from onnxgrad.converters.tensorflow import ConversionWarning
+    from onnxgrad.runtime import session
+    src, dst = tmp_path / "g.pb", tmp_path / "m.onnx"
+    src.write_bytes(graph_def(unranked=True).SerializeToString())
+    with pytest.warns(ConversionWarning, match="'x:0'"):
+        assert main(["convert", str(src), "-o", str(dst), "--outputs", "y:0",
+                     "--allow-unranked"]) == 0
+    m = onnx.load(dst)
+    assert not m.graph.input[0].type.tensor_type.HasField("shape")
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    (y,) = session(m).run(["y:0"], {"x:0": x})
+    np.testing.assert_allclose(y, (x * [1.0, 2.0, 3.0]).max(axis=1), rtol=1e-6)
 
 
 # -- the Python API ---------------------------------------------------------------------------

@@ -59,14 +59,14 @@ def compare(expected, got, names, rtol, atol):
         np.testing.assert_allclose(g, e, rtol=rtol, atol=atol, err_msg=name)
 
 
-def run_case(build, rtol=1e-5, atol=1e-6):
+def run_case(build, rtol=1e-5, atol=1e-6, **kw):
     """Build the graph with ``build(P)`` (P makes placeholders), run it in TF and converted on
-    onnxruntime, and compare every output (dtype, shape, values)."""
+    onnxruntime (``kw`` to convert), and compare every output (dtype, shape, values)."""
     f = Feeds()
     g, outs = tf1_graph(lambda: build(f))
     outs = [o.name for o in (outs if isinstance(outs, (list, tuple)) else [outs])]
     expected = tf_run(g, outs, f.feeds)
-    model = convert(g.as_graph_def(add_shapes=True), inputs=list(f.feeds), outputs=outs)
+    model = convert(g.as_graph_def(add_shapes=True), inputs=list(f.feeds), outputs=outs, **kw)
     compare(expected, ort_run(model, f.feeds, outs), outs, rtol, atol)
     return g, model
 
@@ -420,11 +420,14 @@ UNKNOWN_RANK = {  # name: (fn, input): the placeholder has no static shape at al
 
 @pytest.mark.parametrize("name", UNKNOWN_RANK)
 def test_unknown_rank(name):
-    """Inputs whose rank TF does not know statically: the run-time shapes serve (the input is
-    declared without a shape, which a ConversionWarning says)."""
+    """Inputs whose rank TF does not know statically: the run-time shapes serve. ONNX has no
+    declaration for such an input: refused by default, naming it; with allow_unranked it is
+    declared without a shape, which a ConversionWarning says."""
     fn, x = UNKNOWN_RANK[name]
+    with pytest.raises(ConversionError, match=r"in0:0.*allow_unranked=True"):
+        run_case(lambda P: fn(P(x, None)))
     with pytest.warns(ConversionWarning, match="in0:0"):
-        run_case(lambda P: fn(P(x, None)), rtol=1e-4, atol=1e-5)
+        run_case(lambda P: fn(P(x, None)), rtol=1e-4, atol=1e-5, allow_unranked=True)
 
 
 def convert_vs_oracle(converted, oracle, to_oracle, rtol=1e-4, atol=1e-5):

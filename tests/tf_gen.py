@@ -657,7 +657,7 @@ def check(shapes, steps, static, v2, seed, dtype="float64", saved=False):
         if saved:
             model, names = _saved_model(shapes, steps, static, dtype)
         else:
-            model = convert(gd, inputs=list(feeds), outputs=["result:0"])
+            model = convert(gd, inputs=list(feeds), outputs=["result:0"], allow_unranked=True)
             names = (list(feeds), "result:0")
     except ConversionError as e:
         _reject(f"refused: {str(e)[:60]}")
@@ -679,7 +679,7 @@ def check(shapes, steps, static, v2, seed, dtype="float64", saved=False):
             _close(np.zeros_like(w) if ours is None else ours, w, w32, f"d/d{name}")
     # TF's own gradient graph, converted: the training graphs TF1 users bring
     try:
-        m2 = convert(gd, inputs=[*feeds, "gy:0"], outputs=tf_grads)
+        m2 = convert(gd, inputs=[*feeds, "gy:0"], outputs=tf_grads, allow_unranked=True)
     except ConversionError as e:
         GRAPH_REFUSED[str(e)[:80]] = GRAPH_REFUSED.get(str(e)[:80], 0) + 1
     else:
@@ -694,8 +694,8 @@ def check(shapes, steps, static, v2, seed, dtype="float64", saved=False):
 
 def _check_model(m):
     """onnx's full check; an input or output whose rank TF does not know either is declared
-    without a shape (the converter's ConversionWarning says so), which onnx.checker refuses on a
-    main graph: those are checked as scalars."""
+    without a shape (``allow_unranked``: programs of every rank are drawn), which onnx.checker
+    refuses on a main graph: those are checked as scalars."""
     probe = onnx.ModelProto()
     probe.CopyFrom(m)
     for vi in [*probe.graph.input, *probe.graph.output]:
@@ -724,7 +724,7 @@ def _saved_model(shapes, steps, static, dtype):
     module.program = program
     with tempfile.TemporaryDirectory() as d:
         eager(tf.saved_model.save, module, d, {"serving_default": program})
-        model = convert(d)
+        model = convert(d, allow_unranked=True)
     names = [i.name for i in model.graph.input]
     ins = [next(n for n in names if n.split(":")[0].endswith(f"x{i}")) for i in range(len(shapes))]
     return model, (ins, model.graph.output[0].name)

@@ -69,6 +69,7 @@ class Converter:
     def __init__(self, graph: Graph, opset: int):
         self.g, self.opset = graph, opset
         self.main = graph  # (self.g is a function's graph while its body is converted)
+        self.allow_unranked = False  # (convert's argument)
         self.env: ChainMap = ChainMap()  # "node:index" -> ONNX name or Resource
         self.state: ChainMap = ChainMap()  # resource key -> ONNX name of its current sequence
         self.resources: dict[tuple, Resource] = {}
@@ -429,7 +430,7 @@ def needed_nodes(g: Graph, outputs: list[str]) -> list[TFNode]:
 
 def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
             name: str = "tf_graph", signature: str | None = None,
-            tf_shapes: bool = True) -> onnx.ModelProto:
+            tf_shapes: bool = True, allow_unranked: bool = False) -> onnx.ModelProto:
     """Convert a TensorFlow GraphDef (proto, bytes or path to a .pb/.pbtxt) or a SavedModel
     directory to an ONNX model.
 
@@ -440,6 +441,12 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
     ``signature`` (default "serving_default") gives the default inputs and outputs, which may
     also be named by the signature's keys. ``tf_shapes``: ask TensorFlow (when installed) for the
     static shapes of a GraphDef written without them (:mod:`.tf_shapes`).
+
+    An input or output whose rank neither TF nor ONNX's inference can tell has no valid ONNX
+    declaration (the IR wants shapes on a main graph's inputs and outputs; onnx.checker refuses
+    the model): a ConversionError names them, unless ``allow_unranked``, which returns the
+    model with them declared by element type alone (onnxruntime runs it) and a
+    ConversionWarning.
     """
     from . import cudnn_rnn, functions, ops, tensor_list  # noqa: F401  (register the handlers)
 
@@ -471,6 +478,7 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
             raise ConversionError(f"output {o!r}: the graph has no node {nm!r}")
     c = Converter(g, DEFAULT_OPSET)
     c.weights = weights
+    c.allow_unranked = allow_unranked
     from .resources import scan_stacks
     c.scan_stacks = scan_stacks(g)
     feeds = [_ref(i, "input") for i in ([inputs] if isinstance(inputs, str) else inputs or [])]
@@ -697,9 +705,10 @@ def _guard_range_gathers(m: onnx.ModelProto) -> None:
 def _declare_outputs(c: Converter, m: onnx.ModelProto) -> onnx.ModelProto:
     """Graph outputs typed as inference found them. An output whose rank neither TF nor ONNX
     can tell (a value popped from a stack, read from a TensorArray without element shapes), like
-    a placeholder of unknown rank, is declared with its element type only: onnxruntime runs it,
-    but onnx.checker wants a shape on every main-graph input and output, so the model is
-    checked with those declared as scalars and a ConversionWarning names them."""
+    a placeholder of unknown rank, has no valid declaration: onnx.checker wants a shape on every
+    main-graph input and output. Refused, naming them; with ``allow_unranked`` declared with
+    its element type only (onnxruntime runs the model), the model checked with those declared
+    as scalars, and a ConversionWarning names them."""
     import warnings
 
     from .errors import ConversionWarning
@@ -721,6 +730,15 @@ def _declare_outputs(c: Converter, m: onnx.ModelProto) -> onnx.ModelProto:
     if not unranked:
         _check_valid(m)
         return m
+    fixes = ("give the placeholders a shape, reshape such outputs in TF, or export with "
+             "add_shapes=True where TF knows their shapes")
+    if not c.allow_unranked:
+        raise ConversionError(
+            f"{unranked}: their rank is known only at run time (TensorFlow does not know it "
+            "either), and ONNX has no declaration for a main-graph input or output without "
+            f"one (onnx.checker refuses such a model): {fixes}; or pass allow_unranked=True "
+            "(onnxgrad convert --allow-unranked) for a model that onnxruntime runs but "
+            "onnx.checker refuses")
     probe = onnx.ModelProto()
     probe.CopyFrom(m)
     for vi in [*probe.graph.input, *probe.graph.output]:
@@ -729,10 +747,8 @@ def _declare_outputs(c: Converter, m: onnx.ModelProto) -> onnx.ModelProto:
     _check_valid(m, probe)
     warnings.warn(ConversionWarning(
         f"{unranked}: their rank is known only at run time (TensorFlow does not know it "
-        "either), so they are declared without a shape; onnxruntime runs the model, "
-        "onnx.checker wants shapes on main-graph inputs and outputs. Give the placeholders a "
-        "shape, reshape such outputs in TF, or export with add_shapes=True where TF knows "
-        "their shapes"), stacklevel=4)
+        "either), so they are declared without a shape (allow_unranked); onnxruntime runs the "
+        f"model, onnx.checker refuses it: {fixes}"), stacklevel=4)
     return m
 
 
