@@ -34,12 +34,17 @@ def lower_gradient_ops(model: onnx.ModelProto | str, name: str = "gradients") ->
     model = load_model(model)
     m = onnx.ModelProto()
     m.CopyFrom(model)
-    inner = next((n for g in graphs_of(m.graph)[1:] for n in g.node
-                  if n.op_type == "Gradient" and n.domain == TRAINING_DOMAIN), None)
-    if inner is not None:
-        raise UnsupportedError(f"Gradient node {inner.name or '(unnamed)'!r} is inside a "
-                               "subgraph (an If, Loop or Scan body): only main-graph Gradient "
-                               "nodes are lowered")
+    bodies = [(g, "a subgraph (an If, Loop or Scan body)") for g in graphs_of(m.graph)[1:]]
+    for f in m.functions:  # (a FunctionProto's nodes, and their subgraphs)
+        where = f"model-local function {f.domain}.{f.name}"
+        bodies += [(f, where)] + [(g, where) for n in f.node for s in node_subgraphs(n)
+                                  for g in graphs_of(s)]
+    for body, where in bodies:
+        inner = next((n for n in body.node
+                      if n.op_type == "Gradient" and n.domain == TRAINING_DOMAIN), None)
+        if inner is not None:
+            raise UnsupportedError(f"Gradient node {inner.name or '(unnamed)'!r} is inside "
+                                   f"{where}: only main-graph Gradient nodes are lowered")
     while True:
         node = next((n for n in m.graph.node
                      if n.op_type == "Gradient" and n.domain == TRAINING_DOMAIN), None)

@@ -1,8 +1,8 @@
 """The standard's ``ai.onnx.preview.training.Gradient`` op, lowered
-(``onnxgrad.lower_gradient_ops``), against its definition: the names in ``xs`` and ``zs`` are the independent variables of the graph
-that computes ``y``, and the node's i-th input is the value at which the i-th of them is taken.
-Drawn graphs and Gradient nodes, checked in float64 against central finite differences of a NumPy
-evaluation of that definition."""
+(``onnxgrad.lower_gradient_ops``), against its definition: the names in ``xs`` and ``zs`` are
+the independent variables of the graph that computes ``y``, and the node's i-th input is the
+value at which the i-th of them is taken. Drawn graphs and Gradient nodes, checked in float64
+against central finite differences of a NumPy evaluation of that definition."""
 from __future__ import annotations
 
 import numpy as np
@@ -143,4 +143,24 @@ def test_gradient_op_copy_through_control_flow_is_refused():
     np.testing.assert_allclose(d, (1 - np.tanh(a) ** 2) * a * a + np.tanh(a) * 2 * a)
     g.node[3].input[:] = ["B"]
     with pytest.raises(UnsupportedError, match="through If node 'branch'"):
+        onnxgrad.lower_gradient_ops(m)
+
+
+def test_gradient_op_in_a_function_is_refused():
+    """A Gradient node inside a model-local function was left there, unlowered, and the model
+    returned (and written by ``onnxgrad lower``) as if lowered: no runtime runs it."""
+    fn = helper.make_function(
+        "local", "F", ["a"], ["da"],
+        [helper.make_node("Tanh", ["a"], ["t"]),
+         helper.make_node("Gradient", ["a"], ["da"], domain=D, xs=["a"], y="t", name="inner")],
+        [helper.make_opsetid("", 18), helper.make_opsetid(D, 1)])
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph([helper.make_node("F", ["A"], ["y"], domain="local")], "g",
+                          [vi("A", TensorProto.DOUBLE, SHAPE)],
+                          [vi("y", TensorProto.DOUBLE, SHAPE)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18),
+                                            helper.make_opsetid("local", 1),
+                                            helper.make_opsetid(D, 1)],
+                          functions=[fn], ir_version=10)
+    with pytest.raises(UnsupportedError, match="'inner' is inside model-local function local.F"):
         onnxgrad.lower_gradient_ops(m)
