@@ -15,7 +15,7 @@ from tf_util import ort_run, tf, tf1_graph
 
 import onnxgrad
 from onnxgrad.check import check_gradients
-from onnxgrad.converters.tensorflow import ConversionError, convert
+from onnxgrad.converters.tensorflow import convert
 from onnxgrad.rnn import canonical_to_params, params_size, params_to_canonical
 from onnxgrad.rnn.reference import rnn_forward
 
@@ -119,11 +119,12 @@ def test_params_ops_convert():
 
 
 # -- CudnnRNNV3: what Keras's LSTM and GRU trace on a GPU -----------------------------------------
-def _keras_cudnn(mode, lengths, go_backwards, return_sequences):
+def _keras_cudnn(mode, lengths, go_backwards, return_sequences, tape=False):
     """A Keras LSTM/GRU layer and the graph Keras traces for it on a GPU build of TF
     (keras.src.backend.tensorflow.rnn._cudnn_lstm / _cudnn_gru: CudnnRNNV3, batch-major,
     sequence_lengths from the mask), its weights as the graph's inputs, and the loss's weights
-    of the output sequence."""
+    of the output sequence. ``tape``: the graph returns the loss and a GradientTape's gradients
+    of it wrt x and the weights, taken inside the traced function (CudnnRNNBackpropV3)."""
     import importlib
 
     import keras
@@ -138,6 +139,14 @@ def _keras_cudnn(mode, lengths, go_backwards, return_sequences):
         else np.full((B, 1, 1), 0.5)
 
     def f(x, m, kernel, recurrent, bias):
+        if tape:
+            with tf.GradientTape() as t:
+                t.watch([x, kernel, recurrent, bias])
+                loss = forward(x, m, kernel, recurrent, bias)[-1]
+            return [loss, *t.gradient(loss, [x, kernel, recurrent, bias])]
+        return forward(x, m, kernel, recurrent, bias)
+
+    def forward(x, m, kernel, recurrent, bias):
         zeros = tf.zeros([B, H])
         if mode == "lstm":
             _, out, (h, c) = krnn._cudnn_lstm(x, zeros, zeros, kernel, recurrent, bias, m, False,
@@ -194,6 +203,33 @@ def test_v3_from_keras_gpu_path_matches_keras(mode, go_backwards, return_sequenc
         np.testing.assert_allclose(g, w.numpy(), err_msg=what, **close)
 
 
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(mode=st.sampled_from(["lstm", "gru"]), go_backwards=st.booleans(),
+       return_sequences=st.booleans(),
+       lengths=st.lists(st.integers(1, T), min_size=B, max_size=B))
+def test_v3_keras_gpu_tape_graph_matches_keras(mode, go_backwards, return_sequences, lengths):
+    """A GradientTape inside the function Keras traces on a GPU (CudnnRNNBackpropV3, refused
+    before): the converted gradient graph gives Keras's CPU gradients for the same weights and
+    mask (inputs, kernel, recurrent kernel, bias)."""
+    layer, mask, weight, cf = _keras_cudnn(mode, lengths, go_backwards, return_sequences,
+                                           tape=True)
+    names, ys = [t.name for t in cf.inputs], [t.name for t in cf.outputs]
+    model = convert(cf.graph.as_graph_def(), inputs=names, outputs=ys)
+    assert "OnnxRNNBackprop" in {n.op_type for n in model.graph.node}
+    r = np.random.RandomState(sum(lengths) + 7)
+    x = r.randn(B, T, I).astype(np.float32)
+    got = ort_run(model, dict(zip(names, [x, mask] + [w.numpy() for w in layer.weights])), ys)
+    xt = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(xt)
+        out, *states = layer(xt, mask=tf.constant(mask))
+        seq = out if return_sequences else out[:, -1:]
+        loss = tf.reduce_sum(seq * weight) + tf.reduce_sum(tf.square(states[0]))
+    want = [loss] + tape.gradient(loss, [xt] + layer.trainable_weights)
+    for g, w, what in zip(got, want, ["loss", "x", "kernel", "recurrent_kernel", "bias"]):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-5, err_msg=what)
+
+
 @pytest.mark.parametrize("mode,direction", [("lstm", BI), ("gru", UNI), ("rnn_tanh", BI)])
 def test_v3_time_major_layers_match_torch_packed(mode, direction):
     """Raw CudnnRNNV3, time-major, 2 layers, with sequence lengths: torch's packed sequences on
@@ -242,15 +278,60 @@ def test_v3_time_major_layers_match_torch_packed(mode, direction):
     assert report.ok, str(report)
 
 
-def test_v3_backprop_is_a_clear_error():
-    """A tape graph through CudnnRNNV3 (TF's CudnnRNNBackpropV3): refused, naming the way."""
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(mode=st.sampled_from(["lstm", "gru", "rnn_tanh", "rnn_relu"]),
+       direction=st.sampled_from([UNI, BI]), L=st.integers(1, 2), time_major=st.booleans(),
+       lengths=st.lists(st.integers(1, T), min_size=B, max_size=B), seed=st.integers(0, 99))
+def test_v3_backprop_graph_matches_torch_packed(mode, direction, L, time_major, lengths, seed):
+    """TF's gradient graph through CudnnRNNV3 (tf.gradients makes CudnnRNNBackpropV3, as a tape
+    through a Keras LSTM / GRU traced on a GPU does; it was refused): converted, the gradients
+    of a weighted sum of the outputs wrt the input, the initial states and the params equal
+    torch's packed sequences on the same weights (time- and batch-major)."""
+    import torch
+    lstm, nd = mode == "lstm", _nd(direction)
+    P = params_size(mode, L, H, I, direction)
+    r = np.random.RandomState(seed)
+    x = r.randn(T, B, I).astype(np.float32)
+    h0, c0 = (r.randn(L * nd, B, H).astype(np.float32) for _ in range(2))
+    wy, wh, wc = r.randn(T, B, nd * H), r.randn(L * nd, B, H), r.randn(L * nd, B, H)
+    bm = (lambda a: np.swapaxes(a, 0, 1)) if not time_major else (lambda a: a)  # noqa: E731
+
     def build():
-        x = tf.compat.v1.placeholder(tf.float32, [T, B, I], name="x")
-        h = tf.zeros([1, B, H])
-        p = tf.compat.v1.placeholder(tf.float32, [params_size("lstm", 1, H, I)], name="p")
-        out = tf.raw_ops.CudnnRNNV3(input=x, input_h=h, input_c=h, params=p,
-                                    sequence_lengths=tf.fill([B], T))
-        return tf.gradients(tf.reduce_sum(out[0]), p)[0]
-    g, dp = tf1_graph(build)
-    with pytest.raises(ConversionError, match="CudnnRNNBackpropV3.*onnxgrad.gradients"):
-        convert(g.as_graph_def(), outputs=[dp.name])
+        ph = lambda shape, name: tf.compat.v1.placeholder(tf.float32, shape, name=name)  # noqa
+        xt, ht, pt = ph(bm(x).shape, "x"), ph(bm(h0).shape, "h"), ph([P], "p")
+        ct = ph(bm(c0).shape, "c") if lstm else tf.zeros([])
+        n = tf.compat.v1.placeholder(tf.int32, [B], name="n")
+        out = tf.raw_ops.CudnnRNNV3(input=xt, input_h=ht, input_c=ct, params=pt,
+                                    sequence_lengths=n, rnn_mode=mode, direction=direction,
+                                    time_major=time_major)
+        loss = tf.reduce_sum(out[0] * bm(wy).astype(np.float32)) + \
+            tf.reduce_sum(out[1] * bm(wh).astype(np.float32))
+        if lstm:
+            loss += tf.reduce_sum(out[2] * bm(wc).astype(np.float32))
+        wrt = [xt, ht, ct, pt] if lstm else [xt, ht, pt]
+        return [tf.identity(g, name=f"d{i}") for i, g in enumerate(tf.gradients(loss, wrt))]
+    g, grads = tf1_graph(build)
+    model = convert(g.as_graph_def(add_shapes=True), outputs=[t.name for t in grads])
+    assert "OnnxRNNBackprop" in {n.op_type for n in model.graph.node}
+    m = torch_module(mode, L, direction, dtype=torch.float64)
+    params = canonical_to_params(*torch_canonical(m, mode, L, direction), mode, L, H, I,
+                                 direction).astype(np.float32)
+    feeds = {"x:0": bm(x), "h:0": bm(h0), "p:0": params, "n:0": np.array(lengths, np.int32)}
+    if lstm:
+        feeds["c:0"] = bm(c0)
+    got = ort_run(model, feeds, [t.name for t in grads])
+    xt, ht, ct = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, h0, c0))
+    packed = torch.nn.utils.rnn.pack_padded_sequence(xt, torch.tensor(lengths),
+                                                     enforce_sorted=False)
+    out, state = m(packed, (ht, ct) if lstm else ht)
+    y = torch.nn.utils.rnn.pad_packed_sequence(out, total_length=T)[0]
+    states = state if lstm else (state,)
+    loss = (y * torch.tensor(wy)).sum() + (states[0] * torch.tensor(wh)).sum()
+    if lstm:
+        loss = loss + (states[1] * torch.tensor(wc)).sum()
+    loss.backward()
+    want = [bm(xt.grad.numpy()), bm(ht.grad.numpy())] + ([bm(ct.grad.numpy())] if lstm else [])
+    want.append(canonical_to_params(*torch_canonical(m, mode, L, direction, grad=True), mode, L,
+                                    H, I, direction))
+    for gv, wv, what in zip(got, want, ["x", "h", "c", "p"] if lstm else ["x", "h", "p"]):
+        np.testing.assert_allclose(gv, wv, rtol=1e-4, atol=1e-4, err_msg=what)
