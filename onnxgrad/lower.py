@@ -167,10 +167,10 @@ def _evaluated_at(m: onnx.ModelProto, y: str, symbols: list, values: list, n_xs:
         c = onnx.NodeProto()
         c.CopyFrom(n)
         c.input[:] = [ren.get(v, v) for v in n.input]
-        for o in c.output:
-            if o:
-                ren[o] = unique_name(f"{o}__at", taken)
-        c.output[:] = [ren.get(o, o) for o in n.output]
+        outs = [o and unique_name(f"{o}__at", taken) for o in n.output]
+        # (an output that is a symbol itself stays the value given for it downstream)
+        ren.update((o, new) for o, new in zip(n.output, outs) if o and o not in symbols)
+        c.output[:] = outs
         c.name = unique_name(f"{n.name or n.op_type}__at", taken)
         copies.append(c)
     out = onnx.ModelProto()

@@ -164,3 +164,25 @@ def test_gradient_op_in_a_function_is_refused():
                           functions=[fn], ir_version=10)
     with pytest.raises(UnsupportedError, match="'inner' is inside model-local function local.F"):
         onnxgrad.lower_gradient_ops(m)
+
+
+def test_gradient_op_symbol_among_a_nodes_outputs():
+    """xs names one output of a Split whose other output y reads, the node taken at other
+    values: the copied Split's output must not replace the value given for that name."""
+    vi = lambda n, s: helper.make_tensor_value_info(n, TensorProto.DOUBLE, s)  # noqa: E731
+    g = helper.make_graph(
+        [helper.make_node("Mul", ["X", "A"], ["m"]),
+         helper.make_node("Split", ["m"], ["s1", "s2"], axis=0, num_outputs=2),
+         helper.make_node("Mul", ["s1", "s2"], ["Y"]),
+         helper.make_node("Gradient", ["B", "S"], ["dA", "ds1"], domain=D, xs=["A", "s1"],
+                          y="Y")], "g",
+        [vi("X", [4]), vi("A", [4]), vi("B", [4]), vi("S", [2])],
+        [vi("Y", [2]), vi("dA", [4]), vi("ds1", [2])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18),
+                                            helper.make_opsetid(D, 1)], ir_version=10)
+    x, b, s = np.array([1.0, 2, 3, 4]), np.array([5.0, 6, 7, 8]), np.array([10.0, 20])
+    da, ds1 = session(onnxgrad.lower_gradient_ops(m)).run(
+        ["dA", "ds1"], {"X": x, "A": np.ones(4), "B": b, "S": s})
+    # A := B and s1 := S, independent: Y = s1 * (X * A)[2:]
+    np.testing.assert_allclose(da, [0, 0, s[0] * x[2], s[1] * x[3]])
+    np.testing.assert_allclose(ds1, (x * b)[2:])
