@@ -87,7 +87,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import NotDifferentiableError
-from ..inference import floor_pads, pool_out_len, rescaled_floor_pads
+from ..inference import floor_pads, pool_out_len
 from ..registry import register
 from .shape import kept_share
 from .spec import attr
@@ -1061,8 +1061,9 @@ def _max_unpool(n, g):
     take = lambda t: e.Gather(t, flat_i, axis=0)  # noqa: E731
     taken = take(e.Reshape(g, [-1]))
     if not _distinct_windows(n.node.inputs[1]):
-        taken = taken * kept_share(n, "ScatterElements", e.Reshape(n.y, [-1]), flat_i, flat_x,
-                                   e.Reshape(n.y, [-1]), take, axis=0)
+        flat_y = e.Reshape(n.y, [-1])
+        taken = taken * kept_share(n, "ScatterElements", flat_y, flat_i, flat_x, flat_y, take,
+                                   axis=0)
     return e.Reshape(taken, e.Shape(n.x)), None, None
 
 
