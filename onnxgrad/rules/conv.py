@@ -1026,7 +1026,7 @@ def _max_pool(n, g):
                                                "dilations", "pads", "ceil_mode")})
     if idx is None and tile is not None:
         return _tiles_grad(e, x, n.y, g, tile)
-    overlap = any(di * (ki - 1) + 1 > si for ki, si, di in zip(k, s, d))
+    overlap = _windows_overlap(k, s, d)
     blind = _blind_windows(n, d)
     overlap = overlap or blind is not None  # the blind windows' zeros are added, not written
     if overlap:
@@ -1067,6 +1067,12 @@ def _max_unpool(n, g):
     return e.Reshape(taken, e.Shape(n.x)), None, None
 
 
+def _windows_overlap(k, s, d) -> bool:
+    """Whether a pool's windows (kernel, strides, dilations) share elements: a kernel's extent
+    beyond its stride on some axis."""
+    return any(di * (ki - 1) + 1 > si for ki, si, di in zip(k, s, d))
+
+
 def _distinct_windows(idx) -> bool:
     """``idx`` is the Indices of a MaxPool whose windows do not overlap: no index repeats."""
     p = idx.producer()
@@ -1074,9 +1080,9 @@ def _distinct_windows(idx) -> bool:
             len(p.outputs) < 2 or p.outputs[1] is not idx:
         return False
     a = {k: v.value for k, v in p.attributes.items()}
-    k = list(a.get("kernel_shape", []))
-    s, d = list(a.get("strides", [1] * len(k))), list(a.get("dilations", [1] * len(k)))
-    return bool(k) and all(di * (ki - 1) + 1 <= si for ki, si, di in zip(k, s, d))
+    k = a.get("kernel_shape")
+    return k is not None and not _windows_overlap(k, _ints(a.get("strides"), len(k), 1),
+                                                  _ints(a.get("dilations"), len(k), 1))
 
 
 # -- Col2Im ----------------------------------------------------------------------------------------
