@@ -158,6 +158,10 @@ class Converter:
         self.consts[nm] = arr
         return nm
 
+    def zeros(self, shape: str, dtype) -> str:
+        """Zeros of numpy ``dtype`` and the int64 ``shape`` (a value): an Expand of a scalar."""
+        return self.op("Expand", [self.const(0, dtype), shape])
+
     def i64(self, *vals) -> str:
         return self.const(np.array(vals, np.int64))
 

@@ -5,7 +5,7 @@ carry the ops' function bodies, so they run on any onnxruntime, where TF itself 
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from ...rnn.ops import DOMAIN, TF_OPS, op_signature
 from .core import Converter, handler, onnx_dtype
@@ -67,8 +67,8 @@ def _time_major(c: Converter, vs):
 
 
 def _zeros_like(c: Converter, n: TFNode, v: str) -> str:
-    zero = np.zeros(1, helper.tensor_dtype_to_np_dtype(onnx_dtype(n.attr["T"].type, n)))
-    return c.op("ConstantOfShape", [c.op("Shape", [v])], value=numpy_helper.from_array(zero))
+    dtype = helper.tensor_dtype_to_np_dtype(onnx_dtype(n.attr["T"].type, n))
+    return c.zeros(c.op("Shape", [v]), dtype)
 
 
 def _ex_attrs(a: dict) -> dict:

@@ -110,11 +110,6 @@ def reads_weight(c: Converter, n: TFNode, *idx) -> bool:
     return any(c.x(n, i) in c.weight_values for i in idx if isinstance(c.x(n, i), str))
 
 
-def _zeros(c: Converter, shape: str, dtype) -> str:
-    """Zeros of the given (int64) shape."""
-    return c.op("Expand", [c.const(0, dtype), shape])
-
-
 def _where(c: Converter, mask: np.ndarray, a, b):
     """Elementwise ``mask ? a : b`` over vectors that are numpy arrays or ONNX values."""
     if not mask.any():
@@ -1265,7 +1260,7 @@ def _gather_nd(c, n):
 
 @handler("ScatterNd")
 def _scatter_nd(c, n):  # (indices, updates, shape): duplicates add up
-    zeros = _zeros(c, _shape_arg(c, n, 2), np_type(n))
+    zeros = c.zeros(_shape_arg(c, n, 2), np_type(n))
     return [c.op("ScatterND", [zeros, as_i64(c, c.x(n, 0)), c.x(n, 1)], reduction="add")]
 
 
@@ -1364,7 +1359,7 @@ def _dynamic_stitch(c, n):
     rows = c.op("Concat", [c.i64(-1), tail], axis=0)
     flat = c.op("Concat", [c.op("Reshape", [c.x(n, k + m), rows]) for m in range(k)], axis=0)
     size = c.op("Add", [c.op("ReduceMax", [flat_ids], keepdims=1), c.i64(1)])
-    zeros = _zeros(c, c.op("Concat", [size, tail], axis=0), np_type(n))
+    zeros = c.zeros(c.op("Concat", [size, tail], axis=0), np_type(n))
     return [c.op("ScatterND", [zeros, c.op("Unsqueeze", [flat_ids, c.i64(-1)]), flat])]
 
 
@@ -1543,7 +1538,7 @@ def _strided_slice_grad(c, n):  # (shape, begin, end, strides, dy): dy scattered
     index = c.op("Reshape", [c.op("Range", [zero, c.op("Squeeze", [count]), one]), shape])
     where = c.op("Unsqueeze", [c.op("Reshape", [_slice_like(c, n, index, 1), c.i64(-1)]),
                                c.i64(-1)])
-    zeros = _zeros(c, count, np_type(n))
+    zeros = c.zeros(count, np_type(n))
     flat = c.op("ScatterND", [zeros, where, c.op("Reshape", [c.x(n, 4), c.i64(-1)])])
     return [c.op("Reshape", [flat, shape])]
 

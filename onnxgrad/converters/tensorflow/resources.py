@@ -74,7 +74,7 @@ def _i64(c: Converter, idx: str) -> str:
 
 def _zeros(c: Converter, r: Resource, shape: str) -> str:
     """Zeros of the array's element type and the int64 ``shape`` (TF's unwritten elements)."""
-    return c.op("Expand", [c.const(0, helper.tensor_dtype_to_np_dtype(r.dtype)), shape])
+    return c.zeros(shape, helper.tensor_dtype_to_np_dtype(r.dtype))
 
 
 # -- TensorArray ---------------------------------------------------------------------------------
