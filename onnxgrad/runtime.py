@@ -188,11 +188,31 @@ def _falling_back(s, model):
 
 def _reference(model: onnx.ModelProto):
     from onnx.reference import ReferenceEvaluator
+    model = _upgraded(model)
     if model.functions:  # onnx.reference (1.23) fails on a function that calls one listed
         import onnx.inliner  # after it, and on attributes given by reference to some ops
         model = onnx.inliner.inline_local_functions(model)
     ref = ReferenceEvaluator(model, new_ops=_exact_ops())
     return lambda feeds, outputs=None: [np.asarray(r) for r in ref.run(outputs, _arrays(feeds))]
+
+
+def _upgraded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` at opset 13 or newer where it is older: onnx.reference computes many ops by
+    their newest definition whatever the opset (Softmax-11 along ``axis`` alone, not over the
+    dims it coerces to 2-D; Resize-10 with half-pixel coordinates), and refuses others
+    (Upsample, Concat-1 without ``axis``). The upgrade is gradients()'s own, checked against
+    onnxruntime at the old opsets (tests/test_versions.py)."""
+    from .inference import model_opset
+    from .registry import MIN_OPSET
+    if model_opset(model) >= MIN_OPSET or \
+            not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+        return model
+    from .errors import UnsupportedError
+    from .versions import convert_version
+    try:
+        return convert_version(model, MIN_OPSET)
+    except UnsupportedError:  # (the reference may still run it as it is)
+        return model
 
 
 def _arrays(feeds):
@@ -228,4 +248,9 @@ def _exact_ops():
         def _run(self, *xs):
             return ((sum(np.broadcast_arrays(*xs)) / len(xs)).astype(xs[0].dtype),)
 
-    return [Erf, Gelu, Mean]
+    class LpNormalization(OpRun):  # onnx.reference's p=1 divides by sum(x), not sum(|x|)
+        def _run(self, x, axis=-1, p=2):
+            norm = np.sum(np.abs(x) ** p, axis=axis, keepdims=True) ** (1.0 / p)
+            return (np.where(norm == 0, 0, x / np.where(norm == 0, 1, norm)).astype(x.dtype),)
+
+    return [Erf, Gelu, Mean, LpNormalization]

@@ -20,6 +20,7 @@ import onnx
 from .errors import UnsupportedError
 from .inference import constant_tensors, graphs_of, model_opset, unique_name, value_types
 from .registry import attach_functions, own_domain
+from .storage import MAX_IR_VERSION
 
 
 def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
@@ -32,9 +33,18 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
     upsample = {n.output[0] for n in nodes if n.op_type == "Upsample"}
     resize10 = {n.output[0] for n in nodes if n.op_type == "Resize" and old == 10}
     hardmax = {n.output[0] for n in nodes if n.op_type == "Hardmax" and old < 13 <= version}
+    # onnx's converter keeps the IR version, and an IR below 4 wants every initializer to be a
+    # graph input: the pads its Pad 10 -> 11 adapter adds as one made an invalid model (and
+    # failed a second upgrade). The IR the new opset was released with has no such rule.
+    ir = min(max(model.ir_version, onnx.helper.find_min_ir_version_for(
+        [onnx.helper.make_opsetid("", version)])), MAX_IR_VERSION)
+    if ir != model.ir_version:
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        model.ir_version = ir
     try:
         out = onnx.version_converter.convert_version(model, version)
-    except (RuntimeError, onnx.checker.ValidationError) as err:  # an adapter's own assertion
+    except (RuntimeError, onnx.checker.ValidationError,
+            onnx.version_converter.ConvertError) as err:  # an adapter's own assertion
         why = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise UnsupportedError(f"onnx's version converter cannot upgrade the model from opset "
                                f"{old} to {version}: {why}; export it at opset {version} or "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
@@ -233,22 +233,45 @@ def old_ops(draw):
         st.sampled_from([11, 12]))
 
 
+def _old_model(case, ir_version):
+    nodes, inits, shape, opset = case
+    inputs = [helper.make_tensor_value_info("x", TP.FLOAT, shape)]
+    inputs += [helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in inits]
+    g = helper.make_graph(nodes, "g", inputs if ir_version < 4 else inputs[:1],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)],
+                             ir_version=ir_version)  # (IR 3: initializers are inputs too)
+
+
+def _pad2(mode):
+    return [helper.make_node("Pad", ["x"], ["y"], pads=[0, 1, 0, 1], mode=mode)], [], [2, 3], 9
+
+
+def _resize10():
+    scales = numpy_helper.from_array(np.array([1, 1, 2, 1.5], np.float32), "scales")
+    return [helper.make_node("Resize", ["x", "scales"], ["y"], mode="linear")], [scales], \
+        [1, 2, 5, 7], 10
+
+
 @settings(max_examples=100, deadline=None, derandomize=True)
-@given(old_ops(), st.integers(0, 2**16))
-def test_an_upgrade_keeps_the_forward(case, seed):
+@given(old_ops(), st.sampled_from([3, 6]), st.integers(0, 2**16))
+@example(_pad2("constant"), 3, 0)  # an invalid model
+@example(_pad2("reflect"), 3, 0)  # upgraded again to 16 for the rule: ConvertError
+def test_an_upgrade_keeps_the_forward(case, ir_version, seed):
     """gradients() upgrades models below opset 13 with onnx's version converter; the returned
     model must compute what the input model computes on onnxruntime. Resize-10 came out with
     half_pixel coordinates and Hardmax-11/12 one-hot along axis alone: other functions, and
-    their gradients, silently."""
+    their gradients, silently. At IR 3 (the model zoo's opset 3 to 9 models) the converter's
+    Pad adapter added its pads as an initializer that is no graph input: an invalid model
+    (or, upgraded again for a rule, onnx's raw ConvertError)."""
     from onnxgrad.runtime import session
     nodes, inits, shape, opset = case
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, shape)],
-                          [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=6)
+    m = _old_model(case, ir_version)
     # distinct values: no ties for Hardmax
     x = np.random.default_rng(seed).permutation(np.prod(shape)).reshape(shape).astype(np.float32)
     want = session(m).run(["y"], {"x": x})[0]
     res = onnxgrad.gradients(m, "y", "x")
+    onnx.checker.check_model(res.model, full_check=True)
     y, dx = session(res.model).run(["y", res.grads[0]], {"x": x})
     np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
     assert dx.shape == x.shape
@@ -300,3 +323,98 @@ def test_an_upgrade_the_converter_cannot_make_is_a_clear_refusal():
     with pytest.raises(onnxgrad.UnsupportedError, match="version converter cannot upgrade .* "
                        "spatial"):
         onnxgrad.gradients(m, "y", "x")
+
+
+# -- check_gradients' float64 oracle at old opsets ------------------------------------------------
+@st.composite
+def old_softmax(draw):
+    """(nodes, initializers, input shape, opset): Softmax, LogSoftmax or Hardmax at an opset
+    before 13 (2-D coercion at axis; negative axes from 11)."""
+    op = draw(st.sampled_from(["Softmax", "LogSoftmax", "Hardmax"]))
+    opset = draw(st.sampled_from([1, 6, 7, 9, 11, 12]))
+    rank = draw(st.integers(2, 4))
+    axis = draw(st.integers(-rank if opset >= 11 else 0, rank - 1))
+    return [helper.make_node(op, ["x"], ["y"], axis=axis)], [], [2, 3, 4, 3][:rank], opset
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.one_of(old_ops(), old_softmax()), st.sampled_from(["ort", "reference"]),
+       st.integers(0, 2**16))
+@example(([helper.make_node("Softmax", ["x"], ["y"], axis=1)], [], [2, 3, 4], 11), "reference", 0)
+@example(_resize10(), "ort", 0)  # (no float64 Resize in onnxruntime: onnx.reference ran it)
+def test_check_gradients_at_old_opsets(case, runtime, seed):
+    """check_gradients' finite differences run the model as it is, in float64: on onnxruntime,
+    which lacks float64 kernels for some ops (Resize), and on onnx.reference where it does not
+    run them, which computes Softmax-11 along ``axis`` alone and Resize-10 with half-pixel
+    coordinates (the newest definitions) and fails on Upsample: a correct gradient was
+    reported FAIL, or the check raised onnx.reference's own error."""
+    shape, m = case[2], _old_model(case, 3)
+    rng = np.random.default_rng(seed)  # distinct values off the integers: no ties, no Clip kink
+    x = rng.permutation(np.prod(shape)).reshape(shape) + rng.uniform(0.2, 0.8)
+    report = check_gradients(m, "y", ["x"], {"x": x}, runtime=runtime)
+    assert report.ok, str(report)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.sampled_from([1, 2]), st.integers(-2, 1), st.sampled_from(["ort", "reference"]),
+       st.integers(0, 2**16))
+@example(1, -1, "reference", 0)
+def test_check_gradients_of_lp_normalization(p, axis, runtime, seed):
+    """onnx.reference's LpNormalization p=1 divides by sum(x), not sum(|x|): mixed signs made
+    the reference path report a correct gradient FAIL."""
+    g = helper.make_graph([helper.make_node("LpNormalization", ["x"], ["y"], p=p, axis=axis)],
+                          "g", [helper.make_tensor_value_info("x", TP.FLOAT, [3, 4])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=7)
+    x = np.random.default_rng(seed).uniform(0.5, 2, (3, 4)) * np.array([1, -1, 1, -1])
+    report = check_gradients(m, "y", ["x"], {"x": x}, runtime=runtime)
+    assert report.ok, str(report)
+
+
+# -- training steps of models at old opsets -------------------------------------------------------
+def _mlp(opset, ir_version, seed):
+    """x [N, 4] -> Pad (zero pads, Pad-2 below 11) -> Gemm -> Relu -> Gemm -> y [N, 3]."""
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in (("W1", (4, 5)), ("B1", (5,)), ("W2", (5, 3)), ("B2", (3,)))]
+    pad = helper.make_node("Pad", ["x"], ["xp"], pads=[0, 0, 0, 0]) if opset < 11 else \
+        helper.make_node("Pad", ["x", "pads"], ["xp"])
+    if opset >= 11:
+        inits.append(numpy_helper.from_array(np.zeros(4, np.int64), "pads"))
+    nodes = [pad, helper.make_node("Gemm", ["xp", "W1", "B1"], ["h"]),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Gemm", ["r", "W2", "B2"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", TP.FLOAT, ["N", 4])]
+    if ir_version < 4:
+        inputs += [helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in inits]
+    g = helper.make_graph(nodes, "mlp", inputs, [helper.make_tensor_value_info("y", TP.FLOAT,
+                                                                               ["N", 3])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)],
+                             ir_version=ir_version)
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(st.sampled_from([7, 8, 9, 10, 11, 12]), st.sampled_from([3, 7]),
+       st.sampled_from(["mse", "l1", "bce", "cross_entropy"]), st.booleans(),
+       st.integers(0, 2**16))
+@example(7, 3, "mse", False, 0)  # the loss's target check (a Where) in an opset-7 model
+def test_old_opsets_train_as_their_opset_13_twin(opset, ir_version, loss, sgd, seed):
+    """A training step of a model at an old opset (and the IR the model zoo's have) is the step
+    of the same network written at opset 13: the mse, l1 and bce losses wrote their target
+    check's Where (opset 9) into opset 7 and 8 models, refused as "not valid ONNX"."""
+    from onnxgrad.runtime import session
+    from onnxgrad.training import SGD, AdamW, attach_loss, build_train_step
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    target = rng.integers(0, 3, 6) if loss == "cross_entropy" else \
+        rng.uniform(0, 1, (6, 3)).astype(np.float32)
+    outs = []
+    for m in (_mlp(opset, ir_version, seed), _mlp(13, 8, seed)):
+        step = build_train_step(attach_loss(m, loss), "loss",
+                                optimizer=SGD(lr=0.1) if sgd else AdamW(lr=0.1))
+        onnx.checker.check_model(step.model, full_check=True)
+        feeds = {"x": x, "target": target, "lr": np.array(0.1), "step": np.array(1),
+                 **step.initial_params, **step.initial_state()}
+        outs.append(session(step.model).run(None, feeds))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -175,8 +175,9 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
             "float tensor: a loss needs float predictions")
     dims = list(otype.tensor_type.shape.dim) if otype.tensor_type.HasField("shape") else None
     np_dtype = helper.tensor_dtype_to_np_dtype(elem)
-    if kind == "cross_entropy" and opset_of(m) < 13:
-        m = convert_version(m, 13)
+    need = 13 if kind == "cross_entropy" else 9  # SoftmaxCrossEntropyLoss; Where (checked)
+    if opset_of(m) < need:
+        m = convert_version(m, need)
     g = m.graph
     taken = taken_names(g)
     target = unique_name(target_name, taken)
