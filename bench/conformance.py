@@ -44,6 +44,13 @@ NonMaxSuppression Optional OptionalGetElement OptionalHasElement
 # cases checked in float32 instead of float64, with why: their forward does not run in float64
 # (the check's float64 copy), so float64 central differences would measure float32 round-off
 FLOAT32_CHECK = {
+    # onnxruntime has no float64 Resize, and onnx.reference sizes align_corners from the
+    # unrounded scale (x * 3 / (2.4 - 1)) where onnxruntime, which the gradient follows, uses
+    # the output's length: check_gradients refuses that float64 oracle (session 41)
+    "test_resize_downsample_scales_linear_align_corners":
+        "onnx.reference's align_corners with scales is not onnxruntime's",
+    "test_resize_downsample_scales_cubic_align_corners":
+        "onnx.reference's align_corners with scales is not onnxruntime's",
     # stash_type (float32 by default) keeps the forward's statistics in float32 even in the
     # float64 copy: float64 differences are noise there (rel err ~0.4); in float32 they pass
     "test_group_normalization_epsilon": "GroupNormalization-21 computes in its stash_type",

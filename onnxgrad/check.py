@@ -16,7 +16,7 @@ from onnx import TensorProto, numpy_helper
 
 from .aliasing import private_statistics, statistics_read
 from .autodiff import STOP_GRADIENTS_KEY, gradients
-from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
+from .errors import ArgumentTypeError, InvalidArgumentError, OnnxgradError, UnsupportedError
 from .inference import graphs_of, node_subgraphs, unique_name
 from .runtime import runner
 from .storage import dense_copy, load_model
@@ -379,6 +379,53 @@ def _values(model, feeds, names, runtime):
             if isinstance(v, np.ndarray) and v.dtype.kind in "fiub"}
 
 
+def _reference_reason(run):
+    return getattr(run, "on_reference", lambda: None)()
+
+
+def _no_oracle(run, what: str) -> UnsupportedError:
+    why = _reference_reason(run)
+    how = "as asked" if why == "preferred" else f"as onnxruntime cannot ({why})"
+    return UnsupportedError(
+        f"check_gradients: no float64 oracle for this model: onnx.reference runs it in float64 "
+        f"{how}, and {what}; check it in float32 (dtype='float32', onnxgrad check --dtype "
+        "float32), which onnxruntime runs")
+
+
+def _as32(values: dict) -> dict:
+    return {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in values.items()}
+
+
+def _oracle_agrees(run, model32, feeds, ys, y_vals):
+    """The ys onnx.reference computed in float64 (where onnxruntime has no float64 kernel)
+    against onnxruntime's float32 run of the same model: the reference follows the newest
+    definitions and gets some attributes wrong (LpPool with ceil_mode and dilations, ...), and
+    an oracle that computes another function reported correct gradients FAIL."""
+    try:
+        run32 = runner(model32, "ort", fallback=False)
+        types = {vi.name: onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+                 for vi in model32.graph.input if vi.type.HasField("tensor_type")}
+        outs = run32({k: np.asarray(v).astype(types.get(k, np.asarray(v).dtype))
+                      for k, v in feeds.items()}, ys)
+    except Exception:  # noqa: BLE001  (not in float32 either: nothing to compare with)
+        return
+    for y, a, b in zip(ys, y_vals, outs):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind != "f" or b.dtype.kind != "f":
+            continue
+        if a.shape != b.shape:
+            raise _no_oracle(run, f"its {y!r} has shape {list(a.shape)} where onnxruntime's "
+                             f"float32 run gives {list(b.shape)}")
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        finite = np.isfinite(a) & np.isfinite(b)
+        scale = float(np.max(np.abs(b[finite]), initial=0.0))
+        diff = float(np.max(np.abs(a - b)[finite], initial=0.0))
+        if diff > 1e-2 * scale or np.any(np.isfinite(a) != np.isfinite(b)):
+            raise _no_oracle(run, f"its {y!r} differs from onnxruntime's float32 run by up to "
+                             f"{diff:.3g} (max |{y}| {scale:.3g}; onnx.reference computes some "
+                             "ops otherwise than onnxruntime)")
+
+
 def _run_gradients(grad_model, base, feeds, cots, want, runtime):
     """The gradients ``want`` of ``grad_model`` (built from ``base``) at ``feeds``.
 
@@ -420,8 +467,10 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     xs must be graph inputs or initializers. Missing float inputs get random normal values
     (symbolic dims of size ``dim``). xs with at most ``max_elements`` elements are checked
     element by element, larger ones along ``directions`` random unit directions. ``runtime``
-    "ort" runs onnxruntime CPU and falls back to onnx.reference for kernels it lacks;
-    "reference" always uses onnx.reference. Tensors in ``stop_gradients`` (and the model's
+    "ort" runs onnxruntime CPU and falls back to onnx.reference for kernels it lacks (the ys
+    the reference computes are then compared with onnxruntime's float32 run, and an
+    UnsupportedError, not a FAIL, says where they differ: some reference kernels are not
+    onnxruntime's functions); "reference" always uses onnx.reference. Tensors in ``stop_gradients`` (and the model's
     ``onnxgrad.stop_gradients`` metadata) are held at their values at the feeds while the
     finite differences vary x, as the partial derivatives gradients() gives them assume.
     """
@@ -450,7 +499,8 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     fed = set(feeds) if isinstance(feeds, Mapping) else set()
     # (a fed initializer is an input too; so is a BatchNormalization's running statistic, see
     # _private_statistics)
-    base, init_values = _promote(base, set(xs) | fed | statistics_read(base))
+    promoted = set(xs) | fed | statistics_read(base)
+    base, init_values = _promote(base, promoted)
     feeds = _input_feeds(base, _user_feeds(base, feeds, wide, set(xs)), rng, dim)
     feeds = {k: (v.astype(np.float64) if wide and v.dtype.kind == "f" else v)
              for k, v in feeds.items()}
@@ -473,7 +523,16 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
                                "sequence, a string): the finite differences cannot hold them "
                                "constant")
     forward = runner(_cut(base, held) if held else base, runtime)
-    y_vals = forward({**feeds, **held}, ys)
+    try:
+        y_vals = forward({**feeds, **held}, ys)
+    except Exception as exc:  # noqa: BLE001
+        if not wide or _reference_reason(forward) is None or isinstance(exc, OnnxgradError):
+            raise
+        raise _no_oracle(forward, f"onnx.reference cannot run it ({exc})") from None
+    if wide and _reference_reason(forward) not in (None, "preferred"):
+        twin = _private_statistics(_promote(model, promoted)[0])
+        _oracle_agrees(forward, _cut(twin, _as32(held)) if held else twin,
+                       {**feeds, **held}, ys, y_vals)
     cots = {c: rng.standard_normal(np.shape(y)).astype(np.asarray(y).dtype)
             for c, y in zip(cot_names, y_vals)}
     want = [g for g in res.grads if g is not None]

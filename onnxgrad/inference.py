@@ -842,6 +842,65 @@ def _rewrite_ceil_pools(inferred: onnx.GraphProto, graph: onnx.GraphProto) -> se
     return done
 
 
+def _crops(n: onnx.NodeProto) -> bool:
+    return n.op_type == "ConvTranspose" and n.domain in ("", "ai.onnx") and \
+        any(a.name == "output_shape" for a in n.attribute)
+
+
+def _rewrite_conv_transpose_crops(inferred: onnx.GraphProto, graph: onnx.GraphProto) -> set:
+    """Give each ConvTranspose whose ``output_shape`` crops its full output the equivalent
+    ``pads`` (in ``graph``, the uninferred copy of ``inferred``): onnx's inference types the
+    output of such a node [N, C] without its spatial dims, and the gradient built on that rank
+    was an invalid model. Only nodes whose input and kernel spatial dims are static. Returns the
+    outputs of the nodes changed."""
+    types = value_types(graphs_of(inferred))
+    done = set()
+
+    def static(name):  # (the spatial dims: the batch and channels may be symbolic)
+        _, shape = _dims(types[name]) if name in types else (None, None)
+        return shape if shape is not None and all(isinstance(d, int) for d in shape[2:]) \
+            else None
+
+    def walk(g: onnx.GraphProto, target: onnx.GraphProto) -> None:
+        for n, node in zip(g.node, target.node):
+            for sub, tsub in zip(node_subgraphs(n), node_subgraphs(node)):
+                walk(sub, tsub)
+            if not _crops(n) or len(n.input) < 2:
+                continue
+            x, w = static(n.input[0]), static(n.input[1])
+            if x is None or w is None or len(x) < 3:
+                continue
+            nsp = len(x) - 2
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            auto = attrs.get("auto_pad", b"NOTSET")
+            auto = auto.decode() if isinstance(auto, bytes) else auto
+            s = list(attrs.get("strides", [1] * nsp))
+            d = list(attrs.get("dilations", [1] * nsp))
+            extra = list(attrs.get("output_padding", [0] * nsp))
+            full = [si * (xi - 1) + o + (k - 1) * di + 1
+                    for si, xi, o, k, di in zip(s, x[2:], extra, w[2:], d)]
+            total = [f - o for f, o in zip(full, list(attrs["output_shape"])[-nsp:])]
+            if not any(t > 0 for t in total):
+                continue  # (onnx types those)
+            # a crop: SAME_UPPER keeps the start, the others the end (onnxruntime's, the
+            # spec's); an output longer than the full one gets zeros at the end, which is
+            # output_padding (up to stride - 1, onnxruntime's limit)
+            begin = [0 if t < 0 else t // 2 if auto == "SAME_UPPER" else t - t // 2
+                     for t in total]
+            extra = [o + max(0, -t) for o, t in zip(extra, total)]
+            keep = [a for a in node.attribute if a.name not in ("output_shape", "auto_pad",
+                                                                  "pads", "output_padding")]
+            del node.attribute[:]
+            node.attribute.extend(keep)
+            node.attribute.append(onnx.helper.make_attribute(
+                "pads", begin + [max(0, t) - b for t, b in zip(total, begin)]))
+            node.attribute.append(onnx.helper.make_attribute("output_padding", extra))
+            done.update(o for o in node.output if o)
+
+    walk(inferred, graph)
+    return done
+
+
 def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     """A new model typed by onnx shape inference, as the module docstring describes. Raises
     InvalidModelError when inference contradicts the type declared for a graph output."""
@@ -875,6 +934,7 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
         else 0
     same_rank = sum(n.op_type in _RANKED for g in graphs for n in g.node) \
         if not ops.isdisjoint(_RANKED) else 0
+    crops = sum(_crops(n) for g in graphs for n in g.node) if "ConvTranspose" in ops else 0
     # outputs of ceil_mode pools whose dims onnx got wrong (and declared so), and of those whose
     # input dims onnx cannot see: what a model declares downstream of them may be an
     # exporter's copy of onnx's dims (torch.onnx after a Resize whose scales it folded: the
@@ -885,8 +945,10 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     # integer shape arithmetic on constants that onnx does not follow (folding.py), once
     folded = [(0, vi) for vi in _folded_seeds(m, out)]
     # each pass may type inputs of further ones; a chain of ceil_mode pools takes a pass each
-    for _ in range(max(min(pools + same_rank, 8), pools) + 1):
+    for _ in range(max(min(pools + same_rank, 8), pools + crops) + 1):
         changed = _rewrite_ceil_pools(out.graph, graphs[0]) if pools else set()
+        if crops:
+            changed |= _rewrite_conv_transpose_crops(out.graph, graphs[0])
         if changed:  # what was declared from onnx's dims is forgotten too (as for STFT)
             dropped |= changed
             late = [_forget_dims(g, dropped) for g in graphs]

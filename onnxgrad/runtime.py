@@ -142,7 +142,11 @@ def runner(model: onnx.ModelProto, prefer: str = "ort", fallback: bool = True):
     (float64 variants of some ops, for instance) or when ``prefer`` is "reference". Some kernels
     load but refuse their types only when run ("LSTM operator does not support double yet"):
     the first run that fails so switches this runner to onnx.reference for good. With
-    ``fallback=False`` onnxruntime's own errors (loading or running) are raised instead."""
+    ``fallback=False`` onnxruntime's own errors (loading or running) are raised instead.
+
+    The function's ``on_reference()`` tells the reason onnx.reference runs it (onnxruntime's
+    error, or that it was preferred), or None while onnxruntime does."""
+    why = "preferred"
     if prefer == "ort":
         ort = ort_module()
         so = session_options()
@@ -152,14 +156,21 @@ def runner(model: onnx.ModelProto, prefer: str = "ort", fallback: bool = True):
             s = ort.InferenceSession(model.SerializeToString(), so,
                                      providers=["CPUExecutionProvider"],
                                      disabled_optimizers=unsafe_optimizers(model))
-        except Exception:  # noqa: BLE001  (NOT_IMPLEMENTED kernels: use the reference runtime)
+        except Exception as exc:  # noqa: BLE001  (NOT_IMPLEMENTED kernels: use the reference)
             if not fallback:
                 raise
+            why = _first_line(exc)
         else:
             if not fallback:
                 return lambda feeds, outputs=None: s.run(outputs, _arrays(feeds))
             return _falling_back(s, model)
-    return _reference(model)
+    run = _reference(model)
+    run.on_reference = lambda: why
+    return run
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _falling_back(s, model):
@@ -180,9 +191,10 @@ def _falling_back(s, model):
                     out = fall(feeds, outputs)
                 except Exception:  # noqa: BLE001
                     raise exc from None
-                ref.append(fall)
+                ref.append((fall, _first_line(exc)))
                 return out
-        return ref[0](feeds, outputs)
+        return ref[0][0](feeds, outputs)
+    run.on_reference = lambda: ref[0][1] if ref else None
     return run
 
 
@@ -193,7 +205,10 @@ def _reference(model: onnx.ModelProto):
         import onnx.inliner  # after it, and on attributes given by reference to some ops
         model = onnx.inliner.inline_local_functions(model)
     ref = ReferenceEvaluator(model, new_ops=_exact_ops())
-    return lambda feeds, outputs=None: [np.asarray(r) for r in ref.run(outputs, _arrays(feeds))]
+
+    def run(feeds, outputs=None):
+        return [np.asarray(r) for r in ref.run(outputs, _arrays(feeds))]
+    return run
 
 
 def _upgraded(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -253,4 +268,57 @@ def _exact_ops():
             norm = np.sum(np.abs(x) ** p, axis=axis, keepdims=True) ** (1.0 / p)
             return (np.where(norm == 0, 0, x / np.where(norm == 0, 1, norm)).astype(x.dtype),)
 
-    return [Erf, Gelu, Mean, LpNormalization]
+    class LRN(OpRun):  # onnx.reference's sums the squares over the batch axis where N != C
+        def _run(self, x, alpha=1e-4, beta=0.75, bias=1.0, size=1):
+            sq, c = np.square(x), x.shape[1]
+            lo, hi = (size - 1) // 2, size // 2  # floor((size - 1) / 2), ceil((size - 1) / 2)
+            total = np.stack([sq[:, max(0, i - lo):i + hi + 1].sum(axis=1) for i in range(c)], 1)
+            return ((x / (bias + alpha / size * total) ** beta).astype(x.dtype),)
+
+    class MeanVarianceNormalization(OpRun):  # its function body adds a float32 epsilon
+        def _run(self, x, axes=(0, 2, 3)):
+            mean = x.mean(axis=tuple(axes), keepdims=True)
+            std = np.sqrt((x * x).mean(axis=tuple(axes), keepdims=True) - mean * mean)
+            return (((x - mean) / (std + 1e-9)).astype(x.dtype),)
+
+    from onnx.reference.ops.op_conv_transpose import ConvTranspose as _ConvTranspose
+
+    class ConvTranspose(_ConvTranspose):
+        """onnx.reference's mishandles group > 1 and output_shape without auto_pad SAME: here
+        it runs group by group with no pads, and its full output is cropped or zero-extended
+        to the window the spec's pads / output_shape / auto_pad name."""
+
+        def _run(self, X, W, B=None, auto_pad=None, dilations=None, group=None,
+                 kernel_shape=None, output_padding=None, output_shape=None, pads=None,
+                 strides=None):  # (onnx.reference passes the attributes _run names)
+            nsp = X.ndim - 2
+            auto = auto_pad.decode() if isinstance(auto_pad, bytes) else (auto_pad or "NOTSET")
+            s, d = list(strides or [1] * nsp), list(dilations or [1] * nsp)
+            op = list(output_padding or [0] * nsp)
+            ek = [(k - 1) * di + 1 for k, di in zip(W.shape[2:], d)]
+            full = [si * (xi - 1) + o + e for si, xi, o, e in zip(s, X.shape[2:], op, ek)]
+            if output_shape is not None or auto in ("SAME_UPPER", "SAME_LOWER"):
+                out = (list(output_shape)[-nsp:] if output_shape is not None
+                       else [xi * si for xi, si in zip(X.shape[2:], s)])
+                total = [max(0, f - o) for f, o in zip(full, out)]
+                begin = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in total]
+            else:
+                p = list(pads or [0] * 2 * nsp) if auto == "NOTSET" else [0] * 2 * nsp
+                begin = p[:nsp]
+                out = [f - a - b for f, a, b in zip(full, p[:nsp], p[nsp:])]
+            g = group or 1
+            parts = [super(ConvTranspose, self)._run(
+                xg, wg, None, auto_pad="NOTSET", dilations=d, group=1, kernel_shape=None,
+                output_padding=[0] * nsp, output_shape=None, pads=[0] * (2 * nsp), strides=s)[0]
+                for xg, wg in zip(np.split(X, g, axis=1), np.split(W, g, axis=0))]
+            y = np.concatenate(parts, axis=1)
+            big = np.zeros(y.shape[:2] + tuple(b + o + f for b, o, f in zip(begin, out, full)),
+                           y.dtype)
+            big[(slice(None), slice(None)) + tuple(slice(0, n) for n in y.shape[2:])] = y
+            y = big[(slice(None), slice(None)) + tuple(slice(b, b + o)
+                                                       for b, o in zip(begin, out))]
+            if B is not None:
+                y = y + B.reshape((1, -1) + (1,) * nsp)
+            return (np.ascontiguousarray(y).astype(X.dtype),)
+
+    return [Erf, Gelu, Mean, LpNormalization, LRN, MeanVarianceNormalization, ConvTranspose]

@@ -269,3 +269,72 @@ def test_check_runs_a_training_batchnorm_with_statistics_of_its_own(opset):
     report = check_gradients(m, "loss", ["x", "s"], {"x": rng.standard_normal((4, 3, 5))})
     assert report.ok, str(report)
     assert m.SerializeToString() == before
+
+
+# -- the float64 oracle where onnxruntime has no float64 kernel -----------------------------------
+@st.composite
+def _reference_run_ops(draw):
+    """(node, input shapes, opset, exact): one op onnxruntime has no float64 kernel for, so the
+    float64 check runs it on onnx.reference, with drawn shapes and attributes. ``exact``: the
+    reference is made exact for it (runtime._exact_ops); the rest may disagree with onnxruntime."""
+    n, c = draw(st.integers(1, 3)), draw(st.integers(1, 5))
+    hw = draw(st.lists(st.integers(3, 6), min_size=2, max_size=2))
+    k = draw(st.lists(st.integers(1, 3), min_size=2, max_size=2))
+    s = draw(st.lists(st.integers(1, 2), min_size=2, max_size=2))
+    d = draw(st.lists(st.integers(1, 2), min_size=2, max_size=2))
+    pads = [min(draw(st.integers(0, 1)), kk - 1) for kk in k + k]
+    kind = draw(st.sampled_from(["LRN", "MVN", "ConvTranspose", "AveragePool", "LpPool"]))
+    if kind == "LRN":
+        node = H.make_node("LRN", ["x"], ["y"], size=draw(st.integers(1, 5)), alpha=0.3,
+                           beta=draw(st.sampled_from([0.5, 0.75, 1.0])), bias=1.5)
+        return node, [[n, c, *hw]], 13, True
+    if kind == "MVN":
+        axes = draw(st.lists(st.integers(0, 3), min_size=1, max_size=3, unique=True))
+        node = H.make_node("MeanVarianceNormalization", ["x"], ["y"], axes=sorted(axes))
+        return node, [[2, c, *hw]], 13, True  # (axes over size-1 dims only: std 0)
+    if kind == "ConvTranspose":
+        group = draw(st.sampled_from([1, 2]))
+        attrs = dict(strides=s, dilations=d, group=group, pads=pads,
+                     output_padding=[draw(st.integers(0, si - 1)) for si in s])
+        if draw(st.booleans()):  # output_shape instead of pads: the spec's crop
+            full = [si * (x - 1) + o + (kk - 1) * di + 1
+                    for si, x, o, kk, di in zip(s, hw, attrs["output_padding"], k, d)]
+            attrs = dict(strides=s, dilations=d, group=group,
+                         output_shape=[f - draw(st.integers(0, 1)) for f in full])
+        return H.make_node("ConvTranspose", ["x", "w"], ["y"], **attrs), \
+            [[n, 2 * group, *hw], [2 * group, 2, *k]], 18, True
+    common = dict(kernel_shape=k, strides=s, pads=pads, ceil_mode=draw(st.integers(0, 1)))
+    if draw(st.booleans()):
+        common["dilations"] = d
+    if kind == "AveragePool":
+        node = H.make_node("AveragePool", ["x"], ["y"], **common,
+                           count_include_pad=draw(st.integers(0, 1)))
+    else:
+        node = H.make_node("LpPool", ["x"], ["y"], **common, p=draw(st.sampled_from([2, 3])))
+    return node, [[n, c, *hw]], 19, False
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(_reference_run_ops(), st.integers(0, 2**16))
+def test_float64_check_never_blames_a_correct_gradient(case, seed):
+    """onnx.reference computes LRN over the batch axis where N != C, fails on a grouped
+    ConvTranspose and on MeanVarianceNormalization in float64, and computes LpPool with
+    ceil_mode and dilations, and AveragePool with dilations, otherwise than onnxruntime: a
+    correct gradient was reported FAIL, or the check raised the reference's own error. Now the
+    float64 check is exact for the first three; otherwise its oracle is compared with
+    onnxruntime's float32 run and, where they differ, the check refuses, naming float32; and
+    the float32 check then passes."""
+    node, shapes, opset, exact = case
+    names = ["x", "w"][:len(shapes)]
+    g = H.make_graph([node], "g", [H.make_tensor_value_info(k, TP.FLOAT, s)
+                                   for k, s in zip(names, shapes)],
+                     [H.make_tensor_value_info("y", TP.FLOAT, None)])
+    m = H.make_model(g, opset_imports=[H.make_opsetid("", opset)], ir_version=9)
+    rng = np.random.default_rng(seed)
+    feeds = {k: rng.standard_normal(s).astype(np.float32) for k, s in zip(names, shapes)}
+    try:
+        report = check_gradients(m, "y", names, feeds)
+    except UnsupportedError as e:
+        assert not exact and "dtype='float32'" in str(e), str(e)
+        report = check_gradients(m, "y", names, feeds, dtype="float32")
+    assert report.ok, str(report)
