@@ -59,42 +59,50 @@ class CheckReport:
 
 
 def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` with every float16/float32/bfloat16 tensor, type and cast made float64."""
+    """A copy of ``model`` with every float16/float32/bfloat16 tensor, type and cast made
+    float64."""
+    return _retyped(model, TensorProto.DOUBLE)
+
+
+def _retyped(model: onnx.ModelProto, to: int) -> onnx.ModelProto:
+    """A copy of ``model`` with every float tensor, type and cast of another width made ``to``
+    (float64, or float32: the check's copy for onnxruntime's float32 kernels)."""
     m = onnx.ModelProto.FromString(model.SerializeToString())
-    _graph64(m.graph)
+    low = _LOW if to == TensorProto.DOUBLE else (_LOW | {TensorProto.DOUBLE}) - {to}
+    _graph64(m.graph, low, to)
     for f in m.functions:
-        _nodes64(f.node)
+        _nodes64(f.node, low, to)
     return m
 
 
-def _type64(t: onnx.TypeProto):
+def _type64(t: onnx.TypeProto, low, to):
     kind = t.WhichOneof("value")
-    if kind == "tensor_type" and t.tensor_type.elem_type in _LOW:
-        t.tensor_type.elem_type = TensorProto.DOUBLE
+    if kind == "tensor_type" and t.tensor_type.elem_type in low:
+        t.tensor_type.elem_type = to
     elif kind == "sequence_type":
-        _type64(t.sequence_type.elem_type)
+        _type64(t.sequence_type.elem_type, low, to)
     elif kind == "optional_type":
-        _type64(t.optional_type.elem_type)
+        _type64(t.optional_type.elem_type, low, to)
 
 
-def _tensor64(t: TensorProto) -> TensorProto:
-    if t.data_type not in _LOW:
+def _tensor64(t: TensorProto, low, to) -> TensorProto:
+    if t.data_type not in low:
         return t
-    arr = numpy_helper.to_array(t).astype(np.float64)
+    arr = numpy_helper.to_array(t).astype(onnx.helper.tensor_dtype_to_np_dtype(to))
     return numpy_helper.from_array(arr, t.name)
 
 
 _FLOAT_VALUES = ("value_float", "value_floats")
 
 
-def _nodes64(nodes):
+def _nodes64(nodes, low, to):
     """The nodes made float64 in place; a Constant whose float comes from a function's attribute
     (``value_float = @alpha``: float32 whatever the caller gives) gets a Cast after it."""
     casts = {}
     for i, n in enumerate(nodes):
-        _node64(n)
-        if n.op_type == "Constant" and any(a.ref_attr_name and a.name in _FLOAT_VALUES
-                                           for a in n.attribute):
+        _node64(n, low, to)
+        if to == TensorProto.DOUBLE and n.op_type == "Constant" and any(
+                a.ref_attr_name and a.name in _FLOAT_VALUES for a in n.attribute):
             out = n.output[0]
             n.output[0] = f"{out}__float32"
             casts[i] = onnx.helper.make_node("Cast", [n.output[0]], [out], to=TensorProto.DOUBLE)
@@ -102,35 +110,38 @@ def _nodes64(nodes):
         nodes.insert(i + 1, casts[i])
 
 
-def _node64(n: onnx.NodeProto):
-    if n.op_type == "Constant":  # value_float(s) make float32: the same numbers as a tensor
+def _node64(n: onnx.NodeProto, low, to):
+    # value_float(s) make float32: the same numbers as a tensor; SequenceEmpty's default is float
+    if to == TensorProto.DOUBLE and n.op_type == "Constant":
         for k, a in enumerate(n.attribute):
             if a.name in _FLOAT_VALUES and not a.ref_attr_name:
                 vals = [a.f] if a.name == "value_float" else list(a.floats)
                 dims = [] if a.name == "value_float" else [len(vals)]
                 n.attribute[k].CopyFrom(onnx.helper.make_attribute(
                     "value", onnx.helper.make_tensor("value", TensorProto.DOUBLE, dims, vals)))
-    if n.op_type == "SequenceEmpty" and not any(a.name == "dtype" for a in n.attribute):
-        n.attribute.append(onnx.helper.make_attribute("dtype", TensorProto.DOUBLE))  # default float
+    if to == TensorProto.DOUBLE and n.op_type == "SequenceEmpty" and \
+            not any(a.name == "dtype" for a in n.attribute):
+        n.attribute.append(onnx.helper.make_attribute("dtype", TensorProto.DOUBLE))
     for a in n.attribute:
         if a.type == onnx.AttributeProto.TENSOR:
-            a.t.CopyFrom(_tensor64(a.t))
-        elif a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype", "stash_type") and a.i in _LOW:
-            a.i = TensorProto.DOUBLE
+            a.t.CopyFrom(_tensor64(a.t, low, to))
+        elif a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype", "stash_type") \
+                and a.i in low:
+            a.i = to
         elif a.type == onnx.AttributeProto.GRAPH:
-            _graph64(a.g)
+            _graph64(a.g, low, to)
         elif a.type == onnx.AttributeProto.GRAPHS:
             for g in a.graphs:
-                _graph64(g)
+                _graph64(g, low, to)
 
 
-def _graph64(g: onnx.GraphProto):
+def _graph64(g: onnx.GraphProto, low, to):
     for vi in list(g.input) + list(g.output) + list(g.value_info):
-        _type64(vi.type)
-    inits = [_tensor64(t) for t in g.initializer]
+        _type64(vi.type, low, to)
+    inits = [_tensor64(t, low, to) for t in g.initializer]
     del g.initializer[:]
     g.initializer.extend(inits)
-    _nodes64(g.node)
+    _nodes64(g.node, low, to)
 
 
 def _expose(model, ys):
@@ -470,9 +481,10 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     "ort" runs onnxruntime CPU and falls back to onnx.reference for kernels it lacks (the ys
     the reference computes are then compared with onnxruntime's float32 run, and an
     UnsupportedError, not a FAIL, says where they differ: some reference kernels are not
-    onnxruntime's functions); "reference" always uses onnx.reference. Tensors in ``stop_gradients`` (and the model's
-    ``onnxgrad.stop_gradients`` metadata) are held at their values at the feeds while the
-    finite differences vary x, as the partial derivatives gradients() gives them assume.
+    onnxruntime's functions); "reference" always uses onnx.reference. Tensors in
+    ``stop_gradients`` (and the model's ``onnxgrad.stop_gradients`` metadata) are held at their
+    values at the feeds while the finite differences vary x, as the partial derivatives
+    gradients() gives them assume.
     """
     model = dense_copy(load_model(model))[0]  # (a sparse initializer is checked as an x too)
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
@@ -499,8 +511,7 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     fed = set(feeds) if isinstance(feeds, Mapping) else set()
     # (a fed initializer is an input too; so is a BatchNormalization's running statistic, see
     # _private_statistics)
-    promoted = set(xs) | fed | statistics_read(base)
-    base, init_values = _promote(base, promoted)
+    base, init_values = _promote(base, set(xs) | fed | statistics_read(base))
     feeds = _input_feeds(base, _user_feeds(base, feeds, wide, set(xs)), rng, dim)
     feeds = {k: (v.astype(np.float64) if wide and v.dtype.kind == "f" else v)
              for k, v in feeds.items()}
@@ -530,7 +541,7 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
             raise
         raise _no_oracle(forward, f"onnx.reference cannot run it ({exc})") from None
     if wide and _reference_reason(forward) not in (None, "preferred"):
-        twin = _private_statistics(_promote(model, promoted)[0])
+        twin = _retyped(base, TensorProto.FLOAT)  # (onnxruntime's float32 kernels)
         _oracle_agrees(forward, _cut(twin, _as32(held)) if held else twin,
                        {**feeds, **held}, ys, y_vals)
     cots = {c: rng.standard_normal(np.shape(y)).astype(np.asarray(y).dtype)
