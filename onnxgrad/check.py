@@ -459,14 +459,19 @@ def _run_gradients(grad_model, base, feeds, cots, want, runtime):
             {**feeds, **cots, **cut}, want)
     except Exception:  # noqa: BLE001  (not even that: the reference runs it all)
         pass
+    ref = runner(grad_model, "reference")
     try:
-        return runner(grad_model, "reference")({**feeds, **cots}, want)
+        got = ref({**feeds, **cots}, want)
     except Exception as last:  # noqa: BLE001
         raise UnsupportedError(
             f"check_gradients: neither onnxruntime nor onnx.reference can run the gradient "
             f"model (onnxruntime: {str(first).strip().splitlines()[0]}; onnx.reference: "
             f"{str(last).strip().splitlines()[0]}); try dtype='float32' (onnxgrad check "
             "--dtype float32)") from last
+    # the gradient graph's values are the reference's too: held to onnxruntime's as the ys are
+    ref.on_reference = lambda: str(first).strip().splitlines()[0]
+    _oracle_agrees(ref, _retyped(grad_model, TensorProto.FLOAT), {**feeds, **cots}, want, got)
+    return got
 
 
 def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: float | None = None,
