@@ -96,8 +96,9 @@ _FLOAT_VALUES = ("value_float", "value_floats")
 
 
 def _nodes64(nodes, low, to):
-    """The nodes made float64 in place; a Constant whose float comes from a function's attribute
-    (``value_float = @alpha``: float32 whatever the caller gives) gets a Cast after it."""
+    """The nodes retyped in place; made float64, a Constant whose float comes from a function's
+    attribute (``value_float = @alpha``: float32 whatever the caller gives) gets a Cast after
+    it."""
     casts = {}
     for i, n in enumerate(nodes):
         _node64(n, low, to)

@@ -36,8 +36,8 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
     # onnx's converter keeps the IR version, and an IR below 4 wants every initializer to be a
     # graph input: the pads its Pad 10 -> 11 adapter adds as one made an invalid model (and
     # failed a second upgrade). The IR the new opset was released with has no such rule.
-    ir = min(max(model.ir_version, onnx.helper.find_min_ir_version_for(
-        [onnx.helper.make_opsetid("", version)])), MAX_IR_VERSION)
+    ir = max(model.ir_version, min(onnx.helper.find_min_ir_version_for(
+        [onnx.helper.make_opsetid("", version)]), MAX_IR_VERSION))
     if ir != model.ir_version:
         model = onnx.ModelProto.FromString(model.SerializeToString())
         model.ir_version = ir
