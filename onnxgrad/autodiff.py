@@ -95,14 +95,18 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     gc.disable()
     try:
         proto, opset = _prepare(model)
-        try:
-            res = _gradients(proto, opset, *args)
-        except NeedOpset as need:  # a rule needs a newer op: upgrade the whole model once, retry
-            # (_gradients took its proto apart: the same preparation again, rather than a copy
-            # of every model kept for this rare case)
-            proto = convert_version(_prepare(model)[0], need.version)
-            proto, opset = _prepare(proto)
-            res = _gradients(proto, opset, *args)
+        while True:
+            try:
+                res = _gradients(proto, opset, *args)
+                break
+            except NeedOpset as need:  # a rule needs a newer op: upgrade the whole model, retry
+                # (until every rule has its opset: an RNN's needs 14, a reflect Pad's 16 after
+                # it; _gradients took its proto apart: the same preparation again, rather than
+                # a copy of every model kept for this rare case)
+                if need.version <= opset:  # (cannot happen: a rule needs what it has)
+                    raise
+                proto = convert_version(_prepare(model)[0], need.version)
+                proto, opset = _prepare(proto)
         if restore_sparse is not None:
             restore_sparse(res.model)
         return res

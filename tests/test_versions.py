@@ -418,3 +418,65 @@ def test_old_opsets_train_as_their_opset_13_twin(opset, ir_version, loss, sgd, s
         outs.append(session(step.model).run(None, feeds))
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+# -- rules that need newer opsets than the model's, several in one model -------------------------
+def _needy(kind, i, x):
+    """Nodes taking ``x`` [N, 5, 5] to a tensor of that shape whose gradient rule needs a newer
+    opset than 13: (nodes, initializers, output, the opset the rule needs)."""
+    rng = np.random.default_rng(i)
+    if kind == "pad_reflect":  # the gradient's ScatterElements(reduction="add"): 16
+        pads = numpy_helper.from_array(np.array([0, 0, 1, 0, 0, 2], np.int64), f"pads{i}")
+        lo, hi = (numpy_helper.from_array(np.array(v, np.int64), f"{k}{i}")
+                  for k, v in (("lo", [1]), ("hi", [6])))
+        nodes = [helper.make_node("Pad", [x, pads.name], [f"p{i}"], mode="reflect"),
+                 helper.make_node("Slice", [f"p{i}", lo.name, hi.name, f"ax{i}"], [f"o{i}"])]
+        return nodes, [pads, lo, hi, numpy_helper.from_array(np.array([2], np.int64),
+                                                             f"ax{i}")], f"o{i}", 16
+    if kind in ("gru", "gru_clip"):  # the RNN function bodies: 14; with a clip bound: 16
+        w, r = (numpy_helper.from_array((rng.standard_normal(s) * 0.4).astype(np.float32),
+                                        f"{k}{i}") for k, s in (("W", (1, 15, 5)),
+                                                                ("R", (1, 15, 5))))
+        attrs = dict(clip=5.0) if kind == "gru_clip" else {}
+        nodes = [helper.make_node("Transpose", [x], [f"t{i}"], perm=[1, 0, 2]),
+                 helper.make_node("GRU", [f"t{i}", w.name, r.name], [f"y{i}"], hidden_size=5,
+                                  **attrs),
+                 helper.make_node("Squeeze", [f"y{i}", f"one{i}"], [f"s{i}"]),
+                 helper.make_node("Transpose", [f"s{i}"], [f"o{i}"], perm=[1, 0, 2])]
+        one = numpy_helper.from_array(np.array([1], np.int64), f"one{i}")
+        return nodes, [w, r, one], f"o{i}", 16 if attrs else 14
+    # sequences: the rules' SequenceMap, 17
+    nodes = [helper.make_node("SplitToSequence", [x], [f"q{i}"], axis=1),
+             helper.make_node("ConcatFromSequence", [f"q{i}"], [f"c{i}"], axis=1),
+             helper.make_node("Tanh", [f"c{i}"], [f"o{i}"])]
+    return nodes, [], f"o{i}", 17
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.sampled_from([13, 14, 15]),
+       st.lists(st.sampled_from(["pad_reflect", "gru", "gru_clip", "sequence"]), min_size=1,
+                max_size=3), st.integers(0, 2**16))
+@example(13, ["pad_reflect", "gru"], 0)  # the GRU's rule (after the Pad) raised first
+@example(15, ["gru_clip"], 0)
+@example(15, ["sequence", "gru"], 0)  # a GRU's input of a rank onnx cannot infer
+def test_rules_needing_several_newer_opsets(opset, kinds, seed):
+    """A model below the opsets its gradient rules need is upgraded until every rule has its
+    own: a GRU's rule (14) after a reflect Pad's (16) upgraded the model once, to 14, and the
+    Pad's need then reached the user as onnxgrad's internal NeedOpset exception. A clipped
+    GRU's rule asked for 15 (CastLike), where onnxruntime refused the gradient's Scan ("must
+    have the shape set for all outputs"), as it did for any RNN whose input's rank onnx's
+    inference cannot tell (a ConcatFromSequence's output), at every opset."""
+    x, nodes, inits, need = "x", [], [], opset
+    for i, kind in enumerate(kinds):
+        more, values, x, version = _needy(kind, i, x)
+        nodes += more
+        inits += values
+        need = max(need, version)
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, ["N", 5, 5])],
+                          [helper.make_tensor_value_info(x, TP.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    res = onnxgrad.gradients(m, x, "x")
+    assert res.model.opset_import[0].version == need
+    x0 = np.random.default_rng(seed).standard_normal((2, 5, 5))
+    report = check_gradients(m, x, ["x"], {"x": x0})
+    assert report.ok, str(report)

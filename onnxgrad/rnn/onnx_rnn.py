@@ -156,7 +156,9 @@ def _onnx_rnn(n, g):
     T = (xs[1] if layout else xs[0]) if xs is not None and len(xs) == 3 else None
     lens = _seq_lens(n, T)
     variant = Variant(lbr, clip is not None, P is not None, seq=lens is not None)
-    e.need(15 if variant.clip else MIN_OPSET)  # CastLike for the clip bound
+    # CastLike for the clip bound (15); at 15 onnxruntime finds no shape for a Scan body's
+    # output of the clipped cell and refuses the step: 16
+    e.need(16 if variant.clip else MIN_OPSET)
     dt = X.dtype
     G = len(_PERM[op])
 

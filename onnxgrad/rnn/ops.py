@@ -296,6 +296,12 @@ class _B:
     def scalar_int(self, v):
         return self.op("Constant", value=numpy_helper.from_array(np.array(v, np.int64)))
 
+    def ranked(self, x: str, rank: int) -> str:
+        """x reshaped to its own dims, gathered one by one: a tensor whose rank inference
+        knows where x's it may not (after a ConcatFromSequence), for onnxruntime's Scan refuses
+        a body output without a shape, and the bodies' shapes follow their inputs'."""
+        return self.Reshape(x, self.Gather(self.Shape(x), self.ints(*range(rank)), axis=0))
+
     def like(self, v: int, x: str) -> str:
         """The scalar 0 or 1 in x's dtype (the bodies are polymorphic in T). Opset 15+ has
         CastLike; before it, 0 is the exact sum of an empty slice of x and 1 is exp(0)."""
@@ -534,6 +540,7 @@ def _dropout_masks(b: _B, dm: _Dims, cl, L: int, nd: int, x: str) -> str:
 def _forward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_CELL):
     x, h0, c0, params = FORWARD_INPUTS
     lstm = rnn_mode == "lstm"
+    x, h0, c0 = b.ranked(x, 3), b.ranked(h0, 3), b.ranked(c0, 3) if lstm else c0
     nd, G = num_dirs(direction), num_gates(rnn_mode)
     dm = _Dims(b, x, h0, nd)
     w = _Weights(b, dm, params, rnn_mode, L, direction, input_mode)
@@ -704,6 +711,7 @@ def _weight_grads(b, w, dm, layer, layer_in, row, hprev, dgx, dgh, Wx, lbr0):
 def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_CELL):
     x, h0, c0, params = FORWARD_INPUTS
     lstm, gru = rnn_mode == "lstm", rnn_mode == "gru"
+    x, h0, c0 = b.ranked(x, 3), b.ranked(h0, 3), b.ranked(c0, 3) if lstm else c0
     lbr0 = gru and not variant.lbr
     nd, G = num_dirs(direction), num_gates(rnn_mode)
     dm = _Dims(b, x, h0, nd)
