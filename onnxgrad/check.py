@@ -460,8 +460,8 @@ def _run_gradients(grad_model, base, feeds, cots, want, runtime):
             {**feeds, **cots, **cut}, want)
     except Exception:  # noqa: BLE001  (not even that: the reference runs it all)
         pass
-    ref = runner(grad_model, "reference")
     try:
+        ref = runner(grad_model, "reference")
         got = ref({**feeds, **cots}, want)
     except Exception as last:  # noqa: BLE001
         raise UnsupportedError(

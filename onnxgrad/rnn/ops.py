@@ -743,7 +743,9 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
         [b.Gather(R, b.scalar_int(i), axis=0) for i in range(L * nd)]
     hseq = [b.Slice(r, negH, b.ints(_INT_MAX), b.ints(2)) for r in rows]
     minus1 = b.ints(-1)
-    dY = "output_backprop"
+    dY = b.ranked("output_backprop", 3)
+    dh_n = b.ranked("output_h_backprop", 3)
+    dc_n = b.ranked("output_c_backprop", 3) if lstm else None
     dh0s, dc0s, dps, grads = [None] * (L * nd), [None] * (L * nd), [None] * (L * nd), {}
     for layer in reversed(range(L)):
         if layer == 0:
@@ -769,13 +771,13 @@ def _backward_body(b: _B, v2, rnn_mode, direction, input_mode, L, variant=CUDNN_
             hprev = shifted(hseq[idx], b.Gather(h0, sidx, axis=0))
             scan_in = [dY if nd == 1 else
                        b.Slice(dY, dm.mul(d, H), dm.mul(d + 1, H), b.ints(2)), rows[idx], hprev]
-            states = [b.Gather("output_h_backprop", sidx, axis=0)]
+            states = [b.Gather(dh_n, sidx, axis=0)]
             cs = cprev = None
             if lstm:
                 cs = b.Slice(rows[idx], dm.mul(4, H), dm.mul(5, H), b.ints(2))
                 cprev = shifted(cs, b.Gather(c0, sidx, axis=0))
                 scan_in.append(cprev)
-                states.append(b.Gather("output_c_backprop", sidx, axis=0))
+                states.append(b.Gather(dc_n, sidx, axis=0))
             if variant.seq:
                 scan_in.append(valid)
             n_scan_out = 2 if gru else 1
