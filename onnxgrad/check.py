@@ -395,8 +395,8 @@ def _reference_reason(run):
     return getattr(run, "on_reference", lambda: None)()
 
 
-def _no_oracle(run, what: str) -> UnsupportedError:
-    why = _reference_reason(run)
+def _no_oracle(why: str, what: str) -> UnsupportedError:
+    """``why``: the reason onnx.reference runs the model (runner's ``on_reference()``)."""
     how = "as asked" if why == "preferred" else f"as onnxruntime cannot ({why})"
     return UnsupportedError(
         f"check_gradients: no float64 oracle for this model: onnx.reference runs it in float64 "
@@ -408,7 +408,7 @@ def _as32(values: dict) -> dict:
     return {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in values.items()}
 
 
-def _oracle_agrees(run, model32, feeds, ys, y_vals):
+def _oracle_agrees(why: str, model32, feeds, ys, y_vals):
     """The ys onnx.reference computed in float64 (where onnxruntime has no float64 kernel)
     against onnxruntime's float32 run of the same model: the reference follows the newest
     definitions and gets some attributes wrong (LpPool with ceil_mode and dilations, ...), and
@@ -426,14 +426,14 @@ def _oracle_agrees(run, model32, feeds, ys, y_vals):
         if a.dtype.kind != "f" or b.dtype.kind != "f":
             continue
         if a.shape != b.shape:
-            raise _no_oracle(run, f"its {y!r} has shape {list(a.shape)} where onnxruntime's "
+            raise _no_oracle(why, f"its {y!r} has shape {list(a.shape)} where onnxruntime's "
                              f"float32 run gives {list(b.shape)}")
         a, b = a.astype(np.float64), b.astype(np.float64)
         finite = np.isfinite(a) & np.isfinite(b)
         scale = float(np.max(np.abs(b[finite]), initial=0.0))
         diff = float(np.max(np.abs(a - b)[finite], initial=0.0))
         if diff > 1e-2 * scale or np.any(np.isfinite(a) != np.isfinite(b)):
-            raise _no_oracle(run, f"its {y!r} differs from onnxruntime's float32 run by up to "
+            raise _no_oracle(why, f"its {y!r} differs from onnxruntime's float32 run by up to "
                              f"{diff:.3g} (max |{y}| {scale:.3g}; onnx.reference computes some "
                              "ops otherwise than onnxruntime)")
 
@@ -461,8 +461,7 @@ def _run_gradients(grad_model, base, feeds, cots, want, runtime):
     except Exception:  # noqa: BLE001  (not even that: the reference runs it all)
         pass
     try:
-        ref = runner(grad_model, "reference")
-        got = ref({**feeds, **cots}, want)
+        got = runner(grad_model, "reference")({**feeds, **cots}, want)
     except Exception as last:  # noqa: BLE001
         raise UnsupportedError(
             f"check_gradients: neither onnxruntime nor onnx.reference can run the gradient "
@@ -470,8 +469,8 @@ def _run_gradients(grad_model, base, feeds, cots, want, runtime):
             f"{str(last).strip().splitlines()[0]}); try dtype='float32' (onnxgrad check "
             "--dtype float32)") from last
     # the gradient graph's values are the reference's too: held to onnxruntime's as the ys are
-    ref.on_reference = lambda: str(first).strip().splitlines()[0]
-    _oracle_agrees(ref, _retyped(grad_model, TensorProto.FLOAT), {**feeds, **cots}, want, got)
+    _oracle_agrees(str(first).strip().splitlines()[0], _retyped(grad_model, TensorProto.FLOAT),
+                   {**feeds, **cots}, want, got)
     return got
 
 
@@ -543,13 +542,15 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     try:
         y_vals = forward({**feeds, **held}, ys)
     except Exception as exc:  # noqa: BLE001
-        if not wide or _reference_reason(forward) is None or isinstance(exc, OnnxgradError):
+        why = _reference_reason(forward)
+        if not wide or why is None or isinstance(exc, OnnxgradError):
             raise
-        raise _no_oracle(forward, f"onnx.reference cannot run it ({exc})") from None
-    if wide and _reference_reason(forward) not in (None, "preferred"):
+        raise _no_oracle(why, f"onnx.reference cannot run it ({exc})") from None
+    why = _reference_reason(forward)
+    if wide and why not in (None, "preferred"):
         twin = _retyped(base, TensorProto.FLOAT)  # (onnxruntime's float32 kernels)
-        _oracle_agrees(forward, _cut(twin, _as32(held)) if held else twin,
-                       {**feeds, **held}, ys, y_vals)
+        _oracle_agrees(why, _cut(twin, _as32(held)) if held else twin, {**feeds, **held}, ys,
+                       y_vals)
     cots = {c: rng.standard_normal(np.shape(y)).astype(np.asarray(y).dtype)
             for c, y in zip(cot_names, y_vals)}
     want = [g for g in res.grads if g is not None]

@@ -946,9 +946,11 @@ def infer_shapes(model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     folded = [(0, vi) for vi in _folded_seeds(m, out)]
     # each pass may type inputs of further ones; a chain of ceil_mode pools takes a pass each
     for _ in range(max(min(pools + same_rank, 8), pools + crops) + 1):
-        changed = _rewrite_ceil_pools(out.graph, graphs[0]) if pools else set()
-        if crops:
-            changed |= _rewrite_conv_transpose_crops(out.graph, graphs[0])
+        # (crops first: both pair the inferred graph's nodes with graphs[0]'s by position, and
+        # a pool's rewrite may insert nodes; a crop's only changes attributes)
+        changed = _rewrite_conv_transpose_crops(out.graph, graphs[0]) if crops else set()
+        if pools:
+            changed |= _rewrite_ceil_pools(out.graph, graphs[0])
         if changed:  # what was declared from onnx's dims is forgotten too (as for STFT)
             dropped |= changed
             late = [_forget_dims(g, dropped) for g in graphs]
