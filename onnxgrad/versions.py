@@ -11,6 +11,9 @@
 - Hardmax before 13 coerces x to 2-D at ``axis`` (one-hot over the flattened trailing dims), and
   the converter carries it over as Hardmax-13 (one-hot along ``axis`` alone); Softmax and
   LogSoftmax get their Flatten / Reshape, Hardmax gets the same here.
+- Its adapters for the broadcasts of opsets before 7 assert on a B aligned at an ``axis`` inside
+  A (Caffe2's per-channel ``Add(broadcast=1, axis=1)``) and on symbolic dims, and it has none
+  for the legacy comparisons: those nodes are upgraded here.
 """
 from __future__ import annotations
 
@@ -38,9 +41,11 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
     # failed a second upgrade). The IR the new opset was released with has no such rule.
     ir = max(model.ir_version, min(onnx.helper.find_min_ir_version_for(
         [onnx.helper.make_opsetid("", version)]), MAX_IR_VERSION))
-    if ir != model.ir_version:
+    if ir != model.ir_version or old < 7:
         model = onnx.ModelProto.FromString(model.SerializeToString())
         model.ir_version = ir
+    if old < 7:
+        _hide_legacy_broadcasts(model, old)
     try:
         out = onnx.version_converter.convert_version(model, version)
     except (RuntimeError, onnx.checker.ValidationError,
@@ -50,6 +55,8 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
                                f"{old} to {version}: {why}; export it at opset {version} or "
                                "newer") from None
     del out.functions[:]  # (the converter keeps none; the rebuilt ones follow)
+    if old < 7:
+        _unhide_legacy_broadcasts(out)
     graphs = graphs_of(out.graph)
     taken = {o for g in graphs for n in g.node for o in [*n.output, n.name]}
     for g in reversed(graphs):  # subgraphs first: a graph rewritten copies its nodes' subgraphs
@@ -60,6 +67,68 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
     if any(n.op_type == "Clip" for g in graphs for n in g.node):
         _fix_clip_bounds(out, graphs)
     return attach_functions(out)
+
+
+_LEGACY = "onnxgrad.legacy_broadcast"  # (a domain the converter passes by)
+_BROADCASTS = {"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Greater", "Less",
+               "Gemm"}
+
+
+def _hide_legacy_broadcasts(model: onnx.ModelProto, old: int):
+    """The broadcasting ops of opsets before 7 made numpy-style and moved out of the converter's
+    way: ``Op(A, B, broadcast=1, axis=k)`` becomes ``Op(A, Unsqueeze(B))``, B given A's
+    trailing dims, in a domain the converter leaves alone (:func:`_unhide_legacy_broadcasts`
+    moves them back). The converter's adapters assert on a B aligned inside A, on any symbolic
+    dim (a batch), and have none for the comparisons and logical ops."""
+    try:
+        typed = onnx.shape_inference.infer_shapes(model)
+    except onnx.shape_inference.InferenceError:
+        typed = model
+    ranks = {k: len(t.tensor_type.shape.dim) for k, t in value_types(graphs_of(typed.graph)).items()
+             if t.HasField("tensor_type") and t.tensor_type.HasField("shape")}
+    graphs = graphs_of(model.graph)
+    taken = {o for g in graphs for n in g.node for o in [*n.output, n.name]}
+    for g in graphs:
+        fixed = []
+        for n in g.node:
+            if n.op_type not in _BROADCASTS or n.domain not in ("", "ai.onnx"):
+                fixed.append(n)
+                continue
+            attrs = {a.name: a.i for a in n.attribute}
+            if attrs.get("broadcast") == 1 and "axis" in attrs and n.op_type != "Gemm":
+                ra, rb = (ranks.get(i) for i in n.input)
+                if None in (ra, rb):
+                    raise UnsupportedError(
+                        f"{n.op_type}-{old} node {n.name or n.output[0]!r} broadcasts its "
+                        f"second input from axis {attrs['axis']} of its first, whose ranks "
+                        "onnx's shape inference does not tell; declare the inputs' shapes or "
+                        "export the model at opset 7 or newer")
+                axis = attrs["axis"] + (ra if attrs["axis"] < 0 else 0)
+                if ra - axis > rb:
+                    b = unique_name(f"{n.input[1]}/aligned", taken)
+                    fixed.append(onnx.helper.make_node("Unsqueeze", [n.input[1]], [b], name=b,
+                                                       axes=list(range(rb, ra - axis))))
+                    n.input[1] = b
+            keep = [a for a in n.attribute if a.name not in ("broadcast", "axis",
+                                                             "consumed_inputs")]
+            del n.attribute[:]
+            n.attribute.extend(keep)
+            n.domain = _LEGACY
+            fixed.append(n)
+        if len(fixed) != len(g.node):
+            del g.node[:]
+            g.node.extend(fixed)
+    model.opset_import.append(onnx.helper.make_opsetid(_LEGACY, 1))
+
+
+def _unhide_legacy_broadcasts(model: onnx.ModelProto):
+    for g in graphs_of(model.graph):
+        for n in g.node:
+            if n.domain == _LEGACY:
+                n.domain = ""
+    kept = [o for o in model.opset_import if o.domain != _LEGACY]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
 
 
 def _fix_upsample(graph: onnx.GraphProto, upsample: set):

@@ -324,6 +324,110 @@ def test_an_upgrade_the_converter_cannot_make_is_a_clear_refusal():
         onnxgrad.gradients(m, "y", "x")
 
 
+@st.composite
+def legacy_broadcast(draw):
+    """(op, opset, A's shape, B's shape, axis, B given): a broadcast of opsets 1 to 6, B aligned
+    with A's dims from ``axis`` (ones among B's dims allowed); A's batch dim symbolic."""
+    op = draw(st.sampled_from(["Add", "Sub", "Mul", "Div", "Pow"]))
+    opset = 1 if op == "Pow" else draw(st.sampled_from([1, 5, 6]))
+    a = [2, 3, 4, 5][:draw(st.integers(1, 4))]
+    rb = draw(st.integers(1, len(a)))
+    axis = draw(st.integers(0, len(a) - rb))
+    b = [d if draw(st.booleans()) else 1 for d in a[axis:axis + rb]]
+    return op, opset, a, b, axis, draw(st.booleans())
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(legacy_broadcast(), st.sampled_from([3, 6]), st.integers(0, 2**16))
+@example(("Add", 6, [2, 3, 4, 5], [3], 1, True), 3, 0)  # Caffe2's per-channel bias
+@example(("Mul", 5, [2, 3, 4, 5], [3, 4], 1, False), 3, 0)
+def test_legacy_axis_broadcasts_upgrade(case, ir_version, seed):
+    """onnx's converter asserted on ``Op(A, B, broadcast=1, axis=k)`` with B aligned inside A
+    (a per-channel bias): the model was refused. Now its forward is the legacy one and its
+    gradients are checked against float64 central differences."""
+    from onnxgrad.runtime import session
+    op, opset, a_shape, b_shape, axis, given_b = case
+    rng = np.random.default_rng(seed)
+    b = rng.uniform(0.5, 1.5, b_shape)
+    inputs = [helper.make_tensor_value_info("a", TP.FLOAT, ["N", *a_shape[1:]]),
+              helper.make_tensor_value_info("b", TP.FLOAT, b_shape)]
+    inits = [] if given_b else [numpy_helper.from_array(b.astype(np.float32), "b")]
+    if ir_version > 3 and not given_b:
+        del inputs[1:]
+    g = helper.make_graph([helper.make_node(op, ["a", "b"], ["y"], broadcast=1, axis=axis)],
+                          "g", inputs, [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+                          inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)],
+                          ir_version=ir_version)
+    xs = ["a", "b"] if given_b else ["a"]
+    res = onnxgrad.gradients(m, "y", xs)
+    onnx.checker.check_model(res.model, full_check=True)
+    a = rng.uniform(0.5, 1.5, a_shape)
+    legacy = getattr(np, {"Sub": "subtract", "Mul": "multiply", "Div": "divide",
+                          "Pow": "power"}.get(op, "add"))(
+        a, b.reshape(b_shape + [1] * (len(a_shape) - axis - len(b_shape))))
+    feeds = {"a": a.astype(np.float32), **({"b": b.astype(np.float32)} if given_b else {})}
+    y = session(res.model).run(["y"], feeds)[0]
+    np.testing.assert_allclose(y, legacy, rtol=1e-5)
+    report = check_gradients(m, "y", xs, {k: v.astype(np.float64) for k, v in feeds.items()})
+    assert report.ok, str(report)
+
+
+def _caffe2_era(opset, rng):
+    """Conv -> Add(bias, broadcast=1, axis=1) -> Relu -> MaxPool -> Flatten -> Gemm(broadcast=1)
+    -> Mul(scalar, broadcast=1) = y, and Greater(gemm, scalar, broadcast=1) = flag; batch N."""
+    arrays = {"W": rng.standard_normal((4, 3, 3, 3)) * 0.3, "B": rng.standard_normal(4),
+              "G": rng.standard_normal((16, 5)) * 0.3, "C": rng.standard_normal(5),
+              "S": np.array([1.5])}
+    inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in arrays.items()]
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], kernel_shape=[3, 3], pads=[1] * 4),
+             helper.make_node("Add", ["c", "B"], ["cb"], broadcast=1, axis=1),
+             helper.make_node("Relu", ["cb"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Flatten", ["p"], ["f"], axis=1),
+             helper.make_node("Gemm", ["f", "G", "C"], ["gm"], broadcast=1),
+             helper.make_node("Mul", ["gm", "S"], ["y"], broadcast=1),
+             helper.make_node("Greater", ["gm", "S"], ["flag"], broadcast=1)]
+    inputs = [helper.make_tensor_value_info("x", TP.FLOAT, ["N", 3, 4, 4])]
+    inputs += [helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in inits]
+    g = helper.make_graph(nodes, "caffe2_era", inputs,
+                          [helper.make_tensor_value_info("y", TP.FLOAT, ["N", 5]),
+                           helper.make_tensor_value_info("flag", TP.BOOL, ["N", 5])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)],
+                             ir_version=3), arrays
+
+
+@pytest.mark.parametrize("opset", [1, 3, 5, 6])
+def test_a_caffe2_era_network_upgrades(opset):
+    """Caffe2-era models (the model zoo's opsets 1 to 6) with a symbolic batch: every broadcast
+    (the per-channel bias at axis 1, Gemm's, the comparison's, which onnx's converter has no
+    adapter for) was refused. Now y, flag and every gradient are torch's."""
+    import torch
+    from onnxgrad.runtime import session
+    rng = np.random.default_rng(opset)
+    m, arrays = _caffe2_era(opset, rng)
+    before = m.SerializeToString()
+    res = onnxgrad.gradients(m, "y", ["x", *arrays])
+    assert m.SerializeToString() == before
+    onnx.checker.check_model(res.model, full_check=True)
+    x = rng.standard_normal((3, 3, 4, 4))
+    t = {k: torch.tensor(v.astype(np.float32), requires_grad=True)
+         for k, v in {"x": x, **arrays}.items()}
+    f = torch.nn.functional
+    gm = f.max_pool2d(f.conv2d(t["x"], t["W"], t["B"], padding=1).relu(), 2).flatten(1) \
+        @ t["G"] + t["C"]
+    (gm * t["S"]).sum().backward()
+    got = session(res.model).run(None, {"x": x.astype(np.float32)})
+    outs = [o.name for o in res.model.graph.output]
+    np.testing.assert_allclose(got[0], (gm * t["S"]).detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[1], (gm > t["S"]).numpy())
+    for k, v in zip(outs[2:], got[2:]):
+        name = k.split("/")[-1].removesuffix("_grad")
+        np.testing.assert_allclose(v, t[name].grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
+    report = check_gradients(m, "y", ["x", *arrays], {"x": x})
+    assert report.ok, str(report)
+
+
 # -- check_gradients' float64 oracle at old opsets ------------------------------------------------
 @st.composite
 def old_softmax(draw):
@@ -380,9 +484,10 @@ def _mlp(opset, ir_version, seed):
         helper.make_node("Pad", ["x", "pads"], ["xp"])
     if opset >= 11:
         inits.append(numpy_helper.from_array(np.zeros(4, np.int64), "pads"))
-    nodes = [pad, helper.make_node("Gemm", ["xp", "W1", "B1"], ["h"]),
+    legacy = {"broadcast": 1} if opset < 7 else {}  # (C of another shape than Y)
+    nodes = [pad, helper.make_node("Gemm", ["xp", "W1", "B1"], ["h"], **legacy),
              helper.make_node("Relu", ["h"], ["r"]),
-             helper.make_node("Gemm", ["r", "W2", "B2"], ["y"])]
+             helper.make_node("Gemm", ["r", "W2", "B2"], ["y"], **legacy)]
     inputs = [helper.make_tensor_value_info("x", TP.FLOAT, ["N", 4])]
     if ir_version < 4:
         inputs += [helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in inits]
@@ -392,11 +497,12 @@ def _mlp(opset, ir_version, seed):
                              ir_version=ir_version)
 
 
-@settings(max_examples=24, deadline=None, derandomize=True)
-@given(st.sampled_from([7, 8, 9, 10, 11, 12]), st.sampled_from([3, 7]),
+@settings(max_examples=28, deadline=None, derandomize=True)
+@given(st.sampled_from([6, 7, 8, 9, 10, 11, 12]), st.sampled_from([3, 7]),
        st.sampled_from(["mse", "l1", "bce", "cross_entropy"]), st.booleans(),
        st.integers(0, 2**16))
 @example(7, 3, "mse", False, 0)  # the loss's target check (a Where) in an opset-7 model
+@example(6, 3, "cross_entropy", False, 0)  # Gemm-6's broadcast with a batch N
 def test_old_opsets_train_as_their_opset_13_twin(opset, ir_version, loss, sgd, seed):
     """A training step of a model at an old opset (and the IR the model zoo's have) is the step
     of the same network written at opset 13: the mse, l1 and bce losses wrote their target
