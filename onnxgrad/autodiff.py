@@ -86,9 +86,9 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     model, restore_sparse = dense_copy(_load(model))
     model, weights = _without_weights(model)
     model = check_model(standard_forms(model), weights)  # (sorted, if only its order was wrong)
-    model = _name_outputs(model)
+    model, defaults = _without_defaults(_name_outputs(model))
     args = (ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
-            {vi.name for vi in model.graph.value_info}, weights)
+            {vi.name for vi in model.graph.value_info}, weights, defaults)
     # the sweep allocates millions of small objects and frees none: the cyclic collector would
     # rescan the whole IR again and again (a third of the build time at 10k nodes)
     gc_was_on = gc.isenabled()
@@ -116,7 +116,7 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
 
 
 def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
-               declared, weights):
+               declared, weights, defaults):
     reshaped = _computed_reshapes(proto, opset) - declared
     declared = declared | reshaped
     irm, kept = _deserialize(proto, declared)
@@ -164,6 +164,7 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
     if empties:
         out = empty_as_constants(out, empties)
     guard_pad_fusion(out)
+    out.graph.initializer.extend(defaults)
     for t in out.graph.initializer:
         if t.name in weights:
             t.CopyFrom(weights[t.name])
@@ -519,6 +520,24 @@ def _without_weights(model: onnx.ModelProto):
     seconds with hundreds of MB of weights (and fails past 2 GB); no rule reads a weight's
     values, so they are put back at the end."""
     return strip_weights(model, 1 << 20, only=FLOAT_TYPES)
+
+
+def _without_defaults(model: onnx.ModelProto):
+    """``model``, or a copy whose initializers that are also graph inputs are inputs alone, and
+    those initializers (put back at the end). From IR 4 such an initializer is a default the
+    caller may override: no rule, and no shape inference, may read it as a constant (a Slice's
+    starts read so gave a gradient of another length when fed). Below IR 4 every initializer
+    had to be a graph input: they are the constants their exporters meant."""
+    inputs = {v.name for v in model.graph.input}
+    defaults = [t for t in model.graph.initializer if t.name in inputs]
+    if model.ir_version < 4 or not defaults:
+        return model, []
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    kept = [t for t in out.graph.initializer if t.name not in inputs]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    return out, defaults
 
 
 def _load(model) -> onnx.ModelProto:

@@ -133,3 +133,98 @@ def test_a_target_of_another_shape_fails(case):
     bad = np.zeros(_wrong(tshape, dim, other), t.dtype)
     with pytest.raises(Exception, match="target_must_have_the_shape_of_p"):
         s.run(["loss"], {**feeds, "target": bad})
+
+
+# -- initializers that are also graph inputs: defaults a caller may override ----------------------
+def _i64(*v):
+    return np.array(v, np.int64)
+
+
+@st.composite
+def _reader(draw):
+    """(node, x's shape, {input: (default, fed)}): an op that reads a value it does not
+    differentiate (a shape, axes, indices, pads, repeats, k, a factor of x) from an initializer
+    that is also a graph input, fed another value at run time."""
+    kind = draw(st.sampled_from(["Slice", "Expand", "Reshape", "Pad", "Tile", "Gather",
+                                 "ReduceSum", "Unsqueeze", "TopK", "CumSum", "Mul", "Split"]))
+    ax = draw(st.integers(0, 1))
+    node = helper.make_node(kind, ["x", "d"], ["y"])
+    shape = [4, 5]
+    if kind == "Slice":
+        lo, hi = sorted(draw(st.lists(st.integers(0, 4), min_size=2, max_size=2, unique=True)))
+        node.input.extend(["e", "a"])
+        return node, shape, {"d": (_i64(0), _i64(lo)), "e": (_i64(2), _i64(hi + 1)),
+                             "a": (_i64(0), _i64(ax))}
+    if kind == "Expand":
+        return node, [4, 1], {"d": (_i64(1, 4, 2), _i64(draw(st.integers(1, 3)), 4, 5))}
+    if kind == "Reshape":
+        return node, shape, {"d": (_i64(4, 5), draw(st.sampled_from([_i64(5, 4), _i64(2, 10)])))}
+    if kind == "Pad":
+        node.attribute.append(helper.make_attribute(
+            "mode", draw(st.sampled_from(["constant", "edge", "reflect"]))))
+        pads = draw(st.lists(st.integers(0, 2), min_size=4, max_size=4))
+        return node, shape, {"d": (_i64(0, 0, 0, 0), _i64(*pads))}
+    if kind == "Tile":
+        return node, shape, {"d": (_i64(1, 1), _i64(draw(st.integers(1, 3)), 2))}
+    if kind == "Gather":
+        node.attribute.append(helper.make_attribute("axis", ax))
+        idx = draw(st.lists(st.integers(0, 3), min_size=1, max_size=4))
+        return node, shape, {"d": (_i64(0, 1), _i64(*idx))}
+    if kind == "ReduceSum":
+        return node, shape, {"d": (_i64(ax), _i64(1 - ax))}
+    if kind == "Unsqueeze":
+        return node, shape, {"d": (_i64(0), _i64(draw(st.integers(1, 2))))}
+    if kind == "TopK":
+        node.output.append("i")
+        node.attribute.append(helper.make_attribute("axis", ax))
+        return node, shape, {"d": (_i64(1), _i64(draw(st.integers(2, 4))))}
+    if kind == "CumSum":
+        return node, shape, {"d": (np.array(ax, np.int64), np.array(1 - ax, np.int64))}
+    if kind == "Mul":
+        return node, shape, {"d": (np.ones(5), np.linspace(-2, 3, 5))}
+    node.output.append("z")
+    node.attribute.append(helper.make_attribute("axis", 1))
+    return node, shape, {"d": (_i64(2, 3), _i64(4, 1))}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(_reader(), st.integers(0, 2**16))
+@example((helper.make_node("Slice", ["x", "d", "e"], ["y"]), [6],
+          {"d": (_i64(1), _i64(2)), "e": (_i64(4), _i64(6))}), 0)
+@example((helper.make_node("Expand", ["x", "d"], ["y"]), [3],
+          {"d": (_i64(1, 3), _i64(4, 3))}), 0)
+def test_overridable_initializers_are_read_at_run_time(case, seed):
+    """An initializer that is also a graph input (IR 4 and later) is a default the caller may
+    override; onnx's shape inference and the rules read it as a constant: a Slice's starts fed
+    at run time gave a gradient of another length, an Expand's shape one of its default's
+    values. The gradient is now right for the fed values (float64 central differences) and for
+    the defaults, which the result keeps."""
+    node, shape, values = case
+    inputs = [helper.make_tensor_value_info("x", TensorProto.DOUBLE, shape)]
+    inits = []
+    for k, (default, _) in values.items():  # (of the default's rank and, but for indices, size)
+        inputs.append(helper.make_tensor_value_info(
+            k, helper.np_dtype_to_tensor_dtype(default.dtype),
+            ["n"] if node.op_type == "Gather" else default.shape))
+        inits.append(numpy_helper.from_array(default, k))
+    g = helper.make_graph([node], "g", inputs,
+                          [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    rank = stock_session(m).run(["y"], {"x": np.zeros(shape)})[0].ndim
+    m.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.DOUBLE,
+                                                             [f"y{j}" for j in range(rank)]))
+    onnx.checker.check_model(m, full_check=True)
+    res = onnxgrad.gradients(m, "y", "x")
+    onnx.checker.check_model(res.model, full_check=True)
+    assert {t.name for t in res.model.graph.initializer} >= set(values)
+    x = np.random.default_rng(seed).permutation(np.prod(shape)).reshape(shape) * 0.37 + 0.1
+    forward, backward = stock_session(m), stock_session(res.model)
+    for feeds in ({"x": x}, {"x": x, **{k: fed for k, (_, fed) in values.items()}}):
+        got = backward.run([res.grads[0]], feeds)[0]
+        want = np.zeros_like(x)
+        for i in np.ndindex(*shape):  # (y is piecewise linear in x here: steps of 1e-3 are exact)
+            for sign in (1, -1):
+                xi = x.copy()
+                xi[i] += sign * 1e-3
+                want[i] += sign * forward.run(["y"], {**feeds, "x": xi})[0].sum() / 2e-3
+        np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-9, err_msg=str(feeds))
