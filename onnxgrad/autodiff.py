@@ -86,9 +86,9 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
     model, restore_sparse = dense_copy(_load(model))
     model, weights = _without_weights(model)
     model = check_model(standard_forms(model), weights)  # (sorted, if only its order was wrong)
-    model, defaults = _without_defaults(_name_outputs(model))
+    model, defaults, constants = _without_defaults(_name_outputs(model), xs)
     args = (ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
-            {vi.name for vi in model.graph.value_info}, weights, defaults)
+            {vi.name for vi in model.graph.value_info}, weights, defaults, constants)
     # the sweep allocates millions of small objects and frees none: the cyclic collector would
     # rescan the whole IR again and again (a third of the build time at 10k nodes)
     gc_was_on = gc.isenabled()
@@ -116,7 +116,7 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
 
 
 def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
-               declared, weights, defaults):
+               declared, weights, defaults, constants):
     reshaped = _computed_reshapes(proto, opset) - declared
     declared = declared | reshaped
     irm, kept = _deserialize(proto, declared)
@@ -165,6 +165,10 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
         out = empty_as_constants(out, empties)
     guard_pad_fusion(out)
     out.graph.initializer.extend(defaults)
+    if constants and out.ir_version >= 4:
+        kept = [v for v in out.graph.input if v.name not in constants]
+        del out.graph.input[:]
+        out.graph.input.extend(kept)
     for t in out.graph.initializer:
         if t.name in weights:
             t.CopyFrom(weights[t.name])
@@ -522,22 +526,32 @@ def _without_weights(model: onnx.ModelProto):
     return strip_weights(model, 1 << 20, only=FLOAT_TYPES)
 
 
-def _without_defaults(model: onnx.ModelProto):
-    """``model``, or a copy whose initializers that are also graph inputs are inputs alone, and
-    those initializers (put back at the end). From IR 4 such an initializer is a default the
-    caller may override: no rule, and no shape inference, may read it as a constant (a Slice's
-    starts read so gave a gradient of another length when fed). Below IR 4 every initializer
-    had to be a graph input: they are the constants their exporters meant."""
+def _without_defaults(model: onnx.ModelProto, xs: list):
+    """``model``, or a copy whose initializers that are also graph inputs are inputs alone;
+    those initializers (put back at the end); and the inputs the result must not keep.
+
+    From IR 4 such an initializer is a default the caller may override: no rule, and no shape
+    inference, may read it as a constant (a Slice's starts read so gave a gradient of another
+    length when fed). Below IR 4 every initializer had to be a graph input: the ones not in xs
+    are the constants their exporters meant, read as such, and the result (upgraded to IR 7 with
+    the opset) no longer takes them as inputs, so a value fed for one is refused, never used by
+    the forward alone."""
     inputs = {v.name for v in model.graph.input}
-    defaults = [t for t in model.graph.initializer if t.name in inputs]
-    if model.ir_version < 4 or not defaults:
-        return model, []
+    legacy = model.ir_version < 4
+    defaults = [t for t in model.graph.initializer
+                if t.name in inputs and (not legacy or t.name in xs)]
+    constants = {t.name for t in model.graph.initializer if t.name in inputs} if legacy \
+        else set()
+    constants -= set(xs)
+    if not defaults:
+        return model, [], constants
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    kept = [t for t in out.graph.initializer if t.name not in inputs]
+    split = {t.name for t in defaults}
+    kept = [t for t in out.graph.initializer if t.name not in split]
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept)
-    return out, defaults
+    return out, defaults, constants
 
 
 def _load(model) -> onnx.ModelProto:

@@ -228,3 +228,41 @@ def test_overridable_initializers_are_read_at_run_time(case, seed):
                 xi[i] += sign * 1e-3
                 want[i] += sign * forward.run(["y"], {**feeds, "x": xi})[0].sum() / 2e-3
         np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-9, err_msg=str(feeds))
+
+
+@pytest.mark.parametrize("kind", ["Expand", "Reshape", "Tile", "Gather", "Mul"])
+def test_ir3_initializers_are_the_results_constants(kind):
+    """Below IR 4 every initializer is a graph input too (the IR's rule; onnxruntime refuses a
+    value fed for one): gradients() reads those it does not differentiate as constants, so the
+    result (IR 7) takes none of them as inputs, where it took them as defaults to override and
+    ran the forward with a fed value and the gradient with the default (Expand: a gradient of 1
+    for 4). An x among them stays an input the result computes at."""
+    values = {"Expand": np.array([1, 3]), "Reshape": np.array([3, 1]), "Tile": np.array([2]),
+              "Gather": np.array([0, 2, 2]), "Mul": np.array([0.5, -1.0, 2.0])}
+    d = values[kind]
+    node = helper.make_node(kind, ["x", "d"], ["y"])
+    w = numpy_helper.from_array(np.array([0.3, 0.2, 0.1]), "w")  # (an x that is initialized)
+    xw = helper.make_node("Mul", ["x0", "w"], ["x"])
+    g = helper.make_graph([xw, node], "g", [
+        helper.make_tensor_value_info("x0", TensorProto.DOUBLE, [3]),
+        helper.make_tensor_value_info("w", TensorProto.DOUBLE, [3]),
+        helper.make_tensor_value_info("d", helper.np_dtype_to_tensor_dtype(d.dtype), d.shape)],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None)],
+        [numpy_helper.from_array(d, "d"), w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 8)], ir_version=3)
+    res = onnxgrad.gradients(m, "y", ["x0", "w"])
+    onnx.checker.check_model(res.model, full_check=True)
+    assert [v.name for v in res.model.graph.input] == ["x0", "w"]
+    backward = stock_session(res.model)  # (which computes y too: the model's session takes no w)
+    x0, w2 = np.array([1.0, 2.0, 3.0]), np.array([1.5, -0.5, 0.25])
+    for feeds in ({"x0": x0}, {"x0": x0, "w": w2}):
+        got = backward.run(res.grads, feeds)
+        for k, v in feeds.items():
+            want = np.zeros(3)
+            for i in range(3):
+                for sign in (1, -1):
+                    shifted = dict(feeds, **{k: v + sign * 1e-3 * np.eye(3)[i]})
+                    want[i] += sign * backward.run(["y"], shifted)[0].sum() / 2e-3
+            np.testing.assert_allclose(got[["x0", "w"].index(k)], want, rtol=1e-7)
+    with pytest.raises(Exception, match="d"):
+        backward.run(res.grads, {"x0": x0, "d": d})
