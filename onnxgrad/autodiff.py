@@ -25,7 +25,8 @@ from .emitter import Emitter, NeedOpset, V, compatible_dims, dims
 from .errors import (ArgumentTypeError, InvalidArgumentError, InvalidModelError,
                      NotDifferentiableError, UnsupportedError)
 from .inference import (FLOAT_TYPES, bodies_of, forget_made_up, graphs_of, infer_ranks,
-                        infer_shapes, schema_output_dtypes, unique_name)
+                        infer_shapes, names_read, node_subgraphs, schema_output_dtypes,
+                        unique_name)
 from .ort_fusions import guard_pad_fusion
 from .ort_internal import standard_forms
 from .storage import dense_copy, load_model, strip_weights
@@ -551,7 +552,29 @@ def _without_defaults(model: onnx.ModelProto, xs: list):
     kept = [t for t in out.graph.initializer if t.name not in split]
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept)
+    _forget_shapes_after(out.graph, split)
     return out, defaults, constants
+
+
+def _forget_shapes_after(graph: onnx.GraphProto, names: set):
+    """Drops the value_info of every tensor computed from ``names`` (in subgraphs too) and the
+    dims (not the rank) of such graph outputs: onnx's inference wrote them from a default's
+    value, which a fed value changes (a claimed [3, 1] reduced the gradient of a [3, 4])."""
+    tainted = set(names)
+    for n in graph.node:
+        subs = list(node_subgraphs(n))
+        if tainted.intersection(n.input) or any(tainted & names_read(s) for s in subs):
+            tainted.update(n.output)
+            tainted.update(o for s in subs for g in graphs_of(s) for m in g.node for o in m.output)
+    for g in graphs_of(graph):
+        kept = [v for v in g.value_info if v.name not in tainted]
+        if len(kept) != len(g.value_info):
+            del g.value_info[:]
+            g.value_info.extend(kept)
+    for v in graph.output:
+        if v.name in tainted and v.type.tensor_type.HasField("shape"):
+            for d in v.type.tensor_type.shape.dim:
+                d.Clear()
 
 
 def _load(model) -> onnx.ModelProto:

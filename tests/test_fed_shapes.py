@@ -188,17 +188,20 @@ def _reader(draw):
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(_reader(), st.integers(0, 2**16))
+@given(_reader(), st.booleans(), st.integers(0, 2**16))
 @example((helper.make_node("Slice", ["x", "d", "e"], ["y"]), [6],
-          {"d": (_i64(1), _i64(2)), "e": (_i64(4), _i64(6))}), 0)
+          {"d": (_i64(1), _i64(2)), "e": (_i64(4), _i64(6))}), False, 0)
 @example((helper.make_node("Expand", ["x", "d"], ["y"]), [3],
-          {"d": (_i64(1, 3), _i64(4, 3))}), 0)
-def test_overridable_initializers_are_read_at_run_time(case, seed):
+          {"d": (_i64(1, 3), _i64(4, 3))}), False, 0)
+@example((helper.make_node("Split", ["x", "d"], ["y", "z"], axis=1), [4, 5],
+          {"d": (_i64(2, 3), _i64(4, 1))}), True, 0)
+def test_overridable_initializers_are_read_at_run_time(case, inferred, seed):
     """An initializer that is also a graph input (IR 4 and later) is a default the caller may
     override; onnx's shape inference and the rules read it as a constant: a Slice's starts fed
     at run time gave a gradient of another length, an Expand's shape one of its default's
-    values. The gradient is now right for the fed values (float64 central differences) and for
-    the defaults, which the result keeps."""
+    values; and where the model holds what onnx's inference wrote (``inferred``), that came
+    from the default (a Split's parts). The gradient is now right for the fed values (float64
+    central differences) and for the defaults, which the result keeps."""
     node, shape, values = case
     inputs = [helper.make_tensor_value_info("x", TensorProto.DOUBLE, shape)]
     inits = []
@@ -213,6 +216,8 @@ def test_overridable_initializers_are_read_at_run_time(case, seed):
     rank = stock_session(m).run(["y"], {"x": np.zeros(shape)})[0].ndim
     m.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.DOUBLE,
                                                              [f"y{j}" for j in range(rank)]))
+    if inferred:
+        m = onnx.shape_inference.infer_shapes(m)
     onnx.checker.check_model(m, full_check=True)
     res = onnxgrad.gradients(m, "y", "x")
     onnx.checker.check_model(res.model, full_check=True)

@@ -100,3 +100,44 @@ def test_losses_are_torch(case):
     want.backward()
     np.testing.assert_allclose(loss, want.item(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.integers(2, 5), st.integers(-2, 2), st.sampled_from(["static", "symbolic"]),
+       st.sampled_from(["weight", "pos_weight", "flat"]))
+def test_loss_constants_that_do_not_fit_the_classes_are_refused(classes, off, dim, which):
+    """torch refuses a cross_entropy weight that is not one per class, and a pos_weight that
+    does not broadcast: attach_loss took a longer weight and trained with its first C entries
+    (a [2, 2] weight was flattened), a shorter one failed in the Trainer with numpy's
+    IndexError, and a pos_weight of another length at the first step inside onnxruntime. Now
+    a static class dim refuses them by name; a symbolic one fails at run time by a node named
+    for the check, and the Trainer refuses before its first step."""
+    from onnxgrad.errors import InvalidArgumentError
+    from onnxgrad.training import SGD, Trainer
+    n = classes + off
+    assume(n > 0)
+    m = make_model([helper.make_node("Mul", ["x", "s"], ["y"])],
+                   {"x": (np.float64, ["N", classes if dim == "static" else "C"])}, ["y"],
+                   {"s": np.array(1.0)})
+    kind = "bce" if which == "pos_weight" else "cross_entropy"
+    value = np.ones((n, 1)) if which == "flat" else np.ones(n)
+    opts = {"pos_weight" if which == "pos_weight" else "weight": value}
+    x = np.random.default_rng(classes).standard_normal((4, classes))
+    t = np.random.default_rng(n).random((4, classes)) if kind == "bce" else \
+        np.arange(4) % classes
+    fits = which != "flat" and (off == 0 or (which == "pos_weight" and n == 1))  # (broadcasts)
+    if which == "flat" or (dim == "static" and not fits):
+        with pytest.raises(InvalidArgumentError, match="weight"):
+            attach_loss(m, kind, **opts)
+        return
+    lm = attach_loss(m, kind, **opts)
+    if fits:
+        session(lm).run(["loss"], {"x": x, "target": t})
+    else:
+        with pytest.raises(Exception, match=f"{which}_must_have"):
+            session(lm).run(["loss"], {"x": x, "target": t})
+        if kind == "cross_entropy":
+            tr = Trainer(m, kind, optimizer=SGD(lr=0.1), device="cpu", progress=False,
+                         loss_options=opts)
+            with pytest.raises(InvalidArgumentError, match=f"{n} entries.*{classes} classes"):
+                tr.step({"x": x, "target": t})

@@ -183,7 +183,8 @@ def test_training_mode_batchnorm_statistics_are_updated(tmp_path, kw):
     running = momentum * running + (1 - momentum) * the batch's mean and biased variance
     (PyTorch's running_var takes the unbiased one). The oracle: that formula in numpy over the
     BatchNorm inputs of a PyTorch run of the same steps; its running_mean equals PyTorch's.
-    trained_model() holds them; a checkpoint carries them."""
+    trained_model() holds them; a checkpoint carries them; statistics() returns copies (it
+    returned views of the buffers the next step overwrote)."""
     import copy
     path = str(tmp_path / "bn_train.onnx")
     net = bn_train_export(path)
@@ -203,7 +204,9 @@ def test_training_mode_batchnorm_statistics_are_updated(tmp_path, kw):
             tr = Trainer(path, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False,
                          **kw)
             tr.load_checkpoint(tmp_path / "c.npz")
+        before = tr.statistics()
         tr.step({"x": x, "target": y})
+        assert not np.array_equal(before["1.running_mean"], tr.statistics()["1.running_mean"])
         opt.zero_grad()
         for sl in parts:
             (F.mse_loss(ref(torch.tensor(x[sl])), torch.tensor(y[sl])) / len(parts)).backward()

@@ -163,6 +163,11 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
                                    "cross_entropy loss only")
     if pos_weight is not None and kind != "bce":
         raise InvalidArgumentError("pos_weight applies to the bce loss only")
+    if weight is not None:
+        weight = np.asarray(weight, np.float64)
+        if weight.ndim != 1 or not weight.size:
+            raise InvalidArgumentError(f"the cross_entropy weight must be 1-D, one per class; "
+                                       f"it has shape {list(weight.shape)}")
     m = load(model)
     if not m.graph.output:
         raise InvalidArgumentError("the model has no outputs")
@@ -204,14 +209,14 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
         out = node(reduce_op, [x], keepdims=0)
         return out
 
-    def checked(t, shape):
+    def checked(t, shape, check=None):
         """t, checked at run time to have ``shape``: onnxruntime binds a symbolic dim per
         input, so a target of batch 1 beside predictions of batch 4 would broadcast through
         the loss (and SoftmaxCrossEntropyLoss reads past it) silently. A dim that differs is
         -2 in the Reshape target, which then fails, naming the check."""
         same = node("Equal", [node("Shape", [t]), shape])
         target = node("Where", [same, shape, const(-2, np.int64)])
-        out = unique_name(f"loss/{t}_must_have_the_shape_of_{output_name}", taken)
+        out = unique_name(check or f"loss/{t}_must_have_the_shape_of_{output_name}", taken)
         nodes.append(helper.make_node("Reshape", [t, target], [out], name=out))
         return out
 
@@ -238,8 +243,16 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
             shape, i64 = node("Shape", [y]), np.int64
             cut = lambda a, b: node("Slice", [shape, const([a], i64), const([b], i64)])  # noqa: E731
             ins[1] = checked(target, node("Concat", [cut(0, 1), cut(2, rank)], axis=0))
-        if weight is not None:
-            ins.append(const(np.asarray(weight, np_dtype).reshape(-1)))
+        if weight is not None:  # one per class (torch refuses other lengths)
+            c = dims[1 if axis == 1 else -1] if dims is not None else None
+            if c is not None and c.HasField("dim_value") and c.dim_value != weight.size:
+                raise InvalidArgumentError(
+                    f"the cross_entropy weight has {weight.size} entries, but {output_name!r} "
+                    f"has {c.dim_value} classes: give one per class")
+            shape = node("Shape", [ins[0]])
+            classes = node("Slice", [shape, const([1], np.int64), const([2], np.int64)])
+            ins.append(checked(const(weight), classes,
+                               f"loss/weight_must_have_one_entry_per_class_of_{output_name}"))
         attrs = {"reduction": reduction}
         if ignore_index is not None:
             attrs["ignore_index"] = int(ignore_index)
@@ -269,7 +282,21 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
                 per = node("Add", [node("Sub", [node("Relu", [y]), node("Mul", [y, target])]),
                                    soft])
             else:
-                pw = const(np.asarray(pos_weight, np_dtype))
+                pwa = np.asarray(pos_weight, np_dtype)
+                static = [d.dim_value if d.HasField("dim_value") else None for d in dims or []]
+                if dims is not None and (pwa.ndim > len(static) or any(
+                        p != 1 and d is not None and p != d
+                        for p, d in zip(pwa.shape[::-1], static[::-1]))):
+                    raise InvalidArgumentError(
+                        f"pos_weight of shape {list(pwa.shape)} does not broadcast to "
+                        f"{output_name!r} of shape {[d or '?' for d in static]}")
+                pw = const(pwa)
+                if pwa.ndim == 1 and pwa.size > 1:  # one per last-axis element
+                    shape = node("Shape", [y])
+                    last = node("Slice", [shape, const([-1], np.int64),
+                                          const([np.iinfo(np.int64).max], np.int64)])
+                    pw = checked(pw, last, f"loss/pos_weight_must_have_the_last_dim_of_"
+                                           f"{output_name}")
                 one = const(1)
                 lw = node("Add", [one, node("Mul", [node("Sub", [pw, one]), target])])
                 left = node("Mul", [node("Sub", [one, target]), y])

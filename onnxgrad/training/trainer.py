@@ -598,7 +598,13 @@ class Trainer:
                                 f"{np.dtype(want) if want is not None else 'numbers'}: convert "
                                 "it explicitly")
             if k == self.target_name and self.loss_kind == "cross_entropy":
-                out[k] = check_labels(v, self._num_classes(data), self._ignore_index, label)
+                classes = self._num_classes(data)
+                if self._class_weight is not None and classes is not None and \
+                        len(self._class_weight) != classes:  # (torch refuses it too)
+                    raise InvalidArgumentError(
+                        f"the cross_entropy weight has {len(self._class_weight)} entries, but "
+                        f"{self.output_name!r} has {classes} classes: give one per class")
+                out[k] = check_labels(v, classes, self._ignore_index, label)
             elif v.dtype.kind == "f" and not np.isfinite(v).all():
                 idx = tuple(int(i) for i in np.argwhere(~np.isfinite(v))[0])
                 raise DataError(f"{label}: {v[idx]} at row {idx[0]}"
@@ -823,7 +829,7 @@ class Trainer:
     def statistics(self) -> dict[str, np.ndarray]:
         """The training-mode BatchNormalization running statistics the steps update ({name:
         array}, copies; empty for a model without them)."""
-        return {n: ov.numpy() for n, ov in zip(self.stat_names, self._stat_bufs)}
+        return {n: np.array(ov.numpy()) for n, ov in zip(self.stat_names, self._stat_bufs)}
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         """The current optimizer state, copied to the host."""
