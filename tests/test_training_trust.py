@@ -8,6 +8,7 @@ written by; a step checks its batch as fit checks its data. torch is the oracle 
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import onnx
@@ -529,3 +530,56 @@ def test_data_of_a_type_the_step_cannot_read_is_refused(array, kind):
         with pytest.raises(DataError, match=f"'{array}' holds"):
             run()
     assert tr.step_count == 0
+
+
+class _MergedAndTied(torch.nn.Module):
+    """Two fresh LayerNorms (equal weights, equal biases: the exporters merge equal tensors) and
+    a weight read twice, as itself and transposed (as a tied embedding and output layer: the
+    exporters fold the transpose into a copy)."""
+
+    def __init__(self, fresh=True):
+        super().__init__()
+        self.proj = torch.nn.Parameter(torch.randn(4, 6) * 0.5)
+        self.ln1, self.ln2 = torch.nn.LayerNorm(6), torch.nn.LayerNorm(6)
+        if not fresh:
+            with torch.no_grad():
+                self.ln2.weight.mul_(1.5)
+                self.ln2.bias.add_(0.1)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.ln2(torch.tanh(self.ln1(x @ self.proj)))
+        return self.head(F.linear(h, self.proj))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo", "dynamo-optimized"])
+def test_parameters_the_exporters_merge_or_tie_train_as_torch(tmp_path, exporter, caplog):
+    """The TorchScript exporter wrote a parameter equal to another (a fresh LayerNorm's) as
+    Identity(other), trained as one tensor with the sum of both gradients; both exporters fold
+    the transpose of a weight read twice into a copy, trained apart (TorchScript) or not at all
+    (dynamo). Now each trains as torch's, step for step. torch.onnx's optimizer merges equal
+    parameters where nothing in the file tells them from tied ones: a warning names them."""
+    pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    fresh = exporter != "dynamo-optimized"
+    net = _MergedAndTied(fresh)
+    path = str(tmp_path / "m.onnx")
+    if exporter == "torchscript":
+        quiet_export(net, path, dynamo=False, dynamic_axes={"x": {0: "N"}})
+    else:
+        quiet_export(net, path, dynamo=True, dynamic_shapes=({0: torch.export.Dim("N")},),
+                     optimize=exporter == "dynamo-optimized")
+    with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
+        tr = _train_both(path, net, steps=4)
+    assert sorted(tr.params) == sorted(n for n, _ in net.named_parameters())
+    p = tr.parameters()
+    for n, v in net.named_parameters():
+        np.testing.assert_allclose(p[n], v.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=n)
+    assert "does not hold" not in caplog.text
+    if exporter == "dynamo-optimized":  # (fresh LayerNorms: merged, and said to be)
+        torch.manual_seed(0)
+        quiet_export(_MergedAndTied(), path, dynamo=True, optimize=True,
+                     dynamic_shapes=({0: torch.export.Dim("N")},))
+        with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
+            Trainer(path, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False)
+        assert re.search(r"does not hold as tensors: .*ln2\.weight", caplog.text)

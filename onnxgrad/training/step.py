@@ -169,6 +169,87 @@ def default_params(model: onnx.ModelProto) -> tuple[list[str], dict[str, str]]:
     return [t.name for t in floats if t.name not in left_out], left_out
 
 
+def as_module_parameters(m: onnx.ModelProto) -> onnx.ModelProto:
+    """``m`` (changed in place) with its initializers made the module's parameters as PyTorch
+    trains them, where a torch.onnx export wrote them otherwise:
+
+    - the TorchScript exporter writes a parameter whose values equal another's (a fresh model's
+      LayerNorm weights, its zero biases) as ``Identity(other)``: it trained as one tensor with
+      the sum of both gradients. It becomes its own initializer (a parameter torch ties is one
+      initializer there, read twice, and stays so);
+    - both exporters fold a weight's Transpose into a new constant (TorchScript's
+      ``onnx::MatMul_11``, the dynamo optimizer's ``val_4``); where the weight is still an
+      initializer (an embedding tied to the output layer), the two trained apart, or the
+      constant not at all: it becomes ``Transpose(weight)``, one tensor trained by both uses;
+    - torch.export's signature names parameters the model no longer holds: tied ones, but also
+      ones its optimizer merged with an equal tensor or folded into a computed one, which train
+      as that tensor; a warning names them (``optimize=False`` keeps them apart).
+    Idempotent; other models are returned as they are."""
+    if m.producer_name != "pytorch":
+        return m
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    floats = {k for k, t in inits.items() if t.data_type in FLOAT_TYPES}
+    torch_params = _torch_parameters(m)
+    if torch_params is None:  # TorchScript: Identity(P) -> Q, Q a parameter of equal value
+        merged = [n for n in g.node if n.op_type == "Identity" and n.input[0] in floats
+                  and n.output[0] not in inits and not n.domain]
+        for n in merged:
+            t = TensorProto()
+            t.CopyFrom(inits[n.input[0]])
+            t.name = n.output[0]
+            g.initializer.append(t)
+            g.node.remove(n)
+            _log.debug("%s: its own parameter (the exporter wrote it as Identity(%s), their "
+                       "values being equal)", n.output[0], n.input[0])
+        folded = [k for k in floats if k.startswith("onnx::")]
+        weights = [k for k in floats if not k.startswith("onnx::")]
+    else:
+        params, tags = torch_params
+        weights = [k for k in floats if k in params or tags.get(k, (None,))[0] == "PARAMETER"]
+        folded = [k for k in floats if k not in weights]
+    _tie_folded_transposes(m, folded, weights)
+    if torch_params is not None:
+        sig = next((p.value for p in g.metadata_props if p.key == _TORCH_SIGNATURE), "")
+        targets = re.findall(r"^\s*\S+: PARAMETER target='([^']*)'", sig, re.M)
+        missing = [t for t in targets if t not in inits]
+        if missing:
+            _log.warning(
+                "torch.export names parameters this model does not hold as tensors: %s. Tied "
+                "to another parameter, they train as that one, as in PyTorch; but torch.onnx's "
+                "optimizer (optimize=True, the default) also merges parameters of equal values "
+                "(a fresh model's LayerNorm weights) and folds computed ones (exp(scale)) into "
+                "constants, which then train as one tensor, or as the folded value: export with "
+                "optimize=False to train the module's parameters as PyTorch does",
+                ", ".join(missing))
+    return m
+
+
+def _tie_folded_transposes(m: onnx.ModelProto, folded: list, weights: list):
+    """Each 2-D initializer of ``folded`` that is exactly the transpose of one of ``weights``
+    (not a constant-valued one: equal values say nothing of a tie) becomes that Transpose."""
+    g = m.graph
+    by_shape: dict = {}
+    arrays = {}
+    for t in g.initializer:
+        if t.name in weights and len(t.dims) == 2:
+            by_shape.setdefault(tuple(t.dims), []).append(t)
+    ties = []
+    for t in list(g.initializer):
+        if t.name not in folded or len(t.dims) != 2:
+            continue
+        for w in by_shape.get((t.dims[1], t.dims[0]), []):
+            a = arrays.setdefault(w.name, numpy_helper.to_array(w))
+            if a.size > 1 and a.min() != a.max() and np.array_equal(a.T, numpy_helper.to_array(t)):
+                ties.append((t, w.name))
+                break
+    for t, w in ties:
+        g.initializer.remove(t)
+        g.node.insert(0, helper.make_node("Transpose", [w], [t.name], perm=[1, 0],
+                                          name=f"{t.name}/tied_to/{w}"))
+        _log.debug("%s: Transpose(%s) (the exporter folded it into a copy)", t.name, w)
+
+
 def float_initializers(model: onnx.ModelProto) -> list[str]:
     """The initializers trained by default (:func:`default_params`)."""
     return default_params(model)[0]
@@ -381,7 +462,7 @@ def build_gradient_model(model, loss: str, params=None, frozen=None, *,
     not depend on are left as initializers and listed in ``unconnected``. ``statistics``:
     training-mode BatchNormalization running statistics as inputs and outputs too
     (:func:`expose_statistics`; False: they stay initializers, not updated)."""
-    m = load(model)
+    m = as_module_parameters(load(model))
     _check_loss(m, loss)
     chosen, frozen, left_out = _resolve_params(m, params, frozen)
     if not chosen:

@@ -65,9 +65,9 @@ from .nchwc import blocked_convs
 from .optimizers import check_number
 from .optimizers import AdamW, Optimizer
 from .grad_layout import stored_gradients
-from .step import (_log, _params_to_inputs, _prune, build_accumulate_model,
-                   build_apply_model, build_gradient_model, build_train_step,
-                   with_defaults)
+from .step import (_log, _params_to_inputs, _prune, as_module_parameters,
+                   build_accumulate_model, build_apply_model, build_gradient_model,
+                   build_train_step, with_defaults)
 
 # -1: without a manifest; -1 and -2: Adam's state as torch's m and v (both still read)
 CHECKPOINT_FORMAT = "onnxgrad-checkpoint-3"
@@ -200,7 +200,7 @@ class Trainer:
         if not (fused_optimizer is True or fused_optimizer is False or fused_optimizer == "auto"):
             raise InvalidArgumentError(f"fused_optimizer={fused_optimizer!r} must be 'auto', "
                                        "True or False")
-        self.model = load(model)
+        self.model = as_module_parameters(load(model))
         self._so = session_options
         if loss in LOSSES:
             self.loss_model = attach_loss(self.model, loss, output_name, target_name=target_name,
