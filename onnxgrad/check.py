@@ -504,6 +504,10 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     directions = _int_arg("directions", directions, 1)  # (0 would pass large xs unchecked)
     max_elements = _int_arg("max_elements", max_elements, 0)
     eps, rtol, atol = (_float_arg(k, v) for k, v in (("eps", eps), ("rtol", rtol), ("atol", atol)))
+    with np.errstate(over="ignore"):
+        if eps is not None and not np.isfinite(np.asarray(eps, dtype) * 2):
+            raise InvalidArgumentError(f"check_gradients: eps={eps!r} is too large: the "
+                                       f"difference quotient's 2 * eps overflows {dtype}")
     ys = [ys] if isinstance(ys, str) else list(ys)
     xs = [xs] if isinstance(xs, str) else list(xs)
     model = _expose(model, ys)

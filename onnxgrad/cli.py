@@ -335,6 +335,8 @@ def _keep_inputs(args) -> None:
         outs += [("-o", p) for p in list(paths(args.output).values())[1:]]
     ins = [(k, getattr(args, k)) for k in _INPUTS if isinstance(getattr(args, k, None), str)]
     where = {k: os.path.realpath(p) for k, p in ins}
+    for flag, o in outs:  # before any work: a run never writes some outputs and fails on another
+        _writable(flag, o)
     for i, (flag, o) in enumerate(outs):
         real = os.path.realpath(o)
         for flag2, o2 in outs[i + 1:]:
@@ -345,6 +347,9 @@ def _keep_inputs(args) -> None:
             if real == where[k] and not (k == "resume" and flag == "--checkpoint"):
                 raise WriteError(o, f"it is {_INPUTS[k]} ({flag} would overwrite it); choose "
                                     "another file")
+            if os.path.isdir(where[k]) and real.startswith(os.path.join(where[k], "")):
+                raise WriteError(o, f"it is inside {_INPUTS[k]} {p} ({flag} would write into "
+                                    "it); choose a file outside it")
     model = getattr(args, "model", None)
     # (only an existing file can hold its weights: a new output costs no second read of it)
     existing = [o for _, o in outs if os.path.isfile(o)]
@@ -356,6 +361,21 @@ def _keep_inputs(args) -> None:
         if destination(o) in data:
             raise WriteError(o, f"it holds the external data (the weights) of {model}; "
                                 "choose another file")
+
+
+def _writable(flag: str, path: str) -> None:
+    """A WriteError now, before the run, for an output path no file can be written at."""
+    from .errors import WriteError
+    if os.path.isdir(path):
+        raise WriteError(path, f"it is a directory ({flag} names the file to write)")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise WriteError(path, "it is not a regular file (a device, a pipe or a socket), which "
+                               f"{flag} would replace")
+    up = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(up) and os.path.dirname(up) != up:
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise WriteError(path, f"{up} is a file, not a folder")
 
 
 def main(argv: list[str] | None = None) -> int:

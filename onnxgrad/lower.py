@@ -24,7 +24,8 @@ from onnx import helper
 from .autodiff import gradients
 from .errors import InvalidModelError, UnsupportedError
 from .inference import graphs_of, names_read, node_subgraphs, taken_names, unique_name
-from .storage import load_model
+from .storage import load_model, strip_weights
+from .validation import check_model, check_versions
 
 TRAINING_DOMAIN = "ai.onnx.preview.training"
 
@@ -32,6 +33,7 @@ TRAINING_DOMAIN = "ai.onnx.preview.training"
 def lower_gradient_ops(model: onnx.ModelProto | str, name: str = "gradients") -> onnx.ModelProto:
     """A copy of ``model`` where every Gradient node is replaced by standard ONNX ops."""
     model = load_model(model)
+    check_versions(model)
     m = onnx.ModelProto()
     m.CopyFrom(model)
     bodies = [(g, "a subgraph (an If, Loop or Scan body)") for g in graphs_of(m.graph)[1:]]
@@ -54,7 +56,8 @@ def lower_gradient_ops(model: onnx.ModelProto | str, name: str = "gradients") ->
     kept = [o for o in m.opset_import if o.domain != TRAINING_DOMAIN]
     del m.opset_import[:]
     m.opset_import.extend(kept)
-    onnx.checker.check_model(m)
+    light, weights = strip_weights(m, 1 << 20)  # (the check serialises: past 2 GB it could not)
+    check_model(light, weights)
     return m
 
 

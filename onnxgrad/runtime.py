@@ -3,14 +3,15 @@ onnx's reference evaluator as the fallback for what onnxruntime has no kernel fo
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import onnx
 
-from .errors import DeviceUnavailableError
+from .errors import DeviceUnavailableError, UnsupportedError
 from .inference import graphs_of, node_subgraphs
 # files (atomic writes, external data past 2 GB) live in storage; these names stay here too
-from .storage import MAX_IR_VERSION, atomic_path, load_model, save_model  # noqa: F401
+from .storage import MAX_IR_VERSION, atomic_path, load_model, model_bytes, save_model  # noqa: F401
 
 
 def ort_module():
@@ -129,9 +130,18 @@ def session(model, device: str = "cpu", threads: int | None = None, options=None
             model = light = for_cuda(load_model(model))
     unsafe = unsafe_optimizers(light)
     if isinstance(model, onnx.ModelProto):
-        model = model.SerializeToString()
-    return ort.InferenceSession(model, options or session_options(threads),
-                                providers=where, disabled_optimizers=unsafe)
+        model = model_bytes(model)  # (IR 14, onnx's default, pinned to what onnxruntime reads)
+    try:
+        return ort.InferenceSession(model, options or session_options(threads),
+                                    providers=where, disabled_optimizers=unsafe)
+    except Exception as exc:  # noqa: BLE001  (onnxruntime raises its own classes)
+        why = re.search(r"Current official support for domain (\S+) is till opset (\d+)",
+                        str(exc))
+        if why is None:
+            raise
+        raise UnsupportedError(f"onnxruntime {ort.__version__} runs domain {why[1]} up to opset "
+                               f"{why[2]}, older than the model's: export it at opset {why[2]} "
+                               "or older") from None
 
 
 def runner(model: onnx.ModelProto, prefer: str = "ort", fallback: bool = True):
@@ -153,7 +163,7 @@ def runner(model: onnx.ModelProto, prefer: str = "ort", fallback: bool = True):
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         so.log_severity_level = 4  # a failure raises; its log line would only alarm a fallback
         try:
-            s = ort.InferenceSession(model.SerializeToString(), so,
+            s = ort.InferenceSession(model_bytes(model), so,
                                      providers=["CPUExecutionProvider"],
                                      disabled_optimizers=unsafe_optimizers(model))
         except Exception as exc:  # noqa: BLE001  (NOT_IMPLEMENTED kernels: use the reference)

@@ -13,7 +13,8 @@ its permission bits (as an existing regular file does).
 Models past 2 GB keep their initializers in a data file beside them,
 ``<name>.<pid>-<random>.data``, named afresh on each write: the model that refers to it is
 renamed into place last, so a reader never sees a model with another write's data, and the data
-file the old model used is removed afterwards.
+file the old model used is removed afterwards (unless another model in the folder reads it: a
+copy). The data file of a killed write stays: a name says nothing of which model reads it.
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ def load_arrays(path, what: str = ".npz archive") -> dict:
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         if isinstance(exc, OnnxgradError):
             raise
-        raise DataError(f"{path}: not a readable {what} ({exc})") from None
+        why = "not an np.savez archive" if "allow_pickle" in str(exc) else exc
+        raise DataError(f"{path}: not a readable {what} ({why})") from None
     except TypeError:  # np.load of a single .npy returns an array, which is no context manager
         raise DataError(f"{path}: expected an {what} (np.savez), not a single array") from None
 
@@ -327,6 +329,9 @@ def atomic_path(path, suffix=""):
             os.makedirs(folder, exist_ok=True)
             if os.path.isdir(target):
                 raise WriteError(shown, "it is a directory")
+            if os.path.exists(target) and not os.path.isfile(target):
+                raise WriteError(shown, "it is not a regular file (a device, a pipe or a "
+                                        "socket), which a write would replace")
             remove_stale_temporaries(target)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             os.close(fd)
@@ -391,6 +396,13 @@ def save_model(model: onnx.ModelProto, path, base_dir=None) -> None:
     if unloaded or total > EXTERNAL_DATA_ABOVE:
         _save_with_data_file(model, path, base_dir)
         return
+    data = model_bytes(model)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+
+
+def model_bytes(model: onnx.ModelProto) -> bytes:
+    """``model`` serialised as one file, pinned to an IR version onnxruntime reads."""
     if model.ir_version > MAX_IR_VERSION:
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
@@ -398,13 +410,40 @@ def save_model(model: onnx.ModelProto, path, base_dir=None) -> None:
         model = copy
     from google.protobuf.message import EncodeError
     try:
-        data = model.SerializeToString()
+        return model.SerializeToString()
     except (EncodeError, ValueError) as exc:  # past 2 GB
         raise UnsupportedError(
             "the model is over 2 GB outside its graph's initializers (in Constant nodes or "
             f"subgraphs), which cannot be written as one file ({exc})") from None
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(data)
+
+
+def write_together(files: dict) -> None:
+    """Write {path: bytes} as one set: every file under its temporary name first, then the
+    renames one after another with SIGINT and SIGTERM held until the last is done, so that an
+    interrupted run leaves the old set or the new one, not a mix (a web export's step, model
+    and manifest, whose hashes must agree)."""
+    import signal
+    import threading
+    with contextlib.ExitStack() as stack:
+        for path, data in files.items():
+            suffix = os.path.splitext(os.fspath(path))[1]
+            tmp = stack.enter_context(atomic_path(path, suffix))
+            with open(tmp, "wb") as f:
+                f.write(data)
+        if threading.current_thread() is not threading.main_thread():
+            stack.close()  # (only the main thread may set handlers)
+            return
+        # (Python-level handlers: any thread of the process may take the signal itself)
+        held: list = []
+        before = {s: signal.signal(s, lambda signum, _: held.append(signum))
+                  for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            stack.close()  # (each atomic_path renames its file into place)
+        finally:
+            for s, handler in before.items():
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
+            for s in held[:1]:
+                signal.raise_signal(s)
 
 
 def _save_with_data_file(model, path, base_dir) -> None:
@@ -442,9 +481,10 @@ def _save_with_data_file(model, path, base_dir) -> None:
         if isinstance(exc, OSError) and not isinstance(exc, WriteError):
             raise write_error(os.fspath(path), exc) from exc
         raise
-    for name in old - {location}:  # the old model's data, and data of killed writes
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(folder, name))
+    for name in old - {location}:  # the old model's data, unless a copy of it reads it too
+        if not _read_elsewhere(folder, name, {target}):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
 
 
 def _tensor_bytes(t: onnx.TensorProto, base_dir) -> bytes:
@@ -464,20 +504,29 @@ def _tensor_bytes(t: onnx.TensorProto, base_dir) -> bytes:
 
 
 def _data_files_of(target: str) -> set[str]:
-    """Data files of earlier writes to ``target`` that may go once the new model is in place:
-    the one the current model uses, and those of writers that are gone."""
-    folder, base = os.path.split(target)
-    pattern = re.compile(re.escape(base) + r"\.(\d+)-[0-9a-f]{8}\.data")
-    found = set()
-    with contextlib.suppress(OSError):
-        for n in os.listdir(folder):
-            m = pattern.fullmatch(n)
-            if m and not _alive(int(m[1])):
-                found.add(n)
+    """The data file(s) of the model now at ``target`` (written by an earlier write to it), to
+    remove once the new model is in place. Never a file by the name alone: a model moved or
+    copied away keeps reading the data file it was written with, so data files of killed
+    writes stay (a model elsewhere may be the one that reads them)."""
+    pattern = re.compile(re.escape(os.path.basename(target)) + r"\.(\d+)-[0-9a-f]{8}\.data")
     with contextlib.suppress(Exception):  # noqa: BLE001  (no readable model there: nothing)
         current = onnx.load(target, load_external_data=False)
-        for t in current.graph.initializer:
-            loc = _location(t)
-            if loc and pattern.fullmatch(loc):
-                found.add(loc)
-    return found
+        return {loc for t in current.graph.initializer
+                if (loc := _location(t)) and pattern.fullmatch(loc)}
+    return set()
+
+
+def _read_elsewhere(folder: str, name: str, skip: set) -> bool:
+    """Whether a model file in ``folder`` other than ``skip`` reads data file ``name`` (a copy
+    of the model that used it). Only files small enough to be models with external data are
+    read."""
+    with contextlib.suppress(OSError):
+        for n in os.listdir(folder):
+            path = os.path.join(folder, n)
+            if n.endswith(".onnx") and path not in skip and os.path.isfile(path) \
+                    and os.path.getsize(path) < (64 << 20):
+                with contextlib.suppress(Exception):  # noqa: BLE001  (not a model: no reader)
+                    m = onnx.load(path, load_external_data=False)
+                    if any(_location(t) == name for t in m.graph.initializer):
+                        return True
+    return False

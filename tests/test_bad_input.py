@@ -970,3 +970,156 @@ def test_an_exporters_wrong_output_declaration_is_refused_with_the_remedy():
     xt = torch.tensor(x, requires_grad=True)
     F.cross_entropy(lin(xt), labels, reduction="none").sum().backward()
     np.testing.assert_allclose(got, xt.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _files(folder) -> dict:
+    """name -> sha256 of each regular file, or its kind (a pipe, a folder), under ``folder``."""
+    out = {}
+    for dirpath, dirs, names in os.walk(folder):
+        for n in names + dirs:
+            p = os.path.join(dirpath, n)
+            if os.path.isfile(p) and not os.path.islink(p):
+                with open(p, "rb") as f:
+                    out[os.path.relpath(p, folder)] = hashlib.sha256(f.read()).hexdigest()
+            else:
+                out[os.path.relpath(p, folder)] = "dir" if os.path.isdir(p) else "special"
+    return out
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.sampled_from(["grad", "export", "web", "train"]),
+       st.sampled_from(["dir", "pipe", "under a file"]), st.integers(0, 2))
+def test_an_output_no_file_can_be_written_at_is_refused_before_the_run(
+        tmp_path_factory, command, kind, which):
+    """A run wrote some of its outputs and then failed on another (--gradient, --plot or the
+    web manifest naming a folder) saying "nothing was written there"; an output naming a pipe
+    or a device was replaced by a regular file, exit 0. Every output of every command, each
+    kind of path no file can be written at: refused before the run, every file as it was."""
+    from onnxgrad.training.webstep import paths
+    d = tmp_path_factory.mktemp("unwritable")
+    (d / "clf.onnx").write_bytes(classifier().SerializeToString())
+    rng = np.random.default_rng(0)
+    np.savez(d / "data.npz", x=rng.standard_normal((8, 4)).astype(np.float32),
+             y=rng.integers(0, 3, 8))
+    outs = {"grad": {"-o": "g.onnx"}, "export": {"-o": "s.onnx", "--gradient": "sg.onnx"},
+            "web": dict(zip(["-o", "model", "manifest"],
+                            [os.path.basename(p) for p in paths("w.onnx").values()])),
+            "train": {"-o": "t.onnx", "--checkpoint": "c.npz", "--plot": "p.png"}}[command]
+    for name in outs.values():
+        (d / name).write_bytes(b"an earlier good file\n")
+    bad = list(outs)[which % len(outs)]
+    if command == "web" and kind == "under a file":  # (the model and manifest sit beside -o)
+        bad = "-o"
+    target = d / outs[bad]
+    target.unlink()
+    if kind == "dir":
+        target.mkdir()
+    elif kind == "pipe":
+        os.mkfifo(target)
+    else:
+        (d / "afile").write_bytes(b"a file, not a folder\n")
+        outs[bad] = target = d / "afile" / outs[bad]
+    before = _files(d)
+    model = str(d / "clf.onnx")
+    argv = {"grad": ["grad", model, "--ys", "logits", "--xs", "W"],
+            "export": ["export-train-step", model, "--loss", "cross_entropy"],
+            "web": ["export-train-step", model, "--loss", "cross_entropy", "--target", "web"],
+            "train": ["train", model, "--loss", "cross_entropy", "--data", str(d / "data.npz"),
+                      "--no-progress"]}[command]
+    argv += [a for f, n in outs.items() if f.startswith("-") for a in (f, str(d / n))]
+    assert main(argv) == 2
+    assert _files(d) == before
+
+
+@pytest.mark.parametrize("inside", ["saved_model.pb", "variables/variables.index", "new.onnx"])
+def test_convert_never_writes_into_the_savedmodel_it_reads(tmp_path, capsys, inside):
+    """`convert sm -o sm/saved_model.pb` wrote the ONNX model over the SavedModel's own file,
+    exit 0 (only `-o sm` itself was refused)."""
+    sm = tmp_path / "sm"
+    (sm / "variables").mkdir(parents=True)
+    (sm / "saved_model.pb").write_bytes(b"the graph")
+    (sm / "variables" / "variables.index").write_bytes(b"the index")
+    before = _files(tmp_path)
+    assert main(["convert", str(sm), "-o", str(sm / inside)]) == 2
+    assert "inside the TensorFlow graph" in capsys.readouterr().err
+    assert _files(tmp_path) == before
+
+
+def test_a_set_of_files_is_replaced_as_one(tmp_path, monkeypatch):
+    """A web export's step, model and manifest (whose hashes must agree) were renamed into
+    place one after another: an interrupt between two renames left a mix, which the page
+    refuses, the old set gone. The renames now run with SIGINT and SIGTERM held: a signal
+    that comes between them lands after the last."""
+    files = {tmp_path / f"f{k}.onnx": f"new {k}".encode() for k in range(3)}
+    for p in files:
+        p.write_bytes(b"old")
+
+    class Term(Exception):
+        pass
+
+    def on_term(*_):
+        raise Term
+
+    real, done = os.replace, []
+
+    def replace(a, b):
+        real(a, b)
+        done.append(b)
+        if len(done) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        monkeypatch.setattr(storage.os, "replace", replace)
+        with pytest.raises(Term):
+            storage.write_together(files)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert len(done) == 3
+    assert all(p.read_bytes() == data for p, data in files.items())
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in files)
+
+
+def test_a_model_at_onnx_s_default_ir_trains(tmp_path, capsys):
+    """onnx 1.23 writes IR 14, which onnxruntime 1.31 does not read: `grad` and
+    `export-train-step` pinned their outputs to IR 13, but `train` (and the Trainer) handed
+    the model to onnxruntime as it was and failed with "unexpected Fail ... please report it"."""
+    m = classifier()
+    m.ir_version = 14
+    onnx.save(m, tmp_path / "m14.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((8, 4)).astype(np.float32),
+             y=rng.integers(0, 3, 8))
+    assert main(["train", str(tmp_path / "m14.onnx"), "--loss", "cross_entropy", "--data",
+                 str(tmp_path / "d.npz"), "--no-progress", "-o", str(tmp_path / "t.onnx")]) == 0, \
+        capsys.readouterr().err
+    assert onnx.load(tmp_path / "t.onnx").ir_version == 13
+
+
+@pytest.mark.parametrize("dtype,eps", [("float64", 1e308), ("float32", 2e38)])
+def test_a_step_whose_double_overflows_is_refused(dtype, eps):
+    """`check --eps 1e308` divided by 2 * eps = inf: every slope came out 0 and the check said
+    "all gradients match", exit 0."""
+    with pytest.raises(errors.InvalidArgumentError, match="eps=.* too large"):
+        check_gradients(MLP, "loss", ["W1"], dtype=dtype, eps=eps)
+
+
+def test_lower_refuses_an_opset_onnx_does_not_know(tmp_path, capsys):
+    """`lower` wrote a model importing opset 29 (which neither onnx 1.23 nor onnxruntime
+    knows), exit 0, where `grad` and `check` refuse it."""
+    m = classifier()
+    m.opset_import[0].version = onnx.defs.onnx_opset_version() + 1
+    onnx.save(m, tmp_path / "m.onnx")
+    assert main(["lower", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o.onnx")]) == 2
+    assert "newer than the installed onnx" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx"]
+
+
+def test_a_validation_split_of_every_row_is_refused_by_name(tmp_path, capsys):
+    (tmp_path / "clf.onnx").write_bytes(classifier().SerializeToString())
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((8, 4)).astype(np.float32),
+             y=rng.integers(0, 3, 8))
+    assert main(["train", str(tmp_path / "clf.onnx"), "--loss", "cross_entropy", "--data",
+                 str(tmp_path / "d.npz"), "--val-split", "0.99", "--no-progress", "-o",
+                 str(tmp_path / "t.onnx")]) == 2
+    assert "--val-split 0.99 of 8 rows leaves none to train on" in capsys.readouterr().err

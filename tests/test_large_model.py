@@ -181,3 +181,28 @@ def test_gradients_of_a_model_past_2gb(tmp_path, capsys):
             for n in os.listdir(folder) if folder.exists() else []:
                 if os.path.isfile(folder / n):
                     os.unlink(folder / n)
+
+
+@pytest.mark.parametrize("other", ["moved", "copied", "killed write"])
+def test_a_rewrite_removes_only_the_data_its_old_model_read(tmp_path, small_limit, other):
+    """A write past 2 GB removed every `<OUT>.<pid>-<hex>.data` of a process no longer running:
+    a model written to OUT earlier and then moved (or copied) lost its weights, exit 0. Now the
+    data file of the model replaced goes, unless a copy of that model reads it; one no model
+    names (a killed write's) stays."""
+    m = onnx.load(MLP)
+    out = tmp_path / "out.onnx"
+    storage.save_model(m, out)
+    (first,) = data_files(tmp_path)
+    if other == "moved":
+        os.replace(out, tmp_path / "earlier.onnx")
+    elif other == "copied":
+        (tmp_path / "earlier.onnx").write_bytes(out.read_bytes())
+    else:  # a data file by an earlier writer's name, its pid long gone, read by no model
+        (tmp_path / "out.onnx.4000001-deadbeef.data").write_bytes(b"\0" * 64)
+    storage.save_model(m, out)
+    same_model(onnx.load(out), m)
+    if other == "killed write":
+        assert "out.onnx.4000001-deadbeef.data" in data_files(tmp_path)
+        assert first not in data_files(tmp_path)  # (the replaced model's own: gone)
+    else:
+        same_model(onnx.load(tmp_path / "earlier.onnx"), m)

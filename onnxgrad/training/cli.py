@@ -187,6 +187,9 @@ def cmd_train(args, out) -> int:
     x, y = checked[xin], checked[trainer.target_name]
     order = np.random.default_rng(args.seed).permutation(len(x))
     n_val = int(round(len(x) * args.val_split))
+    if n_val >= len(x) > 0:
+        raise InvalidArgumentError(f"--val-split {args.val_split} of {len(x)} rows leaves none "
+                                   "to train on")
     val_idx, train_idx = order[:n_val], order[n_val:]
     train = {xin: x[train_idx], trainer.target_name: y[train_idx]}
     val = {xin: x[val_idx], trainer.target_name: y[val_idx]} if n_val else None

@@ -1021,7 +1021,7 @@ class Trainer:
         if missing:
             raise CheckpointError(f"{path}: incomplete checkpoint (no {missing})")
         self._check_optimizer(path, arrays)
-        pn, sn = list(arrays["param_names"]), list(arrays["state_names"])
+        pn, sn = ([str(n) for n in arrays[k]] for k in ("param_names", "state_names"))
         factors = [1.0] * len(sn)
         if fmt in _LEGACY_FORMATS:  # the state of an older form of the optimizer
             legacy = self.optimizer.legacy_slots()

@@ -30,7 +30,8 @@ import os
 
 from onnx import TensorProto, numpy_helper
 
-from ..runtime import atomic_path, save_model
+from ..storage import model_bytes as to_bytes
+from ..storage import write_together
 from .losses import LOSSES, attach_loss, load
 from .optimizers import AdamW
 from .step import build_train_step
@@ -90,17 +91,13 @@ def export_web_step(model, loss: str, path, *, output_name: str | None = None, o
                          "in one .onnx file under 2 GiB (onnxruntime-web's WASM memory is 4 GiB "
                          "in all, for the weights, the optimizer state and both copies of each)")
     files = paths(path)
-    save_model(m, files["model"])
-    with open(files["model"], "rb") as f:
-        model_bytes = f.read()
+    model_bytes = to_bytes(m)
     ranges = raw_data_ranges(model_bytes)
     for p, w in weights.items():  # the page trusts these ranges: make sure of them
         off, n = ranges[p]
         if model_bytes[off:off + n] != numpy_helper.from_array(w).raw_data:
             raise AssertionError(f"initializer {p!r}: its bytes are not where the ranges say")
-    save_model(step.model, files["step"])
-    with open(files["step"], "rb") as f:
-        step_bytes = f.read()
+    step_bytes = to_bytes(step.model)
 
     def tensor(name, shape=None):
         tt = types.get(name)
@@ -130,9 +127,8 @@ def export_web_step(model, loss: str, path, *, output_name: str | None = None, o
         "clip_norm": clip_norm,
         "frozen": list(step.frozen),
     }
-    with atomic_path(files["manifest"], ".json") as tmp, open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
+    write_together({files["model"]: model_bytes, files["step"]: step_bytes,
+                    files["manifest"]: (json.dumps(manifest, indent=1) + "\n").encode()})
     return manifest
 
 
