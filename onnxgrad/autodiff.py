@@ -565,7 +565,7 @@ def _forget_shapes_after(graph: onnx.GraphProto, names: set):
         subs = list(node_subgraphs(n))
         if tainted.intersection(n.input) or any(tainted & names_read(s) for s in subs):
             tainted.update(n.output)
-            tainted.update(o for s in subs for g in graphs_of(s) for m in g.node for o in m.output)
+            tainted.update(o for s in subs for g in graphs_of(s) for k in g.node for o in k.output)
     for g in graphs_of(graph):
         kept = [v for v in g.value_info if v.name not in tainted]
         if len(kept) != len(g.value_info):

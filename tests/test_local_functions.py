@@ -376,11 +376,15 @@ def test_torch_modules_exported_as_functions():
 
 def test_training_step_inlines_model_functions():
     """The training step inlines the model's functions (its forward then runs each body once;
-    gradients() alone recomputes them) and keeps onnxgrad's own ops as calls."""
+    gradients() alone recomputes them) and keeps onnxgrad's own ops as calls. It trains the
+    module's parameters, as torch does: b2's LayerNorm, written as an Identity of b1's (their
+    values are equal), is its own (training/step.as_module_parameters)."""
     from onnxgrad.training.step import build_gradient_model
     torch, net, x, model = _exported_blocks()
-    want = _torch_grads(torch, net, x, model)
+    _torch_grads(torch, net, x, model)
+    want = {k: p.grad.numpy() for k, p in net.named_parameters()}
     desc = build_gradient_model(model, "loss")
+    assert sorted(desc.params) == sorted(want)
     assert not desc.model.functions and not any(n.op_type == "Block"
                                                for n in desc.model.graph.node)
     feeds = {"x": x.numpy(), **desc.initial_params}

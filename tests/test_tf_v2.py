@@ -460,9 +460,11 @@ def test_cli_convert_graph_def_and_saved_model(tmp_path, capsys, keras_models):
     (["convert", "{tmp}/graph.pb", "-o", "{tmp}/m.onnx", "--outputs", "nope:0"],
      "the graph has no node 'nope'"),
     (["convert", "{tmp}/graph.pb", "-o", "{tmp}/m.onnx"], "--outputs"),
-    (["convert", "{tmp}", "-o", "{tmp}/m.onnx"], "not a SavedModel"),
+    (["convert", "{tmp}/sub", "-o", "{tmp}/m.onnx"], "not a SavedModel"),
+    (["convert", "{tmp}", "-o", "{tmp}/m.onnx"], "inside the TensorFlow graph"),
 ])
 def test_cli_convert_errors(tmp_path, capsys, argv, message):
+    (tmp_path / "sub").mkdir()
     (tmp_path / "graph.pb").write_bytes(
         _concrete(lambda x: x + 1.0, tf.TensorSpec([2], tf.float32)).graph.as_graph_def()
         .SerializeToString())
