@@ -3,7 +3,6 @@ onnx's reference evaluator as the fallback for what onnxruntime has no kernel fo
 from __future__ import annotations
 
 import functools
-import re
 
 import numpy as np
 import onnx
@@ -134,14 +133,39 @@ def session(model, device: str = "cpu", threads: int | None = None, options=None
     try:
         return ort.InferenceSession(model, options or session_options(threads),
                                     providers=where, disabled_optimizers=unsafe)
-    except Exception as exc:  # noqa: BLE001  (onnxruntime raises its own classes)
-        why = re.search(r"Current official support for domain (\S+) is till opset (\d+)",
-                        str(exc))
-        if why is None:
-            raise
-        raise UnsupportedError(f"onnxruntime {ort.__version__} runs domain {why[1]} up to opset "
-                               f"{why[2]}, older than the model's: export it at opset {why[2]} "
-                               "or older") from None
+    except Exception:  # noqa: BLE001  (onnxruntime's own classes)
+        check_runs_opset(light)  # (its error names the opsets; onnxruntime's is a paragraph)
+        raise
+
+
+@functools.lru_cache(maxsize=None)
+def newest_opset() -> int:
+    """The newest ai.onnx opset the installed onnxruntime loads (onnx may know newer ones)."""
+    ort, helper = ort_module(), onnx.helper
+    for v in range(onnx.defs.onnx_opset_version(), 0, -1):
+        x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+        g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+        ir = min(helper.find_min_ir_version_for([helper.make_opsetid("", v)]), MAX_IR_VERSION)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", v)], ir_version=ir)
+        try:
+            ort.InferenceSession(m.SerializeToString(), session_options(),
+                                 providers=["CPUExecutionProvider"])
+            return v
+        except Exception:  # noqa: BLE001  (onnxruntime's own error classes)
+            continue
+    return 0
+
+
+def check_runs_opset(model: onnx.ModelProto, what: str = "the model") -> None:
+    """An UnsupportedError for a model whose ai.onnx opset onnxruntime does not load (what
+    onnxgrad writes for onnxruntime to run, a training step, must load there)."""
+    from .inference import model_opset
+    opset, top = model_opset(model), newest_opset()
+    if opset > top:
+        raise UnsupportedError(f"{what} imports ai.onnx opset {opset}; onnxruntime "
+                               f"{ort_module().__version__} runs up to opset {top}: export it at "
+                               f"opset {top} or older")
 
 
 def runner(model: onnx.ModelProto, prefer: str = "ort", fallback: bool = True):

@@ -1123,3 +1123,28 @@ def test_a_validation_split_of_every_row_is_refused_by_name(tmp_path, capsys):
                  str(tmp_path / "d.npz"), "--val-split", "0.99", "--no-progress", "-o",
                  str(tmp_path / "t.onnx")]) == 2
     assert "--val-split 0.99 of 8 rows leaves none to train on" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["export-train-step", "web", "train"])
+def test_a_step_onnxruntime_cannot_load_is_refused(tmp_path, capsys, command):
+    """A model at an opset onnx knows but onnxruntime does not run (27 and 28 beside
+    onnxruntime 1.31): `export-train-step` wrote a step onnxruntime refuses to load, exit 0, and
+    `train` failed with "unexpected Fail ... please report it"."""
+    from onnxgrad.runtime import newest_opset
+    if newest_opset() >= onnx.defs.onnx_opset_version():
+        pytest.skip("this onnxruntime runs every opset this onnx knows")
+    m = classifier()
+    m.opset_import[0].version = newest_opset() + 1
+    m.ir_version = 13
+    onnx.save(m, tmp_path / "m.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((8, 4)).astype(np.float32),
+             y=rng.integers(0, 3, 8))
+    model = str(tmp_path / "m.onnx")
+    argv = ["train", model, "--data", str(tmp_path / "d.npz"), "--no-progress"] \
+        if command == "train" else ["export-train-step", model]
+    argv += ["--loss", "cross_entropy", "-o", str(tmp_path / "o.onnx")]
+    argv += ["--target", "web"] if command == "web" else []
+    assert main(argv) == 2
+    assert f"runs up to opset {newest_opset()}" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["d.npz", "m.onnx"]

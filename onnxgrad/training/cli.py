@@ -277,6 +277,8 @@ def cmd_export_train_step(args, out) -> int:
     from .step import build_gradient_model, build_train_step
 
     model = _load_model(args.model)
+    from ..runtime import check_runs_opset
+    check_runs_opset(model)  # (a step is for onnxruntime to run)
     if args.target == "web":
         return _export_web(args, model, out)
     lm = attach_loss(model, args.loss, args.output_name)
