@@ -22,7 +22,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", help="write each case to this file before it runs")
     ap.add_argument("--exporters", nargs="+", default=["torchscript"],
-                    choices=["torchscript", "dynamo", "dynamo-optimized"])
+                    choices=["torchscript", "torchscript-folded", "dynamo",
+                             "dynamo-optimized"])
     ap.add_argument("--families", nargs="+", default=["image", "seq", "nd"],
                     choices=["image", "seq", "nd", "wide"])
     ap.add_argument("--via", default="gradients", choices=["gradients", "trainer"],

@@ -69,6 +69,25 @@ def test_training_step_of_exported_modules_matches_torch(case):
     assert torch_gen.check(*case, via="trainer")
 
 
+def _fresh_norms():
+    """Two LayerNorms at their fresh values, which the TorchScript exporter's folding writes as
+    one parameter and an Identity of it (session 42)."""
+    return (nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8),
+                          nn.LayerNorm(8), nn.Linear(8, 3)), (6,), 17, True, "torchscript-folded")
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(torch_gen.models(("torchscript-folded",), families=("image", "seq")))
+@example(_fresh_norms())
+def test_training_step_of_folded_exports_trains_every_parameter(case):
+    """The TorchScript exporter's default constant folding merges equal parameters (a norm's
+    fresh ones and zeros, kept here) into one initializer read through Identity nodes: the
+    training step trained them as one tensor; every parameter the export holds, merged ones
+    included, now gets torch's gradient."""
+    assert torch_gen.check(*case, via="trainer")
+
+
 @settings(max_examples=8, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(torch_gen.models(("dynamo", "dynamo-optimized")))

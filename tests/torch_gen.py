@@ -812,23 +812,28 @@ def nd_model(draw):
 @st.composite
 def models(draw, exporters=("torchscript",), families=("image", "seq", "nd")):
     """(module, input shape without the batch, opset, training, exporter): exporter
-    "torchscript" (dynamo=False) or "dynamo" / "dynamo-optimized" (dynamo=True, optimize
-    off / on); families: image models, sequence models, 1-D and 3-D ("nd") ones, image models
-    with a 16-channel stem ("wide")."""
+    "torchscript" (dynamo=False; "torchscript-folded" with its constant folding) or "dynamo" /
+    "dynamo-optimized" (dynamo=True, optimize off / on); families: image models, sequence
+    models, 1-D and 3-D ("nd") ones, image models with a 16-channel stem ("wide")."""
     make = {"image": image_model, "seq": seq_model, "nd": nd_model,
             "wide": lambda: image_model(wide=True)}
     module, shape = draw(st.one_of(*[make[f]() for f in families]))
     exporter = draw(st.sampled_from(exporters))
-    opset = draw(st.sampled_from([14, 16, 17, 18] if exporter == "torchscript" else [18, 20]))
+    opset = draw(st.sampled_from([14, 16, 17, 18] if exporter.startswith("torchscript")
+                                 else [18, 20]))
     return module, shape, opset, draw(st.booleans()), exporter
 
 
 # -- the check ---------------------------------------------------------------------------------
-def randomize(module, seed):
-    """Distinct random parameters (the exporter merges equal initializers), N(0, 1 / fan-in)."""
+def randomize(module, seed, keep_fresh=False):
+    """Distinct random parameters (the exporter merges equal initializers), N(0, 1 / fan-in);
+    ``keep_fresh``: a norm's fresh weights and biases (all ones, all zeros) stay, which the
+    TorchScript exporter's folding merges as a fresh model's are."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, t in module.named_parameters():
+            if keep_fresh and t.dim() == 1 and bool((t == t.flatten()[0]).all()):
+                continue
             fan_in = t[0].numel() if t.dim() > 1 else 1
             t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype) / fan_in ** 0.5)
     return module
@@ -837,7 +842,7 @@ def randomize(module, seed):
 def export(module, x, opset, training, exporter="torchscript"):
     """The module exported with input "x" (symbolic batch) and output "y"."""
     with quiet():
-        if exporter != "torchscript":  # exports the module in its own mode
+        if not exporter.startswith("torchscript"):  # exports the module in its own mode
             prog = torch.onnx.export(module, (torch.tensor(x),), dynamo=True,
                                      opset_version=opset, input_names=["x"],
                                      output_names=["y"], optimize=exporter.endswith("optimized"),
@@ -846,7 +851,10 @@ def export(module, x, opset, training, exporter="torchscript"):
         f = io.BytesIO()
         mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
         torch.onnx.export(module, (torch.tensor(x),), f, dynamo=False, opset_version=opset,
-                          training=mode, do_constant_folding=False, input_names=["x"],
+                          training=mode, input_names=["x"],
+                          # ("torchscript-folded": the exporter's default, which merges equal
+                          # parameters into Identity nodes and folds weights' transposes)
+                          do_constant_folding=exporter == "torchscript-folded",
                           output_names=["y"], dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
     return onnx.load_from_string(f.getvalue())
 
@@ -921,7 +929,7 @@ def check(module, shape, opset, training, exporter="torchscript", seed=0, batch=
     "gradients" (onnxgrad.gradients, every gradient and y checked) or "trainer" (the training
     step's path, :func:`_via_trainer`: the parameters' gradients and the loss)."""
     rng = np.random.default_rng(seed)
-    randomize(module, seed)
+    randomize(module, seed, keep_fresh=exporter == "torchscript-folded")
     module.train(training)
     x = rng.standard_normal((batch, *shape)).astype(np.float32)
     try:  # with gradients on: torch's fused inference paths (attention) have no export
@@ -956,6 +964,11 @@ def check(module, shape, opset, training, exporter="torchscript", seed=0, batch=
     # others into initializers of other values)
     params = dict(module.float().named_parameters())
     inits = {t.name: t for t in model.graph.initializer}
+    if via == "trainer":  # the step trains the module's parameters (an exporter's merges undone)
+        from onnxgrad.training.step import as_module_parameters
+        held = onnx.ModelProto()
+        held.CopyFrom(model)
+        inits = {t.name: t for t in as_module_parameters(held).graph.initializer}
     wrt = ["x"] + [k for k in gw64 if k in inits and np.array_equal(
         onnx.numpy_helper.to_array(inits[k]), params[k].detach().numpy())]
     if via == "trainer":
