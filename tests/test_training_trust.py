@@ -19,7 +19,7 @@ from onnx import helper, numpy_helper
 
 from onnxgrad.errors import CheckpointError, DataError, InvalidArgumentError
 from onnxgrad.training import SGD, Adam, AdamW, Trainer, build_train_step
-from util import bn_train_export, make_model, quiet_export
+from util import bn_train_export, make_model, quiet, quiet_export
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -583,3 +583,20 @@ def test_parameters_the_exporters_merge_or_tie_train_as_torch(tmp_path, exporter
         with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
             Trainer(path, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False)
         assert re.search(r"does not hold as tensors: .*ln2\.weight", caplog.text)
+
+
+def test_weights_folded_into_their_transposes_are_not_warned(caplog):
+    """The dynamo optimizer folds a weight read once into its transpose (a TransformerEncoder's
+    in_proj and linear weights): that constant trains to the same effect, and is not named in
+    the warning that names the parameters it merged (a fresh layer's second LayerNorm)."""
+    pytest.importorskip("onnxscript")
+    from onnxgrad.training.step import as_module_parameters
+    torch.manual_seed(0)
+    net = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    with quiet():
+        m = torch.onnx.export(net, (torch.zeros(2, 5, 8),), dynamo=True, input_names=["x"],
+                              verbose=False).model_proto
+    with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
+        as_module_parameters(m)
+    said = caplog.text
+    assert "norm2.weight" in said and "linear1.weight" not in said, said

@@ -212,7 +212,11 @@ def as_module_parameters(m: onnx.ModelProto) -> onnx.ModelProto:
     if torch_params is not None:
         sig = next((p.value for p in g.metadata_props if p.key == _TORCH_SIGNATURE), "")
         targets = re.findall(r"^\s*\S+: PARAMETER target='([^']*)'", sig, re.M)
-        missing = [t for t in targets if t not in inits]
+        # a weight whose transpose (or reshape) the optimizer folded into a new constant, read
+        # nowhere else, trains as that constant to the same effect: not said
+        laid_out = {f[0] for k, (_, f) in torch_params[1].items()
+                    if f and len(f) == 1 and k in inits and len(inits[k].dims) >= 2}
+        missing = [t for t in targets if t not in inits and t not in laid_out]
         if missing:
             _log.warning(
                 "torch.export names parameters this model does not hold as tensors: %s. Tied "
