@@ -366,6 +366,8 @@ def _keep_inputs(args) -> None:
 def _writable(flag: str, path: str) -> None:
     """A WriteError now, before the run, for an output path no file can be written at."""
     from .errors import WriteError
+    if path.endswith((os.sep, "/")):
+        raise WriteError(path, "it ends with a separator, so it names a folder: give a file name")
     if os.path.isdir(path):
         raise WriteError(path, f"it is a directory ({flag} names the file to write)")
     if os.path.exists(path) and not os.path.isfile(path):

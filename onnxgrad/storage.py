@@ -457,6 +457,10 @@ def _save_with_data_file(model, path, base_dir) -> None:
     location = f"{base}.{os.getpid()}-{secrets.token_hex(4)}.data"
     data_path = os.path.join(folder, location)
     old = _data_files_of(target)
+    old_model = None
+    if old:
+        with contextlib.suppress(OSError), open(target, "rb") as f:
+            old_model = f.read()
     try:
         os.makedirs(folder, exist_ok=True)
         with open(data_path, "xb") as f:
@@ -482,7 +486,7 @@ def _save_with_data_file(model, path, base_dir) -> None:
             raise write_error(os.fspath(path), exc) from exc
         raise
     for name in old - {location}:  # the old model's data, unless a copy of it reads it too
-        if not _read_elsewhere(folder, name, {target}):
+        if not _read_elsewhere(folder, name, old_model, {target}):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))
 
@@ -516,15 +520,21 @@ def _data_files_of(target: str) -> set[str]:
     return set()
 
 
-def _read_elsewhere(folder: str, name: str, skip: set) -> bool:
-    """Whether a model file in ``folder`` other than ``skip`` reads data file ``name`` (a copy
-    of the model that used it). Only files small enough to be models with external data are
-    read."""
+def _read_elsewhere(folder: str, name: str, old: bytes | None, skip: set) -> bool:
+    """Whether a file in ``folder`` other than ``skip`` reads data file ``name``: a byte-for-byte
+    copy of the replaced model ``old`` (whatever its name: ``model.onnx.bak``), or a model file
+    (``.onnx`` in any case, small enough to be one with external data) that names it."""
     with contextlib.suppress(OSError):
         for n in os.listdir(folder):
             path = os.path.join(folder, n)
-            if n.endswith(".onnx") and path not in skip and os.path.isfile(path) \
-                    and os.path.getsize(path) < (64 << 20):
+            if path in skip or not os.path.isfile(path):
+                continue
+            size = os.path.getsize(path)
+            if old is not None and size == len(old):
+                with contextlib.suppress(OSError), open(path, "rb") as f:
+                    if f.read() == old:
+                        return True
+            if n.lower().endswith(".onnx") and size < (64 << 20):
                 with contextlib.suppress(Exception):  # noqa: BLE001  (not a model: no reader)
                     m = onnx.load(path, load_external_data=False)
                     if any(_location(t) == name for t in m.graph.initializer):

@@ -72,6 +72,12 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
 _LEGACY = "onnxgrad.legacy_broadcast"  # (a domain the converter passes by)
 _BROADCASTS = {"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Greater", "Less",
                "Gemm"}
+# ops whose output 0 has input 0's rank, where onnx infers none before opset 6 (consumed_inputs)
+_SAME_RANK = {"Relu", "Sigmoid", "Tanh", "Abs", "Neg", "Exp", "Log", "Sqrt", "Reciprocal",
+              "Floor", "Ceil", "LeakyRelu", "Elu", "Selu", "HardSigmoid", "Clip", "Dropout",
+              "BatchNormalization", "Identity", "Softmax", "LogSoftmax", "Cast", "PRelu",
+              "ThresholdedRelu", "Softsign", "Softplus", "InstanceNormalization", "LRN", "Sum",
+              "Max", "Min", "Mean"} | (_BROADCASTS - {"Gemm"})
 
 
 def _hide_legacy_broadcasts(model: onnx.ModelProto, old: int):
@@ -91,6 +97,11 @@ def _hide_legacy_broadcasts(model: onnx.ModelProto, old: int):
     for g in graphs:
         fixed = []
         for n in g.node:
+            if n.domain in ("", "ai.onnx") and n.output and n.output[0] not in ranks:
+                if n.op_type in _SAME_RANK and n.input and n.input[0] in ranks:
+                    ranks[n.output[0]] = ranks[n.input[0]]
+                elif n.op_type == "Gemm":
+                    ranks[n.output[0]] = 2
             if n.op_type not in _BROADCASTS or n.domain not in ("", "ai.onnx"):
                 fixed.append(n)
                 continue

@@ -1148,3 +1148,19 @@ def test_a_step_onnxruntime_cannot_load_is_refused(tmp_path, capsys, command):
     assert main(argv) == 2
     assert f"runs up to opset {newest_opset()}" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["d.npz", "m.onnx"]
+
+
+def test_an_output_naming_a_folder_by_its_separator_is_refused_before_the_run(tmp_path, capsys):
+    """(Found reviewing the output checks.) `train ... -o newdir/` trained to the end and then
+    refused to write, the trained weights lost."""
+    (tmp_path / "clf.onnx").write_bytes(classifier().SerializeToString())
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((8, 4)).astype(np.float32),
+             y=rng.integers(0, 3, 8))
+    before = _files(tmp_path)
+    assert main(["train", str(tmp_path / "clf.onnx"), "--loss", "cross_entropy", "--data",
+                 str(tmp_path / "d.npz"), "--no-progress", "-o",
+                 str(tmp_path / "newdir") + os.sep]) == 2
+    err = capsys.readouterr()
+    assert "ends with a separator" in err.err and "training" not in err.out
+    assert _files(tmp_path) == before

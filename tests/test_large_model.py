@@ -183,7 +183,7 @@ def test_gradients_of_a_model_past_2gb(tmp_path, capsys):
                     os.unlink(folder / n)
 
 
-@pytest.mark.parametrize("other", ["moved", "copied", "killed write"])
+@pytest.mark.parametrize("other", ["moved", "copied", "backup", "killed write"])
 def test_a_rewrite_removes_only_the_data_its_old_model_read(tmp_path, small_limit, other):
     """A write past 2 GB removed every `<OUT>.<pid>-<hex>.data` of a process no longer running:
     a model written to OUT earlier and then moved (or copied) lost its weights, exit 0. Now the
@@ -197,6 +197,8 @@ def test_a_rewrite_removes_only_the_data_its_old_model_read(tmp_path, small_limi
         os.replace(out, tmp_path / "earlier.onnx")
     elif other == "copied":
         (tmp_path / "earlier.onnx").write_bytes(out.read_bytes())
+    elif other == "backup":  # (a copy by any name: model.onnx.bak)
+        (tmp_path / "out.onnx.bak").write_bytes(out.read_bytes())
     else:  # a data file by an earlier writer's name, its pid long gone, read by no model
         (tmp_path / "out.onnx.4000001-deadbeef.data").write_bytes(b"\0" * 64)
     storage.save_model(m, out)
@@ -205,4 +207,5 @@ def test_a_rewrite_removes_only_the_data_its_old_model_read(tmp_path, small_limi
         assert "out.onnx.4000001-deadbeef.data" in data_files(tmp_path)
         assert first not in data_files(tmp_path)  # (the replaced model's own: gone)
     else:
-        same_model(onnx.load(tmp_path / "earlier.onnx"), m)
+        same_model(onnx.load(tmp_path / ("out.onnx.bak" if other == "backup" else
+                                         "earlier.onnx")), m)

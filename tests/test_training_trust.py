@@ -19,7 +19,7 @@ from onnx import helper, numpy_helper
 
 from onnxgrad.errors import CheckpointError, DataError, InvalidArgumentError
 from onnxgrad.training import SGD, Adam, AdamW, Trainer, build_train_step
-from util import bn_train_export, make_model, quiet, quiet_export
+from util import bn_train_export, make_model, quiet, quiet_export, stock_session
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -552,7 +552,8 @@ class _MergedAndTied(torch.nn.Module):
         return self.head(F.linear(h, self.proj))
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo", "dynamo-optimized"])
+@pytest.mark.parametrize("exporter", ["torchscript", "torchscript-inputs", "dynamo",
+                                      "dynamo-optimized"])
 def test_parameters_the_exporters_merge_or_tie_train_as_torch(tmp_path, exporter, caplog):
     """The TorchScript exporter wrote a parameter equal to another (a fresh LayerNorm's) as
     Identity(other), trained as one tensor with the sum of both gradients; both exporters fold
@@ -564,8 +565,9 @@ def test_parameters_the_exporters_merge_or_tie_train_as_torch(tmp_path, exporter
     fresh = exporter != "dynamo-optimized"
     net = _MergedAndTied(fresh)
     path = str(tmp_path / "m.onnx")
-    if exporter == "torchscript":
-        quiet_export(net, path, dynamo=False, dynamic_axes={"x": {0: "N"}})
+    if exporter.startswith("torchscript"):  # (-inputs: initializers listed as inputs too)
+        quiet_export(net, path, dynamo=False, dynamic_axes={"x": {0: "N"}},
+                     keep_initializers_as_inputs=exporter.endswith("inputs"))
     else:
         quiet_export(net, path, dynamo=True, dynamic_shapes=({0: torch.export.Dim("N")},),
                      optimize=exporter == "dynamo-optimized")
@@ -583,6 +585,47 @@ def test_parameters_the_exporters_merge_or_tie_train_as_torch(tmp_path, exporter
         with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
             Trainer(path, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False)
         assert re.search(r"does not hold as tensors: .*ln2\.weight", caplog.text)
+        assert caplog.text.count("does not hold") == 1  # (said once, not per step builder)
+
+
+class _NoMerge(torch.nn.Module):
+    """A weight read as itself and through a no-op reshape, and returned as an output: the
+    TorchScript exporter writes Identity(w) for both, which are not parameters of their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(x @ self.w.reshape(4, 4)) + x @ self.w), self.w
+
+
+def test_an_identity_of_a_parameter_that_is_none_stays_a_read_of_it(tmp_path):
+    """(Found reviewing as_module_parameters.) An Identity of a parameter named by the exporter
+    ("onnx::MatMul_8", a no-op reshape) or returned as a graph output is a read of that
+    parameter, not a merged one: made its own initializer, it trained apart or not at all."""
+    torch.manual_seed(0)
+    net = _NoMerge()
+    path = str(tmp_path / "m.onnx")
+    with quiet():
+        torch.onnx.export(net, (torch.randn(3, 4),), path, input_names=["x"], dynamo=False,
+                          output_names=["y", "w_out"], dynamic_axes={"x": {0: "N"}})
+    tr = Trainer(path, "mse", optimizer=SGD(lr=0.05), device="cpu", progress=False, threads=1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x = rng.standard_normal((8, 4)).astype(np.float32)
+        y = rng.standard_normal((8, 2)).astype(np.float32)
+        lo = tr.step({"x": x, "target": y})
+        opt.zero_grad()
+        loss = F.mse_loss(net(torch.tensor(x))[0], torch.tensor(y))
+        loss.backward()
+        opt.step()
+        assert lo == pytest.approx(loss.item(), rel=1e-5)
+    assert sorted(tr.params) == sorted(n for n, _ in net.named_parameters())
+    out = stock_session(tr.trained_model()).run(["w_out"], {"x": np.zeros((1, 4), np.float32)})
+    np.testing.assert_allclose(out[0], net.w.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_weights_folded_into_their_transposes_are_not_warned(caplog):

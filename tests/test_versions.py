@@ -428,6 +428,56 @@ def test_a_caffe2_era_network_upgrades(opset):
     assert report.ok, str(report)
 
 
+@pytest.mark.parametrize("opset", [1, 3, 5, 6])
+@pytest.mark.parametrize("first", ["Relu", "Mul", "Sub"])
+def test_legacy_broadcasts_after_ops_inference_leaves_unranked(opset, first):
+    """(Found reviewing the upgrade.) Before opset 6 onnx's inference gives a legacy broadcast's
+    or a consumed_inputs op's output no rank, so an Add at axis 1 after one was refused ("ranks
+    ... onnx's shape inference does not tell") though every input was declared: such outputs
+    take input 0's rank now. Checked against the legacy forward and float64 differences."""
+    from onnxgrad.runtime import session
+    rng = np.random.default_rng(opset)
+    b = rng.uniform(0.5, 1.5, 3)
+    one = [helper.make_node("Relu", ["a"], ["h"], **({"consumed_inputs": [0]} if opset < 6
+                                                     else {}))] if first == "Relu" else \
+        [helper.make_node(first, ["a", "b"], ["h"], broadcast=1, axis=1)]
+    nodes = one + [helper.make_node("Add", ["h", "b"], ["y"], broadcast=1, axis=1)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TP.FLOAT, [2, 3, 4]),
+                                       helper.make_tensor_value_info("b", TP.FLOAT, [3])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+                          [numpy_helper.from_array(b.astype(np.float32), "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=3)
+    res = onnxgrad.gradients(m, "y", "a")
+    onnx.checker.check_model(res.model, full_check=True)
+    a = rng.uniform(-1, 1, (2, 3, 4))
+    bb = b.reshape(3, 1)
+    h = {"Relu": np.maximum(a, 0), "Mul": a * bb, "Sub": a - bb}[first]
+    y = session(res.model).run(["y"], {"a": a.astype(np.float32)})[0]
+    np.testing.assert_allclose(y, h + bb, rtol=1e-5, atol=1e-6)
+    report = check_gradients(m, "y", ["a"], {"a": a})
+    assert report.ok, str(report)
+
+
+def test_check_gradients_of_ir3_initializers():
+    """(Found reviewing the IR rules.) An IR-3 model's initializers are graph inputs onnxruntime
+    takes no value for: check_gradients with one of them in xs failed with onnxruntime's
+    "Invalid input name: W". The check runs the model as IR 4, where they are defaults."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 2)), "W"),
+             numpy_helper.from_array(rng.standard_normal(2), "b")]
+    g = helper.make_graph([helper.make_node("MatMul", ["X", "W"], ["P"]),
+                           helper.make_node("Add", ["P", "b"], ["Q"]),
+                           helper.make_node("Tanh", ["Q"], ["Y"])], "g",
+                          [helper.make_tensor_value_info("X", TP.DOUBLE, [3, 4]),
+                           helper.make_tensor_value_info("W", TP.DOUBLE, [4, 2]),
+                           helper.make_tensor_value_info("b", TP.DOUBLE, [2])],
+                          [helper.make_tensor_value_info("Y", TP.DOUBLE, [3, 2])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 8)], ir_version=3)
+    for xs, feeds in ((["W"], None), (["W", "b"], {"X": rng.standard_normal((3, 4))})):
+        report = check_gradients(m, "Y", xs, feeds)
+        assert report.ok, str(report)
+
+
 # -- check_gradients' float64 oracle at old opsets ------------------------------------------------
 @st.composite
 def old_softmax(draw):

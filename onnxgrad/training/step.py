@@ -169,6 +169,9 @@ def default_params(model: onnx.ModelProto) -> tuple[list[str], dict[str, str]]:
     return [t.name for t in floats if t.name not in left_out], left_out
 
 
+_MODULE_PARAMETERS = "onnxgrad.module_parameters"  # metadata: as_module_parameters ran
+
+
 def as_module_parameters(m: onnx.ModelProto) -> onnx.ModelProto:
     """``m`` (changed in place) with its initializers made the module's parameters as PyTorch
     trains them, where a torch.onnx export wrote them otherwise:
@@ -185,15 +188,21 @@ def as_module_parameters(m: onnx.ModelProto) -> onnx.ModelProto:
       ones its optimizer merged with an equal tensor or folded into a computed one, which train
       as that tensor; a warning names them (``optimize=False`` keeps them apart).
     Idempotent; other models are returned as they are."""
-    if m.producer_name != "pytorch":
+    if m.producer_name != "pytorch" or any(p.key == _MODULE_PARAMETERS
+                                            for p in m.metadata_props):
         return m
+    m.metadata_props.add(key=_MODULE_PARAMETERS, value="1")  # (done: said once)
     g = m.graph
     inits = {t.name: t for t in g.initializer}
     floats = {k for k, t in inits.items() if t.data_type in FLOAT_TYPES}
     torch_params = _torch_parameters(m)
     if torch_params is None:  # TorchScript: Identity(P) -> Q, Q a parameter of equal value
+        # (a module's parameter by its name: not an exporter's "onnx::MatMul_8", a no-op
+        # reshape of the same tensor, nor a graph output, the tensor itself returned)
+        outputs = {o.name for o in g.output}
         merged = [n for n in g.node if n.op_type == "Identity" and n.input[0] in floats
-                  and n.output[0] not in inits and not n.domain]
+                  and n.output[0] not in inits and not n.domain and "::" not in n.output[0]
+                  and n.output[0] not in outputs]
         for n in merged:
             t = TensorProto()
             t.CopyFrom(inits[n.input[0]])
@@ -247,8 +256,11 @@ def _tie_folded_transposes(m: onnx.ModelProto, folded: list, weights: list):
             if a.size > 1 and a.min() != a.max() and np.array_equal(a.T, numpy_helper.to_array(t)):
                 ties.append((t, w.name))
                 break
+    inputs = {v.name: v for v in g.input}  # (keep_initializers_as_inputs lists them there)
     for t, w in ties:
         g.initializer.remove(t)
+        if t.name in inputs:
+            g.input.remove(inputs[t.name])
         g.node.insert(0, helper.make_node("Transpose", [w], [t.name], perm=[1, 0],
                                           name=f"{t.name}/tied_to/{w}"))
         _log.debug("%s: Transpose(%s) (the exporter folded it into a copy)", t.name, w)
