@@ -643,3 +643,19 @@ def test_weights_folded_into_their_transposes_are_not_warned(caplog):
         as_module_parameters(m)
     said = caplog.text
     assert "norm2.weight" in said and "linear1.weight" not in said, said
+
+
+def test_a_web_export_holds_the_parameters_its_step_trains(tmp_path):
+    """(Found by the CI run of the review fixes.) The web target saves the inference model the
+    page fills with the trained values: it held Identity(ln1.weight) where its step trains
+    ln2.weight of its own, which then had no bytes in the file to write to."""
+    from onnxgrad.training.webstep import export_web_step, paths
+    torch.manual_seed(0)
+    net = _MergedAndTied()
+    path = str(tmp_path / "m.onnx")
+    quiet_export(net, path, dynamo=False, dynamic_axes={"x": {0: "N"}})
+    man = export_web_step(path, "mse", tmp_path / "w.onnx", optimizer=SGD(lr=0.1))
+    held = {t.name for t in onnx.load(paths(tmp_path / "w.onnx")["model"]).graph.initializer}
+    trained = [p["name"] for p in man["params"]]
+    assert sorted(trained) == sorted(n for n, _ in net.named_parameters())
+    assert set(trained) <= held

@@ -169,7 +169,7 @@ def default_params(model: onnx.ModelProto) -> tuple[list[str], dict[str, str]]:
     return [t.name for t in floats if t.name not in left_out], left_out
 
 
-_MODULE_PARAMETERS = "onnxgrad.module_parameters"  # metadata: as_module_parameters ran
+_WARNED: set = set()  # (graph, names) the merge warning named: once per process, not per builder
 
 
 def as_module_parameters(m: onnx.ModelProto) -> onnx.ModelProto:
@@ -188,10 +188,8 @@ def as_module_parameters(m: onnx.ModelProto) -> onnx.ModelProto:
       ones its optimizer merged with an equal tensor or folded into a computed one, which train
       as that tensor; a warning names them (``optimize=False`` keeps them apart).
     Idempotent; other models are returned as they are."""
-    if m.producer_name != "pytorch" or any(p.key == _MODULE_PARAMETERS
-                                            for p in m.metadata_props):
+    if m.producer_name != "pytorch":
         return m
-    m.metadata_props.add(key=_MODULE_PARAMETERS, value="1")  # (done: said once)
     g = m.graph
     inits = {t.name: t for t in g.initializer}
     floats = {k for k, t in inits.items() if t.data_type in FLOAT_TYPES}
@@ -226,7 +224,8 @@ def as_module_parameters(m: onnx.ModelProto) -> onnx.ModelProto:
         laid_out = {f[0] for k, (_, f) in torch_params[1].items()
                     if f and len(f) == 1 and k in inits and len(inits[k].dims) >= 2}
         missing = [t for t in targets if t not in inits and t not in laid_out]
-        if missing:
+        if missing and (g.name, *missing) not in _WARNED:
+            _WARNED.add((g.name, *missing))
             _log.warning(
                 "torch.export names parameters this model does not hold as tensors: %s. Tied "
                 "to another parameter, they train as that one, as in PyTorch; but torch.onnx's "

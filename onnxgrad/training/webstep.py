@@ -34,7 +34,7 @@ from ..storage import model_bytes as to_bytes
 from ..storage import write_together
 from .losses import LOSSES, attach_loss, load
 from .optimizers import AdamW
-from .step import build_train_step
+from .step import as_module_parameters, build_train_step
 
 FORMAT = "onnxgrad-web-step"
 VERSION = 1
@@ -59,7 +59,7 @@ def export_web_step(model, loss: str, path, *, output_name: str | None = None, o
     the module doc); returns the manifest. ``loss`` is a loss kind (one of LOSSES, attached to
     ``output_name``) or the name of a scalar tensor the model computes; the rest as
     :func:`~onnxgrad.training.step.build_train_step`."""
-    m = load(model)
+    m = as_module_parameters(load(model))  # (the step trains these: the saved model holds them)
     optimizer = optimizer or AdamW()
     if loss in LOSSES:
         lm = attach_loss(m, loss, output_name)
