@@ -554,13 +554,16 @@ class _MergedAndTied(torch.nn.Module):
 
 @pytest.mark.parametrize("exporter", ["torchscript", "torchscript-inputs", "dynamo",
                                       "dynamo-optimized"])
-def test_parameters_the_exporters_merge_or_tie_train_as_torch(tmp_path, exporter, caplog):
+def test_parameters_the_exporters_merge_or_tie_train_as_torch(tmp_path, exporter, caplog,
+                                                              monkeypatch):
     """The TorchScript exporter wrote a parameter equal to another (a fresh LayerNorm's) as
     Identity(other), trained as one tensor with the sum of both gradients; both exporters fold
     the transpose of a weight read twice into a copy, trained apart (TorchScript) or not at all
     (dynamo). Now each trains as torch's, step for step. torch.onnx's optimizer merges equal
     parameters where nothing in the file tells them from tied ones: a warning names them."""
     pytest.importorskip("onnxscript")
+    from onnxgrad.training import step
+    monkeypatch.setattr(step, "_WARNED", set())  # (said once a process: this test's own)
     torch.manual_seed(0)
     fresh = exporter != "dynamo-optimized"
     net = _MergedAndTied(fresh)
@@ -628,19 +631,20 @@ def test_an_identity_of_a_parameter_that_is_none_stays_a_read_of_it(tmp_path):
     np.testing.assert_allclose(out[0], net.w.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_weights_folded_into_their_transposes_are_not_warned(caplog):
+def test_weights_folded_into_their_transposes_are_not_warned(caplog, monkeypatch):
     """The dynamo optimizer folds a weight read once into its transpose (a TransformerEncoder's
     in_proj and linear weights): that constant trains to the same effect, and is not named in
     the warning that names the parameters it merged (a fresh layer's second LayerNorm)."""
     pytest.importorskip("onnxscript")
-    from onnxgrad.training.step import as_module_parameters
+    from onnxgrad.training import step
+    monkeypatch.setattr(step, "_WARNED", set())
     torch.manual_seed(0)
     net = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
     with quiet():
         m = torch.onnx.export(net, (torch.zeros(2, 5, 8),), dynamo=True, input_names=["x"],
                               verbose=False).model_proto
     with caplog.at_level(logging.WARNING, logger="onnxgrad.training"):
-        as_module_parameters(m)
+        step.as_module_parameters(m)
     said = caplog.text
     assert "norm2.weight" in said and "linear1.weight" not in said, said
 
