@@ -31,7 +31,7 @@ from .ort_fusions import guard_pad_fusion
 from .ort_internal import standard_forms
 from .storage import dense_copy, load_model, strip_weights
 from .validation import check_model
-from .versions import convert_version
+from .versions import convert_version, without_ir3_inputs
 from .registry import (Grads, Node, add_for, attach_functions, captured as _captured, lookup,
                        subgraphs, MIN_OPSET)
 
@@ -85,11 +85,11 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
         raise InvalidArgumentError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}")
 
     model, restore_sparse = dense_copy(_load(model))
-    model, weights = _without_weights(model)
+    model, weights = _without_weights(without_ir3_inputs(model, xs))
     model = check_model(standard_forms(model), weights)  # (sorted, if only its order was wrong)
-    model, defaults, constants = _without_defaults(_name_outputs(model), xs)
+    model, defaults = _without_defaults(_name_outputs(model))
     args = (ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
-            {vi.name for vi in model.graph.value_info}, weights, defaults, constants)
+            {vi.name for vi in model.graph.value_info}, weights, defaults)
     # the sweep allocates millions of small objects and frees none: the cyclic collector would
     # rescan the whole IR again and again (a third of the build time at 10k nodes)
     gc_was_on = gc.isenabled()
@@ -117,7 +117,7 @@ def gradients(model, ys, xs, grad_ys=None, name: str = "gradients", stop_gradien
 
 
 def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected, aggregation,
-               declared, weights, defaults, constants):
+               declared, weights, defaults):
     reshaped = _computed_reshapes(proto, opset) - declared
     declared = declared | reshaped
     irm, kept = _deserialize(proto, declared)
@@ -166,10 +166,6 @@ def _gradients(proto, opset, ys, xs, grad_ys, name, stop_gradients, unconnected,
         out = empty_as_constants(out, empties)
     guard_pad_fusion(out)
     out.graph.initializer.extend(defaults)
-    if constants and out.ir_version >= 4:
-        kept = [v for v in out.graph.input if v.name not in constants]
-        del out.graph.input[:]
-        out.graph.input.extend(kept)
     for t in out.graph.initializer:
         if t.name in weights:
             t.CopyFrom(weights[t.name])
@@ -527,25 +523,16 @@ def _without_weights(model: onnx.ModelProto):
     return strip_weights(model, 1 << 20, only=FLOAT_TYPES)
 
 
-def _without_defaults(model: onnx.ModelProto, xs: list):
-    """``model``, or a copy whose initializers that are also graph inputs are inputs alone;
-    those initializers (put back at the end); and the inputs the result must not keep.
-
-    From IR 4 such an initializer is a default the caller may override: no rule, and no shape
-    inference, may read it as a constant (a Slice's starts read so gave a gradient of another
-    length when fed). Below IR 4 every initializer had to be a graph input: the ones not in xs
-    are the constants their exporters meant, read as such, and the result (upgraded to IR 7 with
-    the opset) no longer takes them as inputs, so a value fed for one is refused, never used by
-    the forward alone."""
+def _without_defaults(model: onnx.ModelProto):
+    """``model``, or a copy whose initializers that are also graph inputs are inputs alone, and
+    those initializers (put back at the end). Such an initializer (IR 4 on; IR 3's are made
+    constants first, :func:`~onnxgrad.versions.without_ir3_inputs`) is a default the caller may
+    override: no rule, and no shape inference, may read it as a constant (a Slice's starts read
+    so gave a gradient of another length when fed)."""
     inputs = {v.name for v in model.graph.input}
-    legacy = model.ir_version < 4
-    defaults = [t for t in model.graph.initializer
-                if t.name in inputs and (not legacy or t.name in xs)]
-    constants = {t.name for t in model.graph.initializer if t.name in inputs} if legacy \
-        else set()
-    constants -= set(xs)
+    defaults = [t for t in model.graph.initializer if t.name in inputs]
     if not defaults:
-        return model, [], constants
+        return model, []
     out = onnx.ModelProto()
     out.CopyFrom(model)
     split = {t.name for t in defaults}
@@ -553,7 +540,7 @@ def _without_defaults(model: onnx.ModelProto, xs: list):
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept)
     _forget_shapes_after(out.graph, split)
-    return out, defaults, constants
+    return out, defaults
 
 
 def _forget_shapes_after(graph: onnx.GraphProto, names: set):

@@ -20,6 +20,7 @@ from .errors import ArgumentTypeError, InvalidArgumentError, OnnxgradError, Unsu
 from .inference import graphs_of, node_subgraphs, unique_name
 from .runtime import runner
 from .storage import dense_copy, load_model
+from .versions import without_ir3_inputs
 
 _LOW = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 
@@ -62,20 +63,6 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` with every float16/float32/bfloat16 tensor, type and cast made
     float64."""
     return _retyped(model, TensorProto.DOUBLE)
-
-
-def _as_ir4(model: onnx.ModelProto, xs) -> onnx.ModelProto:
-    """An IR-3 ``model`` as IR 4: its initializers in ``xs`` stay graph inputs (defaults a feed
-    overrides), the others are constants only, as onnxruntime and gradients() read them."""
-    xs = {xs} if isinstance(xs, str) else set(xs)
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    out.ir_version = 4
-    consts = {t.name for t in out.graph.initializer} - xs
-    kept = [v for v in out.graph.input if v.name not in consts]
-    del out.graph.input[:]
-    out.graph.input.extend(kept)
-    return out
 
 
 def _retyped(model: onnx.ModelProto, to: int) -> onnx.ModelProto:
@@ -506,8 +493,7 @@ def check_gradients(model, ys, xs, feeds=None, *, dtype: str = "float64", eps: f
     gradients() gives them assume.
     """
     model = dense_copy(load_model(model))[0]  # (a sparse initializer is checked as an x too)
-    if model.ir_version < 4:  # IR 3's initializers are graph inputs onnxruntime takes no
-        model = _as_ir4(model, xs)  # value for: the xs among them become defaults to override
+    model = without_ir3_inputs(model, xs)  # (an x among IR 3's initializers: a feed's input)
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
         raise InvalidArgumentError(f"dim={dim!r}: symbolic dims need a size of at least 1 (an "
                                    "empty tensor would check nothing)")

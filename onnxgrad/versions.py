@@ -26,6 +26,24 @@ from .registry import attach_functions, own_domain
 from .storage import MAX_IR_VERSION
 
 
+def without_ir3_inputs(model: onnx.ModelProto, xs) -> onnx.ModelProto:
+    """``model``, or for an IR below 4 a copy at IR 4 whose initializers not in ``xs`` are no
+    longer graph inputs. IR 3 makes every initializer an input, which onnxruntime takes no
+    value for: they are constants (as their exporters meant, and read as such); from IR 4 an
+    initializer that is an input is a default a feed overrides, which the xs among them are."""
+    if model.ir_version >= 4:
+        return model
+    xs = {xs} if isinstance(xs, str) else set(xs)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.ir_version = 4
+    consts = {t.name for t in out.graph.initializer} - xs
+    kept = [v for v in out.graph.input if v.name not in consts]
+    del out.graph.input[:]
+    out.graph.input.extend(kept)
+    return out
+
+
 def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
     """``model`` (not modified) converted to ai.onnx opset ``version``, functions kept working."""
     user = [(f.domain, f.name) for f in model.functions if not own_domain(f.domain)]
