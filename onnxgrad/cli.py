@@ -335,8 +335,9 @@ def _keep_inputs(args) -> None:
         outs += [("-o", p) for p in list(paths(args.output).values())[1:]]
     ins = [(k, getattr(args, k)) for k in _INPUTS if isinstance(getattr(args, k, None), str)]
     where = {k: os.path.realpath(p) for k, p in ins}
-    for flag, o in outs:  # before any work: a run never writes some outputs and fails on another
-        _writable(flag, o)
+    from .storage import writable
+    for _, o in outs:  # before any work: a run never writes some outputs and fails on another
+        writable(o)
     for i, (flag, o) in enumerate(outs):
         real = os.path.realpath(o)
         for flag2, o2 in outs[i + 1:]:
@@ -361,23 +362,6 @@ def _keep_inputs(args) -> None:
         if destination(o) in data:
             raise WriteError(o, f"it holds the external data (the weights) of {model}; "
                                 "choose another file")
-
-
-def _writable(flag: str, path: str) -> None:
-    """A WriteError now, before the run, for an output path no file can be written at."""
-    from .errors import WriteError
-    if path.endswith((os.sep, "/")):
-        raise WriteError(path, "it ends with a separator, so it names a folder: give a file name")
-    if os.path.isdir(path):
-        raise WriteError(path, f"it is a directory ({flag} names the file to write)")
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise WriteError(path, "it is not a regular file (a device, a pipe or a socket), which "
-                               f"{flag} would replace")
-    up = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(up) and os.path.dirname(up) != up:
-        up = os.path.dirname(up)
-    if not os.path.isdir(up):
-        raise WriteError(path, f"{up} is a file, not a folder")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -305,6 +305,25 @@ def write_error(path, exc: OSError) -> WriteError:
     return WriteError(path, reason, exc.errno)
 
 
+def writable(path: str) -> None:
+    """A :class:`WriteError` for a path no file can be written at (no name, a folder, a device
+    or a pipe, which a write would replace, a path under a file); nothing is written. Also run
+    before a command's work by the CLI, for each of its outputs."""
+    if not path or path.endswith((os.sep, "/")):
+        raise WriteError(path, "it names no file" if not path else
+                         "it ends with a separator, so it names a folder: give a file name")
+    if os.path.isdir(path):
+        raise WriteError(path, "it is a directory")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise WriteError(path, "it is not a regular file (a device, a pipe or a socket), which "
+                               "a write would replace")
+    up = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(up) and os.path.dirname(up) != up:
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise WriteError(path, f"{up} is a file, not a folder")
+
+
 @contextlib.contextmanager
 def atomic_path(path, suffix=""):
     """Yield a temporary path in ``path``'s folder; on success it replaces ``path`` in one rename
@@ -312,9 +331,7 @@ def atomic_path(path, suffix=""):
     it is removed and an OSError becomes a :class:`WriteError` naming ``path``: never half a
     file. ``suffix`` ends the temporary name (for writers that read the format from it)."""
     shown = os.fspath(path)
-    if not shown or shown.endswith((os.sep, "/")):
-        raise WriteError(shown, "it names no file" if not shown else
-                         "it ends with a separator, so it names a folder: give a file name")
+    writable(shown)
     target = destination(path)
     folder, base = os.path.split(target)
     tmp = os.path.join(folder,
@@ -327,11 +344,6 @@ def atomic_path(path, suffix=""):
     try:
         try:
             os.makedirs(folder, exist_ok=True)
-            if os.path.isdir(target):
-                raise WriteError(shown, "it is a directory")
-            if os.path.exists(target) and not os.path.isfile(target):
-                raise WriteError(shown, "it is not a regular file (a device, a pipe or a "
-                                        "socket), which a write would replace")
             remove_stale_temporaries(target)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             os.close(fd)
