@@ -8,6 +8,8 @@ interrupt  the resume_ref runs, stopped at step 7 after a checkpoint at step 6
 resume     those runs resumed from their checkpoints; rank 0 writes OUTDIR/resumed*.npz
 kill       rank 1 kills itself (SIGKILL) after step 3; timeout 60 s
 hang       rank 1 sleeps after step 3; timeout 4 s
+batchnorm  OUTDIR/bn.onnx (util.bn_train_export) trained 2 steps of 16 rows, and torch DDP on
+           its net with the same shards; rank 0 writes OUTDIR/batchnorm.npz (ours "o:", DDP's "t:")
 (the ranks write the time of step 3 to OUTDIR/<kill|hang>.<rank>.json, and a rank that catches
 the DistributedError its time and message to OUTDIR/<kill|hang>.error.<rank>.json)
 """
@@ -24,11 +26,40 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_cases import CASES, digits, fit, trainer  # noqa: E402
 
-from onnxgrad.training import NonFiniteLossError  # noqa: E402
+from onnxgrad.training import SGD, NonFiniteLossError  # noqa: E402
 from onnxgrad.errors import DistributedError  # noqa: E402
 from onnxgrad.training.distributed import DistributedTrainer  # noqa: E402
 
 TIMEOUT = {"kill": 60.0, "hang": 4.0}
+BN_TRAINER = dict(optimizer=SGD(lr=0.1), device="cpu", threads=1, progress=False, seed=3)
+
+
+def bn_data():
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((32, 3, 8, 8)).astype(np.float32),
+            "target": rng.standard_normal((32, 2)).astype(np.float32)}
+
+
+def bn_ddp(path, data, rank):
+    """torch DDP (no SyncBatchNorm) on util.bn_net from the model's initial values: 2 SGD steps
+    of 16 rows, rank r taking rows r, r + 2, ... of each, as DistributedTrainer shards them."""
+    import onnx
+    import torch
+    from onnx import numpy_helper
+    from util import bn_net
+    init = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
+    net = bn_net()
+    net.load_state_dict({k: torch.tensor(init[k]) if k in init else v
+                         for k, v in net.state_dict().items()})
+    ddp = torch.nn.parallel.DistributedDataParallel(net.train())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for j in range(2):
+        rows = slice(16 * j + rank, 16 * (j + 1), 2)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(torch.tensor(data["x"][rows])),
+                                     torch.tensor(data["target"][rows])).backward()
+        opt.step()
+    return net
 
 
 class Stop(Exception):
@@ -85,6 +116,16 @@ def main(out, scenarios):
                 else:
                     fit(case, tr, resume=ckpt)
                     save(os.path.join(out, f"resumed_{case}.npz"), tr)
+        elif sc == "batchnorm":
+            tr = DistributedTrainer(os.path.join(out, "bn.onnx"), "mse", **BN_TRAINER)
+            data = bn_data()
+            tr.fit(data, batch_size=16, shuffle=False)
+            net = bn_ddp(os.path.join(out, "bn.onnx"), data, tr.rank)
+            if tr.rank == 0:
+                np.savez(os.path.join(out, "batchnorm.npz"),
+                         **{f"o:{k}": v for k, v in {**tr.parameters(),
+                                                    **tr.statistics()}.items()},
+                         **{f"t:{k}": v.detach().numpy() for k, v in net.state_dict().items()})
         elif sc in ("kill", "hang"):
             tr = trainer("mlp", DistributedTrainer, timeout=TIMEOUT[sc])
 

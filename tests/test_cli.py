@@ -212,6 +212,24 @@ def test_python_m_grad_end_to_end(saved, tmp_path):
     onnx.checker.check_model(onnx.load(out), full_check=True)
 
 
+
+def test_the_command_loads_its_libraries_inside_its_interrupt_handler():
+    # An interrupt while onnx and onnxruntime load (about a second) is the command's own
+    # ("interrupted", exit 130) only if they load inside main(): importing the command's module
+    # (what the console script and `python -m onnxgrad` do before main()) loads neither.
+    probe = ("import sys, onnxgrad.cli, onnxgrad.__main__; print(sorted({m.split('.')[0] "
+             "for m in sys.modules} & {'onnx', 'onnxruntime', 'onnx_ir', 'numpy'}))")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
+    # the lazy package still offers every documented name and submodule
+    import onnxgrad
+    for name in onnxgrad.__all__ + ["check", "runtime", "training", "rnn", "converters"]:
+        assert getattr(onnxgrad, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        onnxgrad.nope
+
 # -- errors ------------------------------------------------------------------------------------
 def test_unknown_xs_name_suggests(capsys, tmp_path):
     rc, _, err = cli(capsys, "grad", MLP, "-o", tmp_path / "o.onnx", "--ys", "loss",

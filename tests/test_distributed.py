@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from onnx import numpy_helper
 
 from dist_cases import CASES, MLP, digits, fit, trainer
+from util import bn_train_export
 from onnxgrad.errors import DistributedError, MissingExtraError
 from onnxgrad.runtime import session
-from onnxgrad.training import AdamW, attach_loss, build_gradient_model
+from onnxgrad.training import AdamW, Trainer, attach_loss, build_gradient_model
 from onnxgrad.training.distributed import DistributedTrainer, plan_layout
 
 torch = pytest.importorskip("torch")
@@ -45,8 +46,10 @@ def torchrun(args, cwd, timeout=240):
 def runs(tmp_path_factory):
     """One 2-process job: every case, the NaN run, and the runs the resume test continues."""
     out = tmp_path_factory.mktemp("dist")
-    res = torchrun([WORKER, str(out), "cases", "nan", "interrupt"], out)
+    bn_train_export(out / "bn.onnx")
+    res = torchrun([WORKER, str(out), "cases", "nan", "interrupt", "batchnorm"], out)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    (out / "stderr.txt").write_text(res.stderr)
     return out
 
 
@@ -125,6 +128,25 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
     np.testing.assert_allclose(zero.history, history, rtol=1e-5)
     close(zero.parameters(), params)
     close(zero.optimizer_state(), state)
+
+
+def test_batchnorm_trains_as_torch_ddp_and_says_so(runs):
+    """A training-mode BatchNormalization normalizes each rank's rows with their own statistics
+    and updates each rank's running statistics, as torch DDP without SyncBatchNorm: the same
+    parameters and rank 0's statistics as DDP's, not one process's, and a warning says so."""
+    from dist_worker import BN_TRAINER, bn_data
+    with np.load(runs / "batchnorm.npz") as z:
+        ours = {k[2:]: z[k] for k in z.files if k.startswith("o:")}
+        ddp = {k[2:]: z[k] for k in z.files if k.startswith("t:")}
+    assert {"0.weight", "1.running_mean", "1.running_var"} <= ours.keys()
+    # (running_var: the ONNX op's is the batch's biased variance, torch's the unbiased one)
+    close(ours, {k: ddp[k] for k in ours if k != "1.running_var"})
+    one = Trainer(str(runs / "bn.onnx"), "mse", **BN_TRAINER)
+    one.fit(bn_data(), batch_size=16, shuffle=False)
+    single = {**one.parameters(), **one.statistics()}
+    assert max(np.abs(ours[k] - v).max() / np.abs(v).max() for k, v in single.items()) > 1e-3
+    assert "training-mode BatchNormalization (running statistics 1.running_mean, " \
+        "1.running_var)" in (runs / "stderr.txt").read_text()
 
 
 def test_killed_rank_ends_the_job(tmp_path):

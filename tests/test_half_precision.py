@@ -109,3 +109,46 @@ def test_half_precision_train_steps_are_valid(dtype, opset, opt, loss):
     onnx.checker.check_model(step.model, full_check=True)
     if dtype == TP.FLOAT16:
         session(step.model)  # onnxruntime loads it (its CPU Gemm has no bfloat16 kernel)
+
+
+@settings(max_examples=20, deadline=None)
+@given(dtype=st.sampled_from([TP.FLOAT16, TP.BFLOAT16]), scale=st.sampled_from([0.1, 5, 80]),
+       clip=st.sampled_from([0.5, 1.0, 1e6]), seed=st.integers(0, 3))
+def test_half_precision_gradients_are_clipped_by_their_norm(dtype, scale, clip, seed):
+    # the global norm was summed in the gradients' dtype: in float16 the sum of squares is inf
+    # past a norm of 256 (the spec's arithmetic, onnx.reference's; onnxruntime's CPU kernels
+    # widen), and clip / inf zeroed every gradient. From zero weights and lr 1, SGD's new
+    # weights are -g * min(1, clip / (norm + 1e-6)): the unclipped step's, scaled
+    import numpy as np
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+    from onnxgrad.training import SGD, attach_loss, build_train_step
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    rng = np.random.default_rng(seed)
+    g = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W", "b"], ["y"], transB=1)], "lin",
+        [helper.make_tensor_value_info("x", dtype, ["N", 7])],
+        [helper.make_tensor_value_info("y", dtype, ["N", 3])],
+        [numpy_helper.from_array(np.zeros((3, 7), np_dtype), "W"),
+         numpy_helper.from_array(np.zeros(3, np_dtype), "b")])
+    model = attach_loss(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)],
+                                          ir_version=10), "mse")
+    feeds = {"x": (rng.standard_normal((16, 7)) * 10).astype(np_dtype),
+             "target": (rng.standard_normal((16, 3)) * scale).astype(np_dtype)}
+    got = {}
+    for c in (None, clip):
+        step = build_train_step(model, model.graph.output[-1].name, optimizer=SGD(lr=1.0),
+                                clip_norm=c)
+        names = {i.name for i in step.model.graph.input}
+        run = {**feeds, **step.initial_params, **step.initial_state(), step.lr: np.array(1.0),
+               step.step: np.array(1, np.int64)}
+        outs = ReferenceEvaluator(step.model).run(
+            step.param_outputs, {k: v for k, v in run.items() if k in names})
+        got[c] = [np.asarray(o, np.float64) for o in outs]
+    norm = np.sqrt(sum(float((u ** 2).sum()) for u in got[None]))
+    assert np.isfinite(norm) and norm > 0  # (a step whose loss is not finite is not taken)
+    coef = min(1.0, clip / (norm + 1e-6))
+    tol = 1e-2 if dtype == TP.BFLOAT16 else 2e-3
+    for clipped, plain in zip(got[clip], got[None]):
+        np.testing.assert_allclose(clipped, plain * coef, rtol=tol, atol=tol * coef * np.abs(
+            plain).max())

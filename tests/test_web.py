@@ -367,6 +367,51 @@ def test_web_step_carries_batchnorm_statistics(tmp_path):
     assert (tmp_path / "expected.onnx").read_bytes() == (tmp_path / "trained.onnx").read_bytes()
 
 
+def test_a_float16_loss_is_read_as_its_value(tmp_path):
+    """Where the JS engine has no Float16Array (Node 20, Firefox before 129), onnxruntime-web
+    gives float16 data as its bits: the page's Trainer read a loss of 4988 as 27871 and an
+    infinite one as 31744, and took that step. Now the losses are the Python Trainer's, and an
+    infinite loss stops the run before its updates, as in Python."""
+    missing = _browser_ready()
+    if missing:
+        pytest.fail(f"this test needs {missing}; .ci/run installs it")
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W", "b"], ["y"], transB=1)], "lin16",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 3])],
+        [numpy_helper.from_array((rng.standard_normal((3, 5)) * 0.3).astype(np.float16), "W"),
+         numpy_helper.from_array(np.zeros(3, np.float16), "b")])
+    src = tmp_path / "lin16.onnx"
+    save_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), src)
+    export_web_step(str(src), "mse", tmp_path / "s.onnx", optimizer=SGD(lr=1e-4))
+
+    def run(scales):
+        batches = [(rng.standard_normal((4, 5)).astype(np.float16),
+                    (rng.standard_normal((4, 3)) * s).astype(np.float16)) for s in scales]
+        (tmp_path / "b.json").write_text(json.dumps(
+            [{"x": {"dtype": "float16", "dims": [4, 5], "data": x.view(np.uint16).ravel().tolist()},
+              "target": {"dtype": "float16", "dims": [4, 3],
+                         "data": y.view(np.uint16).ravel().tolist()}} for x, y in batches]))
+        proc = subprocess.run(["node", os.path.join(WEB, "tools", "train_steps.mjs"),
+                               str(tmp_path / "s.json"), str(tmp_path / "b.json"), "1e-4",
+                               str(tmp_path / "out.onnx")],
+                              capture_output=True, text=True, timeout=120, cwd=WEB)
+        return batches, proc
+
+    batches, proc = run([1.0, 70.0, 3.0])  # losses near 1, near 5000, near 9
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = json.loads(proc.stdout.strip().splitlines()[-1])["losses"]
+    tr = Trainer(str(src), "mse", optimizer=SGD(lr=1e-4), device="cpu", progress=False,
+                 threads=1)
+    want = [tr.step({"x": x, "target": y}) for x, y in batches]
+    assert want[1] > 1000
+    np.testing.assert_allclose(losses, want, rtol=2e-3)
+    _, proc = run([1.0, 1000.0])  # squares past float16's 65504: an infinite loss
+    assert proc.returncode != 0
+    assert "the loss is Infinity at step 2" in proc.stderr, proc.stderr
+
+
 def test_manifest_without_stats_still_trains(tmp_path):
     """A web export written before manifests had "stats" (a step without statistics) trains on
     the page's Trainer as before, to the same losses as its current export."""

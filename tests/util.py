@@ -195,14 +195,20 @@ def quiet_export(net, path, args=None, **kw):
     return onnx.load(path)
 
 
+def bn_net(momentum=0.3):
+    """bn_train_export's torch net (seeded)."""
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=momentum),
+                               torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 2))
+
+
 def bn_train_export(path, momentum=0.3, running=None):
     """A Conv-BatchNorm-ReLU-Linear net on 3x8x8 images, exported to ``path`` in training mode
     (its BatchNormalization updates running statistics, symbolic batch); ``running``: (mean,
     var) to start the statistics from. Returns the torch net (the export ran one forward)."""
     import torch
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=momentum),
-                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 2))
+    net = bn_net(momentum)
     if running is not None:
         with torch.no_grad():
             net[1].running_mean.fill_(running[0])

@@ -12,6 +12,19 @@ const ARRAYS = {float32: Float32Array, float64: Float64Array, int64: BigInt64Arr
                 int8: Int8Array, uint8: Uint8Array, bool: Uint8Array,
                 float16: globalThis.Float16Array || Uint16Array};
 
+/** IEEE half-precision bits as a number (onnxruntime-web gives float16 data as its bits, a
+ * Uint16Array, where the JS engine has no Float16Array: Node 20, older browsers). */
+function half(h) {
+  const sign = h & 0x8000 ? -1 : 1, e = (h >> 10) & 0x1f, f = h & 0x3ff;
+  if (e === 31) return f ? NaN : sign * Infinity;
+  return sign * (e ? (1 + f / 1024) * 2 ** (e - 15) : f * 2 ** -24);
+}
+
+/** A CPU tensor's values as numbers: float16 bits decoded (an inf loss is inf, not 31744). */
+export function numbers(t) {
+  return t.type === 'float16' && t.data instanceof Uint16Array ? Float32Array.from(t.data, half) : t.data;
+}
+
 /**
  * Options of every session this page makes. onnxruntime's GatherToSliceFusion rewrites
  * Range -> Gather as a Slice over Range's bounds and reads a negative bound as counted from the
@@ -165,7 +178,7 @@ export class Trainer {
     feeds[m.lr.name] = new ort.Tensor(m.lr.dtype, new ARRAYS[m.lr.dtype]([lr]), []);
     feeds[m.step.name] = new ort.Tensor('int64', new BigInt64Array([BigInt(n)]), []);
     const out = await this.session.run(feeds);
-    const loss = Number(out[m.loss.name].data[0]);
+    const loss = numbers(out[m.loss.name])[0];
     if (!Number.isFinite(loss)) {
       for (const t of carried(m)) out[t.output].dispose?.();
       throw new Error(`the loss is ${loss} at step ${n}: training stopped (the updates of step ${n} ` +

@@ -1,6 +1,6 @@
 // The page's Web Worker: loads onnxruntime-web and a train step, trains it on the bundled digits,
 // and answers the page (app.js), so the page stays responsive while it trains.
-import {InputError, Trainer, checkManifest, pickExport} from './trainer.js';
+import {InputError, Trainer, checkManifest, numbers, pickExport} from './trainer.js';
 
 const DIST = new URL('node_modules/onnxruntime-web/dist/', import.meta.url).href;
 // ort.wasm: the CPU build with every kernel type; ort.webgpu: WebGPU plus a CPU build without
@@ -163,7 +163,7 @@ async function logits(part) {
   const m = trainer.m;
   const x = new ort.Tensor('float32', Float32Array.from(part.x), [part.n, data.features]);
   const out = await predictor.run({[m.inputs[0].name]: x});
-  return out[m.loss.output].data;
+  return numbers(out[m.loss.output]);
 }
 
 /** Mean cross-entropy and accuracy of the downloadable model on `part`. */

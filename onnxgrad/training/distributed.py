@@ -55,9 +55,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import runtime
+from ..aliasing import statistics_read
 from ..errors import DistributedError, InvalidArgumentError, MissingExtraError
 from .optimizers import SGD, Adam, AdamW
-from .step import TrainStep, build_apply_model
+from .step import TrainStep, _log, build_apply_model
 from .trainer import NonFiniteLossError, Trainer, cores, make_session
 
 BUCKET_MB = 25.0
@@ -300,6 +301,14 @@ class DistributedTrainer(Trainer):
              [str(d) for _, d in self._meta], type(self.optimizer).__name__,
              self.optimizer.config(), self.clip_norm, self.zero, seed], default=str))
         self._broadcast_params()
+        norms = sorted(statistics_read(self.model))
+        if norms and self.rank == 0:
+            _log.warning(
+                "training-mode BatchNormalization (running statistics %s): each process "
+                "normalizes with the statistics of its own rows and updates its own running "
+                "statistics, as torch DDP without SyncBatchNorm does, so the steps are not one "
+                "process's on the same batches; rank 0's statistics are checkpointed and "
+                "exported", ", ".join(norms))
 
     # -- buffers: flat torch tensors, onnxruntime views of them ------------------------------
     def _buffer_sets(self, names, values):

@@ -350,9 +350,13 @@ def clip_grad_norm(b: Builder, grads: list[str], dtypes: list[int], max_norm: fl
     (``ranks``: the gradients' ranks, for the scale's shape; see Builder.const)."""
     if not grads:
         return grads
-    T = dtypes[0]
+    # summed in float32 at least, float64 where a gradient is: in float16 the sum of squares
+    # is inf past a norm of 256, and the scale clip / inf would zero every gradient
+    T = TensorProto.DOUBLE if TensorProto.DOUBLE in dtypes else TensorProto.FLOAT
     sq = []
     for g, dt in zip(grads, dtypes):
+        if dt in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+            g, dt = b.op("Cast", g, to=TensorProto.FLOAT), TensorProto.FLOAT
         s = b.op("ReduceSumSquare", g, keepdims=0)
         sq.append(s if dt == T else b.op("Cast", s, to=T))
     total = b.op("Sqrt", sq[0] if len(sq) == 1 else b.op("Sum", *sq))

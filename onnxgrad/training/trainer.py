@@ -742,17 +742,25 @@ class Trainer:
             checkpoint: str | None = None, checkpoint_every: int | None = None,
             resume: str | None = None, callback=None, max_steps: int | None = None,
             drop_last: bool = False) -> list[float]:
-        """Train for ``epochs`` over ``data`` ({input name: array}, rows on axis 0) in batches
-        of ``batch_size`` (the last may be smaller, or is skipped with ``drop_last``), shuffled
-        by the trainer's RNG.
+        """Train up to epoch ``epochs`` over ``data`` ({input name: array}, rows on axis 0) in
+        batches of ``batch_size`` (the last may be smaller, or is skipped with ``drop_last``),
+        shuffled by the trainer's RNG. ``epochs`` counts from the trainer's first epoch, as a
+        resumed run does (so a resumed run reproduces the uninterrupted one): after
+        ``fit(d, epochs=3)``, ``fit(d, epochs=4)`` trains one more epoch, and ``fit(d,
+        epochs=3)`` trains nothing (with a warning). ``max_steps`` stops after that many steps.
 
         checkpoint: a path written (atomically) at the end of each epoch, and every
         ``checkpoint_every`` steps when given. resume: a checkpoint to continue from (the same
         data, epochs and batch size reproduce the uninterrupted run). callback(trainer, loss)
         runs after every step. Returns the losses of the steps this call took."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
-                batch_size < 1:
-            raise InvalidArgumentError(f"batch_size={batch_size!r} must be an integer >= 1")
+        for name, value, least in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
+                                   ("max_steps", max_steps, 0),
+                                   ("checkpoint_every", checkpoint_every, 1)):
+            if value is None and name in ("max_steps", "checkpoint_every"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
+                    value < least:
+                raise InvalidArgumentError(f"{name}={value!r} must be an integer >= {least}")
         arrays, rows = self._checked(data, "data")
         if drop_last and rows < batch_size:
             raise DataError(f"drop_last: the data has {rows} rows, fewer than one batch of "
@@ -773,6 +781,11 @@ class Trainer:
         self._pos_batch_size = batch_size
         per_epoch = rows // batch_size if drop_last else -(-rows // batch_size)
         todo = max(0, (epochs - epoch0) * per_epoch - batch0)
+        if todo == 0 and max_steps != 0:
+            _log.warning("fit(epochs=%d) trained nothing: this trainer has already trained %d "
+                         "epochs%s, and epochs counts from its first (pass epochs=%d for one "
+                         "more)", epochs, epoch0, f" and {batch0} steps" if batch0 else "",
+                         epoch0 + 1)
         if max_steps is not None:
             todo = min(todo, max_steps)
         tqdm = _tqdm() if self.progress else None
@@ -780,6 +793,8 @@ class Trainer:
         losses = []
         try:
             for epoch in range(epoch0, epochs):
+                if len(losses) == todo:  # (before the next epoch's draw from the RNG)
+                    return losses
                 if order is None:
                     order = self.rng.permutation(rows) if shuffle else np.arange(rows)
                 for bi in range(batch0, per_epoch):
@@ -878,9 +893,14 @@ class Trainer:
         gradient accumulation: its rows, or its targets' weights for a cross_entropy with
         class weights or ignore_index, over the data's; 1 for a "sum" loss). The data is
         checked as :meth:`fit` checks it (a :class:`DataError` names the array)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
-                batch_size < 1:
-            raise InvalidArgumentError(f"batch_size={batch_size!r} must be an integer >= 1")
+        for name, value, least in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
+                                   ("max_steps", max_steps, 0),
+                                   ("checkpoint_every", checkpoint_every, 1)):
+            if value is None and name in ("max_steps", "checkpoint_every"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
+                    value < least:
+                raise InvalidArgumentError(f"{name}={value!r} must be an integer >= {least}")
         arrays, rows = self._checked(data, "data")
         norm = self._loss_norm(arrays)
         if norm == 0:
