@@ -508,6 +508,18 @@ class Emitter:
         out = tuple(1 for i in range(k) if keepdims or i not in axes) + tuple(trail)
         return total if total.shape == out else self.op("Reshape", total, list(out), _shape=out)
 
+    def over_count(self, g: V, k) -> V:
+        """g / k for a count k (an int, or an integer or float32 tensor), in float32 where g is
+        float16 or bfloat16 and rounded once: there a count past 65504 is inf (g / inf = 0),
+        and 1 / k is a subnormal a few per cent off. g is a reduced gradient (small)."""
+        half = g.dtype in _HALF_TYPES
+        w = self.op("Cast", g, to=ir.DataType.FLOAT) if half else g
+        if isinstance(k, int):
+            w = w * (1.0 / max(k, 1))  # 0: an empty tensor, whose (empty) gradient any scale gives
+        else:
+            w = w / (k if k.dtype == w.dtype else self.op("Cast", k, to=w.dtype))
+        return self.op("Cast", w, to=g.dtype) if half else w
+
     def sum_to(self, t: V, x: V) -> V:
         """Sum ``t`` (broadcast from x) down to x's shape: the adjoint of numpy broadcasting.
 

@@ -152,3 +152,62 @@ def test_half_precision_gradients_are_clipped_by_their_norm(dtype, scale, clip, 
     for clipped, plain in zip(got[clip], got[None]):
         np.testing.assert_allclose(clipped, plain * coef, rtol=tol, atol=tol * coef * np.abs(
             plain).max())
+
+
+@settings(max_examples=10, deadline=None)
+@given(op=st.sampled_from(["ReduceMean", "GlobalAveragePool", "SoftmaxCrossEntropyLoss",
+                           "weighted", "BatchNormalization"]), seed=st.integers(0, 3))
+def test_float16_gradients_of_means_over_more_than_65504_values(op, seed):
+    # the counts (symbolic dims) and the batch statistics' sum of squares were float16 in the
+    # gradient graph: inf past 65504, so 1 / count and r = (var + eps)^-1/2 were 0 and so was
+    # every gradient (the spec's arithmetic, onnx.reference's; onnxruntime's CPU kernels widen)
+    import numpy as np
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+    torch = __import__("pytest").importorskip("torch")
+    F = torch.nn.functional
+    rng = np.random.default_rng(seed)
+    shape = [2, 3, 200, 200]  # 80,000 values a channel, 240,000 in all
+    x = rng.standard_normal(shape).astype(np.float16)
+    feeds, inits, sym = {"x": x}, [], ["N", 3, "H", "W"]
+    xt = torch.tensor(x.astype(np.float64), requires_grad=True)
+    if op in ("SoftmaxCrossEntropyLoss", "weighted"):
+        labels = rng.integers(0, 3, [2, 200, 200])
+        labels[rng.random(labels.shape) < 0.2] = -1
+        feeds["labels"] = labels
+        w = np.array([0.5, 1.0, 2.0])
+        ins = ["x", "labels"] + (["w"] if op == "weighted" else [])
+        if op == "weighted":
+            inits.append(numpy_helper.from_array(w.astype(np.float16), "w"))
+        nodes = [helper.make_node("SoftmaxCrossEntropyLoss", ins, ["y"], ignore_index=-1)]
+        want = F.cross_entropy(xt, torch.tensor(labels), ignore_index=-1,
+                               weight=torch.tensor(w) if op == "weighted" else None)
+        extra = [helper.make_tensor_value_info("labels", TP.INT64, ["N", "H", "W"])]
+    else:
+        c = rng.standard_normal([2, 3, 1, 1] if op == "GlobalAveragePool" else shape)
+        feeds["c"] = c.astype(np.float16)
+        inits += [numpy_helper.from_array(np.ones(3, np.float16), n) for n in ("s", "v")]
+        inits += [numpy_helper.from_array(np.zeros(3, np.float16), n) for n in ("b", "m")]
+        if op == "BatchNormalization":
+            first = helper.make_node(op, ["x", "s", "b", "m", "v"], ["z", "rm", "rv"],
+                                     training_mode=1)
+            z = F.batch_norm(xt, None, None, training=True, eps=1e-5)
+        elif op == "GlobalAveragePool":
+            first, z = helper.make_node(op, ["x"], ["z"]), xt.mean((2, 3), keepdim=True)
+        else:
+            first, z = helper.make_node(op, ["x"], ["z"], keepdims=1), xt.mean().reshape(1, 1, 1, 1)
+        nodes = [first, helper.make_node("Mul", ["z", "c"], ["zc"]),
+                 helper.make_node("ReduceSum", ["zc"], ["y"], keepdims=0)]
+        want = (z * torch.tensor(c)).sum()
+        extra = [helper.make_tensor_value_info("c", TP.FLOAT16, None)]
+    want.backward()
+    g = helper.make_graph(nodes, "big", [helper.make_tensor_value_info("x", TP.FLOAT16, sym),
+                                         *extra],
+                          [helper.make_tensor_value_info("y", TP.FLOAT16, [])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
+    res = onnxgrad.gradients(m, "y", ["x"])
+    got, = ReferenceEvaluator(res.model).run(res.grads, feeds)
+    ref = xt.grad.numpy()
+    assert np.abs(ref).max() > 0
+    np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=0.05,
+                               atol=0.02 * np.abs(ref).max())

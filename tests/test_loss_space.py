@@ -4,8 +4,8 @@ tests/test_training.py checks eight chosen losses; here hypothesis draws the los
 rank (2 to 4, a symbolic batch), the reduction, cross_entropy's class axis (1, or the last one
 as a Keras model has it), class weights (zeros too) and ignore_index (labels ignored or not, a
 label that is never drawn), bce's pos_weight (a scalar or one per last-axis element) and logits
-up to +-60, where a naive log(sigmoid) overflows. The loss and its gradient with respect to the
-logits must be torch's to 1e-10.
+up to +-60, where a naive log(sigmoid) overflows, and exactly 0 (a quarter of them). The loss
+and its gradient with respect to the logits must be torch's to 1e-10.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def cases(draw):
     rank = draw(st.integers(2, 4))
     shape = [draw(st.integers(1, 5))] + [draw(st.integers(1, 4)) for _ in range(rank - 1)]
     opts = {"reduction": draw(st.sampled_from(["mean", "sum"]))}
-    scale = draw(st.sampled_from([1.0, 5.0, 60.0]))
+    scale = draw(st.sampled_from([0.0, 1.0, 5.0, 60.0]))  # (0: a zero-initialised layer's)
     seed = draw(st.integers(0, 2**16))
     if kind == "cross_entropy":
         opts["class_axis"] = draw(st.sampled_from([1, -1]))
@@ -73,6 +73,7 @@ def test_losses_are_torch(case):
     kind, shape, opts, scale, seed = case
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape) * scale
+    x[rng.random(shape) < 0.25] = 0.0  # bce is smooth at 0, where Relu's and Abs's slopes are 0
     if kind == "cross_entropy":
         axis = opts["class_axis"] % len(shape)
         classes = shape[axis]

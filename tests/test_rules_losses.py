@@ -4,6 +4,8 @@ inputs, the optional log_prob output, int32 labels, symbolic dims; PyTorch as an
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import helper
 from util import assert_gradients, grads_of, make_model
 
@@ -141,6 +143,46 @@ def test_vs_torch(op, rank, reduction, weights, ignore):
     np.testing.assert_allclose(y, loss.detach().numpy(), rtol=1e-5, atol=1e-6)
     loss.backward(torch.tensor(gy, dtype=torch.float64))
     np.testing.assert_allclose(gx, t["x"].grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(op=st.sampled_from(["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"]),
+       rank=st.integers(2, 4), ignore=st.sampled_from([0, 2, -100]), weights=st.booleans(),
+       symbolic=st.booleans(), seed=st.integers(0, 50))
+def test_a_mean_over_no_weight_leaves_the_other_gradients_finite(op, rank, ignore, weights,
+                                                                  symbolic, seed):
+    """Every target ignored: the mean is 0 / 0 (NaN, in torch too). Masked out (a padding-only
+    head, Where(IsNaN(l), 0, l)), it must not make the other head's gradients NaN: its
+    gradient was g / 0 * 0 = NaN on every score (torch: 0). Two heads share the scores."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    rng = np.random.default_rng(seed)
+    shape = [3, 3] + [2] * (rank - 2)
+    x = rng.standard_normal(shape)
+    good = rng.integers(0, 3, [3] + shape[2:])
+    bad = np.full_like(good, ignore)
+    w = np.array([0.5, 1.0, 2.0])
+    nodes = []
+    for head in ("good", "bad"):
+        ins = ["x", head] + (["w"] if weights else [])
+        nodes.append(helper.make_node(op, ins, [f"l_{head}"], ignore_index=ignore))
+    nodes += [helper.make_node("IsNaN", ["l_bad"], ["nan"]),
+              helper.make_node("Where", ["nan", "zero", "l_bad"], ["l_safe"]),
+              helper.make_node("Add", ["l_good", "l_safe"], ["y"])]
+    dims = ["N", 3] + [f"d{i}" for i in range(rank - 2)] if symbolic else shape
+    ldims = [dims[0], *dims[2:]]
+    inputs = {"x": (np.float64, dims), "good": (np.int64, ldims), "bad": (np.int64, ldims)}
+    inits = {"zero": np.array(0.0)}
+    if weights:
+        inits["w"] = w
+    m = make_model(nodes, inputs, ["y"], inits=inits)
+    (gx,), _ = grads_of(m, "y", ["x"], {"x": x, "good": good, "bad": bad})
+    xt = torch.tensor(x, requires_grad=True)
+    fn = F.cross_entropy if op == "SoftmaxCrossEntropyLoss" else F.nll_loss
+    fn(xt, torch.tensor(good), weight=torch.tensor(w) if weights else None,
+       ignore_index=ignore).backward()
+    assert np.isfinite(gx).all()
+    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
 # -- second order ------------------------------------------------------------------------------

@@ -492,6 +492,43 @@ def test_attention_fully_masked_rows(dtype):
         np.testing.assert_allclose(a.astype(np.float64), t.grad.numpy(), rtol=tol, atol=tol)
 
 
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.sampled_from(["open", "some", "min", "inf", "mixed", "-1e4"]),
+                     min_size=3, max_size=3), causal=st.booleans(), seed=st.integers(0, 20))
+def test_attention_rows_masked_by_the_lowest_float_are_onnxruntimes(rows, causal, seed):
+    """HuggingFace masks with finfo(float32).min, and a score plus it rounds to it:
+    onnxruntime's kernel outputs 0 for a row of them, as for a row of -inf, where the function
+    body gives a uniform softmax; the gradient took the body's (d/dv off by 0.5). y is linear in
+    v, so differences of onnxruntime's forward with a step of 1 are exact."""
+    from onnxgrad.runtime import session
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((1, 2, 3, 4)).astype(f) for _ in range(3))
+    low = np.finfo(f).min
+    fill = {"open": [0, 0, 0], "some": [0, low, 0], "min": [low] * 3, "inf": [-np.inf] * 3,
+            "mixed": [low, -np.inf, low], "-1e4": [-1e4] * 3}
+    mask = np.array([fill[r] for r in rows], f)
+    m = op_model("Attention", {"q": (f, [1, 2, 3, 4]), "k": (f, [1, 2, 3, 4]),
+                               "v": (f, [1, 2, 3, 4]), "mask": (f, [3, 3])}, opset=23,
+                 is_causal=int(causal))
+    gy = rng.standard_normal((1, 2, 3, 4)).astype(f)
+    res = onnxgrad.gradients(m, "y", ["q", "k", "v"], grad_ys=["gy"])
+    feeds = {"q": q, "k": k, "v": v, "mask": mask, "gy": gy}
+    got = session(res.model).run(res.grads, feeds)
+    fwd = session(m)
+
+    def dot(vv):
+        y, = fwd.run(["y"], {"q": q, "k": k, "v": vv, "mask": mask})
+        return float((y.astype(np.float64) * gy).sum())
+    fd = np.zeros(v.shape)
+    for j in np.ndindex(v.shape):
+        vp, vm = v.copy(), v.copy()
+        vp[j] += 1
+        vm[j] -= 1
+        fd[j] = (dot(vp) - dot(vm)) / 2
+    assert all(np.isfinite(a).all() for a in got)
+    np.testing.assert_allclose(got[2], fd, rtol=1e-4, atol=1e-5)
+
+
 def test_attention_causal_3d_inputs():
     m = op_model("Attention", {"q": (f, [2, 4, 12]), "k": (f, [2, 4, 12]), "v": (f, [2, 4, 12])},
                  opset=23, is_causal=1, q_num_heads=3, kv_num_heads=3)

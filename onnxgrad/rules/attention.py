@@ -5,11 +5,15 @@ The body adds the mask as -inf and takes a Softmax; a row whose every score is -
 masked query) gives NaN there, and its NaN would spread through the sums of the backward pass
 into every gradient of K and V. onnxruntime's Attention kernel (and the ONNX test cases' expected
 outputs) give 0 for such a row instead, so the expansion differentiated here computes
-``P = Softmax(where(live, s, 0)) * live``, ``live`` meaning the row has a finite score: the same
-values on every other row, 0 on fully masked ones, and zero gradients through them.
+``P = Softmax(where(live, s, 0)) * live``, ``live`` meaning the row has a score above the
+dtype's lowest: the same values on every other row, 0 on fully masked ones, and zero gradients
+through them. The lowest finite value masks as -inf does (onnxruntime's kernel outputs 0 for a
+row of them; the body a uniform softmax): HuggingFace's masks are ``finfo.min``, and a score
+plus it rounds to it.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
@@ -23,7 +27,8 @@ def _safe_softmax(e, sm):
     s = e.wrap(sm.inputs[0])
     a = sm.attributes.get("axis")
     axis = -1 if a is None else int(a.value)
-    finite = e.Cast(e.Not(e.IsInf(s, detect_positive=0)), to=ir.DataType.FLOAT)
+    lowest = e.const(float(ml_dtypes.finfo(s.dtype.numpy()).min), s.dtype)
+    finite = e.Cast(e.Greater(s, lowest), to=ir.DataType.FLOAT)
     live = e.Greater(e.reduce("ReduceMax", finite, [axis], keepdims=1),
                      e.const(np.array(0, np.float32)))
     sm.replace_input_with(0, e.Where(live, s, e.zeros_like(s)).value)

@@ -875,11 +875,9 @@ def _spatial_axes(n, x):
 def _global_average_pool(n, g):
     e, x = n.e, n.x
     dims = x.shape[2:] if x.shape is not None else None
-    if dims is not None and all(isinstance(i, int) for i in dims):
-        scaled = g * (1.0 / max(math.prod(dims), 1))  # 0: x is empty, and so is its gradient
-    else:
-        scaled = g / e.Cast(e.Div(e.Size(x), e.Size(g)), to=g.dtype)
-    return e.broadcast_to(scaled, x)
+    static = dims is not None and all(isinstance(i, int) for i in dims)
+    return e.broadcast_to(e.over_count(g, math.prod(dims) if static else
+                                       e.Div(e.Size(x), e.Size(g))), x)
 
 
 @register("GlobalMaxPool")

@@ -17,6 +17,8 @@ import onnx_ir as ir
 from ..registry import register
 from .spec import attr
 
+_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
 
 class _Loss:
     def __init__(self, n):
@@ -67,21 +69,31 @@ class _Loss:
         return e.Equal(e.Unsqueeze(lab, [1]), cls)
 
     def denominator(self):
-        """sum(w_i) for "mean": a python number when static, else a tensor."""
+        """sum(w_i) for "mean": a python number when static, else a tensor (float32 for
+        float16 and bfloat16 scores, whose sum of 65505 ones is inf)."""
         e = self.e
         if self.wi is not None:
-            return e.ReduceSum(self.wi, keepdims=0)
+            wi = self.wi if self.dtype not in _HALF else e.Cast(self.wi, to=ir.DataType.FLOAT)
+            return e.ReduceSum(wi, keepdims=0)
         s = self.labels.shape
         if s is not None and all(isinstance(d, int) for d in s):
             return int(np.prod(s, dtype=np.int64))
-        return e.Cast(e.Size(self.labels), to=self.dtype)
+        return e.Size(self.labels)
+
+    def over_total(self, g):
+        """g / sum(w_i). A total of 0 (every entry ignored, or weighted 0) makes the mean 0 / 0,
+        NaN, as in torch; its gradient is 0 there (torch: 0 for ignored entries), not 0 * inf:
+        a NaN loss masked out downstream leaves every gradient finite."""
+        e, d = self.e, self.denominator()
+        if not isinstance(d, int) and d.dtype != ir.DataType.INT64:
+            d = e.Where(e.Equal(d, e.const(0, d.dtype)), e.const(1, d.dtype), d)
+        return e.over_count(g, d)
 
     def coef(self, g):
         """d loss / d l_i (l_i the unweighted -logp[i, label_i]) times w_i, and whether it is a
         scalar (the same for every entry)."""
         if self.reduction == "mean":
-            d = self.denominator()
-            g = g * (1.0 / max(d, 1)) if isinstance(d, int) else g / d  # 0: no entries
+            g = self.over_total(g)
         if self.wi is not None:
             return g * self.wi, False
         return g, self.reduction != "none"
@@ -99,7 +111,7 @@ class _Loss:
         zero = e.const(0, self.dtype)
         nll = -e.ReduceSum(e.Where(hot, logp, zero), [1], keepdims=0)  # unweighted l_i
         if self.reduction == "mean":
-            c = (nll - n.y) * (g / self.denominator())
+            c = (nll - n.y) * self.over_total(g)
         else:
             c = nll * g
         if self.valid is not None:

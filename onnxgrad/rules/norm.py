@@ -193,12 +193,18 @@ def _batch_norm(n, g):
     else:  # BatchNormalization-9: the optional statistics outputs mean training mode
         training = any(_out(n, i) is not None for i in range(1, len(n.outs)))
     if training:
+        if dt in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            # in float32, as cuDNN's kernels compute it: Σc² over N H W values passes float16's
+            # 65504 at batch 32 of 56 x 56 (then r = 0, and every gradient with it)
+            x, g, dt = _cast(e, x, ir.DataType.FLOAT), _cast(e, g, ir.DataType.FLOAT), \
+                ir.DataType.FLOAT
+            s = _cast(e, scale, dt)
         # with c = x - mean, r = (var + eps)^-1/2, x̂ = c r and M values per channel:
         # dL/dx = s r (g - Σg / M - x̂ Σ(g x̂) / M) = (g + c a + b) s r with the per-channel
         # a = -r² Σ(g c) / M, b = -Σg / M: x̂ and the other full-size terms are never made
         # (half the passes over x-sized tensors of the textbook form)
         replaced = None  # the node's inputs, when the rule replaced it
-        if g is not None and n.opset >= 14 and dt in _AFFINE and n.node.graph is e.graph:
+        if g is not None and n.opset >= 14 and n.x.dtype in _AFFINE and n.node.graph is e.graph:
             replaced = list(n.node.inputs)
             c, r, inv_m = _training_forward(n, e, axes, rank)
         else:
@@ -226,6 +232,7 @@ def _batch_norm(n, g):
             if g_rv is None:
                 extra = e.broadcast_to(extra, x)
             gx = extra if gx is None else gx + extra
+        gx = _cast(e, gx, n.x.dtype)
         if replaced is not None:
             return Grads.by_value(e, replaced, [gx, gs, gb, gm, gv])
         return gx, gs, gb, gm, gv

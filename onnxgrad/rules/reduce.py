@@ -67,8 +67,8 @@ class _Reduce:
         return self.e.op(op_type, t, self.axes, keepdims=kd, noop_with_empty_axes=self.noop)
 
     def count(self):
-        """How many elements each output reduces: a python number when static, else a tensor
-        of x's dtype."""
+        """How many elements each output reduces: a python number when static, else an int64
+        tensor."""
         x, y = self.n.x, self.n.y
         xs = x.shape
         if xs is not None:
@@ -80,10 +80,9 @@ class _Reduce:
                     return int(np.prod(sizes, dtype=np.int64))
         e = self.e
         if y.shape is not None and all(d == 1 for d in y.shape):  # one output: all of x
-            return e.Cast(e.Size(x), to=x.dtype)
+            return e.Size(x)
         one = e.const(np.array(1, np.int64))
-        k = e.Div(e.Size(x), e.Max(e.Size(y), one))
-        return e.Cast(k, to=x.dtype)
+        return e.Div(e.Size(x), e.Max(e.Size(y), one))
 
 
 @register("ReduceSum")
@@ -97,8 +96,7 @@ def _reduce_mean(n, g):
     r = _Reduce(n)
     if r.identity:
         return g
-    k = r.count()  # 0 only for an empty x, whose (empty) gradient any scale gives
-    return r.expand(g * (1.0 / max(k, 1)) if isinstance(k, int) else g / k)
+    return r.expand(r.e.over_count(g, r.count()))
 
 
 @register(["ReduceMax", "ReduceMin"])

@@ -273,14 +273,19 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
             per = node("Abs", [node("Sub", [y, target])])
         else:  # bce: relu(x) - x t + softplus(-|x|), or with pos_weight p:
             # (1 - t) x + (1 + (p - 1) t) (softplus(-|x|) + relu(-x))   (PyTorch's form)
-            neg = node("Neg", [node("Abs", [y])])
+            # relu and |x| as Wheres on x >= 0, as TF writes them: the loss is smooth at 0,
+            # but the rules take Relu's and Abs's slopes at 0 as 0, which dropped sigmoid(0)
+            pos = node("GreaterOrEqual", [y, const(0)]) if opset_of(m) >= 12 else \
+                node("Not", [node("Less", [y, const(0)])])
+            minus_y = node("Neg", [y])
+            relu = node("Where", [pos, y, const(0)])
+            neg = node("Where", [pos, minus_y, y])
             # onnxruntime has no float64 Softplus kernel; log(1 + e^z) for z <= 0 is exact to
             # the last place of the loss (e^z <= 1)
             soft = node("Softplus", [neg]) if elem != TensorProto.DOUBLE else \
                 node("Log", [node("Add", [const(1), node("Exp", [neg])])])
             if pos_weight is None:
-                per = node("Add", [node("Sub", [node("Relu", [y]), node("Mul", [y, target])]),
-                                   soft])
+                per = node("Add", [node("Sub", [relu, node("Mul", [y, target])]), soft])
             else:
                 pwa = np.asarray(pos_weight, np_dtype)
                 static = [d.dim_value if d.HasField("dim_value") else None for d in dims or []]
@@ -300,7 +305,8 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
                 one = const(1)
                 lw = node("Add", [one, node("Mul", [node("Sub", [pw, one]), target])])
                 left = node("Mul", [node("Sub", [one, target]), y])
-                right = node("Mul", [lw, node("Add", [soft, node("Relu", [node("Neg", [y])])])])
+                right = node("Mul", [lw, node("Add", [soft, node("Where",
+                                                                 [pos, const(0), minus_y])])])
                 per = node("Add", [left, right])
         nodes.append(helper.make_node(reduce_op, [per], [loss], name=f"loss/{reduce_op}",
                                       keepdims=0))
