@@ -349,16 +349,43 @@ class Engine:
                 ident in self.irm.functions)
         return rule, opset
 
-    def sweep(self, graph: ir.Graph, e: Emitter, seeds: dict, xs: list, stop=frozenset()
-              ) -> list[V | None]:
+    def sweep(self, graph: ir.Graph, e: Emitter, seeds: dict, xs: list, stop=frozenset(),
+              owner=None) -> list[V | None]:
         """Gradients of the seeded values with respect to each of ``xs``, appended to ``e``'s graph.
 
-        ``graph`` is the graph whose nodes are swept (the top-level graph, or a subgraph that the
-        caller built, whose nodes may read outer-scope values); ``seeds`` maps values to lists of
-        incoming gradients (V); ``xs`` may be values of ``graph``, its inputs, or outer-scope
-        values it reads. Returns one summed gradient (or None) per x. Cost: linear in the nodes.
+        ``graph`` is the graph whose nodes are swept (a subgraph that the rule of ``owner``, a
+        registry.Node, built, whose nodes may read outer-scope values); ``seeds`` maps values to
+        lists of incoming gradients (V); ``xs`` may be values of ``graph``, its inputs, or
+        outer-scope values it reads. Returns one summed gradient (or None) per x. Cost: linear
+        in the nodes. An x that the model's metadata stops (a body input's placeholder, which
+        :func:`~onnxgrad.rules.control.clone_into` marks, or a row a Loop reads) gets None: the
+        rule passes nothing through it; one it prevents, with a gradient to pass, is refused.
         """
-        return self.run(self.plan(graph, list(seeds), xs, stop), e, seeds)
+        out = self.run(self.plan(graph, list(seeds), xs, stop), e, seeds)
+        if self.marked:
+            for i, x in enumerate(xs):
+                if out[i] is not None and x.meta.get(_STOP):
+                    out[i] = None
+                elif out[i] is not None and _PREVENT in x.meta and owner is not None:
+                    node = owner.node
+                    name, message = x.meta[_PREVENT]
+                    raise NotDifferentiableError(
+                        node.op_type, node.domain, owner.opset, node.name, [],
+                        reason=f"its body's value {name!r} is marked by the model's "
+                               f"{PREVENT_GRADIENTS_KEY!r} (TensorFlow's PreventGradient): "
+                               "gradient explicitly disabled"
+                               + (f". Reason: {message}" if message else ""))
+        return out
+
+    def reach(self, graph: ir.Graph, x: ir.Value) -> set:
+        """The values of ``graph`` that depend on ``x`` (one of its inputs, or an outer value it
+        reads) through float values, past the model's stops (none when x is stopped)."""
+        if not self.marked:
+            return _forward_reach(graph, [x], (), self.opset)[1]
+        if x.meta.get(_STOP):
+            return set()
+        stop = {v for node in graph for v in node.outputs if v.meta.get(_STOP)}
+        return _forward_reach(graph, [x], stop, self.opset)[1]
 
     def plan(self, graph: ir.Graph, ys: list, xs: list, stop=frozenset()) -> _Plan:
         """What depends on xs, and the refusals due before any rule runs, when values on the

@@ -262,11 +262,16 @@ class Node:
         v = value.value if isinstance(value, V) else value
         return v is not None and (self._live is None or v in self._live)
 
+    def reached(self, graph: ir.Graph, x) -> set:
+        """The values of ``graph`` (a subgraph of this node) that depend on ``x``, one of its
+        inputs or an outer value it reads, through float values."""
+        return self._engine.reach(graph, x)
+
     def differentiate(self, graph: ir.Graph, seeds: dict, xs: list, e: Emitter, stop=()):
         """The engine's sweep on ``graph`` (see the module docstring)."""
         seeds = {k: (list(v) if isinstance(v, (list, tuple)) else [v])
                  for k, v in seeds.items() if v is not None}
-        return self._engine.sweep(graph, e, seeds, list(xs), set(stop))
+        return self._engine.sweep(graph, e, seeds, list(xs), set(stop), owner=self)
 
     x = property(lambda self: self.ins[0])
     y = property(lambda self: self.outs[0])

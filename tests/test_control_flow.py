@@ -1,6 +1,8 @@
 """If / Loop / Scan gradients against float64 finite differences (and onnxruntime in float32)."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto as TP
 from onnx import helper as h
 from onnx import numpy_helper
@@ -312,3 +314,181 @@ def test_sequence_written_in_loop_and_outer_sequence_read():
     fwd = next(n for n in res.model.graph.node if n.op_type == "Loop")
     added = [o.rsplit("/", 1)[-1] for o in fwd.output[2:]]
     assert sorted(added) == ["Loop_iters", "Loop_kept", "Loop_saved"], added
+
+
+# -- the model's stop and prevent marks inside bodies -----------------------------------------
+def _marked(model, key, names):
+    import json
+    model.metadata_props.add(key=key, value=json.dumps(names))
+    return model
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["Loop", "Scan"]), at=st.sampled_from(["in", "row", "p", None]),
+       opset=st.sampled_from([13, 16, 18]), seed=st.integers(0, 20))
+def test_stops_inside_bodies_are_torchs_detach(kind, at, opset, seed):
+    """h <- sin(h w + x[t]) + h over the rows of x, with the model's metadata stopping the
+    body's carried input, its row read (a Loop's Gather, opset 16 on a scan output of its
+    gradient; a Scan's element) or an inner value. Stops on body inputs were accepted and
+    ignored, a stopped row read still took its gradient (ScatterND path): against torch with
+    .detach() there in every iteration."""
+    import onnx
+    torch = pytest.importorskip("torch")
+    D = TP.DOUBLE
+    rng = np.random.default_rng(seed)
+    T = 4
+    x, h0, w = rng.standard_normal((T, 3)), rng.standard_normal(3), rng.standard_normal(3)
+    step = [h.make_node("Mul", ["h_in", "w"], ["hw"]), h.make_node("Add", ["hw", "xi"], ["p"]),
+            h.make_node("Sin", ["p"], ["s"]), h.make_node("Add", ["s", "h_in"], ["h_out"])]
+    if kind == "Loop":
+        body = h.make_graph(
+            [h.make_node("Gather", ["x", "i"], ["xi"], axis=0), *step,
+             h.make_node("Identity", ["c"], ["c_out"])], "body",
+            [h.make_tensor_value_info("i", TP.INT64, []),
+             h.make_tensor_value_info("c", TP.BOOL, []), h.make_tensor_value_info("h_in", D, [3])],
+            [h.make_tensor_value_info("c_out", TP.BOOL, []),
+             h.make_tensor_value_info("h_out", D, [3])])
+        node = h.make_node("Loop", ["T", "", "h0"], ["hT"], body=body)
+        inits = [numpy_helper.from_array(np.array(T, np.int64), "T")]
+    else:
+        body = h.make_graph(step + [h.make_node("Identity", ["h_out"], ["o"])], "body",
+                            [h.make_tensor_value_info("h_in", D, [3]),
+                             h.make_tensor_value_info("xi", D, [3])],
+                            [h.make_tensor_value_info("h_out", D, [3]),
+                             h.make_tensor_value_info("o", D, [3])])
+        node = h.make_node("Scan", ["h0", "x"], ["hT", "os"], body=body, num_scan_inputs=1)
+        inits = []
+    g = h.make_graph([node], "g", [h.make_tensor_value_info(n, D, s) for n, s in
+                                   (("x", [T, 3]), ("h0", [3]), ("w", [3]))],
+                     [h.make_tensor_value_info("hT", D, [3])], inits)
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", opset)], ir_version=8)
+    name = {"in": "h_in", "row": "xi", "p": "p", None: None}[at]
+    if name:
+        _marked(m, "onnxgrad.stop_gradients", [name])
+    onnx.checker.check_model(m, full_check=True)
+    res = onnxgrad.gradients(m, "hT", ["x", "h0", "w"])
+    xt, ht, wt = (torch.tensor(a, requires_grad=True) for a in (x, h0, w))
+    hh = ht
+    for t in range(T):
+        hin = hh.detach() if at == "in" else hh
+        xi = xt[t].detach() if at == "row" else xt[t]
+        p = hin * wt + xi
+        hh = torch.sin(p.detach() if at == "p" else p) + hin
+    want = torch.autograd.grad(hh.sum(), [xt, ht, wt], allow_unused=True)
+    # x only through its stopped rows: None, as torch's (unused) gradient
+    assert [g is None for g in res.grads] == [b is None for b in want]
+    for a, b in zip(run(res.model, {"x": x, "h0": h0, "w": w},
+                        [g for g in res.grads if g is not None]), [b for b in want if b is not None]):
+        np.testing.assert_allclose(a, b.numpy(), rtol=1e-10, atol=1e-12)
+    if name:  # the same name prevented: a gradient through it is refused, by name
+        del m.metadata_props[:]
+        _marked(m, "onnxgrad.prevent_gradients", {name: "not here"})
+        with pytest.raises(onnxgrad.NotDifferentiableError, match=f"'{name}'.*not here"):
+            onnxgrad.gradients(m, "hT", ["x", "h0", "w"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["Loop", "Scan"]),
+       deps=st.lists(st.sets(st.sampled_from(["c0", "c1", "c2", "w"]), max_size=3),
+                     min_size=3, max_size=3),
+       trips=st.integers(0, 3), seed=st.integers(0, 20))
+def test_values_no_iteration_connects_to_ys_get_none(kind, deps, trips, seed):
+    """Three carried values, c_k <- sin(sum of those deps[k] names) (a constant when none), and
+    an outer w; ys = the final c0. Which initial values and w the gradient reaches at all is a
+    fixpoint over deps: the others get None, as outside a loop (a Loop gave every carried value
+    and capture zeros, which the Trainer's weight decay then moved). The rest: float64 central
+    differences."""
+    import onnx
+    D = TP.DOUBLE
+    rng = np.random.default_rng(seed)
+    ins = ["c0_in", "c1_in", "c2_in"]
+    nodes, outs = [], []
+    for k, dep in enumerate(deps):
+        names = [("w" if d == "w" else f"{d}_in") for d in sorted(dep)]
+        if not names:
+            nodes.append(h.make_node("Constant", [], [f"s{k}"],
+                                     value=numpy_helper.from_array(np.full(2, 0.5))))
+        elif len(names) == 1:
+            nodes.append(h.make_node("Identity", names, [f"s{k}"]))
+        else:
+            nodes.append(h.make_node("Sum", names, [f"s{k}"]))
+        nodes.append(h.make_node("Sin", [f"s{k}"], [f"c{k}_out"]))
+        outs.append(f"c{k}_out")
+    vi = [h.make_tensor_value_info(n, D, [2]) for n in ins]
+    vo = [h.make_tensor_value_info(n, D, [2]) for n in outs]
+    feeds = {"c0": rng.standard_normal(2), "c1": rng.standard_normal(2),
+             "c2": rng.standard_normal(2), "w": rng.standard_normal(2)}
+    if kind == "Loop":
+        body = h.make_graph(nodes + [h.make_node("Identity", ["c"], ["c_out"])], "body",
+                            [h.make_tensor_value_info("i", TP.INT64, []),
+                             h.make_tensor_value_info("c", TP.BOOL, []), *vi],
+                            [h.make_tensor_value_info("c_out", TP.BOOL, []), *vo])
+        node = h.make_node("Loop", ["M", "", "c0", "c1", "c2"], ["f0", "f1", "f2"], body=body)
+        extra = [h.make_tensor_value_info("M", TP.INT64, [])]
+        feeds["M"] = np.array(trips, np.int64)
+    else:  # the rows of r count the iterations (the body reads none of them; onnxruntime
+        trips = max(trips, 1)  # runs no Scan over 0 rows)
+        body = h.make_graph(nodes + [h.make_node("Identity", ["r"], ["ro"])], "body",
+                            [*vi, h.make_tensor_value_info("r", D, [])],
+                            [*vo, h.make_tensor_value_info("ro", D, [])])
+        node = h.make_node("Scan", ["c0", "c1", "c2", "r"], ["f0", "f1", "f2", "rs"],
+                           body=body, num_scan_inputs=1)
+        extra = [h.make_tensor_value_info("r", D, [trips])]
+        feeds["r"] = np.zeros(trips)
+    g = h.make_graph([node], "g", [*(h.make_tensor_value_info(n, D, [2]) for n in
+                                     ("c0", "c1", "c2", "w")), *extra],
+                     [h.make_tensor_value_info("f0", D, [2])])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 18)], ir_version=8)
+    onnx.checker.check_model(m, full_check=True)
+    xs = ["c0", "c1", "c2", "w"]
+    res = onnxgrad.gradients(m, "f0", xs)
+    needed, reached, grew = {"c0"}, set(), True
+    while grew:  # the expected connectivity, from deps alone
+        grew = False
+        for k in list(needed):
+            for d in deps[int(k[1])]:
+                if d not in reached:
+                    reached.add(d)
+                    grew = True
+                    if d != "w":
+                        needed.add(d)
+    # the initial c0 is the output when the loop may run no iteration (M is fed; the Scan's
+    # length is a static 1 or more)
+    want = reached | ({"c0"} if kind == "Loop" else set())
+    assert [x for x, gr in zip(xs, res.grads) if gr is not None] == [x for x in xs if x in want]
+    got = dict(zip([x for x in xs if x in want],
+                   run(res.model, feeds, [gr for gr in res.grads if gr is not None])))
+    for x in got:
+        fd = np.zeros(2)
+        for i in range(2):
+            p, q = dict(feeds), dict(feeds)
+            p[x], q[x] = feeds[x].copy(), feeds[x].copy()
+            p[x][i] += 1e-6
+            q[x][i] -= 1e-6
+            fd[i] = (run(m, p, ["f0"])[0].sum() - run(m, q, ["f0"])[0].sum()) / 2e-6
+        np.testing.assert_allclose(got[x], fd, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("cond", [True, False])
+def test_if_values_that_reach_no_output_with_a_gradient_get_none(cond):
+    """Each branch outputs (a from w1, b from w2); ys read a alone: w2 gets None, as without
+    the If (both branches gave it zeros)."""
+    D = TP.DOUBLE
+    outs = [h.make_tensor_value_info(n, D, [2]) for n in ("a", "b")]
+    then = h.make_graph([h.make_node("Sin", ["w1"], ["a"]), h.make_node("Cos", ["w2"], ["b"])],
+                        "then", [], outs)
+    other = h.make_graph([h.make_node("Neg", ["w1"], ["a"]), h.make_node("Exp", ["w2"], ["b"])],
+                         "else", [], outs)
+    g = h.make_graph([h.make_node("If", ["c"], ["ya", "yb"], then_branch=then,
+                                  else_branch=other)], "g",
+                     [h.make_tensor_value_info("c", TP.BOOL, []),
+                      *(h.make_tensor_value_info(n, D, [2]) for n in ("w1", "w2"))],
+                     [h.make_tensor_value_info("ya", D, [2]), h.make_tensor_value_info("yb", D, [2])])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 18)], ir_version=8)
+    res = onnxgrad.gradients(m, "ya", ["w1", "w2"])
+    assert res.grads[0] is not None and res.grads[1] is None
+    w1 = np.array([0.3, -1.2])
+    got, = run(res.model, {"c": np.array(cond), "w1": w1, "w2": w1}, [res.grads[0]])
+    np.testing.assert_allclose(got, np.cos(w1) if cond else -np.ones(2), rtol=1e-12)
+    both = onnxgrad.gradients(m, ["ya", "yb"], ["w1", "w2"])
+    assert None not in both.grads

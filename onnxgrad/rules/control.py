@@ -45,8 +45,12 @@ _INT64_MIN = np.iinfo(np.int64).min
 def clone_into(e, body: ir.Graph, value_map: dict) -> dict:
     """Append copies of ``body``'s nodes to ``e.graph``, reading ``value_map[v]`` for each body input
     v (outer-scope values stay shared); every value gets a fresh name. Returns the value map (old
-    value -> clone)."""
+    value -> clone). A float body input's stop or prevent marks (the model's metadata) go to
+    the value read for it, where the engine's sweep honours them."""
     vmap = dict(value_map)
+    for v in body.inputs:
+        if v in vmap and v.meta and float_value(v):
+            vmap[v].meta.update({k: m for k, m in v.meta.items() if k.startswith("onnxgrad.")})
     for init in body.initializers.values():  # typed: a float64 initializer stays float64
         vmap[init] = e.const(init.const_value.numpy(), init.dtype).value
     cloner = Cloner(attr_map={}, value_map=vmap, metadata_props={}, allow_outer_scope_values=True)
@@ -94,6 +98,25 @@ def dce(graph: ir.Graph) -> None:
             graph.remove(node, safe=True)
 
 
+def connected(n, body: ir.Graph, needed, candidates, pairs=None) -> set:
+    """The candidates (``body``'s inputs, values it reads from outside) that reach one of the
+    ``needed`` body outputs (those with a gradient) in some iteration: ``pairs`` maps a carried
+    body input to the body output the next iteration reads it from, which a reached input makes
+    needed. The gradient of any other is None (ys do not depend on it), as outside a loop: a
+    zero would be "connected" to the caller (an optimizer's weight decay moves it)."""
+    reach = {v: n.reached(body, v) for v in candidates}
+    needed, hit, grew = set(needed), set(), True
+    while grew:
+        grew = False
+        for v, live in reach.items():
+            if v not in hit and not live.isdisjoint(needed):
+                hit.add(v)
+                grew = True
+                if pairs and v in pairs:
+                    needed.add(pairs[v])
+    return hit
+
+
 def _typed(name, like: ir.Value) -> ir.Value:
     return ir.Value(name=name, type=like.type, shape=like.shape)
 
@@ -111,10 +134,8 @@ def _i64(e, x):
 def _if(n, g):
     e, node = n.e, n.node
     caps = captures(n)
-    if not caps:
-        return None
-    branches = {}
-    for key in ("then_branch", "else_branch"):
+    built = {}
+    for key in ("then_branch", "else_branch") if caps else ():
         body = node.attributes[key].value
         bb = ir.Graph([], [], nodes=[], name=e.unique(f"{e.prefix}/{key}"))
         be = e.child(bb, f"{e.prefix}/{key}")
@@ -123,8 +144,16 @@ def _if(n, g):
         for o, gi in zip(body.outputs, n.gs):
             if gi is not None and float_value(o):
                 seeds.setdefault(vmap.get(o, o), []).append(V(gi.value, be, gi.dtype, gi.shape))
-        res = n.differentiate(bb, seeds, caps, be)
-        outs = [r if r is not None else zeros_for(be, V(c, be)) for r, c in zip(res, caps)]
+        built[key] = (bb, be, n.differentiate(bb, seeds, caps, be))
+    # (a value neither branch's gradient reaches gets None, not zeros from both)
+    hit = [i for i in range(len(caps)) if any(res[i] is not None for *_, res in built.values())]
+    if not hit:
+        return None
+    caps = [caps[i] for i in hit]
+    branches = {}
+    for key, (bb, be, res) in built.items():
+        outs = [res[i] if res[i] is not None else zeros_for(be, V(c, be))
+                for i, c in zip(hit, caps)]
         finish_body(be, bb, outs, caps)
         branches[key] = bb
     out = e.op("If", n.ins[0], _outputs=len(caps), **branches,
@@ -169,6 +198,10 @@ def _loop(n, g):
     carried = [j for j in range(nv) if float_value(node.inputs[2 + j])]
     for j in range(nv):
         _same_shape_each_iteration(n, [node.inputs[2 + j], b_vin[j], b_vout[j], node.outputs[j]])
+    hit = connected(n, body, [b_vout[j] for j in carried if gs_final[j] is not None] +
+                    [o for o, gi in zip(b_scan, gs_scan) if gi is not None],
+                    [*(b_vin[j] for j in carried), *caps, *rows],
+                    {b_vin[j]: b_vout[j] for j in carried})
 
     # the iteration count, from a saved iteration number (known after the forward ran)
     (iters,) = _augment(e, node, body, [b_iter], "iters")
@@ -268,18 +301,24 @@ def _loop(n, g):
     outs = outs if isinstance(outs, tuple) else (outs,)
     for o, v in zip(outs, inits):
         o.value.type = v.value.type
+    # with no iteration, the output is the initial value: connected, unless it surely runs
+    trip, cond = n.const(0), None if _input(node, 1) is None else n.const(1)
+    runs = trip is not None and int(trip) >= 1 and (_input(node, 1) is None or
+                                                     cond is not None and bool(cond))
     per_input = [None] * len(node.inputs)
     for k, j in enumerate(carried):
-        per_input[2 + j] = outs[k]
-    grads = dict(zip(caps, outs[len(carried):len(inits)]))
+        if gs_final[j] is not None and not runs or b_vin[j] in hit:
+            per_input[2 + j] = outs[k]
+    grads = {c: o for c, o in zip(caps, outs[len(carried):len(inits)]) if c in hit}
     stacks = outs[len(inits):]
     for (c, _, _), g, i in zip(reads, stacks[0::2], stacks[1::2]):
         c = V(c, e)
         g = e.Reshape(g, e.Concat([-1], e.Slice(e.Shape(c), [1], [END]), axis=0))  # ([0]: none)
         got = _scatter_add(n, "ScatterND", c, e.Unsqueeze(_as_i64(n, i), [-1]), g)
         grads[c.value] = got if c.value not in grads else _add(e, grads[c.value], got)
-    for c in rows:  # read, but no row reaches ys: zeros, as the sum in the loop would be
-        grads.setdefault(c, zeros_for(e, V(c, e)))
+    for c in rows:  # read, and reached, but no row's gradient made (stopped): zeros
+        if c in hit:
+            grads.setdefault(c, zeros_for(e, V(c, e)))
     return Grads(per_input, grads)
 
 
@@ -537,6 +576,10 @@ def _scan(n, g):
     caps = captures(n, sequences=False)
     carried = [j for j in range(ns) if float_value(b_sin[j])]
     want_x = [i for i in range(m) if float_value(node.inputs[ns + i]) and n.wants(node.inputs[ns + i])]
+    hit = connected(n, body, [b_sout[j] for j in carried if n.gs[j] is not None] +
+                    [o for o, gi in zip(b_yout, n.gs[ns:]) if gi is not None],
+                    [*(b_sin[j] for j in carried), *caps, *(b_xin[i] for i in want_x)],
+                    {b_sin[j]: b_sout[j] for j in carried})
 
     g_in = [_typed(e.unique(f"{e.prefix}/g_{b_sin[j].name}"), b_sin[j]) for j in carried]
     acc_in = [_typed(e.unique(f"{e.prefix}/acc_{c.name}"), c) for c in caps]
@@ -603,9 +646,15 @@ def _scan(n, g):
     outs = outs if isinstance(outs, tuple) else (outs,)
     outs = outs[:len(inits)] + tuple(t if in_dirs[i] else rev(t, in_axes[i])
                                      for t, i in zip(outs[len(inits):], want_x))
+    # over empty scan inputs, the output is the initial state: connected, unless never empty
+    lens = [dims(node.inputs[ns + i])[in_axes[i]] if dims(node.inputs[ns + i]) else None
+            for i in range(m)]
+    runs = any(isinstance(d, int) and d >= 1 for d in lens)
     per_input = [None] * len(node.inputs)
     for k, j in enumerate(carried):
-        per_input[j] = outs[k]
+        if n.gs[j] is not None and not runs or b_sin[j] in hit:
+            per_input[j] = outs[k]
     for k, i in enumerate(want_x):
-        per_input[ns + i] = outs[len(inits) + k]
-    return Grads(per_input, dict(zip(caps, outs[nc:nc + ncap])))
+        if b_xin[i] in hit:
+            per_input[ns + i] = outs[len(inits) + k]
+    return Grads(per_input, {c: o for c, o in zip(caps, outs[nc:nc + ncap]) if c in hit})

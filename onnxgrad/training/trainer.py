@@ -893,14 +893,9 @@ class Trainer:
         gradient accumulation: its rows, or its targets' weights for a cross_entropy with
         class weights or ignore_index, over the data's; 1 for a "sum" loss). The data is
         checked as :meth:`fit` checks it (a :class:`DataError` names the array)."""
-        for name, value, least in (("batch_size", batch_size, 1), ("epochs", epochs, 0),
-                                   ("max_steps", max_steps, 0),
-                                   ("checkpoint_every", checkpoint_every, 1)):
-            if value is None and name in ("max_steps", "checkpoint_every"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
-                    value < least:
-                raise InvalidArgumentError(f"{name}={value!r} must be an integer >= {least}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
+                batch_size < 1:
+            raise InvalidArgumentError(f"batch_size={batch_size!r} must be an integer >= 1")
         arrays, rows = self._checked(data, "data")
         norm = self._loss_norm(arrays)
         if norm == 0:
