@@ -377,8 +377,8 @@ def test_stops_inside_bodies_are_torchs_detach(kind, at, opset, seed):
     want = torch.autograd.grad(hh.sum(), [xt, ht, wt], allow_unused=True)
     # x only through its stopped rows: None, as torch's (unused) gradient
     assert [g is None for g in res.grads] == [b is None for b in want]
-    for a, b in zip(run(res.model, {"x": x, "h0": h0, "w": w},
-                        [g for g in res.grads if g is not None]), [b for b in want if b is not None]):
+    got = run(res.model, {"x": x, "h0": h0, "w": w}, [g for g in res.grads if g is not None])
+    for a, b in zip(got, [b for b in want if b is not None]):
         np.testing.assert_allclose(a, b.numpy(), rtol=1e-10, atol=1e-12)
     if name:  # the same name prevented: a gradient through it is refused, by name
         del m.metadata_props[:]
@@ -483,7 +483,7 @@ def test_if_values_that_reach_no_output_with_a_gradient_get_none(cond):
                                   else_branch=other)], "g",
                      [h.make_tensor_value_info("c", TP.BOOL, []),
                       *(h.make_tensor_value_info(n, D, [2]) for n in ("w1", "w2"))],
-                     [h.make_tensor_value_info("ya", D, [2]), h.make_tensor_value_info("yb", D, [2])])
+                     [h.make_tensor_value_info(n, D, [2]) for n in ("ya", "yb")])
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 18)], ir_version=8)
     res = onnxgrad.gradients(m, "ya", ["w1", "w2"])
     assert res.grads[0] is not None and res.grads[1] is None
