@@ -232,6 +232,53 @@ def test_trainer_fine_tunes_a_converted_keras_model(cases):
     assert np.mean((y - target) ** 2) == pytest.approx(last, rel=1e-4)
 
 
+@pytest.mark.parametrize("how", ["layer", "base_model", "embedding", "lora"])
+def test_weights_keras_freezes_are_not_trained(tmp_path, how):
+    """layer.trainable = False (a frozen base model, a pretrained Embedding, the kernel
+    enable_lora freezes) leaves the variables' own trainable flag True; the SavedModel lists
+    them as not trainable, and so does the converted model: the Trainer trains exactly Keras's
+    trainable_weights, to Keras's values (they were all trained)."""
+    keras.utils.set_random_seed(0)
+    if how == "embedding":
+        i = keras.Input((5,), dtype="int32")
+        h = L.Flatten()(L.Embedding(10, 4, trainable=False, name="emb")(i))
+        x = np.random.default_rng(0).integers(0, 10, (3, 5)).astype(np.int32)
+    elif how == "base_model":
+        bi = keras.Input((4,))
+        base = keras.Model(bi, L.Dense(5, activation="tanh", name="b_dense")(bi), name="base")
+        base.trainable = False
+        i = keras.Input((4,))
+        h = base(i, training=False)
+        x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    else:
+        i = keras.Input((4,))
+        layer = L.Dense(5, activation="tanh", name="frozen")
+        h = layer(i)
+        if how == "layer":
+            layer.trainable = False
+        else:
+            layer.enable_lora(2)
+        x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    model = keras.Model(i, L.Dense(2, name="head")(h))
+    model.export(str(tmp_path / "sm"), verbose=False)
+    m = convert(str(tmp_path / "sm"))
+    t = np.random.default_rng(1).standard_normal((3, 2)).astype(np.float32)
+    tr = onnxgrad.Trainer(m, "mse", optimizer=onnxgrad.training.SGD(lr=0.1), device="cpu",
+                          threads=1, progress=False)
+    assert sorted(tr.params) == sorted(w.path + ":0" for w in model.trainable_weights)
+    for _ in range(2):
+        tr.step({m.graph.input[0].name: x, "target": t})
+    opt = keras.optimizers.SGD(0.1)
+    for _ in range(2):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(t, model(x, training=False))
+        grads = tape.gradient(loss, model.trainable_weights)
+        opt.apply_gradients(zip(grads, model.trainable_weights))
+    ours = {q.name: onnx.numpy_helper.to_array(q) for q in tr.trained_model().graph.initializer}
+    for w in model.weights:
+        np.testing.assert_allclose(ours[w.path + ":0"], w.numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_an_output_that_reads_an_assigned_variable_is_refused(tmp_path):
     """A SavedModel whose output reads an integer variable it also assigns: the variable
     cannot be a constant; a clear refusal, not a model that ignores the update."""

@@ -117,7 +117,7 @@ def _freeze(tf, path, sig: str):
     out_keys = sorted(out_struct) if isinstance(out_struct, dict) else [
         f"output_{i}" for i in range(len(frozen.outputs))]
     gd = frozen.graph.as_graph_def(add_shapes=True)
-    rename, trainable = _variable_names(fn, {n.name for n in gd.node})
+    rename, trainable = _variable_names(fn, {n.name for n in gd.node}, _frozen(loaded))
     _rename_nodes(gd, rename)
     inputs = dict(zip(in_keys, (_renamed(t.name, rename) for t in ins)))
     outputs = dict(zip(out_keys, (_renamed(t.name, rename) for t in frozen.outputs)))
@@ -184,12 +184,24 @@ def _freeze_keeping_integer_state(fn):
         return None
 
 
-def _variable_names(fn, taken: set) -> tuple[dict, dict]:
+def _frozen(loaded) -> set:
+    """The handles (ids) of the variables the SavedModel lists as not trainable: Keras's
+    ``model.export()`` lists a layer's weights there when ``layer.trainable = False`` (a frozen
+    base model, an Embedding(trainable=False), the kernel ``enable_lora`` freezes), where the
+    variables' own ``trainable`` flag stays True."""
+    try:
+        return {id(v.handle) for v in getattr(loaded, "non_trainable_variables", ()) or ()}
+    except Exception:  # noqa: BLE001  (an object that cannot list them: the flags decide)
+        return set()
+
+
+def _variable_names(fn, taken: set, frozen: set = frozenset()) -> tuple[dict, dict]:
     """({frozen constant's node name: its variable's name}, {variable's name: trainable}):
     freezing turns each captured variable into a Const named after the function's placeholder
     for it ("unknown", "unknown_0", ...); the variable's own name ("dense/kernel") says what it
-    is, and its ``trainable`` flag whether training changes it (Keras's BatchNormalization
-    moving statistics are variables that are not)."""
+    is, and its ``trainable`` flag, unless ``frozen`` (:func:`_frozen`) holds it, whether
+    training changes it (Keras's BatchNormalization moving statistics are variables that are
+    not)."""
     by_handle = {id(v.handle): v for v in getattr(fn, "variables", ())}
     out, used, trainable = {}, set(taken), {}
     for external, internal in getattr(fn.graph, "captures", ()):
@@ -203,7 +215,7 @@ def _variable_names(fn, taken: set) -> tuple[dict, dict]:
             name = f"{base}_{k}"
         used.add(name)
         out[internal.op.name] = name
-        trainable[name] = bool(getattr(v, "trainable", True))
+        trainable[name] = bool(getattr(v, "trainable", True)) and id(v.handle) not in frozen
     return out, trainable
 
 
