@@ -51,7 +51,9 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
         model = onnx.inliner.inline_selected_functions(model, user)
     old = model_opset(model)
     nodes = [n for g in graphs_of(model.graph) for n in g.node]
-    upsample = {n.output[0] for n in nodes if n.op_type == "Upsample"}
+    # (each graph's Upsamples, in order: onnx's adapter renames their outputs to "_v_N")
+    upsample = [[n.output[0] for n in g.node if n.op_type == "Upsample"]
+                for g in graphs_of(model.graph)]
     resize10 = {n.output[0] for n in nodes if n.op_type == "Resize" and old == 10}
     hardmax = {n.output[0] for n in nodes if n.op_type == "Hardmax" and old < 13 <= version}
     # onnx's converter keeps the IR version, and an IR below 4 wants every initializer to be a
@@ -77,8 +79,9 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
         _unhide_legacy_broadcasts(out)
     graphs = graphs_of(out.graph)
     taken = {o for g in graphs for n in g.node for o in [*n.output, n.name]}
+    for g, names in zip(graphs, upsample):
+        _fix_upsample(g, names)
     for g in reversed(graphs):  # subgraphs first: a graph rewritten copies its nodes' subgraphs
-        _fix_upsample(g, upsample)
         _fix_resize10(g, resize10, taken)
         _fix_hardmax(g, hardmax, taken)
     graphs = graphs_of(out.graph)
@@ -160,10 +163,26 @@ def _unhide_legacy_broadcasts(model: onnx.ModelProto):
     model.opset_import.extend(kept)
 
 
-def _fix_upsample(graph: onnx.GraphProto, upsample: set):
-    for n in graph.node:
-        if n.op_type == "Resize" and n.output[0] in upsample:
-            _asymmetric(n, "floor")
+def _fix_upsample(graph: onnx.GraphProto, names: list):
+    """The Resizes onnx's adapter made of the graph's Upsamples (``names``: their outputs, in
+    order; before opset 10 every Resize is one), asymmetric as Upsample is, and their outputs
+    named as the Upsamples' were (the adapter renames all but a graph output's, so xs, ys and
+    the nodes reading them by the old name found none, and a fix-up keyed by it missed them:
+    half_pixel interpolation, silently)."""
+    resizes = [n for n in graph.node if n.op_type == "Resize"]
+    if not names or len(resizes) != len(names):
+        return
+    renamed = {}
+    for n, name in zip(resizes, names):
+        _asymmetric(n, "floor")
+        if n.output[0] != name:
+            renamed[n.output[0]] = name
+            n.output[0] = name
+    for g in graphs_of(graph):
+        for n in g.node:
+            n.input[:] = [renamed.get(i, i) for i in n.input]
+        for v in [*g.value_info, *g.output]:
+            v.name = renamed.get(v.name, v.name)
 
 
 def _asymmetric(n: onnx.NodeProto, nearest: str):

@@ -643,3 +643,49 @@ def test_rules_needing_several_newer_opsets(opset, kinds, seed):
     x0 = np.random.default_rng(seed).standard_normal((2, 5, 5))
     report = check_gradients(m, x, ["x"], {"x": x0})
     assert report.ok, str(report)
+
+
+@settings(max_examples=30, deadline=None)
+@given(opset=st.sampled_from([7, 8, 9]), mode=st.sampled_from(["nearest", "linear"]),
+       scales=st.sampled_from([[1, 1, 2, 2], [1, 1, 1, 3], [1, 1, 2, 1]]),
+       consumed=st.booleans(), seed=st.integers(0, 20))
+def test_upsample_read_by_another_node_keeps_its_coordinates(opset, mode, scales, consumed,
+                                                             seed):
+    """onnx's adapter makes Upsample a Resize and renames its output unless it is a graph
+    output; the asymmetric fix-up was keyed by the old name, so an Upsample read by another
+    node (every decoder's) became a half_pixel Resize: another forward and gradient, silently,
+    and its name was gone from the model. y = Upsample(x) * w is linear in x and w: the
+    gradients are exact differences of onnxruntime's forward of the input model."""
+    from onnxgrad.runtime import run
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, 1, 2, 3)).astype(np.float32)
+    out = [int(d * s) for d, s in zip(x.shape, scales)]
+    w = rng.standard_normal(out).astype(np.float32)
+    f = np.array(scales, np.float32)
+    up = (helper.make_node("Upsample", ["x", "sc"], ["up"], mode=mode) if opset == 9 else
+          helper.make_node("Upsample", ["x"], ["up"], mode=mode, scales=f.tolist()))
+    nodes = [up, helper.make_node("Mul", ["up", "w"], ["y"])] if consumed else [up]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, x.shape),
+                                       helper.make_tensor_value_info("w", TP.FLOAT, out)],
+                          [helper.make_tensor_value_info("y" if consumed else "up", TP.FLOAT,
+                                                         out)],
+                          [numpy_helper.from_array(f, "sc")] if opset == 9 else [])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=4)
+    y = "y" if consumed else "up"
+    feeds = {"x": x, "w": w}
+    res = onnxgrad.gradients(m, y, ["x", "up"], grad_ys=["gy"])
+    gy = w if not consumed else np.ones_like(w)
+    got = run(res.model, {**feeds, "gy": gy}, [y, *res.grads])
+    want_y = run(m, feeds, [y])[0]
+    np.testing.assert_array_equal(got[0], want_y)
+
+    def total(xx):
+        return float((run(m, {**feeds, "x": xx}, [y])[0].astype(np.float64) * gy).sum())
+    fd = np.zeros(x.shape)
+    for j in np.ndindex(x.shape):
+        a, b = x.copy(), x.copy()
+        a[j] += 1
+        b[j] -= 1
+        fd[j] = (total(a) - total(b)) / 2
+    np.testing.assert_allclose(got[1], fd, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[2], gy * (w if consumed else 1), rtol=1e-6)
