@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.inliner  # (a submodule `import onnx` does not load)
 
 from .errors import UnsupportedError
 from .inference import constant_tensors, graphs_of, model_opset, unique_name, value_types

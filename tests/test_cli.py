@@ -230,6 +230,27 @@ def test_the_command_loads_its_libraries_inside_its_interrupt_handler():
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         onnxgrad.nope
 
+
+def test_each_module_imports_the_onnx_submodules_it_uses():
+    # with the package imported lazily, a module that used onnx.inliner without importing it
+    # worked only after another module had (versions.convert_version failed on its own)
+    import pathlib
+    import re
+    probe = "import onnx, sys; print(' '.join(sorted(sys.modules)))"
+    loaded = set(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                timeout=120, check=True).stdout.split())
+    root = pathlib.Path(__file__).resolve().parents[1] / "onnxgrad"
+    missing = []
+    for path in root.rglob("*.py"):
+        code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines()
+                         if not line.lstrip().startswith(('"', "'")))
+        for sub in set(re.findall(r"(?<![\w.\"'])onnx\.([a-z_]+)\.[a-zA-Z_]", code)):
+            if f"onnx.{sub}" not in loaded and not re.search(
+                    rf"^\s*(import onnx\.{sub}\b|from onnx\.{sub}\b|from onnx import .*\b{sub}\b)",
+                    code, re.M):
+                missing.append(f"{path.relative_to(root)}: onnx.{sub}")
+    assert not missing, missing
+
 # -- errors ------------------------------------------------------------------------------------
 def test_unknown_xs_name_suggests(capsys, tmp_path):
     rc, _, err = cli(capsys, "grad", MLP, "-o", tmp_path / "o.onnx", "--ys", "loss",
