@@ -135,12 +135,19 @@ def _has_function(op_type: str, opset: int) -> bool:
     return schema.has_function or schema.has_context_dependent_function
 
 
+@functools.cache
+def _load_rules() -> None:
+    """Import the rule modules (registering every rule), for a lookup that comes first."""
+    from . import rules  # noqa: F401
+
+
 def lookup(domain: str, op_type: str, opset: int, local: bool = False) -> Rule | None:
     """The rule for an op; ``local``: the model defines a function of that name (its body is
     differentiated when no rule is registered). Never the body of an op of onnxgrad's own
     domains (the functions attach_functions adds): their rules leave buffers such as the RNN's
     reserve_space without a gradient, so the body of an op that reads them (the RNN backward,
     in a second-order call) would be differentiated without those terms; they are refused."""
+    _load_rules()
     for since, until, fn in reversed(_RULES.get((domain, op_type), ())):
         if since <= opset <= until:
             return fn
@@ -157,6 +164,7 @@ MIN_OPSET = 13
 def supported_ops() -> list[tuple[str, str, int, int | None]]:
     """(domain, op_type, since, until) rows, sorted; until is None when open-ended. For ai.onnx,
     since is at least MIN_OPSET: a model with an older opset is upgraded before any rule runs."""
+    _load_rules()
     rows = [(d, op, max(s, MIN_OPSET) if d == "" else s, None if u == _MAX else u)
             for (d, op), entries in _RULES.items() for s, u, _ in entries
             if d != "" or u >= MIN_OPSET]

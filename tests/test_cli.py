@@ -223,6 +223,12 @@ def test_the_command_loads_its_libraries_inside_its_interrupt_handler():
                        timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+    # a module imported first still has what it needs: the rules register on the first lookup
+    first = ("from onnxgrad.registry import lookup, supported_ops; "
+             "print(lookup('', 'Relu', 13) is not None, len(supported_ops()) > 100)")
+    p = subprocess.run([sys.executable, "-c", first], capture_output=True, text=True,
+                       timeout=120)
+    assert p.stdout.split() == ["True", "True"], p.stderr
     # the lazy package still offers every documented name and submodule
     import onnxgrad
     for name in onnxgrad.__all__ + ["check", "runtime", "training", "rnn", "converters"]:
