@@ -720,3 +720,44 @@ def test_values_made_outside_a_node_never_take_a_tf_tensor_name():
     m = check(fn, {"x": rand(3), "z": rand(1, 1)}, diff=("x", "z"))
     made = {o: n.op_type for n in m.graph.node for o in n.output}
     assert made["Add:0"] == "Add" and made["Concat:0"] == "Concat"
+
+
+@pytest.mark.parametrize("feeds", [["sp:0"], ["sp:1"], ["sp:0", "sp:1"], ["t:0"], ["t:0", "sp:1"]])
+def test_intermediate_tensors_fed_as_inputs_are_tfs_feeds(feeds):
+    """Cutting a graph at intermediate tensors (inputs=[...]): a fed output of a multi-output
+    node (tf.split's sp:1) was overwritten by the node's own conversion, so the model ignored
+    its input (silently, with allow_unranked) and its gradient was None; feeding sp:0 failed;
+    the fed tensor had no shape though TF's _output_shapes has it. Oracle: TF's Session.run
+    with the same feed_dict; y is linear in each fed tensor (gradient: 10 and 1)."""
+    def f(x):
+        t = tf.tanh(x, name="t")
+        a, b = tf.split(t, 2, axis=1, name="sp")
+        return tf.identity(a * 10.0 + b, name="y")
+    cf = tf.function(f).get_concrete_function(tf.TensorSpec([2, 4], name="x"))
+    gd = cf.graph.as_graph_def(add_shapes=True)
+    rng = np.random.default_rng(0)
+    shapes = {"sp:0": (2, 2), "sp:1": (2, 2), "t:0": (2, 4)}
+    vals = {k: rng.standard_normal(shapes[k]).astype(np.float32) for k in feeds}
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(gd, name="")
+    with tf.compat.v1.Session(graph=g) as s:
+        want = s.run("y:0", {"x:0": x, **vals})
+    m = convert(gd, inputs=feeds, outputs=["y:0"])
+    names = [i.name for i in m.graph.input]
+    assert set(feeds) <= set(names)
+    ins = {"x:0": x, **vals}
+    got, = ort_run(m, {k: ins[k] for k in names}, ["y:0"])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    res = onnxgrad.gradients(m, "y:0", feeds)
+    grads = ort_run(res.model, {k: ins[k] for k in names}, res.grads)
+    for k, gr in zip(feeds, grads):
+        if k == "t:0":  # (t feeds both halves unless sp:1 is fed too)
+            want_g = np.concatenate([np.full((2, 2), 10.0), np.full((2, 2), 0.0 if
+                                     "sp:1" in feeds else 1.0)], axis=1)
+        else:
+            want_g = np.full((2, 2), 10.0 if k == "sp:0" else 1.0)
+        if "sp:0" in feeds and k == "t:0":
+            want_g[:, :2] = 0.0
+        np.testing.assert_allclose(gr, want_g, rtol=1e-6)

@@ -71,6 +71,7 @@ class Converter:
         self.main = graph  # (self.g is a function's graph while its body is converted)
         self.allow_unranked = False  # (convert's argument)
         self.env: ChainMap = ChainMap()  # "node:index" -> ONNX name or Resource
+        self.fed: set[str] = set()  # tensors fed as inputs ("node:index"): no node overwrites them
         self.state: ChainMap = ChainMap()  # resource key -> ONNX name of its current sequence
         self.resources: dict[tuple, Resource] = {}
         self.seq_of: dict[str, Resource] = {}  # sequence value -> the resource it is a state of
@@ -289,7 +290,7 @@ class Converter:
             self.node = None
         outs, named = list(outs or ()), set()
         for i, v in enumerate(outs):
-            if v is None:
+            if v is None or f"{n.name}:{i}" in self.fed:
                 continue
             if v not in named:  # (a value returned at two positions is renamed once)
                 new = self._rename(v, f"{n.name}:{i}", first_node, first_init)
@@ -382,11 +383,12 @@ def _item_order(g: Graph, items: dict, item_of: dict) -> list:
     return order
 
 
-def needed_nodes(g: Graph, outputs: list[str]) -> list[TFNode]:
+def needed_nodes(g: Graph, outputs: list[str], fed=frozenset()) -> list[TFNode]:
     """The nodes the outputs depend on, in TF order: data and control edges, plus the ops that
     change a TensorArray or stack that a needed node reads (a push has no consumers, but the
     pop that returns its value does). So the forward part of a graph that also holds
-    tf.gradients' machinery converts without the pushes that only the backward loop reads."""
+    tf.gradients' machinery converts without the pushes that only the backward loop reads.
+    A ``fed`` tensor ("name:i") is an input: nothing behind it is needed through it."""
     from .resources import GRAD_OPS, MUTATING, static_key
 
     # reads and updates of a variable TF left unfrozen (a Keras layer's seed state, advanced in
@@ -411,7 +413,7 @@ def needed_nodes(g: Graph, outputs: list[str]) -> list[TFNode]:
             if name not in seen:
                 seen.add(name)
                 n = g.nodes[name]
-                todo.extend(split_ref(r)[0] for r in n.inputs)
+                todo.extend(split_ref(r)[0] for r in n.inputs if _full_ref(r) not in fed)
                 todo.extend(c for c in n.controls if c not in unfrozen)
 
     def key(n):
@@ -422,7 +424,7 @@ def needed_nodes(g: Graph, outputs: list[str]) -> list[TFNode]:
         return k + (n.attr["source"].s.decode(),) if n.op in GRAD_OPS else k
 
     seen: set[str] = set()
-    reach([split_ref(o)[0] for o in outputs], seen)
+    reach([split_ref(o)[0] for o in outputs if _full_ref(o) not in fed], seen)
     mutators = [n for n in g.order if n.op in MUTATING]
     while True:
         used = {key(g.nodes[s]) for s in seen if g.nodes[s].op.startswith(("TensorArray", "Stack"))}
@@ -499,6 +501,9 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
         if dt is None:
             raise ConversionError(f"input {ref!r}: cannot tell the dtype of {n}")
         shape = proto.shape_of(n.attr["shape"].shape) if "shape" in n.attr else None
+        known = c.attr(n, "_output_shapes") or ()
+        if shape is None and idx < len(known):  # an intermediate tensor: TF's static shape
+            shape = known[idx]
         if n.op == "Const" and "value" in n.attr:  # a frozen value fed instead: its own shape
             shape = list(proto.tensor_to_numpy(n.attr["value"].tensor).shape)
         c.reserve(ref)
@@ -510,8 +515,9 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
     for o in outputs:  # output names are the TF names: keep them free for the outputs
         c.reserve(o)
     c.outputs = set(outputs)
-    nodes = [n for n in needed_nodes(g, outputs) if f"{n.name}:0" not in c.env]
-    c.convert_nodes((), nodes)
+    # (a fed output of a node some other output of which is needed keeps the feed)
+    c.fed = set(c.env)
+    c.convert_nodes((), needed_nodes(g, outputs, c.fed))
     for o in outputs:
         nm, idx = split_ref(o)
         if o not in c.env and f"{nm}:0" in c.env:
@@ -802,6 +808,12 @@ def _tf_shapes(c: Converter) -> dict:
                 out.setdefault(v, shape)
                 out.setdefault(f"{n.name}:{i}", shape)  # graph outputs keep TF's names
     return out
+
+
+def _full_ref(ref: str) -> str:
+    """A tensor reference with its output index ("sp" is "sp:0")."""
+    nm, idx = split_ref(ref)
+    return f"{nm}:{idx}"
 
 
 def _swish(g, n) -> bool:
