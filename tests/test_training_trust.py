@@ -721,3 +721,60 @@ def test_a_web_export_holds_the_parameters_its_step_trains(tmp_path):
     trained = [p["name"] for p in man["params"]]
     assert sorted(trained) == sorted(n for n, _ in net.named_parameters())
     assert set(trained) <= held
+
+
+@pytest.mark.parametrize("clash", [False, True])
+def test_weights_inside_loop_bodies_train(clash):
+    """A weight only a Loop's body reads, stored in the body (h <- tanh(h Wb + x_t)): the
+    Trainer left it out silently (params=None), and params=["Wb"] was refused. It moves to the
+    main graph and trains, to torch's values. Two bodies defining one name (an If's branches'
+    own constant c) cannot both move: left out, by name and why."""
+    from onnx import TensorProto as TP
+    rng = np.random.default_rng(3)
+    wb, wo = rng.standard_normal((3, 3)) * 0.5, rng.standard_normal((3, 2))
+    V = helper.make_tensor_value_info
+    branch = [numpy_helper.from_array(np.array(1.5 if k else 0.5), "c") for k in (0, 1)]
+    ifs = [helper.make_graph([helper.make_node("Mul", ["p", "c"], [f"q{k}"])], f"b{k}", [],
+                             [V(f"q{k}", TP.DOUBLE, ["N", 3])], [branch[k]]) for k in (0, 1)]
+    step = [helper.make_node("Gather", ["x", "i"], ["xi"], axis=1),
+            helper.make_node("MatMul", ["h_in", "Wb"], ["hw"]),
+            helper.make_node("Add", ["hw", "xi"], ["p"])]
+    step += ([helper.make_node("If", ["flag"], ["pq"], then_branch=ifs[0], else_branch=ifs[1]),
+              helper.make_node("Tanh", ["pq"], ["h_out"])] if clash else
+             [helper.make_node("Tanh", ["p"], ["h_out"])])
+    body = helper.make_graph(
+        step + [helper.make_node("Identity", ["cond"], ["c_out"])], "body",
+        [V("i", TP.INT64, []), V("cond", TP.BOOL, []), V("h_in", TP.DOUBLE, ["N", 3])],
+        [V("c_out", TP.BOOL, []), V("h_out", TP.DOUBLE, ["N", 3])],
+        [numpy_helper.from_array(wb, "Wb")])
+    g = helper.make_graph(
+        [helper.make_node("Loop", ["T", "", "h0"], ["hT"], body=body),
+         helper.make_node("MatMul", ["hT", "Wo"], ["y"])], "g",
+        [V("x", TP.DOUBLE, ["N", 4, 3]), V("h0", TP.DOUBLE, ["N", 3])],
+        [V("y", TP.DOUBLE, ["N", 2])],
+        [numpy_helper.from_array(np.array(4, np.int64), "T"), numpy_helper.from_array(wo, "Wo"),
+         numpy_helper.from_array(np.array(True), "flag")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    onnx.checker.check_model(m, full_check=True)
+    before = m.SerializeToString()
+    x, h0, t = (rng.standard_normal(s) for s in ((8, 4, 3), (8, 3), (8, 2)))
+    tr = Trainer(m, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False, threads=1)
+    assert m.SerializeToString() == before
+    assert sorted(tr.params) == ["Wb", "Wo"]
+    if clash:
+        assert "c" in tr.left_out and "another subgraph" in tr.left_out["c"]
+    for _ in range(3):
+        tr.step({"x": x, "h0": h0, "target": t})
+    W, O = (torch.tensor(a, requires_grad=True) for a in (wb, wo))
+    opt = torch.optim.SGD([W, O], lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        h = torch.tensor(h0)
+        for k in range(4):
+            h = torch.tanh((h @ W + torch.tensor(x[:, k])) * (0.5 if clash else 1.0))
+        F.mse_loss(h @ O, torch.tensor(t)).backward()
+        opt.step()
+    got = tr.parameters()
+    np.testing.assert_allclose(got["Wb"], W.detach().numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got["Wo"], O.detach().numpy(), rtol=1e-10, atol=1e-12)
+    onnx.checker.check_model(tr.trained_model(), full_check=True)

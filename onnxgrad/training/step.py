@@ -35,7 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..aliasing import training_bn
 from ..autodiff import gradients
-from ..inference import FLOAT_TYPES, model_opset, names_read, taken_names
+from ..inference import FLOAT_TYPES, graphs_of, model_opset, names_read, taken_names
 from ..registry import lookup, own_domain
 from .losses import load
 from ..errors import ArgumentTypeError, InvalidArgumentError
@@ -149,6 +149,11 @@ def default_params(model: onnx.ModelProto) -> tuple[list[str], dict[str, str]]:
             left_out[t.name] = (f"a torch.export {kind}, not a parameter" if kind else
                                 f"folded from {folded}, none of them a parameter" if folded
                                 else "a constant of the torch.export program, not a parameter")
+    for g in graphs_of(model.graph)[1:]:  # (those _hoist_body_weights could not move)
+        for t in g.initializer:
+            if t.data_type in FLOAT_TYPES:
+                left_out.setdefault(t.name, "an initializer of a subgraph whose name another "
+                                            "subgraph defines too: no parameter")
     stats = _bn_statistics(model)
     for t in floats:
         if t.name in left_out:
@@ -172,6 +177,28 @@ def default_params(model: onnx.ModelProto) -> tuple[list[str], dict[str, str]]:
 _WARNED: set = set()  # (graph, names) the merge warning named: once per process, not per builder
 
 
+def _hoist_body_weights(m: onnx.ModelProto) -> None:
+    """Move the float initializers of ``m``'s subgraphs to its main graph (ONNX names are unique
+    across scopes, so the bodies read the same name from there), except one whose name two
+    subgraphs define (:func:`default_params` leaves those out, saying so)."""
+    if m.ir_version < 4:  # (every main-graph initializer would have to be an input too)
+        return
+    bodies = graphs_of(m.graph)[1:]
+    count: dict[str, int] = {}
+    for g in bodies:
+        for t in g.initializer:
+            count[t.name] = count.get(t.name, 0) + 1
+    inputs = {v.name for g in bodies for v in g.input}
+    for g in bodies:
+        moved = [t for t in g.initializer if t.data_type in FLOAT_TYPES
+                 and count[t.name] == 1 and t.name not in inputs]
+        if moved:
+            kept = [t for t in g.initializer if t not in moved]
+            m.graph.initializer.extend(moved)
+            del g.initializer[:]
+            g.initializer.extend(kept)
+
+
 def as_module_parameters(m: onnx.ModelProto) -> onnx.ModelProto:
     """``m`` (changed in place) with its initializers made the module's parameters as PyTorch
     trains them, where a torch.onnx export wrote them otherwise:
@@ -187,7 +214,10 @@ def as_module_parameters(m: onnx.ModelProto) -> onnx.ModelProto:
     - torch.export's signature names parameters the model no longer holds: tied ones, but also
       ones its optimizer merged with an equal tensor or folded into a computed one, which train
       as that tensor; a warning names them (``optimize=False`` keeps them apart).
-    Idempotent; other models are returned as they are."""
+    And for any model: a float initializer of a subgraph (a weight only a Loop's or If's body
+    reads) moves to the main graph, where the body reads it from (:func:`_hoist_body_weights`),
+    so that it trains as any other initializer (it was left out, silently). Idempotent."""
+    _hoist_body_weights(m)
     if m.producer_name != "pytorch":
         return m
     g = m.graph
