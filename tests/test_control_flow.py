@@ -492,3 +492,43 @@ def test_if_values_that_reach_no_output_with_a_gradient_get_none(cond):
     np.testing.assert_allclose(got, np.cos(w1) if cond else -np.ones(2), rtol=1e-12)
     both = onnxgrad.gradients(m, ["ya", "yb"], ["w1", "w2"])
     assert None not in both.grads
+
+
+@settings(max_examples=12, deadline=None)
+@given(cuts=st.lists(st.integers(1, 6), min_size=1, max_size=3, unique=True),
+       opset=st.sampled_from([13, 17]), seed=st.integers(0, 5))
+def test_torchscript_loops_with_a_one_element_iteration_number(cuts, opset, seed):
+    """torch.tensor_split exports as a Loop whose body declares its iteration number int64[1]
+    and its trip count is [1]: the backward body computed from a scalar what the clones declare
+    [1] (an invalid model, exit 0), and a constant trip count of shape [1] broke the rule.
+    Against torch autograd; the result passes full_check."""
+    import io
+    import warnings
+
+    import onnx
+    torch = pytest.importorskip("torch")
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(7, 7)
+
+        def forward(self, x):
+            parts = torch.tensor_split(self.l(x), sorted(cuts), 1)
+            return torch.cat([t * (i + 1) for i, t in enumerate(parts)], 1)
+
+    torch.manual_seed(seed)
+    mod, x = M().double(), torch.randn(3, 7, dtype=torch.float64)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(mod, (x,), f, dynamo=False, opset_version=opset, input_names=["x"],
+                          output_names=["y"], dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    m = onnx.load_from_string(f.getvalue())
+    res = onnxgrad.gradients(m, "y", ["x", "l.weight"])
+    onnx.checker.check_model(res.model, full_check=True)
+    got = run(res.model, {"x": x.numpy()}, res.grads)
+    xt = x.clone().requires_grad_(True)
+    want = torch.autograd.grad(mod(xt).sum(), [xt, mod.l.weight])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b.numpy(), rtol=1e-10, atol=1e-12)

@@ -219,7 +219,14 @@ def _loop(n, g):
     be = e.child(bb, f"{e.prefix}/body")
     ph_t = _scalar(e, f"{e.prefix}/t", ir.DataType.INT64)  # forward iteration T-1-k
     ph = [_typed(e.unique(f"{e.prefix}/state_{v.name}"), v) for v in b_vin]
-    vmap = clone_into(be, body, {b_iter: ph_t, b_cond: be.const(np.array(True)).value,
+    # the body's iteration number and condition as it declares them: TorchScript's are [1]
+    # (values computed from a scalar there contradicted the shapes the clones keep)
+    it, cond_in = V(ph_t, be), np.array(True)
+    if b_iter.shape is not None and len(b_iter.shape) == 1:
+        it = be.Reshape(it, [1])
+    if b_cond.shape is not None and len(b_cond.shape) == 1:
+        cond_in = np.array([True])
+    vmap = clone_into(be, body, {b_iter: it.value, b_cond: be.const(cond_in).value,
                                  **dict(zip(b_vin, ph))})
     clones = set(bb)
     # a carried tensor of one shape every iteration (guarded) gives the recomputed iteration's
@@ -303,8 +310,9 @@ def _loop(n, g):
         o.value.type = v.value.type
     # with no iteration, the output is the initial value: connected, unless it surely runs
     trip, cond = n.const(0), None if _input(node, 1) is None else n.const(1)
-    runs = trip is not None and int(trip) >= 1 and (_input(node, 1) is None or
-                                                     cond is not None and bool(cond))
+    one = lambda a: np.asarray(a).reshape(-1)[0] if np.size(a) == 1 else None  # noqa: E731
+    runs = trip is not None and one(trip) is not None and one(trip) >= 1 and (
+        _input(node, 1) is None or cond is not None and bool(one(cond)))
     per_input = [None] * len(node.inputs)
     for k, j in enumerate(carried):
         if gs_final[j] is not None and not runs or b_vin[j] in hit:
