@@ -356,12 +356,8 @@ def _keep_inputs(args) -> None:
     existing = [o for _, o in outs if os.path.isfile(o)]
     if not isinstance(model, str) or not existing:
         return
-    from .storage import destination, external_data_files
-    data = external_data_files(model)
-    for o in existing:
-        if destination(o) in data:
-            raise WriteError(o, f"it holds the external data (the weights) of {model}; "
-                                "choose another file")
+    from .storage import keep_data_of
+    keep_data_of(model, existing)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -292,6 +292,16 @@ def remove_stale_temporaries(path) -> list[str]:
     return removed
 
 
+def keep_data_of(model, paths) -> None:
+    """Refuse (a WriteError) to write any of ``paths`` over a file the model file ``model``
+    keeps its external tensors (weights) in: the model would still load, with other weights."""
+    data = external_data_files(model) if isinstance(model, (str, os.PathLike)) else set()
+    for p in paths:
+        if p is not None and destination(p) in data:
+            raise WriteError(p, f"it holds the external data (the weights) of "
+                                f"{os.fspath(model)}; choose another file")
+
+
 def destination(path) -> str:
     """Where a write to ``path`` lands: through symbolic links to their target."""
     path = os.fspath(path)

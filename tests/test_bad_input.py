@@ -671,6 +671,34 @@ def test_output_over_the_inputs_external_data_is_refused(tmp_path, capsys, comma
     assert (tmp_path / "ext.data").read_bytes() == before
 
 
+@pytest.mark.parametrize("writer", ["export", "export_train_step", "export_gradient",
+                                    "save_checkpoint", "export_train_step_fn", "export_web_step"])
+def test_python_writers_never_write_over_the_models_external_data(tmp_path, writer):
+    """Trainer.export("model.onnx.data") replaced the weights of the model it was built from
+    (which then loaded with garbage weights, silently), where the CLI refuses that path; so
+    could save_checkpoint, export_train_step and export_web_step."""
+    from onnxgrad.training import SGD, Trainer, export_train_step
+    from onnxgrad.training.webstep import export_web_step
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 30])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
+                          [numpy_helper.from_array(np.ones((30, 10), np.float32), "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    src, data = tmp_path / "m.onnx", tmp_path / "m.data"
+    onnx.save(m, src, save_as_external_data=True, location="m.data", size_threshold=0)
+    before = data.read_bytes()
+    tr = Trainer(str(src), "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False)
+    write = {"export": lambda: tr.export(data),
+             "export_train_step": lambda: tr.export(tmp_path / "o.onnx", train_step=data),
+             "export_gradient": lambda: tr.export(tmp_path / "o.onnx", gradient=data),
+             "save_checkpoint": lambda: tr.save_checkpoint(data),
+             "export_train_step_fn": lambda: export_train_step(str(src), "mse", data),
+             "export_web_step": lambda: export_web_step(str(src), "mse", data)}[writer]
+    with pytest.raises(E.WriteError, match="holds the external data"):
+        write()
+    assert data.read_bytes() == before
+
+
 def test_failed_write_removes_the_folders_it_made(tmp_path):
     """The message says nothing was written there: the folders made for the file go too."""
     with pytest.raises(E.WriteError):

@@ -40,6 +40,7 @@ from ..registry import lookup, own_domain
 from .losses import load
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..rules.conv import pool_tiles
+from ..storage import keep_data_of
 from .fast_forms import small_image_convs, zero_dropouts
 from .optimizers import AdamW, Builder, Optimizer, Scalars, Slot, check_number, clip_grad_norm
 
@@ -802,6 +803,7 @@ def build_apply_model(grad_desc: TrainStep, optimizer: Optimizer | None = None,
 
 def export_train_step(model, loss: str, path, **kw) -> TrainStep:
     """Build the train step of ``model`` and write it to ``path`` (see TrainStep.save)."""
+    keep_data_of(model, [path])
     step = build_train_step(model, loss, **kw)
     step.save(os.fspath(path))
     return step

@@ -59,6 +59,7 @@ from ..aliasing import statistics_read
 from ..errors import (CheckpointError, DataError, InvalidArgumentError, NonFiniteError,
                       NonFiniteLossError, WriteError)
 from ..inference import graphs_of, node_subgraphs
+from ..storage import keep_data_of
 from . import fused
 from .losses import LOSSES, attach_loss, check_labels, class_axis_of, load, output_type
 from .nchwc import blocked_convs
@@ -200,6 +201,8 @@ class Trainer:
         if not (fused_optimizer is True or fused_optimizer is False or fused_optimizer == "auto"):
             raise InvalidArgumentError(f"fused_optimizer={fused_optimizer!r} must be 'auto', "
                                        "True or False")
+        # (a model file's external data, which export and save_checkpoint never write over)
+        self._source = model if isinstance(model, (str, os.PathLike)) else None
         self.model = as_module_parameters(load(model))
         self._so = session_options
         if loss in LOSSES:
@@ -921,6 +924,7 @@ class Trainer:
         Non-finite parameters or state are never written (a :class:`NonFiniteError`; the file
         already at ``path`` stays as it was)."""
         path = os.fspath(path)
+        keep_data_of(self._source, [path])
         epoch, batch, order = self._pos
         k = len(self.params)
         cur = self._sets[self._cur]
@@ -1128,6 +1132,7 @@ class Trainer:
         data past 2 GB). ``train_step`` / ``gradient``: also write the train-step graph and the
         gradient graph there, with the current parameters (and optimizer state) as the defaults
         of their inputs, so each is one self-contained .onnx file."""
+        keep_data_of(self._source, [path, train_step, gradient])
         runtime.save_model(self.trained_model(), path)
         values = {**self.parameters(), **self.statistics()}  # (defaults where they are inputs)
         if train_step:

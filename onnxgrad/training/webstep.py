@@ -31,7 +31,7 @@ import os
 from onnx import TensorProto, numpy_helper
 
 from ..storage import model_bytes as to_bytes
-from ..storage import write_together
+from ..storage import keep_data_of, write_together
 from .losses import LOSSES, attach_loss, load
 from .optimizers import AdamW
 from .step import as_module_parameters, build_train_step
@@ -127,6 +127,7 @@ def export_web_step(model, loss: str, path, *, output_name: str | None = None, o
         "clip_norm": clip_norm,
         "frozen": list(step.frozen),
     }
+    keep_data_of(model, files.values())
     write_together({files["model"]: model_bytes, files["step"]: step_bytes,
                     files["manifest"]: (json.dumps(manifest, indent=1) + "\n").encode()})
     return manifest
