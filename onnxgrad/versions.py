@@ -22,7 +22,8 @@ import onnx
 import onnx.inliner  # (a submodule `import onnx` does not load)
 
 from .errors import UnsupportedError
-from .inference import constant_tensors, graphs_of, model_opset, unique_name, value_types
+from .inference import (constant_tensors, graphs_of, model_opset, names_read, unique_name,
+                        value_types)
 from .registry import attach_functions, own_domain
 from .storage import MAX_IR_VERSION
 
@@ -62,9 +63,20 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
     # failed a second upgrade). The IR the new opset was released with has no such rule.
     ir = max(model.ir_version, min(onnx.helper.find_min_ir_version_for(
         [onnx.helper.make_opsetid("", version)]), MAX_IR_VERSION))
-    if ir != model.ir_version or old < 7:
+    # BatchNormalization's saved mean and variance (outputs 3 and 4, training mode before
+    # opset 14; a torch.onnx TRAINING export writes them, unread): the 13 -> 14 adapter asserts
+    # on them, so they go (nothing reads them)
+    read = names_read(model.graph) | {o.name for o in model.graph.output}
+    saved = old < 14 <= version and any(n.op_type == "BatchNormalization" and len(n.output) > 3
+                                        and not read.intersection(n.output[3:]) for n in nodes)
+    if ir != model.ir_version or old < 7 or saved:
         model = onnx.ModelProto.FromString(model.SerializeToString())
         model.ir_version = ir
+    if saved:
+        for g in graphs_of(model.graph):
+            for n in g.node:
+                if n.op_type == "BatchNormalization" and not read.intersection(n.output[3:]):
+                    del n.output[3:]
     if old < 7:
         _hide_legacy_broadcasts(model, old)
     try:
@@ -86,6 +98,12 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
         _fix_resize10(g, resize10, taken)
         _fix_hardmax(g, hardmax, taken)
     graphs = graphs_of(out.graph)
+    if old < 14 <= version:  # (the adapter keeps a training node's statistics outputs, and
+        for g in graphs:     # drops the mode they meant: onnxruntime refuses the node)
+            for n in g.node:
+                if n.op_type == "BatchNormalization" and len(n.output) > 1 and not any(
+                        a.name == "training_mode" for a in n.attribute):
+                    n.attribute.append(onnx.helper.make_attribute("training_mode", 1))
     if any(n.op_type == "Clip" for g in graphs for n in g.node):
         _fix_clip_bounds(out, graphs)
     return attach_functions(out)

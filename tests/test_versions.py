@@ -689,3 +689,46 @@ def test_upsample_read_by_another_node_keeps_its_coordinates(opset, mode, scales
         fd[j] = (total(a) - total(b)) / 2
     np.testing.assert_allclose(got[1], fd, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[2], gy * (w if consumed else 1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+def test_training_batchnorm_with_an_overlapping_pool_upgrades(opset):
+    """A ResNet stem exported in training mode below opset 14 (BatchNormalization with its
+    saved mean and variance, unread) and an overlapping MaxPool, whose rule upgrades the model
+    to 16: onnx's adapter asserted on outputs 4 and 5 (refused), and kept the statistics
+    outputs without training_mode (onnxruntime refused the node). Trains as torch does."""
+    import io
+    import warnings
+    torch = pytest.importorskip("torch")
+    from onnxgrad.training import SGD, Trainer
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4),
+                              torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1), torch.nn.Flatten(),
+                              torch.nn.Linear(4 * 4 * 4, 3))
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net.train(), (torch.randn(2, 3, 8, 8),), f,
+                          dynamo=False, opset_version=opset, do_constant_folding=False,
+                          training=torch.onnx.TrainingMode.TRAINING, input_names=["x"],
+                          dynamic_axes={"x": {0: "N"}})
+    m = onnx.load_from_string(f.getvalue())
+    init = {t.name: numpy_helper.to_array(t).copy() for t in m.graph.initializer}
+    net.load_state_dict({k: torch.tensor(init[k]) if k in init else v
+                         for k, v in net.state_dict().items()})
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((4, 3, 8, 8)).astype(np.float32), rng.integers(0, 3, 4))
+               for _ in range(3)]
+    tr = Trainer(m, "cross_entropy", optimizer=SGD(lr=0.1), device="cpu", progress=False,
+                 threads=1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for x, t in batches:
+        tr.step({"x": x, "target": t})
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(torch.tensor(x)), torch.tensor(t)).backward()
+        opt.step()
+    got = tr.parameters()
+    for k, v in net.named_parameters():
+        np.testing.assert_allclose(got[k], v.detach().numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(tr.statistics()["1.running_mean"], net[1].running_mean.numpy(),
+                               rtol=1e-4, atol=1e-6)
