@@ -761,3 +761,16 @@ def test_intermediate_tensors_fed_as_inputs_are_tfs_feeds(feeds):
         if "sp:0" in feeds and k == "t:0":
             want_g[:, :2] = 0.0
         np.testing.assert_allclose(gr, want_g, rtol=1e-6)
+
+
+def test_tf_print_is_left_out():
+    """tf.print makes a StringFormat for its PrintV2 (which the converter leaves out): the
+    whole model was refused ("no converter for TensorFlow op 'StringFormat'")."""
+    def fn(x):
+        tf.print("batch", tf.shape(x)[0], "mean", tf.reduce_mean(x))
+        return tf.tanh(x) * 2.0
+    cf = tf.function(fn).get_concrete_function(tf.TensorSpec([None, 3], name="x"))
+    m = convert(cf.graph.as_graph_def(), inputs=["x:0"], outputs=[cf.outputs[0].name])
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    got, = ort_run(m, {"x:0": x}, [cf.outputs[0].name])
+    np.testing.assert_allclose(got, np.tanh(x) * 2.0, rtol=1e-6)

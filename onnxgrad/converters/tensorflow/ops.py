@@ -207,7 +207,8 @@ def _switch(c, n):
     return [c.x(n), c.x(n)]
 
 
-@handler("NoOp", "ControlTrigger", "Assert", "Print", "PrintV2")
+# (StringFormat: tf.print's message, which only PrintV2 reads; a string is no ONNX tensor here)
+@handler("NoOp", "ControlTrigger", "Assert", "Print", "PrintV2", "StringFormat")
 def _nothing(c, n):
     return []
 
