@@ -140,11 +140,13 @@ def _freeze_failure(tf, path, sig: str, fn, error: Exception) -> str:
     if not writes:
         return msg
     more = f" and {len(writes) - 3} more" if len(writes) > 3 else ""
-    return (f"{msg}; a graph that assigns float variables (a layer's training state) cannot be "
-            f"frozen, and this one does ({', '.join(writes[:3])}{more}), as a layer in "
-            "training mode does (Keras's model.export() traces a BatchNormalization after a "
-            "Resizing layer so); export an endpoint that calls the model with training=False "
-            "instead (keras.export.ExportArchive.add_endpoint)")
+    return (f"{msg}; a graph that assigns float variables cannot be frozen, and this one does "
+            f"({', '.join(writes[:3])}{more}): a stateful RNN does (stateful=True keeps its "
+            "states in variables every call assigns: build it with stateful=False and pass "
+            "the states as inputs, initial_state), and so does a layer in training mode "
+            "(Keras's model.export() traces a BatchNormalization after a Resizing layer so: "
+            "export an endpoint that calls the model with training=False instead, "
+            "keras.export.ExportArchive.add_endpoint)")
 
 
 def _float_variable_writes(tf, fn) -> list[str]:
