@@ -755,8 +755,13 @@ def _reduce(c, n, onnx_op):
     if _reduces_all(c, n):  # no axes: ONNX then knows the result's rank
         y = c.op(onnx_op, [x], keepdims=keep)
     else:
-        # TF reduces nothing over an empty axes vector (tf.gradients' BroadcastGradientArgs)
-        y = c.op(onnx_op, [x, _vec64(c, n, 1)], keepdims=keep, noop_with_empty_axes=1)
+        # TF reduces nothing over an empty axes vector (tf.gradients' BroadcastGradientArgs);
+        # constant axes counted from the front where the rank is known: onnxruntime 1.31
+        # ignores a negative axis of an empty input (a batch of 0 kept the reduced axis)
+        axes, k, r = _vec64(c, n, 1), c.const_input(n, 1), rank_of(c, n, 0)
+        if k is not None and r is not None and (np.asarray(k) < 0).any():
+            axes = c.const(np.asarray(k, np.int64).reshape(-1) % r)
+        y = c.op(onnx_op, [x, axes], keepdims=keep, noop_with_empty_axes=1)
     return [c.op("Cast", [y], to=TensorProto.BOOL) if boolean else y]
 
 
