@@ -794,5 +794,5 @@ def test_negative_reduction_axes_of_an_empty_batch(op, axis):
         got, = ort_run(m, {"x:0": x}, [cf.outputs[0].name])
         want = cf(tf.constant(x)).numpy()
         assert got.shape == want.shape
-        if batch or 0 not in np.atleast_1d(axis):  # (over no value: TF's NaN or -inf, ORT's 0)
+        if batch or 0 not in np.atleast_1d(axis) % 3:  # (over no value: TF NaN, ORT 0)
             np.testing.assert_allclose(got, want, rtol=1e-6)
