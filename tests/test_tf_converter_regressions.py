@@ -796,3 +796,18 @@ def test_negative_reduction_axes_of_an_empty_batch(op, axis):
         assert got.shape == want.shape
         if batch or 0 not in np.atleast_1d(axis) % 3:  # (over no value: TF NaN, ORT 0)
             np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["linspace", "linspace_2d", "frame"])
+def test_shape_arithmetic_on_constants_folds(case):
+    """tf.linspace (BroadcastArgs of constant shapes, a SelectV2 of constants as ConcatV2's
+    axis) and tf.signal.frame (StridedSlice strides made by Fill) were refused; against TF."""
+    fns = {"linspace": lambda x: x * tf.linspace(0.0, 1.0, 4),
+           "linspace_2d": lambda x: x + tf.reduce_sum(tf.linspace([0.0, 1.0], [2.0, 5.0], 4), 1),
+           "frame": lambda x: tf.signal.frame(x, 2, 1)}
+    cf = tf.function(fns[case]).get_concrete_function(tf.TensorSpec([3, 4], name="x"))
+    m = convert(cf.graph.as_graph_def(add_shapes=True), inputs=["x:0"],
+                outputs=[cf.outputs[0].name])
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    got, = ort_run(m, {"x:0": x}, [cf.outputs[0].name])
+    np.testing.assert_allclose(got, cf(tf.constant(x)).numpy(), rtol=1e-6, atol=1e-7)

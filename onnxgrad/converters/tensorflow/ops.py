@@ -231,7 +231,7 @@ SAME = {  # TF op -> ONNX op with the same inputs and numpy broadcasting
 
 NP_FOLD = {"Add": np.add, "AddV2": np.add, "Sub": np.subtract, "Mul": np.multiply,
            "Maximum": np.maximum, "Minimum": np.minimum, "FloorMod": np.mod,
-           "FloorDiv": np.floor_divide, "Neg": np.negative}
+           "FloorDiv": np.floor_divide, "Neg": np.negative, "SelectV2": np.where}
 
 
 def _fold_int(c, n):
@@ -239,7 +239,7 @@ def _fold_int(c, n):
     fn = NP_FOLD.get(n.op)
     if fn is None or "T" not in n.attr or is_float(n):
         return None
-    return _fold(c, n, lambda *v: fn(*v).astype(v[0].dtype), *range(len(n.inputs)))
+    return _fold(c, n, lambda *v: fn(*v).astype(v[-1].dtype), *range(len(n.inputs)))
 
 
 def gemm_plus(c: Converter, n: TFNode, i: int, other: str):
@@ -1052,7 +1052,23 @@ def _list_diff(c, n):
 
 @handler("Fill")
 def _fill(c, n):
+    # a small fill of constants is one (tf.signal.frame's strides: ones_like of a constant,
+    # which StridedSlice needs as a constant)
+    shape = c.const_input(n, 0)
+    if shape is not None and np.prod(np.reshape(shape, -1)) <= 4096:
+        y = _fold(c, n, lambda s, v: np.full(np.reshape(s, -1).astype(np.int64), v, v.dtype),
+                  0, 1)
+        if y is not None:
+            return [y]
     return [c.op("Expand", [c.x(n, 1), _shape_arg(c, n, 0)])]
+
+
+@handler("BroadcastArgs")
+def _broadcast_args(c, n):
+    """The broadcast of two constant shapes (tf.linspace makes one of its arguments')."""
+    a, b = (c.const_input(n, i, required="the shapes BroadcastArgs broadcasts") for i in (0, 1))
+    return [c.const(np.asarray(np.broadcast_shapes(tuple(np.reshape(a, -1)),
+                                                   tuple(np.reshape(b, -1))), a.dtype))]
 
 
 @handler("BroadcastTo")
