@@ -517,7 +517,15 @@ def convert(graph_def, inputs=None, outputs=None, opset: int | None = None,
     c.outputs = set(outputs)
     # (a fed output of a node some other output of which is needed keeps the feed)
     c.fed = set(c.env)
-    c.convert_nodes((), needed_nodes(g, outputs, c.fed))
+    needed = needed_nodes(g, outputs, c.fed)
+    reads = {_full_ref(r) for m in needed for r in m.inputs} | {_full_ref(o) for o in outputs}
+
+    def fed_only(n):  # (a node some output of which is fed, and no other one read: the feed)
+        mine = f"{n.name}:"
+        return any(r.startswith(mine) for r in c.fed) and not any(
+            r.startswith(mine) for r in reads - c.fed)
+    c.convert_nodes((), [n for n in needed if not fed_only(n)])
+
     for o in outputs:
         nm, idx = split_ref(o)
         if o not in c.env and f"{nm}:0" in c.env:
