@@ -88,6 +88,18 @@ def grads_of(model, ys, xs, feeds, **kw):
     return [None if g is None else vals[g] for g in res.grads], res
 
 
+def central_differences(f, x, step=1.0) -> np.ndarray:
+    """d f / d x (f: array -> float) by central differences; with the step of 1, exact for an
+    f linear in x (up to rounding)."""
+    out = np.zeros(np.shape(x))
+    for j in np.ndindex(out.shape):
+        a, b = x.copy(), x.copy()
+        a[j] += step
+        b[j] -= step
+        out[j] = (f(a) - f(b)) / (2 * step)
+    return out
+
+
 def rand(shape, lo=-2.0, hi=2.0, away=(), gap=0.1, seed=0, dtype=np.float32):
     """Uniform values in [lo, hi] at least ``gap`` from every point in ``away`` (kinks)."""
     rng = np.random.default_rng(seed)
