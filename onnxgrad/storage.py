@@ -295,9 +295,10 @@ def remove_stale_temporaries(path) -> list[str]:
 def keep_data_of(model, paths) -> None:
     """Refuse (a WriteError) to write any of ``paths`` over a file the model file ``model``
     keeps its external tensors (weights) in: the model would still load, with other weights."""
-    data = external_data_files(model) if isinstance(model, (str, os.PathLike)) else set()
+    data = {os.path.realpath(d) for d in external_data_files(model)} if isinstance(
+        model, (str, os.PathLike)) else set()  # (realpath: a folder reached by a link too)
     for p in paths:
-        if p is not None and destination(p) in data:
+        if p is not None and os.path.realpath(p) in data:
             raise WriteError(p, f"it holds the external data (the weights) of "
                                 f"{os.fspath(model)}; choose another file")
 

@@ -671,9 +671,10 @@ def test_output_over_the_inputs_external_data_is_refused(tmp_path, capsys, comma
     assert (tmp_path / "ext.data").read_bytes() == before
 
 
+@pytest.mark.parametrize("via", ["plain", "linked_model", "linked_output"])
 @pytest.mark.parametrize("writer", ["export", "export_train_step", "export_gradient",
                                     "save_checkpoint", "export_train_step_fn", "export_web_step"])
-def test_python_writers_never_write_over_the_models_external_data(tmp_path, writer):
+def test_python_writers_never_write_over_the_models_external_data(tmp_path, writer, via):
     """Trainer.export("model.onnx.data") replaced the weights of the model it was built from
     (which then loaded with garbage weights, silently), where the CLI refuses that path; so
     could save_checkpoint, export_train_step and export_web_step."""
@@ -687,6 +688,11 @@ def test_python_writers_never_write_over_the_models_external_data(tmp_path, writ
     src, data = tmp_path / "m.onnx", tmp_path / "m.data"
     onnx.save(m, src, save_as_external_data=True, location="m.data", size_threshold=0)
     before = data.read_bytes()
+    os.symlink(tmp_path, tmp_path / "link")  # (the same folder reached through a link)
+    if via == "linked_model":
+        src = tmp_path / "link" / "m.onnx"
+    elif via == "linked_output":
+        data = tmp_path / "link" / "m.data"
     tr = Trainer(str(src), "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False)
     write = {"export": lambda: tr.export(data),
              "export_train_step": lambda: tr.export(tmp_path / "o.onnx", train_step=data),

@@ -142,3 +142,20 @@ def test_loss_constants_that_do_not_fit_the_classes_are_refused(classes, off, di
                          loss_options=opts)
             with pytest.raises(InvalidArgumentError, match=f"{n} entries.*{classes} classes"):
                 tr.step({"x": x, "target": t})
+
+
+@pytest.mark.parametrize("opset", [7, 8, 9, 10, 13])
+def test_bce_pos_weight_per_class_at_old_opsets(opset):
+    """A pos_weight vector's length check slices Shape(y) with Slice's inputs (opset 10): on an
+    opset 7 to 9 model it wrote Slice-10's form (onnx's ValidationError from the Trainer)."""
+    rng = np.random.default_rng(opset)
+    x, t = rng.standard_normal((4, 3)), rng.random((4, 3))
+    pw = [2.0, 0.5, 3.0]
+    m = make_model([helper.make_node("Identity", ["x"], ["y"])], {"x": (np.float64, ["N", 3])},
+                   ["y"], opset=opset, ir_version=3 if opset < 8 else 4)
+    lm = attach_loss(m, "bce", pos_weight=pw)
+    feeds = {"x": x, "target": t}
+    (gx,), _ = grads_of(lm, "loss", "x", feeds)
+    xt = torch.tensor(x, requires_grad=True)
+    F.binary_cross_entropy_with_logits(xt, torch.tensor(t), pos_weight=torch.tensor(pw)).backward()
+    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-10, atol=1e-12)

@@ -17,9 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 
+import onnxgrad
 from onnxgrad.errors import CheckpointError, DataError, InvalidArgumentError
 from onnxgrad.training import SGD, Adam, AdamW, Trainer, build_train_step
-from util import bn_train_export, make_model, quiet, quiet_export, stock_session
+from util import (bn_train_export, central_differences, make_model, quiet, quiet_export,
+                  stock_session)
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -762,7 +764,7 @@ def test_weights_inside_loop_bodies_train(clash):
     assert m.SerializeToString() == before
     assert sorted(tr.params) == ["Wb", "Wo"]
     if clash:
-        assert "c" in tr.left_out and "another subgraph" in tr.left_out["c"]
+        assert "c" in tr.left_out and "defined elsewhere" in tr.left_out["c"]
     for _ in range(3):
         tr.step({"x": x, "h0": h0, "target": t})
     W, O = (torch.tensor(a, requires_grad=True) for a in (wb, wo))
@@ -777,4 +779,71 @@ def test_weights_inside_loop_bodies_train(clash):
     got = tr.parameters()
     np.testing.assert_allclose(got["Wb"], W.detach().numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(got["Wo"], O.detach().numpy(), rtol=1e-10, atol=1e-12)
+    onnx.checker.check_model(tr.trained_model(), full_check=True)
+
+
+@pytest.mark.parametrize("cond", [True, False])
+@pytest.mark.parametrize("case", ["output", "shadows", "node_output", "sibling_matmul"])
+def test_body_weights_that_cannot_move_stay(case, cond):
+    """Names may repeat across sibling scopes: a body initializer that a branch returns as its
+    output, one named as a main-graph initializer or node output, stay where they are (moving
+    them made an invalid model: onnx's ValidationError from the Trainer); and a branch's own
+    initializer read by a MatMul had no rank in the gradient (refused). Each trains what the
+    main graph and the movable bodies hold, to float64 central differences of the loss."""
+    from onnx import TensorProto as TP
+    D = TP.DOUBLE
+    V = helper.make_tensor_value_info
+    rng = np.random.default_rng(0)
+    a0, w0 = rng.standard_normal((2, 2)), rng.standard_normal((2, 2))
+    arr = numpy_helper.from_array
+    mm = helper.make_node
+
+    def branch(nodes, out, inits, shape=("N", 2)):
+        return helper.make_graph(nodes, f"b_{out}", [], [V(out, D, list(shape))], inits)
+    neg = branch([mm("Neg", ["x"], ["t2"])], "t2", [])
+    if case == "output":
+        then = branch([], "A", [arr(a0, "A")], (2, 2))
+        other = branch([mm("Identity", ["B"], ["t3"])], "t3", [], (2, 2))
+        nodes = [mm("If", ["c"], ["h"], then_branch=then, else_branch=other),
+                 mm("MatMul", ["x", "h"], ["out"])]
+        inits, want = [arr(a0 * 0, "B")], ["B"]
+    elif case in ("shadows", "node_output"):
+        k = "W" if case == "shadows" else "K"
+        then = branch([mm("MatMul", ["x", k], ["tt"])], "tt", [arr(a0, k)])
+        nodes = [mm("If", ["c"], ["h"], then_branch=then, else_branch=neg)]
+        if case == "node_output":
+            nodes += [mm("Relu", ["h"], ["K"]), mm("MatMul", ["K", "W"], ["out"])]
+        else:
+            nodes += [mm("MatMul", ["h", "W"], ["out"])]
+        inits, want = [arr(w0, "W")], ["W"]
+    else:  # two Ifs whose then-branches both define K; their else-branches' own E1, E2 move
+        def two(inp, out, e):
+            return mm("If", ["c"], [out], then_branch=branch(
+                [mm("MatMul", [inp, "K"], [f"t_{out}"])], f"t_{out}", [arr(a0, "K")]),
+                else_branch=branch([mm("MatMul", [inp, e], [f"e_{out}"])], f"e_{out}",
+                                   [arr(a0 + 0.5, e)]))
+        nodes = [two("x", "h1", "E1"), two("h1", "h2", "E2"), mm("MatMul", ["h2", "W"], ["out"])]
+        inits, want = [arr(w0, "W")], ["E1", "E2", "W"]
+    g = helper.make_graph(nodes, "g", [V("x", D, ["N", 2])], [V("out", D, ["N", 2])],
+                          inits + [arr(np.array(cond), "c")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(m, full_check=True)
+    tr = Trainer(m, "mse", optimizer=SGD(lr=0.1), device="cpu", progress=False, threads=1)
+    assert sorted(tr.params) == want
+    feeds = {"x": rng.standard_normal((4, 2)), "target": rng.standard_normal((4, 2))}
+    res = onnxgrad.gradients(tr.loss_model, tr.loss_name, tr.params)
+    got = dict(zip(tr.params, stock_session(res.model).run(res.grads, feeds)))
+    for p in tr.params:
+        def loss(v, p=p):
+            mdl = onnx.ModelProto()
+            mdl.CopyFrom(tr.loss_model)
+            for ti in mdl.graph.initializer:
+                if ti.name == p:
+                    ti.CopyFrom(numpy_helper.from_array(v, p))
+            return float(stock_session(mdl).run([tr.loss_name], feeds)[0])
+        start = numpy_helper.to_array(next(ti for ti in tr.loss_model.graph.initializer
+                                           if ti.name == p))
+        np.testing.assert_allclose(got[p], central_differences(loss, start, 1e-6),
+                                   rtol=1e-5, atol=1e-8)
+    tr.step(feeds)
     onnx.checker.check_model(tr.trained_model(), full_check=True)

@@ -52,7 +52,10 @@ def clone_into(e, body: ir.Graph, value_map: dict) -> dict:
         if v in vmap and v.meta and float_value(v):
             vmap[v].meta.update({k: m for k, m in v.meta.items() if k.startswith("onnxgrad.")})
     for init in body.initializers.values():  # typed: a float64 initializer stays float64
-        vmap[init] = e.const(init.const_value.numpy(), init.dtype).value
+        arr = init.const_value.numpy()
+        vmap[init] = e.const(arr, init.dtype).value
+        if vmap[init].shape is None:  # (the emitter keeps its values' shapes apart: the rules
+            vmap[init].shape = ir.Shape(arr.shape)  # read a clone's from the value)
     cloner = Cloner(attr_map={}, value_map=vmap, metadata_props={}, allow_outer_scope_values=True)
     for node in body:
         new = cloner.clone_node(node)

@@ -181,6 +181,8 @@ def attach_loss(model, kind: str, output_name: str | None = None, *, target_name
     dims = list(otype.tensor_type.shape.dim) if otype.tensor_type.HasField("shape") else None
     np_dtype = helper.tensor_dtype_to_np_dtype(elem)
     need = 13 if kind == "cross_entropy" else 9  # SoftmaxCrossEntropyLoss; Where (checked)
+    if pos_weight is not None and np.size(pos_weight) > 1:
+        need = 10  # (its length check slices Shape(y) with Slice's inputs, from opset 10)
     if opset_of(m) < need:
         m = convert_version(m, need)
     g = m.graph

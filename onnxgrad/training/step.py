@@ -150,11 +150,14 @@ def default_params(model: onnx.ModelProto) -> tuple[list[str], dict[str, str]]:
             left_out[t.name] = (f"a torch.export {kind}, not a parameter" if kind else
                                 f"folded from {folded}, none of them a parameter" if folded
                                 else "a constant of the torch.export program, not a parameter")
+    main = {t.name for t in floats}
     for g in graphs_of(model.graph)[1:]:  # (those _hoist_body_weights could not move)
         for t in g.initializer:
-            if t.data_type in FLOAT_TYPES:
-                left_out.setdefault(t.name, "an initializer of a subgraph whose name another "
-                                            "subgraph defines too: no parameter")
+            if t.data_type in FLOAT_TYPES and t.name not in main:
+                left_out.setdefault(t.name, "an initializer of a subgraph that cannot move to "
+                                            "the main graph (its name is defined elsewhere "
+                                            "too, or it is the subgraph's output): no "
+                                            "parameter")
     stats = _bn_statistics(model)
     for t in floats:
         if t.name in left_out:
@@ -179,20 +182,23 @@ _WARNED: set = set()  # (graph, names) the merge warning named: once per process
 
 
 def _hoist_body_weights(m: onnx.ModelProto) -> None:
-    """Move the float initializers of ``m``'s subgraphs to its main graph (ONNX names are unique
-    across scopes, so the bodies read the same name from there), except one whose name two
-    subgraphs define (:func:`default_params` leaves those out, saying so)."""
+    """Move the float initializers of ``m``'s subgraphs to its main graph (the bodies read the
+    same name from there), except one whose name something else in the model defines too (an
+    initializer of another subgraph or of the main graph, an input, a node's output: names may
+    repeat across sibling scopes) or that is its subgraph's output (:func:`default_params`
+    leaves those out, saying so)."""
     if m.ir_version < 4:  # (every main-graph initializer would have to be an input too)
         return
-    bodies = graphs_of(m.graph)[1:]
+    graphs = graphs_of(m.graph)
     count: dict[str, int] = {}
-    for g in bodies:
-        for t in g.initializer:
-            count[t.name] = count.get(t.name, 0) + 1
-    inputs = {v.name for g in bodies for v in g.input}
-    for g in bodies:
+    for g in graphs:
+        for name in [*(t.name for t in g.initializer), *(v.name for v in g.input),
+                     *(o for n in g.node for o in n.output)]:
+            count[name] = count.get(name, 0) + 1
+    for g in graphs[1:]:
+        outs = {o.name for o in g.output}
         moved = [t for t in g.initializer if t.data_type in FLOAT_TYPES
-                 and count[t.name] == 1 and t.name not in inputs]
+                 and count[t.name] == 1 and t.name not in outs]
         if moved:
             kept = [t for t in g.initializer if t not in moved]
             m.graph.initializer.extend(moved)
