@@ -127,8 +127,12 @@ def _node64(n: onnx.NodeProto, low, to):
     for a in n.attribute:
         if a.type == onnx.AttributeProto.TENSOR:
             a.t.CopyFrom(_tensor64(a.t, low, to))
-        elif a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype", "stash_type") \
-                and a.i in low:
+        # (not LayerNormalization's stash_type, as torch.onnx's dynamo exporter writes it: its
+        # Mean and InvStdDev are float or bfloat16 only, a float64 one is no valid model; the
+        # absent default is float32 too. GroupNormalization's takes float64)
+        elif a.type == onnx.AttributeProto.INT and a.i in low and (
+                a.name in ("to", "dtype") or a.name == "stash_type"
+                and n.op_type != "LayerNormalization"):
             a.i = to
         elif a.type == onnx.AttributeProto.GRAPH:
             _graph64(a.g, low, to)

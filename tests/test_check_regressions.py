@@ -338,3 +338,25 @@ def test_float64_check_never_blames_a_correct_gradient(case, seed):
         assert not exact and "dtype='float32'" in str(e), str(e)
         report = check_gradients(m, "y", names, feeds, dtype="float32")
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("stash", [None, 1])
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_layer_norm_with_its_stash_type_written_out_is_checked_in_float64(stash, axis):
+    """torch.onnx's dynamo exporter writes LayerNormalization's stash_type=1 (the default):
+    the float64 copy made it 11, a model no runtime runs (its Mean and InvStdDev are float or
+    bfloat16 only), so check_gradients refused every such model ("neither onnxruntime nor
+    onnx.reference can run")."""
+    from onnx import TensorProto, helper, numpy_helper
+    attrs = {"axis": axis} if stash is None else {"axis": axis, "stash_type": stash}
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("LayerNormalization", ["x", "s", "b"], ["y"], **attrs)], "ln",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 6])],
+        [numpy_helper.from_array(rng.standard_normal([4, 6][axis:] if axis == 1 else [6])
+                                 .astype(np.float32), n) for n in ("s", "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    rep = check_gradients(m, ["y"], ["x", "s", "b"],
+                          feeds={"x": rng.standard_normal((2, 4, 6)).astype(np.float32)})
+    assert rep.ok, rep

@@ -847,3 +847,26 @@ def test_body_weights_that_cannot_move_stay(case, cond):
                                    rtol=1e-5, atol=1e-8)
     tr.step(feeds)
     onnx.checker.check_model(tr.trained_model(), full_check=True)
+
+
+def test_accumulation_over_a_static_batch_is_checked_by_name():
+    """A model exported without a symbolic batch reads x as [6, 4]: split into micro-batches of
+    3 rows, the step failed inside onnxruntime ("Got invalid dimensions for input"); now a
+    DataError that says what to do. Micro-batches of the static size train, as one step on
+    the whole batch of the model's symbolic twin does."""
+    static, w = linear_model(inputs=4)
+    for d in static.graph.input[0].type.tensor_type.shape.dim[:1]:
+        d.Clear()
+        d.dim_value = 6
+    rng = np.random.default_rng(0)
+    opts = dict(optimizer=SGD(lr=0.1), device="cpu", progress=False, threads=1)
+    tr = Trainer(static, "mse", accumulation_steps=2, **opts)
+    with pytest.raises(DataError, match=r"micro-batches of \[3\] rows.*static batch of 6.*12 rows"):
+        tr.step({"x": rng.standard_normal((6, 4)), "target": rng.standard_normal((6, 3))})
+    assert tr.step_count == 0
+    batch = {"x": rng.standard_normal((12, 4)), "target": rng.standard_normal((12, 3))}
+    tr.step(batch)
+    whole = Trainer(linear_model(inputs=4)[0], "mse", **opts)
+    whole.step(batch)
+    for k, v in whole.parameters().items():
+        np.testing.assert_allclose(tr.parameters()[k], v, rtol=1e-12, atol=1e-14)

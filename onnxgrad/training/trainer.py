@@ -680,6 +680,15 @@ class Trainer:
         parts = [p for p in np.array_split(np.arange(rows), self.accumulation_steps) if len(p)]
         if not parts:
             raise DataError("the batch has no rows")
+        for k in self.data_inputs:  # (onnxruntime's own error otherwise)
+            want = (self._input_shapes.get(k) or [None])[0]
+            if isinstance(want, int) and any(len(p) != want for p in parts):
+                raise DataError(
+                    f"with accumulation_steps={self.accumulation_steps} the batch of {rows} rows "
+                    f"is split into micro-batches of {sorted({len(p) for p in parts})} rows, but "
+                    f"the model reads {k!r} with a static batch of {want}: export the model with "
+                    f"a symbolic batch (torch.onnx: dynamic_axes or dynamic_shapes), or pass "
+                    f"batches of {want * self.accumulation_steps} rows")
         slices = [slice(idx[0], idx[-1] + 1) for idx in parts]
         if self._reduction == "sum":
             weights = [1.0] * len(slices)
