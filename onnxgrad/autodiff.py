@@ -380,11 +380,10 @@ class Engine:
     def reach(self, graph: ir.Graph, x: ir.Value) -> set:
         """The values of ``graph`` that depend on ``x`` (one of its inputs, or an outer value it
         reads) through float values, past the model's stops (none when x is stopped)."""
-        if not self.marked:
-            return _forward_reach(graph, [x], (), self.opset)[1]
-        if x.meta.get(_STOP):
+        if self.marked and x.meta.get(_STOP):
             return set()
-        stop = {v for node in graph for v in node.outputs if v.meta.get(_STOP)}
+        stop = {v for node in graph for v in node.outputs if v.meta.get(_STOP)} \
+            if self.marked else ()
         return _forward_reach(graph, [x], stop, self.opset)[1]
 
     def plan(self, graph: ir.Graph, ys: list, xs: list, stop=frozenset()) -> _Plan:

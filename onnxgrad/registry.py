@@ -20,6 +20,9 @@ What a rule may use beyond its node's values (the whole API between rules and th
   branch body that the rule has cloned into ``e.graph``): ``seeds`` maps values to gradients,
   ``xs`` are values of that graph or outer-scope values it reads; returns one gradient or None
   per x. The sweep may meet further control flow and recurse again.
+- ``n.reached(graph, x)``: the values of a body that depend on x (a body input, or an outer
+  value it reads), past the model's stops: which of a loop's values reach ys at all
+  (``rules.control.connected``), so that the others get None, not zeros.
 - A rule may mutate its own forward node in place (``node.resize_outputs`` plus new body outputs,
   as the Loop rule does to save per-iteration state); the node's existing outputs must stay.
 
