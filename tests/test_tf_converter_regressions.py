@@ -811,3 +811,32 @@ def test_shape_arithmetic_on_constants_folds(case):
     x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
     got, = ort_run(m, {"x:0": x}, [cf.outputs[0].name])
     np.testing.assert_allclose(got, cf(tf.constant(x)).numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("eq, shapes", [
+    ("...ij,...jk->...ik", [(2, 3, 5, 3), (1, 3, 4)]),
+    ("...ij,...jk->...ik", [(5, 3), (2, 3, 4)]),
+    ("i...,i...->...", [(3, 2, 4), (3, 4)]),
+    ("...i,...i->...", [(2, 3, 4), (4,)]),
+])
+def test_einsum_ellipses_of_different_ranks(eq, shapes):
+    """numpy and TF broadcast an operand's shorter ellipsis from the right; ONNX's Einsum wants
+    the same number of dims under each (onnx's inference refused the model). Forward and
+    gradient of both operands against TF's GradientTape."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    cf = tf.function(lambda x, w: tf.einsum(eq, x, w)).get_concrete_function(
+        tf.TensorSpec(shapes[0], name="x"), tf.TensorSpec(shapes[1], name="w"))
+    out = cf.outputs[0].name
+    m = convert(cf.graph.as_graph_def(add_shapes=True), inputs=["x:0", "w:0"], outputs=[out])
+    feeds = {"x:0": a, "w:0": b}
+    res = onnxgrad.gradients(m, out, ["x:0", "w:0"])
+    y, ga, gb = ort_run(res.model, feeds, [out, *res.grads])
+    ta, tb = tf.constant(a), tf.constant(b)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([ta, tb])
+        want = tf.einsum(eq, ta, tb)
+        total = tf.reduce_sum(want)
+    np.testing.assert_allclose(y, want.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ga, tape.gradient(total, ta).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gb, tape.gradient(total, tb).numpy(), rtol=1e-5, atol=1e-6)

@@ -274,8 +274,33 @@ def _same(c, n, onnx_op):
             y = gemm_plus(c, n, i, c.x(n, 1 - i))
             if y is not None:
                 return [y]
-    attrs = {"equation": c.attr(n, "equation")} if n.op == "Einsum" else {}
-    return [c.op(onnx_op, [c.x(n, i) for i in range(len(n.inputs))], **attrs)]
+    ins = [c.x(n, i) for i in range(len(n.inputs))]
+    attrs = {}
+    if n.op == "Einsum":
+        attrs["equation"] = c.attr(n, "equation")
+        ins = _einsum_ellipses(c, n, attrs["equation"], ins)
+    return [c.op(onnx_op, ins, **attrs)]
+
+
+def _einsum_ellipses(c, n, equation, ins: list) -> list:
+    """The operands with as many ellipsis dims each: numpy and TF broadcast a shorter one's
+    from the right ("...ij,...jk" over [2, 7, 5, 3] and [1, 3, 4]), ONNX's Einsum wants them
+    equal (onnx's inference refuses the model); a shorter operand gets leading size-1 dims
+    where its ellipsis starts. Ranks must be known for that; else as written."""
+    terms = equation.replace(" ", "").split("->")[0].split(",")
+    ranks = [rank_of(c, n, i) for i in range(len(ins))]
+    if "..." not in equation or len(terms) != len(ins) or None in ranks:
+        return ins
+    extra = [r - len(t.replace("...", "")) if "..." in t else None
+             for t, r in zip(terms, ranks)]
+    k = max((e for e in extra if e is not None), default=0)
+    out = []
+    for x, t, e in zip(ins, terms, extra):
+        if e is not None and e < k:
+            at = t.index("...")
+            x = c.op("Unsqueeze", [x, c.i64(*range(at, at + k - e))])
+        out.append(x)
+    return out
 
 
 for _tf, _onnx in SAME.items():
