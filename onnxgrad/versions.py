@@ -53,8 +53,10 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
         model = onnx.inliner.inline_selected_functions(model, user)
     old = model_opset(model)
     nodes = [n for g in graphs_of(model.graph) for n in g.node]
-    # (each graph's Upsamples, in order: onnx's adapter renames their outputs to "_v_N")
-    upsample = [[n.output[0] for n in g.node if n.op_type == "Upsample"]
+    # (each graph's Upsamples, in order: onnx's adapter renames their outputs to "_v_N"; and
+    # its Resizes, whose outputs it keeps)
+    upsample = [([n.output[0] for n in g.node if n.op_type == "Upsample"],
+                 {n.output[0] for n in g.node if n.op_type == "Resize"})
                 for g in graphs_of(model.graph)]
     resize10 = {n.output[0] for n in nodes if n.op_type == "Resize" and old == 10}
     hardmax = {n.output[0] for n in nodes if n.op_type == "Hardmax" and old < 13 <= version}
@@ -92,8 +94,8 @@ def convert_version(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
         _unhide_legacy_broadcasts(out)
     graphs = graphs_of(out.graph)
     taken = {o for g in graphs for n in g.node for o in [*n.output, n.name]}
-    for g, names in zip(graphs, upsample):
-        _fix_upsample(g, names)
+    for g, (names, native) in zip(graphs, upsample):
+        _fix_upsample(g, names, native)
     for g in reversed(graphs):  # subgraphs first: a graph rewritten copies its nodes' subgraphs
         _fix_resize10(g, resize10, taken)
         _fix_hardmax(g, hardmax, taken)
@@ -182,13 +184,14 @@ def _unhide_legacy_broadcasts(model: onnx.ModelProto):
     model.opset_import.extend(kept)
 
 
-def _fix_upsample(graph: onnx.GraphProto, names: list):
+def _fix_upsample(graph: onnx.GraphProto, names: list, native: set):
     """The Resizes onnx's adapter made of the graph's Upsamples (``names``: their outputs, in
-    order; before opset 10 every Resize is one), asymmetric as Upsample is, and their outputs
-    named as the Upsamples' were (the adapter renames all but a graph output's, so xs, ys and
-    the nodes reading them by the old name found none, and a fix-up keyed by it missed them:
-    half_pixel interpolation, silently)."""
-    resizes = [n for n in graph.node if n.op_type == "Resize"]
+    order; ``native``: the outputs of the graph's own Resizes, which it keeps), asymmetric as
+    Upsample is, and their outputs named as the Upsamples' were (the adapter renames all but a
+    graph output's, so xs, ys and the nodes reading them by the old name found none, and a
+    fix-up keyed by it missed them: half_pixel interpolation, silently). An opset-10 Upsample
+    stays one: then no Resize is made, and none is touched."""
+    resizes = [n for n in graph.node if n.op_type == "Resize" and n.output[0] not in native]
     if not names or len(resizes) != len(names):
         return
     renamed = {}

@@ -726,3 +726,24 @@ def test_training_batchnorm_with_an_overlapping_pool_upgrades(opset):
         np.testing.assert_allclose(got[k], v.detach().numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(tr.statistics()["1.running_mean"], net[1].running_mean.numpy(),
                                rtol=1e-4, atol=1e-6)
+
+
+def test_an_opset_10_upsample_leaves_the_models_own_resize_alone():
+    """At opset 10 onnx's adapter keeps an Upsample as it is: the Upsample fix-up, matching the
+    graph's Resizes with its Upsamples in order, took the model's own Resize for one, renamed
+    its output after the Upsample's (two producers of one name, the Resize's readers left
+    reading nothing). Only Resizes the adapter made are the Upsamples'."""
+    from onnxgrad.versions import convert_version
+    g = helper.make_graph(
+        [helper.make_node("Upsample", ["x", "sc"], ["u"], mode="linear"),
+         helper.make_node("Resize", ["u", "sc"], ["r"], mode="linear"),
+         helper.make_node("Neg", ["r"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [1, 1, 2, 3])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+        [numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "sc")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 10)], ir_version=6)
+    out = convert_version(m, 13)
+    made = [o for n in out.graph.node for o in n.output]
+    assert len(made) == len(set(made))
+    resize = next(n for n in out.graph.node if n.op_type == "Resize")
+    assert list(resize.output) == ["r"] and resize.input[0] == "u"
