@@ -89,12 +89,9 @@ import onnx_ir as ir
 from ..errors import NotDifferentiableError
 from ..inference import floor_pads, pool_out_len
 from ..registry import register
-from .shape import kept_share
+from .shape import END, HALF, INT64, kept_share
 from .spec import attr
 
-INT64 = ir.DataType.INT64
-_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-END = np.iinfo(np.int64).max
 _MAX_TAPS = 49  # kernels up to 7x7 get the per-tap weight gradient (one Gemm per tap)
 _TAPS_MIN = 256  # output positions per image from which a 3-D or depthwise dW pays per tap
 _GATHER_MIN_C = 16  # dW from gathered channels-last rows (_Geo._weight_by_gather): channels
@@ -968,7 +965,7 @@ def _tiles_grad(e, x, y, g, k):
     stay together in memory, where a DepthToSpace over C channels gathers every element from C
     planes apart: onnxruntime's whole form 0.35x to 0.9x the time at 2 threads, 0.6x to 0.9x at
     1 (forward included, 14x14 to 112x112 images, 16 to 64 channels; measured)."""
-    half = x.dtype in _HALF  # onnxruntime's CPU SpaceToDepth has no float16
+    half = x.dtype in HALF  # onnxruntime's CPU SpaceToDepth has no float16
     xf, yf, gf = (e.Cast(v, to=ir.DataType.FLOAT) for v in (x, y, g)) if half else (x, y, g)
     xd, gd = _static_dims(x, 2), _static_dims(g, 2)
     tiles = [o * k for o in gd] if gd is not None else _spatial_shape(e, g) * k
@@ -1035,7 +1032,7 @@ def _max_pool(n, g):
     elif attr(n, "storage_order") == 1:
         idx = _row_major(n, idx, x, nsp)
     # onnxruntime's CPU ScatterElements adds no float16/bfloat16: those add in float32
-    dtype = ir.DataType.FLOAT if overlap and g.dtype in _HALF else g.dtype
+    dtype = ir.DataType.FLOAT if overlap and g.dtype in HALF else g.dtype
     if blind is not None:  # no gradient from windows that see only padding
         g = e.Where(blind, e.const(0, g.dtype), g)
         idx = e.Where(blind, e.const(np.array(0, np.int64)), idx)
@@ -1103,7 +1100,7 @@ def _col2im(n, g):
             raise NotImplementedError(f"the gradient of Col2Im node {n.node.name!r} needs the "
                                       "length of its block_shape: run shape inference")
         kk = e.Reshape(e.reduce("ReduceProd", n.ins[2], [0], keepdims=1), [1])
-        calc = ir.DataType.FLOAT if g.dtype in _HALF else g.dtype  # onnxruntime's EyeLike
+        calc = ir.DataType.FLOAT if g.dtype in HALF else g.dtype  # onnxruntime's EyeLike
         zero = ir.tensor(np.zeros(1, calc.numpy()))
         eye = e.EyeLike(e.ConstantOfShape(e.Concat(kk, kk, axis=0), value=zero), _dtype=calc)
         eye = e.Reshape(eye, e.Concat(kk, [1], n.ins[2], axis=0))

@@ -15,9 +15,8 @@ import numpy as np
 import onnx_ir as ir
 
 from ..registry import register
+from .shape import HALF
 from .spec import attr
-
-_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
 class _Loss:
@@ -73,7 +72,7 @@ class _Loss:
         float16 and bfloat16 scores, whose sum of 65505 ones is inf)."""
         e = self.e
         if self.wi is not None:
-            wi = self.wi if self.dtype not in _HALF else e.Cast(self.wi, to=ir.DataType.FLOAT)
+            wi = self.wi if self.dtype not in HALF else e.Cast(self.wi, to=ir.DataType.FLOAT)
             return e.ReduceSum(wi, keepdims=0)
         s = self.labels.shape
         if s is not None and all(isinstance(d, int) for d in s):

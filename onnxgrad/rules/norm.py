@@ -22,6 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..registry import Grads, register, table
+from .shape import HALF
 from .spec import attr, no_gradient
 
 _BITS = {ir.DataType.FLOAT16: 16, ir.DataType.BFLOAT16: 16, ir.DataType.FLOAT: 32,
@@ -193,7 +194,7 @@ def _batch_norm(n, g):
     else:  # BatchNormalization-9: the optional statistics outputs mean training mode
         training = any(_out(n, i) is not None for i in range(1, len(n.outs)))
     if training:
-        if dt in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        if dt in HALF:
             # in float32, as cuDNN's kernels compute it: Σc² over N H W values passes float16's
             # 65504 at batch 32 of 56 x 56 (then r = 0, and every gradient with it)
             x, g, dt = _cast(e, x, ir.DataType.FLOAT), _cast(e, g, ir.DataType.FLOAT), \

@@ -30,7 +30,7 @@ import onnx_ir as ir
 from onnx import helper
 
 from ..registry import register
-from .shape import END, _replay
+from .shape import END, HALF, _replay
 from .spec import attr, no_gradient
 
 
@@ -108,7 +108,7 @@ def _probe_matrix(n, dtype, a, attrs, crop, roi, scales, sizes, by_sizes, k, cou
     on its own lengths, scale and roi. (4-D with unit outer scales: every mode onnxruntime's
     Resize runs, cubic and antialias included.)"""
     e, x = n.e, n.x
-    calc = ir.DataType.FLOAT if dtype in _HALF else dtype  # onnxruntime's Resize and EyeLike
+    calc = ir.DataType.FLOAT if dtype in HALF else dtype  # onnxruntime's Resize and EyeLike
     i64, f32 = ir.DataType.INT64, ir.DataType.FLOAT
     d = e.Slice(e.Shape(x), [a], [a + 1])
 
@@ -373,7 +373,6 @@ def _compress(n, g):
 
 # -- sampling at fractional coordinates: GridSample, RoiAlign, DeformConv -------------------------
 _I64, _F32 = ir.DataType.INT64, ir.DataType.FLOAT
-_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _A = -0.75  # GridSample's cubic coefficient (Keys)
 
 
@@ -473,7 +472,7 @@ def _scatter_add(e, zeros, idx, upd, axis):
     onnxruntime's CPU kernel requires."""
     e.need(16)
     dt = upd.dtype
-    if dt in _HALF:
+    if dt in HALF:
         r = e.ScatterElements(e.Cast(zeros, to=_F32), idx, e.Cast(upd, to=_F32), axis=axis,
                               reduction="add")
         return e.Cast(r, to=dt)
