@@ -351,13 +351,8 @@ def _keep_inputs(args) -> None:
             if os.path.isdir(where[k]) and real.startswith(os.path.join(where[k], "")):
                 raise WriteError(o, f"it is inside {_INPUTS[k]} {p} ({flag} would write into "
                                     "it); choose a file outside it")
-    model = getattr(args, "model", None)
-    # (only an existing file can hold its weights: a new output costs no second read of it)
-    existing = [o for _, o in outs if os.path.isfile(o)]
-    if not isinstance(model, str) or not existing:
-        return
     from .storage import keep_data_of
-    keep_data_of(model, existing)
+    keep_data_of(getattr(args, "model", None), [o for _, o in outs])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,14 +44,17 @@ _ALIGN = 4096  # data offsets aligned to pages, so a runtime may map the file
 
 # -- reading -----------------------------------------------------------------------------------
 def external_data_files(path) -> set[str]:
-    """The files (as :func:`destination` gives them) that the model file ``path`` keeps its
-    external tensors in; empty when it has none or is no readable model."""
+    """The files (real paths: a folder reached by a link too) that the model file ``path`` keeps
+    its external tensors in; empty when it has none, is no readable model, or ``path`` is no
+    path (a model in memory)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return set()
     try:
         m = onnx.load(os.fspath(path), load_external_data=False)
     except Exception:  # noqa: BLE001  (the command that reads it says what is wrong)
         return set()
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
-    return {destination(os.path.join(folder, _location(t))) for g in graphs_of(m.graph)
+    return {os.path.realpath(os.path.join(folder, _location(t))) for g in graphs_of(m.graph)
             for t in g.initializer if external(t) and _location(t)}
 
 
@@ -292,13 +295,16 @@ def remove_stale_temporaries(path) -> list[str]:
     return removed
 
 
-def keep_data_of(model, paths) -> None:
+def keep_data_of(model, paths, data: set | None = None) -> None:
     """Refuse (a WriteError) to write any of ``paths`` over a file the model file ``model``
-    keeps its external tensors (weights) in: the model would still load, with other weights."""
-    data = {os.path.realpath(d) for d in external_data_files(model)} if isinstance(
-        model, (str, os.PathLike)) else set()  # (realpath: a folder reached by a link too)
-    for p in paths:
-        if p is not None and os.path.realpath(p) in data:
+    keeps its external tensors (weights) in: the model would still load, with other weights.
+    Only an existing file can be one, so the model is read only then (``data``: its
+    :func:`external_data_files`, where the caller keeps them)."""
+    existing = [p for p in paths if p is not None and os.path.isfile(p)]
+    if existing and data is None:
+        data = external_data_files(model)
+    for p in existing:
+        if os.path.realpath(p) in data:
             raise WriteError(p, f"it holds the external data (the weights) of "
                                 f"{os.fspath(model)}; choose another file")
 

@@ -59,7 +59,7 @@ from ..aliasing import statistics_read
 from ..errors import (CheckpointError, DataError, InvalidArgumentError, NonFiniteError,
                       NonFiniteLossError, WriteError)
 from ..inference import graphs_of, node_subgraphs
-from ..storage import keep_data_of
+from ..storage import external_data_files, keep_data_of
 from . import fused
 from .losses import LOSSES, attach_loss, check_labels, class_axis_of, load, output_type
 from .nchwc import blocked_convs
@@ -864,6 +864,12 @@ class Trainer:
         return {n: np.array(ov.numpy())
                 for n, ov in zip(self.state_names, self._sets[self._cur][k:])}
 
+    @functools.cached_property
+    def _source_data(self) -> set:
+        """The files the model file the trainer was built from keeps its weights in, which
+        export and save_checkpoint never write over (read once, at the first write)."""
+        return external_data_files(self._source)
+
     def _params_session(self, model):
         m = load(model)
         _params_to_inputs(m, self.params)
@@ -933,7 +939,7 @@ class Trainer:
         Non-finite parameters or state are never written (a :class:`NonFiniteError`; the file
         already at ``path`` stays as it was)."""
         path = os.fspath(path)
-        keep_data_of(self._source, [path])
+        keep_data_of(self._source, [path], self._source_data)
         epoch, batch, order = self._pos
         k = len(self.params)
         cur = self._sets[self._cur]
@@ -1141,7 +1147,7 @@ class Trainer:
         data past 2 GB). ``train_step`` / ``gradient``: also write the train-step graph and the
         gradient graph there, with the current parameters (and optimizer state) as the defaults
         of their inputs, so each is one self-contained .onnx file."""
-        keep_data_of(self._source, [path, train_step, gradient])
+        keep_data_of(self._source, [path, train_step, gradient], self._source_data)
         runtime.save_model(self.trained_model(), path)
         values = {**self.parameters(), **self.statistics()}  # (defaults where they are inputs)
         if train_step:

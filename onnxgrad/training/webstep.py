@@ -30,8 +30,8 @@ import os
 
 from onnx import TensorProto, numpy_helper
 
-from ..storage import model_bytes as to_bytes
 from ..storage import keep_data_of, write_together
+from ..storage import model_bytes as to_bytes
 from .losses import LOSSES, attach_loss, load
 from .optimizers import AdamW
 from .step import as_module_parameters, build_train_step
@@ -59,6 +59,8 @@ def export_web_step(model, loss: str, path, *, output_name: str | None = None, o
     the module doc); returns the manifest. ``loss`` is a loss kind (one of LOSSES, attached to
     ``output_name``) or the name of a scalar tensor the model computes; the rest as
     :func:`~onnxgrad.training.step.build_train_step`."""
+    files = paths(path)
+    keep_data_of(model, files.values())  # (before the work)
     m = as_module_parameters(load(model))  # (the step trains these: the saved model holds them)
     optimizer = optimizer or AdamW()
     if loss in LOSSES:
@@ -90,7 +92,6 @@ def export_web_step(model, loss: str, path, *, output_name: str | None = None, o
         raise ValueError(f"the model is {m.ByteSize() / 2**30:.1f} GiB: the web target needs it "
                          "in one .onnx file under 2 GiB (onnxruntime-web's WASM memory is 4 GiB "
                          "in all, for the weights, the optimizer state and both copies of each)")
-    files = paths(path)
     model_bytes = to_bytes(m)
     ranges = raw_data_ranges(model_bytes)
     for p, w in weights.items():  # the page trusts these ranges: make sure of them
@@ -127,7 +128,6 @@ def export_web_step(model, loss: str, path, *, output_name: str | None = None, o
         "clip_norm": clip_norm,
         "frozen": list(step.frozen),
     }
-    keep_data_of(model, files.values())
     write_together({files["model"]: model_bytes, files["step"]: step_bytes,
                     files["manifest"]: (json.dumps(manifest, indent=1) + "\n").encode()})
     return manifest
