@@ -349,8 +349,8 @@ class Engine:
                 ident in self.irm.functions)
         return rule, opset
 
-    def sweep(self, graph: ir.Graph, e: Emitter, seeds: dict, xs: list, stop=frozenset(),
-              owner=None) -> list[V | None]:
+    def sweep(self, graph: ir.Graph, e: Emitter, seeds: dict, xs: list, stop,
+              owner) -> list[V | None]:
         """Gradients of the seeded values with respect to each of ``xs``, appended to ``e``'s graph.
 
         ``graph`` is the graph whose nodes are swept (a subgraph that the rule of ``owner``, a
@@ -366,7 +366,7 @@ class Engine:
             for i, x in enumerate(xs):
                 if out[i] is not None and x.meta.get(_STOP):
                     out[i] = None
-                elif out[i] is not None and _PREVENT in x.meta and owner is not None:
+                elif out[i] is not None and _PREVENT in x.meta:
                     node = owner.node
                     name, message = x.meta[_PREVENT]
                     raise NotDifferentiableError(
