@@ -145,7 +145,7 @@ def test_vs_torch(op, rank, reduction, weights, ignore):
     np.testing.assert_allclose(gx, t["x"].grad.numpy(), rtol=1e-4, atol=1e-6)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(op=st.sampled_from(["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"]),
        rank=st.integers(2, 4), ignore=st.sampled_from([0, 2, -100]), weights=st.booleans(),
        symbolic=st.booleans(), seed=st.integers(0, 50))

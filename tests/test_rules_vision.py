@@ -492,7 +492,7 @@ def test_attention_fully_masked_rows(dtype):
         np.testing.assert_allclose(a.astype(np.float64), t.grad.numpy(), rtol=tol, atol=tol)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(rows=st.lists(st.sampled_from(["open", "some", "min", "inf", "mixed", "-1e4"]),
                      min_size=3, max_size=3), causal=st.booleans(), seed=st.integers(0, 20))
 def test_attention_rows_masked_by_the_lowest_float_are_onnxruntimes(rows, causal, seed):

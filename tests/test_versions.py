@@ -645,7 +645,7 @@ def test_rules_needing_several_newer_opsets(opset, kinds, seed):
     assert report.ok, str(report)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(opset=st.sampled_from([7, 8, 9]), mode=st.sampled_from(["nearest", "linear"]),
        scales=st.sampled_from([[1, 1, 2, 2], [1, 1, 1, 3], [1, 1, 2, 1]]),
        consumed=st.booleans(), seed=st.integers(0, 20))
