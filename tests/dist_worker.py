@@ -15,6 +15,7 @@ the DistributedError its time and message to OUTDIR/<kill|hang>.error.<rank>.jso
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -59,6 +60,11 @@ def bn_ddp(path, data, rank):
         torch.nn.functional.mse_loss(ddp(torch.tensor(data["x"][rows])),
                                      torch.tensor(data["target"][rows])).backward()
         opt.step()
+    # DDP's reducer lives on in reference cycles (its gradient hooks); freed at exit, after the
+    # trainer has closed the process group, it aborted the rank now and then ("terminate
+    # called without an active exception"): free it while the group is there
+    del opt, ddp
+    gc.collect()
     return net
 
 
